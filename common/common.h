@@ -1,0 +1,118 @@
+/* common.h - allocator, capped buffers, header lists, logging, hashing and
+ * time helpers shared by every room. Nothing here includes a network library. */
+#ifndef IDEMGATE_COMMON_H
+#define IDEMGATE_COMMON_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define CM_MUST_CHECK __attribute__((warn_unused_result))
+#define CM_PRINTF(a, b) __attribute__((format(printf, a, b)))
+
+#define IDEMGATE_VERSION "0.1.0"
+
+/* ---- memory: these abort the process on out-of-memory, never return NULL */
+void *cm_malloc(size_t n);
+void *cm_calloc(size_t nmemb, size_t size);
+void *cm_realloc(void *p, size_t n);
+char *cm_strdup(const char *s);
+char *cm_strndup(const char *s, size_t n);
+/* printf into a fresh heap string (caller frees). */
+char *cm_asprintf(const char *fmt, ...) CM_PRINTF(1, 2);
+
+/* ---- capped byte buffer (curl's dynbuf idea): the cap is set at init and
+ * going over it is an error, not a realloc. Always NUL-terminated when
+ * data != NULL (the terminator is not counted in len nor in max). */
+struct cm_buf {
+    char *data;
+    size_t len;
+    size_t cap;
+    size_t max;
+};
+void cm_buf_init(struct cm_buf *b, size_t max);
+/* Returns false (buffer unchanged) when len + n would exceed max. */
+bool cm_buf_append(struct cm_buf *b, const void *p, size_t n) CM_MUST_CHECK;
+bool cm_buf_appendf(struct cm_buf *b, const char *fmt, ...) CM_PRINTF(2, 3) CM_MUST_CHECK;
+void cm_buf_reset(struct cm_buf *b);
+void cm_buf_free(struct cm_buf *b);
+/* Hands the heap data to the caller (may be NULL when empty) and resets b. */
+char *cm_buf_take(struct cm_buf *b, size_t *len);
+
+/* ---- ordered header list; names keep the case they arrived with. */
+struct cm_hdr {
+    char *name;
+    char *value;
+};
+struct cm_hdrs {
+    struct cm_hdr *v;
+    size_t n;
+    size_t cap;
+};
+void cm_hdrs_init(struct cm_hdrs *h);
+void cm_hdrs_free(struct cm_hdrs *h);
+void cm_hdrs_add(struct cm_hdrs *h, const char *name, const char *value);
+void cm_hdrs_addn(struct cm_hdrs *h, const char *name, size_t nlen, const char *value, size_t vlen);
+/* First value of a header (case-insensitive name), or NULL. */
+const char *cm_hdrs_get(const struct cm_hdrs *h, const char *name);
+/* Removes every header whose name matches (case-insensitive); returns count. */
+size_t cm_hdrs_remove(struct cm_hdrs *h, const char *name);
+/* True for the RFC 9110 7.6.1 hop-by-hop set: Connection, Keep-Alive,
+ * Proxy-Connection, Proxy-Authenticate, Proxy-Authorization, TE, Trailer,
+ * Transfer-Encoding, Upgrade. */
+bool cm_is_hop_by_hop(const char *name);
+/* Removes the hop-by-hop set and every header named in any Connection header. */
+void cm_hdrs_strip_hop_by_hop(struct cm_hdrs *h);
+
+/* ---- an upstream response, as stored and replayed. */
+struct cm_resp {
+    int status;
+    struct cm_hdrs hdrs;
+    struct cm_buf body;
+};
+void cm_resp_init(struct cm_resp *r, size_t max_body);
+void cm_resp_free(struct cm_resp *r);
+/* Serialises r into out ("IGR1" framing, length-prefixed, big-endian).
+ * Returns false when out's cap is exceeded. */
+bool cm_resp_encode(const struct cm_resp *r, struct cm_buf *out) CM_MUST_CHECK;
+/* Parses a blob made by cm_resp_encode into r (initialised here; caller frees
+ * with cm_resp_free even on failure). Returns false on any malformed input. */
+bool cm_resp_decode(const void *data, size_t len, struct cm_resp *r) CM_MUST_CHECK;
+
+/* ---- logging: one line per event on stderr, key=value pairs.
+ * cm_log(CM_INFO, "start", "listen=%s routes=%zu", ...) prints
+ * ts=2026-11-30T03:24:05.123Z level=info event=start listen=... routes=2 */
+enum cm_level { CM_DEBUG, CM_INFO, CM_WARN, CM_ERROR };
+void cm_log_set_level(enum cm_level min);
+void cm_log(enum cm_level lvl, const char *event, const char *fmt, ...) CM_PRINTF(3, 4);
+void cm_logv(enum cm_level lvl, const char *event, const char *fmt, va_list ap);
+/* Writes s as a quoted log value ("..." with \" \\ \n escaped, control bytes
+ * as \xNN) into out (size n, always terminated, truncated to fit). */
+const char *cm_log_quote(char *out, size_t n, const char *s);
+/* Copies a URL with any password replaced by "***" into out. */
+const char *cm_redact_url(char *out, size_t n, const char *url);
+
+/* ---- hashing (OpenSSL EVP). */
+struct cm_sha256 {
+    void *ctx;
+};
+void cm_sha256_init(struct cm_sha256 *h);
+void cm_sha256_update(struct cm_sha256 *h, const void *p, size_t n);
+/* Length-prefixed part: 8-byte big-endian length, then the bytes, so that no
+ * two different part lists hash alike by concatenation. */
+void cm_sha256_part(struct cm_sha256 *h, const void *p, size_t n);
+void cm_sha256_final(struct cm_sha256 *h, uint8_t out[32]);
+void cm_sha256(const void *p, size_t n, uint8_t out[32]);
+/* Lower-case hex of n bytes into out (2n+1 bytes). */
+void cm_hex(const uint8_t *in, size_t n, char *out);
+/* Constant-time comparison of two byte strings (length leaks only). */
+bool cm_consttime_eq(const void *a, size_t alen, const void *b, size_t blen);
+/* 63-bit random token from the OS CSPRNG (never 0). */
+uint64_t cm_random_token(void);
+
+/* ---- time */
+uint64_t cm_now_ms(void);  /* monotonic */
+uint64_t cm_wall_ms(void); /* unix epoch */
+
+#endif

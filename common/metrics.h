@@ -1,0 +1,63 @@
+/* metrics.h - the process-wide Prometheus registry: lock-free counters,
+ * gauges and histograms updated from any thread, rendered by the admin
+ * listener. Route labels are fixed at start (route index). */
+#ifndef IDEMGATE_METRICS_H
+#define IDEMGATE_METRICS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+
+/* Route index for requests no route matched: default_upstream (label
+ * route="_default") or nothing (route="_none"). */
+#define CM_ROUTE_DEFAULT ((size_t)-1)
+#define CM_ROUTE_NONE ((size_t)-2)
+
+/* outcome label of idemgate_requests_total. */
+enum cm_outcome {
+    CM_OUT_FORWARDED,        /* answered by the upstream (first execution or passthrough) */
+    CM_OUT_REPLAYED,         /* stored answer replayed */
+    CM_OUT_MISMATCH,         /* 422 */
+    CM_OUT_IN_FLIGHT,        /* 409 idempotency-key-in-use */
+    CM_OUT_UNKNOWN,          /* 409 idempotency-outcome-unknown */
+    CM_OUT_KEY_MISSING,      /* 400 */
+    CM_OUT_KEY_INVALID,      /* 400 */
+    CM_OUT_TOO_LARGE,        /* 413 / 431 */
+    CM_OUT_STORE_UNAVAILABLE,/* 503 */
+    CM_OUT_UPSTREAM_UNAVAILABLE, /* 502 nothing sent */
+    CM_OUT_UPSTREAM_TIMEOUT, /* 504 */
+    CM_OUT_UPSTREAM_NO_RESPONSE, /* 502 after sending */
+    CM_OUT_RELEASED,         /* upstream answered a release status */
+    CM_OUT_NOT_FOUND,        /* 404 no route */
+    CM_OUT_ERROR,            /* anything else (500, 503 overload) */
+    CM_OUT__COUNT
+};
+const char *cm_outcome_name(enum cm_outcome o);
+
+enum cm_store_label { CM_STORE_POSTGRES, CM_STORE_REDIS, CM_STORE__COUNT };
+
+/* Sets up the registry for these route names (copied). Call once at start,
+ * before any other thread runs; cm_metrics_reset frees it (tests). */
+void cm_metrics_init(size_t nroutes, const char *const *route_names);
+void cm_metrics_reset(void);
+
+void cm_metric_request(size_t route, enum cm_outcome o);
+void cm_metric_dedup_hit(size_t route);
+void cm_metric_parameter_conflict(size_t route);
+void cm_metric_in_flight_conflict(size_t route);
+void cm_metric_completion_failure(size_t route);
+void cm_metric_stuck_processing_set(size_t route, uint64_t n); /* gauge */
+void cm_metric_upstream_seconds(double s);
+void cm_metric_store_seconds(enum cm_store_label st, double s);
+void cm_metric_store_error(enum cm_store_label st);
+void cm_metric_postgres_up(bool up);
+void cm_metric_redis_up(bool up);
+void cm_metric_connections(int64_t delta); /* idemgate_connections gauge */
+
+/* Appends the whole registry in Prometheus text format (0.0.4) to out.
+ * Returns false when out's cap was exceeded. */
+bool cm_metrics_render(struct cm_buf *out) CM_MUST_CHECK;
+
+#endif

@@ -1,0 +1,124 @@
+/* conf.h - the configuration: parsed once from YAML into an immutable struct,
+ * validated completely before anything starts. */
+#ifndef IDEMGATE_CONF_H
+#define IDEMGATE_CONF_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+
+/* HTTP method bits for conf_route.methods. */
+enum {
+    CONF_M_GET = 1 << 0,
+    CONF_M_HEAD = 1 << 1,
+    CONF_M_POST = 1 << 2,
+    CONF_M_PUT = 1 << 3,
+    CONF_M_PATCH = 1 << 4,
+    CONF_M_DELETE = 1 << 5,
+    CONF_M_OPTIONS = 1 << 6,
+    CONF_M_TRACE = 1 << 7,
+    CONF_M_CONNECT = 1 << 8,
+};
+/* Bit of a method name (case-sensitive, as HTTP says), 0 when unknown. */
+unsigned conf_method_bit(const char *method);
+
+struct conf_addr {
+    char *host; /* "127.0.0.1", "::1", "0.0.0.0", "localhost" */
+    uint16_t port;
+};
+
+struct conf_upstream {
+    char *name;
+    char *url;       /* as written, trailing slash removed: http://127.0.0.1:9000 */
+    char *base_path; /* path part of url without trailing '/', "" when none */
+    uint64_t connect_timeout_ms; /* default 2s */
+    uint64_t timeout_ms;         /* default 30s */
+    uint32_t max_connections;    /* upstream sockets, default 1024 */
+};
+
+enum conf_key_mode { CONF_KEY_OPTIONAL = 0, CONF_KEY_REQUIRED, CONF_KEY_OFF };
+enum conf_in_flight { CONF_IN_FLIGHT_CONFLICT = 0, CONF_IN_FLIGHT_WAIT };
+enum conf_on_unknown { CONF_UNKNOWN_REJECT = 0, CONF_UNKNOWN_RETRY };
+enum conf_part_kind { CONF_PART_METHOD, CONF_PART_PATH, CONF_PART_QUERY, CONF_PART_BODY, CONF_PART_HEADER };
+
+struct conf_part {
+    enum conf_part_kind kind;
+    char *header; /* CONF_PART_HEADER only: the header name */
+};
+
+struct conf_idem {
+    enum conf_key_mode key;           /* default optional */
+    char *header;                     /* default "Idempotency-Key" */
+    struct conf_part *scope;          /* default none */
+    size_t scope_n;
+    struct conf_part *fingerprint;    /* default method, path, query, body */
+    size_t fingerprint_n;
+    uint64_t retention_ms;            /* default 24h */
+    uint64_t lease_ms;                /* default 60s */
+    enum conf_in_flight on_in_flight; /* default conflict */
+    uint64_t wait_ms;                 /* default 10s */
+    enum conf_on_unknown on_unknown;  /* default reject */
+    int *release_statuses;            /* default none */
+    size_t release_statuses_n;
+    uint64_t max_body;                /* default 1MiB; applies to every request of the route */
+    bool forward_key;                 /* default true */
+    uint64_t max_response;            /* default 8MiB: largest stored/replayed response */
+};
+
+struct conf_route {
+    char *name;
+    char *path;       /* exact path, or NULL */
+    char *path_prefix; /* whole-segment prefix, or NULL; exactly one is set */
+    unsigned methods; /* CONF_M_* bits idempotency applies to; default POST|PATCH */
+    size_t upstream;  /* index into conf.upstreams */
+    struct conf_idem idem;
+};
+
+struct conf {
+    char *file; /* path the config was read from */
+    struct conf_addr listen;       /* default 127.0.0.1:8080 */
+    struct conf_addr admin_listen; /* default 127.0.0.1:9090 */
+    bool admin_enabled;            /* false when admin.listen is "off" */
+    uint64_t shutdown_grace_ms;    /* default 10s */
+
+    char *postgres_url;            /* required (after env override) */
+    uint32_t pool;                 /* default 8, 1..256 */
+    char *redis_url;               /* NULL: no Redis */
+    uint64_t redis_timeout_ms;     /* default 50ms */
+
+    struct conf_upstream *upstreams;
+    size_t upstreams_n;
+    struct conf_route *routes;
+    size_t routes_n;
+    bool has_default_upstream;
+    size_t default_upstream; /* index, valid when has_default_upstream */
+
+    /* Front limits (top-level keys; extensions to SPEC section 3). */
+    uint64_t max_header_bytes; /* default 16KiB -> 431 */
+    uint64_t max_body;         /* default 1MiB, requests no route matches -> 413 */
+    uint64_t max_response;     /* default 8MiB, responses of non-idempotent requests */
+    uint32_t max_connections;  /* default 4096; beyond: 503 and close */
+    uint64_t client_timeout_ms; /* default 30s: idle/slow client connections */
+    uint32_t threads;          /* HTTP front threads, default 0 = number of CPUs */
+    char *admin_token;         /* from IDEMGATE_ADMIN_TOKEN only, NULL when unset */
+};
+
+/* Loads and validates FILE, then applies IDEMGATE_POSTGRES_URL,
+ * IDEMGATE_REDIS_URL (empty string: no Redis) and IDEMGATE_ADMIN_TOKEN from
+ * the environment. Returns the config, or NULL with *err set to a heap string
+ * "FILE:LINE: KEY: what is wrong" (caller frees *err). */
+struct conf *conf_load(const char *file, char **err);
+/* Same, from a YAML text in memory; name is used in messages. */
+struct conf *conf_load_string(const char *name, const char *yaml, size_t len, char **err);
+void conf_destroy(struct conf *c); /* NULL is a no-op */
+
+/* Parsers shared with tests; return false on malformed or out-of-range input. */
+bool conf_parse_duration(const char *s, uint64_t *ms) CM_MUST_CHECK; /* 500ms 30s 5m 24h 7d */
+bool conf_parse_size(const char *s, uint64_t *bytes) CM_MUST_CHECK;  /* 512B 64KiB 1MiB 1GiB, bare number = bytes */
+
+/* First route whose path matches (path_prefix by whole segments), or NULL. */
+const struct conf_route *conf_match_route(const struct conf *c, const char *path);
+
+#endif

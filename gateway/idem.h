@@ -1,0 +1,40 @@
+/* idem.h - the idempotency key parser (IETF sf-string or bare token) and the
+ * request fingerprint / scope hash (SHA-256 over length-prefixed parts). */
+#ifndef IDEMGATE_GW_IDEM_H
+#define IDEMGATE_GW_IDEM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+#include "conf/conf.h"
+
+#define GW_KEY_MAX 255
+
+/* Parses an Idempotency-Key header value. Accepted: a bare key of 1..255
+ * visible ASCII bytes without spaces (0x21..0x7e), or an RFC 8941 sf-string
+ * ("..." with \" and \\ escapes, spaces allowed, 0x20..0x7e) whose unquoted
+ * content is 1..255 bytes. Optional surrounding spaces/tabs (OWS) are ignored.
+ * On success writes the unquoted key to out (GW_KEY_MAX + 1 bytes, NUL
+ * terminated), its length to *out_len, and returns true; returns false for
+ * anything else ("" included). "abc" and abc give the same key. */
+bool gw_key_parse(const char *raw, size_t len, char out[GW_KEY_MAX + 1], size_t *out_len) CM_MUST_CHECK;
+
+/* The parts of a request a fingerprint or a scope may cover. */
+struct gw_reqparts {
+    const char *method;
+    const char *path;  /* without query */
+    const char *query; /* without '?', "" when none */
+    const void *body;
+    size_t body_len;
+    const struct cm_hdrs *hdrs; /* request headers in arrival order */
+};
+
+/* SHA-256 over the parts in order: each part is tagged (kind byte) and
+ * length-prefixed; a header part covers every value of that header (case-
+ * insensitive name) in order, and "absent" hashes differently from "empty".
+ * With n == 0 the result is the hash of nothing (a fixed value). */
+void gw_hash_parts(const struct conf_part *parts, size_t n, const struct gw_reqparts *r, uint8_t out[32]);
+
+#endif

@@ -1,0 +1,118 @@
+/* store.h - the idempotency authority (Postgres: atomic claim under a unique
+ * constraint, fenced by a random token) and its fast filter (Redis: SET NX
+ * in-flight marker and completed-response cache). Every call except
+ * store_migrate and the *_up readers happens on the I/O thread. Redis may be
+ * empty, stale or down: that costs latency, never a second execution. */
+#ifndef IDEMGATE_STORE_H
+#define IDEMGATE_STORE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+
+struct event_base;
+struct conf;
+struct store;
+
+/* Creates or migrates the schema with a blocking connection, under a
+ * Postgres advisory lock (safe when several instances start at once).
+ * Returns false with *err (heap, caller frees) on failure. */
+bool store_migrate(const char *postgres_url, uint64_t timeout_ms, char **err) CM_MUST_CHECK;
+
+/* Creates the store on base: a pool of conf->pool non-blocking Postgres
+ * connections (connected lazily, reconnected with backoff), the Redis
+ * context when conf->redis_url is set, and a background task that deletes
+ * expired records in bounded batches and updates idemgate_stuck_processing.
+ * conf must outlive the store. Returns NULL with *err on failure. */
+struct store *store_create(struct event_base *base, const struct conf *conf, char **err);
+/* Closes everything; pending operations are dropped without callbacks. */
+void store_destroy(struct store *s);
+
+/* Thread-safe readers for /readyz and metrics. */
+bool store_postgres_up(const struct store *s);
+bool store_redis_up(const struct store *s);     /* false when Redis is not configured */
+bool store_redis_enabled(const struct store *s);
+
+/* Identity of a record: route name, SHA-256 of the scope parts, the key
+ * (already unquoted and validated: 1..255 visible ASCII bytes). */
+struct store_id {
+    const char *route;
+    uint8_t scope[32];
+    const char *key;
+    size_t key_len;
+};
+
+struct store_claim_req {
+    struct store_id id;
+    size_t route_index;    /* for metrics */
+    uint8_t fp[32];        /* request fingerprint */
+    uint64_t lease_ms;
+    uint64_t retention_ms;
+    bool takeover_unknown; /* on_unknown: retry (take over a lapsed lease, same fingerprint) */
+};
+
+enum store_verdict {
+    STORE_NEW,         /* claimed: this request owns the key under token */
+    STORE_REPLAY,      /* completed with the same fingerprint: resp holds the stored answer */
+    STORE_MISMATCH,    /* a record with another fingerprint exists: 422 */
+    STORE_IN_FLIGHT,   /* in flight, or unknown outcome within its lease: 409 / wait */
+    STORE_UNKNOWN,     /* unknown outcome after the lease, on_unknown reject: 409 */
+    STORE_UNAVAILABLE, /* Postgres unreachable or failing: 503, nothing forwarded */
+};
+const char *store_verdict_name(enum store_verdict v);
+
+struct store_claim_res {
+    enum store_verdict verdict;
+    uint64_t token;              /* STORE_NEW: the fencing token */
+    uint64_t lease_remaining_ms; /* STORE_IN_FLIGHT: time left on the lease */
+    struct cm_resp resp;         /* STORE_REPLAY: the stored answer (callee may move it out) */
+    bool from_redis;             /* answered by the Redis filter without Postgres */
+    const char *err;             /* STORE_UNAVAILABLE: constant text for logs */
+};
+/* res is valid only during the callback; the store frees what is left. */
+typedef void (*store_claim_cb)(void *arg, struct store_claim_res *res);
+
+/* Looks the key up (Redis first when enabled, then the Postgres claim: one
+ * INSERT .. ON CONFLICT statement) and calls cb exactly once. */
+void store_claim(struct store *s, const struct store_claim_req *req, store_claim_cb cb, void *arg);
+
+/* Owner operations, fenced by token: they change the record only while it
+ * still belongs to this claim. ok=false: Postgres failed; rows=0 with ok:
+ * the claim is no longer ours (fenced out). */
+typedef void (*store_done_cb)(void *arg, bool ok, long rows);
+
+/* Writes the completed answer (state completed, expires after retention)
+ * and then the Redis cache. Retries transport failures with backoff for up
+ * to retry_for_ms before reporting ok=false. */
+void store_complete(struct store *s, const struct store_id *id, uint64_t token, const struct cm_resp *resp,
+                    uint64_t retention_ms, uint64_t retry_for_ms, store_done_cb cb, void *arg);
+/* Extends the lease to now + lease_ms (state in flight only). */
+void store_renew(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms, store_done_cb cb,
+                 void *arg);
+/* Deletes the record (nothing was executed, or a release status): the next
+ * request with the key executes. Also drops the Redis marker. */
+void store_release(struct store *s, const struct store_id *id, uint64_t token, store_done_cb cb, void *arg);
+/* Marks an unknown outcome (timeout or no response after sending): state
+ * unknown, lease_until = now + lease_ms; never released by itself. */
+void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms,
+                        store_done_cb cb, void *arg);
+
+/* Admin operations over every scope of (route, key). cb gets an HTTP status
+ * and a JSON body (heap, the callee takes it):
+ * list: 200 [{"route","key","scope","state","token","created_at","expires_at",
+ *             "lease_until","status"?}...]
+ * purge: 200 {"deleted":N}
+ * release: 200 {"released":N}; 404 when no record; 409 when records exist
+ *          but none is an unknown outcome or a lapsed lease.
+ * 503 with a problem JSON when Postgres is unavailable. */
+typedef void (*store_admin_cb)(void *arg, int http_status, char *json);
+void store_admin_list(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb,
+                      void *arg);
+void store_admin_purge(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb,
+                       void *arg);
+void store_admin_release(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb,
+                         void *arg);
+
+#endif
