@@ -1,1 +1,588 @@
-/* placeholder: being written */
+/* common.c - allocator, capped buffers, header lists, response codec, logging, hashing, time. */
+#include "common/common.h"
+
+#include <errno.h>
+#include <openssl/evp.h>
+#include <openssl/rand.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- memory */
+
+static void oom(size_t n)
+{
+    char line[128];
+    int len = snprintf(line, sizeof line, "level=error event=out_of_memory bytes=%zu\n", n);
+    if (len > 0 && write(STDERR_FILENO, line, (size_t)len) < 0) {
+        /* nothing more to do */
+    }
+    abort();
+}
+
+void *cm_malloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p)
+        oom(n);
+    return p;
+}
+
+void *cm_calloc(size_t nmemb, size_t size)
+{
+    void *p = calloc(nmemb ? nmemb : 1, size ? size : 1);
+    if (!p)
+        oom(nmemb * size);
+    return p;
+}
+
+void *cm_realloc(void *p, size_t n)
+{
+    void *q = realloc(p, n ? n : 1);
+    if (!q)
+        oom(n);
+    return q;
+}
+
+char *cm_strdup(const char *s)
+{
+    return cm_strndup(s, strlen(s));
+}
+
+char *cm_strndup(const char *s, size_t n)
+{
+    char *p = cm_malloc(n + 1);
+    memcpy(p, s, n);
+    p[n] = '\0';
+    return p;
+}
+
+char *cm_asprintf(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return cm_strdup("");
+    char *p = cm_malloc((size_t)n + 1);
+    va_start(ap, fmt);
+    vsnprintf(p, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    return p;
+}
+
+/* ---- capped buffer */
+
+void cm_buf_init(struct cm_buf *b, size_t max)
+{
+    b->data = NULL;
+    b->len = 0;
+    b->cap = 0;
+    b->max = max;
+}
+
+bool cm_buf_append(struct cm_buf *b, const void *p, size_t n)
+{
+    if (n > b->max || b->len > b->max - n)
+        return false;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n + 1)
+            cap = cap > ((size_t)-1) / 2 ? b->len + n + 1 : cap * 2;
+        if (cap > b->max + 1)
+            cap = b->max + 1;
+        b->data = cm_realloc(b->data, cap);
+        b->cap = cap;
+    }
+    if (n)
+        memcpy(b->data + b->len, p, n);
+    b->len += n;
+    b->data[b->len] = '\0';
+    return true;
+}
+
+bool cm_buf_appendf(struct cm_buf *b, const char *fmt, ...)
+{
+    char small[256];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(small, sizeof small, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return false;
+    if ((size_t)n < sizeof small)
+        return cm_buf_append(b, small, (size_t)n);
+    char *big = cm_malloc((size_t)n + 1);
+    va_start(ap, fmt);
+    vsnprintf(big, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    bool ok = cm_buf_append(b, big, (size_t)n);
+    free(big);
+    return ok;
+}
+
+void cm_buf_reset(struct cm_buf *b)
+{
+    b->len = 0;
+    if (b->data)
+        b->data[0] = '\0';
+}
+
+void cm_buf_free(struct cm_buf *b)
+{
+    free(b->data);
+    b->data = NULL;
+    b->len = 0;
+    b->cap = 0;
+}
+
+char *cm_buf_take(struct cm_buf *b, size_t *len)
+{
+    char *p = b->data;
+    if (len)
+        *len = b->len;
+    b->data = NULL;
+    b->len = 0;
+    b->cap = 0;
+    return p;
+}
+
+/* ---- header lists */
+
+void cm_hdrs_init(struct cm_hdrs *h)
+{
+    h->v = NULL;
+    h->n = 0;
+    h->cap = 0;
+}
+
+void cm_hdrs_free(struct cm_hdrs *h)
+{
+    for (size_t i = 0; i < h->n; i++) {
+        free(h->v[i].name);
+        free(h->v[i].value);
+    }
+    free(h->v);
+    cm_hdrs_init(h);
+}
+
+void cm_hdrs_addn(struct cm_hdrs *h, const char *name, size_t nlen, const char *value, size_t vlen)
+{
+    if (h->n == h->cap) {
+        h->cap = h->cap ? h->cap * 2 : 16;
+        h->v = cm_realloc(h->v, h->cap * sizeof *h->v);
+    }
+    h->v[h->n].name = cm_strndup(name, nlen);
+    h->v[h->n].value = cm_strndup(value, vlen);
+    h->n++;
+}
+
+void cm_hdrs_add(struct cm_hdrs *h, const char *name, const char *value)
+{
+    cm_hdrs_addn(h, name, strlen(name), value, strlen(value));
+}
+
+const char *cm_hdrs_get(const struct cm_hdrs *h, const char *name)
+{
+    for (size_t i = 0; i < h->n; i++)
+        if (strcasecmp(h->v[i].name, name) == 0)
+            return h->v[i].value;
+    return NULL;
+}
+
+static void hdrs_remove_at(struct cm_hdrs *h, size_t i)
+{
+    free(h->v[i].name);
+    free(h->v[i].value);
+    memmove(&h->v[i], &h->v[i + 1], (h->n - i - 1) * sizeof *h->v);
+    h->n--;
+}
+
+size_t cm_hdrs_remove(struct cm_hdrs *h, const char *name)
+{
+    size_t removed = 0;
+    for (size_t i = 0; i < h->n;) {
+        if (strcasecmp(h->v[i].name, name) == 0) {
+            hdrs_remove_at(h, i);
+            removed++;
+        } else {
+            i++;
+        }
+    }
+    return removed;
+}
+
+bool cm_is_hop_by_hop(const char *name)
+{
+    static const char *const hop[] = {
+        "Connection", "Keep-Alive",        "Proxy-Connection", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+        "Trailer",    "Transfer-Encoding", "Upgrade"};
+    for (size_t i = 0; i < sizeof hop / sizeof hop[0]; i++)
+        if (strcasecmp(name, hop[i]) == 0)
+            return true;
+    return false;
+}
+
+/* True when name appears as a token in a Connection header value list. */
+static bool named_in_connection(const char *list, const char *name)
+{
+    size_t nlen = strlen(name);
+    const char *p = list;
+    while (*p) {
+        while (*p == ' ' || *p == '\t' || *p == ',')
+            p++;
+        const char *start = p;
+        while (*p && *p != ',')
+            p++;
+        const char *end = p;
+        while (end > start && (end[-1] == ' ' || end[-1] == '\t'))
+            end--;
+        if ((size_t)(end - start) == nlen && strncasecmp(start, name, nlen) == 0)
+            return true;
+    }
+    return false;
+}
+
+void cm_hdrs_strip_hop_by_hop(struct cm_hdrs *h)
+{
+    /* Collect the Connection values first, then drop what they name. */
+    for (size_t i = 0; i < h->n;) {
+        bool drop = cm_is_hop_by_hop(h->v[i].name);
+        for (size_t j = 0; !drop && j < h->n; j++)
+            if (strcasecmp(h->v[j].name, "Connection") == 0 && named_in_connection(h->v[j].value, h->v[i].name))
+                drop = true;
+        if (drop && strcasecmp(h->v[i].name, "Connection") != 0) {
+            hdrs_remove_at(h, i);
+        } else {
+            i++;
+        }
+    }
+    cm_hdrs_remove(h, "Connection");
+}
+
+/* ---- response codec: "IGR1" u16 status, u32 nhdrs, (u32 len, bytes) x 2 per header, u64 body len, body */
+
+void cm_resp_init(struct cm_resp *r, size_t max_body)
+{
+    r->status = 0;
+    cm_hdrs_init(&r->hdrs);
+    cm_buf_init(&r->body, max_body);
+}
+
+void cm_resp_free(struct cm_resp *r)
+{
+    cm_hdrs_free(&r->hdrs);
+    cm_buf_free(&r->body);
+}
+
+static bool put_be(struct cm_buf *out, uint64_t v, int bytes)
+{
+    uint8_t b[8];
+    for (int i = 0; i < bytes; i++)
+        b[i] = (uint8_t)(v >> (8 * (bytes - 1 - i)));
+    return cm_buf_append(out, b, (size_t)bytes);
+}
+
+static bool put_str(struct cm_buf *out, const char *s)
+{
+    size_t n = strlen(s);
+    return n <= UINT32_MAX && put_be(out, n, 4) && cm_buf_append(out, s, n);
+}
+
+bool cm_resp_encode(const struct cm_resp *r, struct cm_buf *out)
+{
+    if (r->status < 0 || r->status > 999 || r->hdrs.n > UINT32_MAX)
+        return false;
+    if (!cm_buf_append(out, "IGR1", 4) || !put_be(out, (uint64_t)r->status, 2) || !put_be(out, r->hdrs.n, 4))
+        return false;
+    for (size_t i = 0; i < r->hdrs.n; i++)
+        if (!put_str(out, r->hdrs.v[i].name) || !put_str(out, r->hdrs.v[i].value))
+            return false;
+    return put_be(out, r->body.len, 8) && cm_buf_append(out, r->body.data ? r->body.data : "", r->body.len);
+}
+
+struct reader {
+    const uint8_t *p;
+    size_t left;
+};
+
+static bool get_be(struct reader *rd, int bytes, uint64_t *v)
+{
+    if (rd->left < (size_t)bytes)
+        return false;
+    uint64_t x = 0;
+    for (int i = 0; i < bytes; i++)
+        x = (x << 8) | rd->p[i];
+    rd->p += bytes;
+    rd->left -= (size_t)bytes;
+    *v = x;
+    return true;
+}
+
+/* Header names and values must be printable text without CR/LF/NUL. */
+static bool get_str(struct reader *rd, const char **s, size_t *n)
+{
+    uint64_t len;
+    if (!get_be(rd, 4, &len) || len > rd->left)
+        return false;
+    for (size_t i = 0; i < len; i++)
+        if (rd->p[i] == '\0' || rd->p[i] == '\r' || rd->p[i] == '\n')
+            return false;
+    *s = (const char *)rd->p;
+    *n = (size_t)len;
+    rd->p += len;
+    rd->left -= len;
+    return true;
+}
+
+bool cm_resp_decode(const void *data, size_t len, struct cm_resp *r)
+{
+    struct reader rd = {data, len};
+    uint64_t status, nh, blen;
+    cm_resp_init(r, len);
+    if (len < 4 || memcmp(data, "IGR1", 4) != 0)
+        return false;
+    rd.p += 4;
+    rd.left -= 4;
+    if (!get_be(&rd, 2, &status) || status < 100 || status > 999 || !get_be(&rd, 4, &nh))
+        return false;
+    if (nh > rd.left / 8) /* every header needs at least 8 bytes */
+        return false;
+    r->status = (int)status;
+    for (uint64_t i = 0; i < nh; i++) {
+        const char *name, *value;
+        size_t nl, vl;
+        if (!get_str(&rd, &name, &nl) || nl == 0 || !get_str(&rd, &value, &vl))
+            return false;
+        cm_hdrs_addn(&r->hdrs, name, nl, value, vl);
+    }
+    if (!get_be(&rd, 8, &blen) || blen != rd.left)
+        return false;
+    return cm_buf_append(&r->body, rd.p, (size_t)blen);
+}
+
+/* ---- logging */
+
+static _Atomic int log_min = CM_INFO;
+
+void cm_log_set_level(enum cm_level min)
+{
+    atomic_store(&log_min, (int)min);
+}
+
+static const char *level_name(enum cm_level l)
+{
+    switch (l) {
+    case CM_DEBUG:
+        return "debug";
+    case CM_INFO:
+        return "info";
+    case CM_WARN:
+        return "warn";
+    default:
+        return "error";
+    }
+}
+
+void cm_logv(enum cm_level lvl, const char *event, const char *fmt, va_list ap)
+{
+    if ((int)lvl < atomic_load(&log_min))
+        return;
+    char line[2048];
+    struct timespec ts;
+    struct tm tm;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    gmtime_r(&ts.tv_sec, &tm);
+    int n = snprintf(line, sizeof line, "ts=%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ level=%s event=%s", tm.tm_year + 1900,
+                     tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000, level_name(lvl),
+                     event);
+    if (n < 0)
+        return;
+    size_t len = (size_t)n < sizeof line ? (size_t)n : sizeof line - 1;
+    if (fmt && *fmt && len < sizeof line - 2) {
+        line[len++] = ' ';
+        int m = vsnprintf(line + len, sizeof line - len, fmt, ap);
+        if (m > 0)
+            len += (size_t)m < sizeof line - len ? (size_t)m : sizeof line - len - 1;
+    }
+    /* One line per event: fold any stray newline. */
+    for (size_t i = 0; i < len; i++)
+        if (line[i] == '\n' || line[i] == '\r')
+            line[i] = ' ';
+    if (len > sizeof line - 2)
+        len = sizeof line - 2;
+    line[len++] = '\n';
+    /* A single write keeps lines from different threads whole. */
+    ssize_t w = write(STDERR_FILENO, line, len);
+    (void)w;
+}
+
+void cm_log(enum cm_level lvl, const char *event, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    cm_logv(lvl, event, fmt, ap);
+    va_end(ap);
+}
+
+const char *cm_log_quote(char *out, size_t n, const char *s)
+{
+    static const char hex[] = "0123456789abcdef";
+    size_t o = 0;
+    if (n < 3) {
+        if (n)
+            out[0] = '\0';
+        return out;
+    }
+    out[o++] = '"';
+    for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {
+        char esc[5];
+        size_t el = 0;
+        if (*p == '"' || *p == '\\') {
+            esc[el++] = '\\';
+            esc[el++] = (char)*p;
+        } else if (*p == '\n') {
+            esc[el++] = '\\';
+            esc[el++] = 'n';
+        } else if (*p < 0x20 || *p == 0x7f) {
+            esc[el++] = '\\';
+            esc[el++] = 'x';
+            esc[el++] = hex[*p >> 4];
+            esc[el++] = hex[*p & 15];
+        } else {
+            esc[el++] = (char)*p;
+        }
+        if (o + el + 2 > n)
+            break;
+        memcpy(out + o, esc, el);
+        o += el;
+    }
+    out[o++] = '"';
+    out[o] = '\0';
+    return out;
+}
+
+const char *cm_redact_url(char *out, size_t n, const char *url)
+{
+    if (!n)
+        return out;
+    snprintf(out, n, "%s", url ? url : "");
+    char *scheme = strstr(out, "://");
+    if (scheme) {
+        char *auth = scheme + 3;
+        char *at = strchr(auth, '@');
+        char *slash = strchr(auth, '/');
+        if (at && (!slash || at < slash)) {
+            char *colon = memchr(auth, ':', (size_t)(at - auth));
+            if (colon) {
+                char rest[1024];
+                snprintf(rest, sizeof rest, "%s", at);
+                snprintf(colon, n - (size_t)(colon - out), ":***%s", rest);
+            }
+        }
+    }
+    /* key=value form: password=... */
+    char *pw = strstr(out, "password=");
+    if (pw) {
+        char *end = pw + 9;
+        while (*end && *end != ' ')
+            end++;
+        char rest[1024];
+        snprintf(rest, sizeof rest, "%s", end);
+        snprintf(pw + 9, n - (size_t)(pw + 9 - out), "***%s", rest);
+    }
+    return out;
+}
+
+/* ---- hashing */
+
+void cm_sha256_init(struct cm_sha256 *h)
+{
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    if (!ctx || EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) != 1)
+        oom(sizeof *h);
+    h->ctx = ctx;
+}
+
+void cm_sha256_update(struct cm_sha256 *h, const void *p, size_t n)
+{
+    if (n)
+        EVP_DigestUpdate(h->ctx, p, n);
+}
+
+void cm_sha256_part(struct cm_sha256 *h, const void *p, size_t n)
+{
+    uint8_t len[8];
+    for (int i = 0; i < 8; i++)
+        len[i] = (uint8_t)((uint64_t)n >> (56 - 8 * i));
+    cm_sha256_update(h, len, sizeof len);
+    cm_sha256_update(h, p, n);
+}
+
+void cm_sha256_final(struct cm_sha256 *h, uint8_t out[32])
+{
+    unsigned int olen = 32;
+    EVP_DigestFinal_ex(h->ctx, out, &olen);
+    EVP_MD_CTX_free(h->ctx);
+    h->ctx = NULL;
+}
+
+void cm_sha256(const void *p, size_t n, uint8_t out[32])
+{
+    struct cm_sha256 h;
+    cm_sha256_init(&h);
+    cm_sha256_update(&h, p, n);
+    cm_sha256_final(&h, out);
+}
+
+void cm_hex(const uint8_t *in, size_t n, char *out)
+{
+    static const char hex[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = hex[in[i] >> 4];
+        out[2 * i + 1] = hex[in[i] & 15];
+    }
+    out[2 * n] = '\0';
+}
+
+bool cm_consttime_eq(const void *a, size_t alen, const void *b, size_t blen)
+{
+    const volatile uint8_t *x = a, *y = b;
+    uint8_t diff = (uint8_t)(alen != blen);
+    size_t n = alen < blen ? alen : blen;
+    for (size_t i = 0; i < n; i++)
+        diff |= x[i] ^ y[i];
+    return diff == 0;
+}
+
+uint64_t cm_random_token(void)
+{
+    uint64_t v = 0;
+    while (v == 0) {
+        if (RAND_bytes((unsigned char *)&v, sizeof v) != 1)
+            abort();
+        v &= INT64_MAX;
+    }
+    return v;
+}
+
+/* ---- time */
+
+uint64_t cm_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+uint64_t cm_wall_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
