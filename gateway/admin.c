@@ -1,1 +1,265 @@
-/* placeholder: being written */
+/* admin.c - the admin listener: health, readiness, Prometheus metrics and the
+ * key endpoints (inspect, purge, release) behind a bearer token. */
+#include <microhttpd.h>
+#include <netdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+
+#include "gateway/gateway.h"
+#include "gateway/problem.h"
+#include "store/store.h"
+
+struct gw_admin {
+    const struct conf *conf;
+    struct gw_loop *loop;
+    struct MHD_Daemon *d;
+    uint16_t port;
+    atomic_size_t jobs;
+};
+
+enum admin_op { OP_LIST, OP_PURGE, OP_RELEASE };
+
+struct admin_job {
+    struct gw_admin *a;
+    struct MHD_Connection *conn;
+    enum admin_op op;
+    char *route;
+    char key[GW_KEY_MAX + 1];
+    size_t key_len;
+    int status;
+    char *json;
+    atomic_bool done;
+};
+
+static enum MHD_Result answer(struct MHD_Connection *c, unsigned status, const char *ctype, char *body, size_t len)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer_with_free_callback(len, body, free);
+    if (!r) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
+    if (status == 401)
+        MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer realm=\"idemgate-admin\"");
+    enum MHD_Result ret = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result problem(struct MHD_Connection *c, unsigned status, const char *name, const char *title,
+                               const char *detail)
+{
+    size_t len;
+    char *json = gw_problem_json((int)status, name, title, detail, &len);
+    return answer(c, status, GW_PROBLEM_CONTENT_TYPE, json, len);
+}
+
+static enum MHD_Result text(struct MHD_Connection *c, unsigned status, const char *ctype, const char *s)
+{
+    return answer(c, status, ctype, cm_strdup(s), strlen(s));
+}
+
+/* Loop thread: the store answered. */
+static void admin_done(void *arg, int status, char *json)
+{
+    struct admin_job *j = arg;
+    j->status = status;
+    j->json = json;
+    atomic_store(&j->done, true);
+    MHD_resume_connection(j->conn);
+}
+
+static void admin_run(void *arg)
+{
+    struct admin_job *j = arg;
+    struct store *st = gw_loop_store(j->a->loop);
+    if (!gw_loop_schema_ready(j->a->loop)) {
+        admin_done(j, 503, cm_strdup("{\"error\":\"the store is not ready\"}"));
+        return;
+    }
+    switch (j->op) {
+    case OP_LIST:
+        store_admin_list(st, j->route, j->key, j->key_len, admin_done, j);
+        break;
+    case OP_PURGE:
+        store_admin_purge(st, j->route, j->key, j->key_len, admin_done, j);
+        break;
+    default:
+        store_admin_release(st, j->route, j->key, j->key_len, admin_done, j);
+        break;
+    }
+}
+
+static bool authorized(const struct gw_admin *a, struct MHD_Connection *c)
+{
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!h || strncasecmp(h, "Bearer ", 7) != 0)
+        return false;
+    h += 7;
+    while (*h == ' ')
+        h++;
+    return cm_consttime_eq(h, strlen(h), a->conf->admin_token, strlen(a->conf->admin_token));
+}
+
+static enum MHD_Result keys_endpoint(struct gw_admin *a, struct MHD_Connection *c, const char *url, const char *method,
+                                     void **req_cls)
+{
+    if (!a->conf->admin_token)
+        return problem(c, 404, "not-found", "Not found",
+                       "admin key endpoints are disabled: IDEMGATE_ADMIN_TOKEN is unset");
+    if (!authorized(a, c))
+        return problem(c, 401, "unauthorized", "Unauthorized", "a valid bearer token is required");
+    enum admin_op op;
+    if (strcmp(url, "/admin/keys") == 0 && strcmp(method, "GET") == 0)
+        op = OP_LIST;
+    else if (strcmp(url, "/admin/keys") == 0 && strcmp(method, "DELETE") == 0)
+        op = OP_PURGE;
+    else if (strcmp(url, "/admin/keys/release") == 0 && strcmp(method, "POST") == 0)
+        op = OP_RELEASE;
+    else if (strcmp(url, "/admin/keys") == 0 || strcmp(url, "/admin/keys/release") == 0)
+        return problem(c, 405, "method-not-allowed", "Method not allowed", "see the admin API in the README");
+    else
+        return problem(c, 404, "not-found", "Not found", "no such admin endpoint");
+    const char *route = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "route");
+    const char *key = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "key");
+    if (!route || !*route || !key)
+        return problem(c, 400, "bad-request", "Bad request", "route and key query parameters are required");
+    struct admin_job *j = cm_calloc(1, sizeof *j);
+    if (!gw_key_parse(key, strlen(key), j->key, &j->key_len)) {
+        free(j);
+        return problem(c, 400, "idempotency-key-invalid", "Idempotency key invalid", "the key is not a valid key");
+    }
+    j->a = a;
+    j->conn = c;
+    j->op = op;
+    j->route = cm_strdup(route);
+    *req_cls = j;
+    atomic_fetch_add(&a->jobs, 1);
+    MHD_suspend_connection(c);
+    gw_loop_submit(a->loop, admin_run, j);
+    return MHD_YES;
+}
+
+static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                               const char *version, const char *upload_data, size_t *upload_data_size, void **req_cls)
+{
+    struct gw_admin *a = cls;
+    struct admin_job *j = *req_cls;
+    if (j) { /* resumed: the store answered */
+        if (*upload_data_size) {
+            *upload_data_size = 0;
+            return MHD_YES;
+        }
+        if (!atomic_load(&j->done))
+            return MHD_YES;
+        char *json = j->json;
+        j->json = NULL;
+        if (!json)
+            json = cm_strdup("{}");
+        bool is_problem = j->status >= 400 && strstr(json, "\"type\"") != NULL;
+        return answer(c, (unsigned)j->status, is_problem ? GW_PROBLEM_CONTENT_TYPE : "application/json", json,
+                      strlen(json));
+    }
+    if (strncmp(url, "/admin/", 7) == 0)
+        return keys_endpoint(a, c, url, method, req_cls);
+    if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0)
+        return problem(c, 405, "method-not-allowed", "Method not allowed", "only GET is supported here");
+    if (strcmp(url, "/healthz") == 0)
+        return text(c, 200, "application/json", "{\"status\":\"ok\"}\n");
+    if (strcmp(url, "/readyz") == 0) {
+        struct store *st = gw_loop_store(a->loop);
+        bool pg = store_postgres_up(st) && gw_loop_schema_ready(a->loop);
+        const char *redis = !store_redis_enabled(st) ? "disabled" : store_redis_up(st) ? "up" : "down";
+        char *body = cm_asprintf("{\"status\":\"%s\",\"postgres\":\"%s\",\"redis\":\"%s\"}\n", pg ? "ready" : "unready",
+                                 pg ? "up" : "down", redis);
+        return answer(c, pg ? 200 : 503, "application/json", body, strlen(body));
+    }
+    if (strcmp(url, "/metrics") == 0) {
+        struct store *st = gw_loop_store(a->loop);
+        cm_metric_postgres_up(store_postgres_up(st));
+        cm_metric_redis_up(store_redis_up(st));
+        struct cm_buf out;
+        cm_buf_init(&out, 16 * 1024 * 1024);
+        if (!cm_metrics_render(&out)) {
+            cm_buf_free(&out);
+            return problem(c, 500, "internal-error", "Internal error", "metrics too large");
+        }
+        size_t len;
+        char *body = cm_buf_take(&out, &len);
+        return answer(c, 200, "text/plain; version=0.0.4; charset=utf-8", body ? body : cm_strdup(""), len);
+    }
+    return problem(c, 404, "not-found", "Not found", "no such admin endpoint");
+}
+
+static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum MHD_RequestTerminationCode toe)
+{
+    struct gw_admin *a = cls;
+    struct admin_job *j = *req_cls;
+    *req_cls = NULL;
+    if (!j || j->a != a)
+        return;
+    free(j->route);
+    free(j->json);
+    free(j);
+    atomic_fetch_sub(&a->jobs, 1);
+}
+
+struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_loop *loop, char **err)
+{
+    struct gw_admin *a = cm_calloc(1, sizeof *a);
+    a->conf = conf;
+    a->loop = loop;
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    char port[8];
+    snprintf(port, sizeof port, "%u", conf->admin_listen.port);
+    int rc = getaddrinfo(conf->admin_listen.host, port, &hints, &res);
+    if (rc != 0 || !res) {
+        *err = cm_asprintf("cannot resolve admin listen address %s", conf->admin_listen.host);
+        free(a);
+        return NULL;
+    }
+    struct sockaddr_storage ss;
+    memset(&ss, 0, sizeof ss);
+    memcpy(&ss, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    a->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
+                                MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0),
+                            0, NULL, NULL, handler, a, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
+                            MHD_OPTION_CONNECTION_LIMIT, 256u, MHD_OPTION_CONNECTION_TIMEOUT, 30u,
+                            MHD_OPTION_NOTIFY_COMPLETED, completed, a, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "admin",
+                            MHD_OPTION_END);
+    if (!a->d) {
+        *err = cm_asprintf("cannot listen on admin address %s:%u", conf->admin_listen.host, conf->admin_listen.port);
+        free(a);
+        return NULL;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(a->d, MHD_DAEMON_INFO_BIND_PORT);
+    a->port = di ? di->port : conf->admin_listen.port;
+    return a;
+}
+
+uint16_t gw_admin_port(const struct gw_admin *a)
+{
+    return a->port;
+}
+
+size_t gw_admin_jobs(struct gw_admin *a)
+{
+    return a ? atomic_load(&a->jobs) : 0;
+}
+
+void gw_admin_stop(struct gw_admin *a)
+{
+    if (!a)
+        return;
+    MHD_stop_daemon(a->d);
+    free(a);
+}

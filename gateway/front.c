@@ -1,1 +1,462 @@
-/* placeholder: being written */
+/* front.c - the HTTP front on libmicrohttpd: epoll worker threads read a
+ * request, check route, key and limits, then suspend the connection while the
+ * loop thread runs the pipeline, and answer when it resumes it. */
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "gateway/gateway.h"
+#include "gateway/problem.h"
+
+enum stage { STAGE_NEW, STAGE_BODY, STAGE_SUBMITTED, STAGE_ANSWERED };
+
+struct gw_front {
+    const struct conf *conf;
+    struct gw_loop *loop;
+    struct MHD_Daemon *d;
+    uint16_t port;
+    atomic_long connections;
+    atomic_bool shutting_down;
+};
+
+/* Front-side state of one request; the job is what travels to the loop. */
+struct req {
+    struct gw_job job;
+    struct gw_front *front;
+    enum stage stage;
+    bool body_too_large;
+    struct cm_hdrs in_hdrs; /* as received, in order */
+};
+
+void gw_mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    char msg[512], q[600];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t n = strlen(msg);
+    while (n && (msg[n - 1] == '\n' || msg[n - 1] == '\r'))
+        msg[--n] = '\0';
+    cm_log(CM_WARN, "http", "source=%s msg=%s", cls ? (const char *)cls : "front", cm_log_quote(q, sizeof q, msg));
+}
+
+static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
+{
+    struct gw_front *f = cls;
+    struct req *r = cm_calloc(1, sizeof *r);
+    r->front = f;
+    r->job.conf = f->conf;
+    r->job.loop = f->loop;
+    r->job.uri = cm_strdup(uri ? uri : "/");
+    const char *q = strchr(r->job.uri, '?');
+    if (q) {
+        r->job.path = cm_strndup(r->job.uri, (size_t)(q - r->job.uri));
+        r->job.query = cm_strdup(q + 1);
+    } else {
+        r->job.path = cm_strdup(r->job.uri);
+        r->job.query = cm_strdup("");
+    }
+    cm_hdrs_init(&r->in_hdrs);
+    cm_hdrs_init(&r->job.fwd_hdrs);
+    cm_hdrs_init(&r->job.resp_hdrs);
+    cm_buf_init(&r->job.body, 0);
+    cm_buf_init(&r->job.resp_body, 0);
+    cm_resp_init(&r->job.up_resp, 0);
+    r->job.started_ms = cm_now_ms();
+    r->job.conn = c;
+    return r;
+}
+
+static void req_free(struct req *r)
+{
+    if (!r)
+        return;
+    free(r->job.method);
+    free(r->job.uri);
+    free(r->job.path);
+    free(r->job.query);
+    cm_hdrs_free(&r->in_hdrs);
+    cm_hdrs_free(&r->job.fwd_hdrs);
+    cm_hdrs_free(&r->job.resp_hdrs);
+    cm_buf_free(&r->job.body);
+    cm_buf_free(&r->job.resp_body);
+    cm_resp_free(&r->job.up_resp);
+    free(r);
+}
+
+static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum MHD_RequestTerminationCode toe)
+{
+    struct req *r = *req_cls;
+    *req_cls = NULL;
+    /* A submitted job is only ever completed after the loop resumed it. */
+    if (r && r->stage == STAGE_SUBMITTED && !atomic_load(&r->job.done)) {
+        cm_log(CM_ERROR, "bug", "msg=\"request completed while in the pipeline\"");
+        return; /* leak rather than free memory the loop still uses */
+    }
+    req_free(r);
+}
+
+static void conn_notify(void *cls, struct MHD_Connection *c, void **socket_ctx, enum MHD_ConnectionNotificationCode toe)
+{
+    struct gw_front *f = cls;
+    if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+        atomic_fetch_add(&f->connections, 1);
+        cm_metric_connections(1);
+    } else {
+        atomic_fetch_sub(&f->connections, 1);
+        cm_metric_connections(-1);
+    }
+}
+
+static enum MHD_Result collect_header(void *cls, enum MHD_ValueKind kind, const char *key, const char *value)
+{
+    struct req *r = cls;
+    cm_hdrs_add(&r->in_hdrs, key, value ? value : "");
+    return MHD_YES;
+}
+
+/* Queues the job's answer (status, headers, body) on the connection. */
+static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
+{
+    struct gw_job *job = &r->job;
+    size_t len;
+    char *body = cm_buf_take(&job->resp_body, &len);
+    struct MHD_Response *resp = body ? MHD_create_response_from_buffer_with_free_callback(len, body, free)
+                                     : MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
+    if (!resp) {
+        free(body);
+        return MHD_NO;
+    }
+    for (size_t i = 0; i < job->resp_hdrs.n; i++) {
+        const struct cm_hdr *h = &job->resp_hdrs.v[i];
+        if (strcasecmp(h->name, "Content-Length") == 0 || cm_is_hop_by_hop(h->name))
+            continue;
+        if (MHD_add_response_header(resp, h->name, h->value) != MHD_YES)
+            cm_log(CM_WARN, "response_header_dropped", "name=%.64s", h->name);
+    }
+    if (job->replayed)
+        MHD_add_response_header(resp, "Idempotent-Replayed", "true");
+    if (atomic_load(&r->front->shutting_down) || job->status == 431 || job->status == 413)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
+    enum MHD_Result ret = MHD_queue_response(c, (unsigned)job->status, resp);
+    MHD_destroy_response(resp);
+    r->stage = STAGE_ANSWERED;
+    return ret;
+}
+
+/* Answers at once from the HTTP thread (validation errors, limits). */
+static enum MHD_Result reject(struct req *r, struct MHD_Connection *c, int status, const char *name, const char *title,
+                              const char *detail, enum cm_outcome outcome)
+{
+    gw_job_problem(&r->job, status, name, title, detail);
+    cm_metric_request(r->job.route_index, outcome);
+    return queue_answer(r, c);
+}
+
+/* Loop thread: the pipeline finished; wake the connection. */
+static void job_finish(struct gw_job *job)
+{
+    atomic_store(&job->done, true);
+    MHD_resume_connection(job->conn);
+}
+
+void gw_job_done(struct gw_job *job)
+{
+    job->finish(job);
+}
+
+static const char *client_ip(struct MHD_Connection *c, char *buf, size_t n)
+{
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    snprintf(buf, n, "unknown");
+    if (!ci || !ci->client_addr)
+        return buf;
+    const struct sockaddr *sa = ci->client_addr;
+    socklen_t len = sa->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+    if (getnameinfo(sa, len, buf, (socklen_t)n, NULL, 0, NI_NUMERICHOST) != 0)
+        snprintf(buf, n, "unknown");
+    return buf;
+}
+
+/* Host[:port] of an upstream URL. */
+static void upstream_host(const char *url, char *out, size_t n)
+{
+    const char *p = strstr(url, "://");
+    p = p ? p + 3 : url;
+    const char *at = strchr(p, '@');
+    const char *slash = strchr(p, '/');
+    if (at && (!slash || at < slash))
+        p = at + 1;
+    size_t len = slash ? (size_t)(slash - p) : strlen(p);
+    snprintf(out, n, "%.*s", (int)len, p);
+}
+
+/* The headers sent upstream: hop-by-hop removed, Host set to the upstream's,
+ * X-Forwarded-For/-Proto/-Host and Via added, the key header per forward_key. */
+static void build_forward_headers(struct req *r, struct MHD_Connection *c)
+{
+    struct gw_job *job = &r->job;
+    struct cm_hdrs *fh = &job->fwd_hdrs;
+    char ip[INET6_ADDRSTRLEN + 8];
+    client_ip(c, ip, sizeof ip);
+    for (size_t i = 0; i < r->in_hdrs.n; i++)
+        cm_hdrs_add(fh, r->in_hdrs.v[i].name, r->in_hdrs.v[i].value);
+    cm_hdrs_strip_hop_by_hop(fh);
+    cm_hdrs_remove(fh, "Content-Length");
+    cm_hdrs_remove(fh, "Expect");
+    if (job->route && !job->route->idem.forward_key && job->route->idem.header)
+        cm_hdrs_remove(fh, job->route->idem.header);
+
+    const char *host = cm_hdrs_get(&r->in_hdrs, "Host");
+    if (host && !cm_hdrs_get(fh, "X-Forwarded-Host"))
+        cm_hdrs_add(fh, "X-Forwarded-Host", host);
+    cm_hdrs_remove(fh, "Host");
+    char uh[512];
+    upstream_host(job->upstream->url, uh, sizeof uh);
+    cm_hdrs_add(fh, "Host", uh);
+
+    struct cm_buf xff;
+    cm_buf_init(&xff, 16 * 1024);
+    bool ok = true;
+    for (size_t i = 0; i < r->in_hdrs.n; i++)
+        if (strcasecmp(r->in_hdrs.v[i].name, "X-Forwarded-For") == 0)
+            ok = ok && cm_buf_appendf(&xff, "%s, ", r->in_hdrs.v[i].value);
+    ok = ok && cm_buf_append(&xff, ip, strlen(ip));
+    cm_hdrs_remove(fh, "X-Forwarded-For");
+    cm_hdrs_add(fh, "X-Forwarded-For", ok ? xff.data : ip);
+    cm_buf_free(&xff);
+    if (!cm_hdrs_get(fh, "X-Forwarded-Proto"))
+        cm_hdrs_add(fh, "X-Forwarded-Proto", "http");
+    const char *via = cm_hdrs_get(fh, "Via");
+    if (via) {
+        char *v = cm_asprintf("%s, 1.1 idemgate", via);
+        cm_hdrs_remove(fh, "Via");
+        cm_hdrs_add(fh, "Via", v);
+        free(v);
+    } else {
+        cm_hdrs_add(fh, "Via", "1.1 idemgate");
+    }
+}
+
+static size_t header_block_size(const struct req *r, const char *method)
+{
+    size_t n = strlen(method) + 1 + strlen(r->job.uri) + 11; /* request line */
+    for (size_t i = 0; i < r->in_hdrs.n; i++)
+        n += strlen(r->in_hdrs.v[i].name) + 2 + strlen(r->in_hdrs.v[i].value) + 2;
+    return n + 2;
+}
+
+/* First call: headers are in. Returns MHD_YES to go on reading the body, or
+ * the result of queueing an early answer (r->stage == STAGE_ANSWERED). */
+static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const char *method)
+{
+    struct gw_front *f = r->front;
+    const struct conf *conf = f->conf;
+    struct gw_job *job = &r->job;
+    job->method = cm_strdup(method);
+    job->finish = job_finish;
+    MHD_get_connection_values(c, MHD_HEADER_KIND, collect_header, r);
+
+    const struct conf_route *route = conf_match_route(conf, job->path);
+    if (route) {
+        job->route = route;
+        job->route_index = (size_t)(route - conf->routes);
+        job->upstream = &conf->upstreams[route->upstream];
+    } else if (conf->has_default_upstream) {
+        job->route_index = CM_ROUTE_DEFAULT;
+        job->upstream = &conf->upstreams[conf->default_upstream];
+    } else {
+        job->route_index = CM_ROUTE_NONE;
+    }
+
+    if (atomic_load(&f->connections) > (long)conf->max_connections)
+        return reject(r, c, 503, "too-many-connections", "Too many connections",
+                      "the gateway is at its connection limit; retry later", CM_OUT_ERROR);
+    if (header_block_size(r, method) > conf->max_header_bytes)
+        return reject(r, c, 431, "request-header-fields-too-large", "Request header fields too large",
+                      "the request header block exceeds max_header_bytes", CM_OUT_TOO_LARGE);
+    if (!job->upstream)
+        return reject(r, c, 404, "route-not-found", "No route", "no route matches this path", CM_OUT_NOT_FOUND);
+
+    uint64_t max_body = route ? route->idem.max_body : conf->max_body;
+    const char *cl = cm_hdrs_get(&r->in_hdrs, "Content-Length");
+    if (cl) {
+        char *end;
+        unsigned long long v = strtoull(cl, &end, 10);
+        if (end != cl && *end == '\0' && v > max_body)
+            return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
+                          CM_OUT_TOO_LARGE);
+    }
+    cm_buf_init(&job->body, (size_t)max_body);
+
+    if (route && route->idem.key != CONF_KEY_OFF && (route->methods & conf_method_bit(method))) {
+        const char *raw = cm_hdrs_get(&r->in_hdrs, route->idem.header);
+        if (!raw) {
+            if (route->idem.key == CONF_KEY_REQUIRED)
+                return reject(r, c, 400, "idempotency-key-missing", "Idempotency key missing",
+                              "this route requires an idempotency key header", CM_OUT_KEY_MISSING);
+        } else if (!gw_key_parse(raw, strlen(raw), job->key, &job->key_len)) {
+            return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
+                          "the key must be 1 to 255 visible ASCII characters, bare or as a quoted sf-string",
+                          CM_OUT_KEY_INVALID);
+        } else {
+            job->idempotent = true;
+        }
+    }
+    build_forward_headers(r, c);
+    r->stage = STAGE_BODY;
+    return MHD_YES;
+}
+
+/* Final call: the body is in; hash it and hand the job to the loop. */
+static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
+{
+    struct gw_job *job = &r->job;
+    if (r->body_too_large)
+        return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
+                      CM_OUT_TOO_LARGE);
+    if (job->idempotent) {
+        struct gw_reqparts parts = {job->method, job->path, job->query, job->body.data, job->body.len, &r->in_hdrs};
+        const struct conf_idem *im = &job->route->idem;
+        gw_hash_parts(im->fingerprint, im->fingerprint_n, &parts, job->fp);
+        gw_hash_parts(im->scope, im->scope_n, &parts, job->scope);
+    }
+    cm_hdrs_free(&r->in_hdrs);
+    r->stage = STAGE_SUBMITTED;
+    MHD_suspend_connection(c);
+    gw_loop_submit(r->front->loop, gw_pipeline_run, job);
+    return MHD_YES;
+}
+
+static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                               const char *version, const char *upload_data, size_t *upload_data_size, void **req_cls)
+{
+    struct req *r = *req_cls;
+    if (!r) /* no URI callback ran: should not happen */
+        return MHD_NO;
+    switch (r->stage) {
+    case STAGE_NEW: {
+        enum MHD_Result ret = on_headers(r, c, method);
+        if (r->stage == STAGE_ANSWERED || ret != MHD_YES)
+            return ret;
+        if (*upload_data_size == 0)
+            return MHD_YES; /* MHD calls again with the body or the final call */
+        /* fall through: some MHD versions deliver data on the first call */
+    }
+    /* fall through */
+    case STAGE_BODY:
+        if (*upload_data_size) {
+            if (!r->body_too_large && !cm_buf_append(&r->job.body, upload_data, *upload_data_size)) {
+                r->body_too_large = true;
+                cm_buf_free(&r->job.body);
+            }
+            *upload_data_size = 0;
+            return MHD_YES;
+        }
+        return submit(r, c);
+    case STAGE_SUBMITTED:
+        if (!atomic_load(&r->job.done))
+            return MHD_YES; /* spurious call; still suspended work */
+        return queue_answer(r, c);
+    case STAGE_ANSWERED:
+    default:
+        if (upload_data_size)
+            *upload_data_size = 0; /* discard the rest of a rejected body */
+        return MHD_YES;
+    }
+}
+
+/* Raw request target: MHD must not unescape it (the path is forwarded as is). */
+static size_t no_unescape(void *cls, struct MHD_Connection *c, char *s)
+{
+    return strlen(s);
+}
+
+static bool make_addr(const struct conf_addr *a, struct sockaddr_storage *ss, char **err)
+{
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    char port[8];
+    snprintf(port, sizeof port, "%u", a->port);
+    int rc = getaddrinfo(a->host, port, &hints, &res);
+    if (rc != 0 || !res) {
+        *err = cm_asprintf("cannot resolve listen address %s: %s", a->host, gai_strerror(rc));
+        return false;
+    }
+    memset(ss, 0, sizeof *ss);
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    freeaddrinfo(res);
+    return true;
+}
+
+static unsigned mhd_family_flag(const struct sockaddr_storage *ss)
+{
+    return ss->ss_family == AF_INET6 ? MHD_USE_IPv6 : 0;
+}
+
+struct gw_front *gw_front_start(const struct conf *conf, struct gw_loop *loop, char **err)
+{
+    struct gw_front *f = cm_calloc(1, sizeof *f);
+    f->conf = conf;
+    f->loop = loop;
+    struct sockaddr_storage ss;
+    if (!make_addr(&conf->listen, &ss, err)) {
+        free(f);
+        return NULL;
+    }
+    unsigned threads = conf->threads;
+    if (!threads) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = n > 0 ? (unsigned)n : 1;
+    }
+    size_t mem = (size_t)conf->max_header_bytes * 2 + 16 * 1024;
+    if (mem < 32 * 1024)
+        mem = 32 * 1024;
+    unsigned timeout_s = (unsigned)((conf->client_timeout_ms + 999) / 1000);
+    f->d = MHD_start_daemon(
+        MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG | MHD_USE_TURBO |
+            mhd_family_flag(&ss),
+        0, NULL, NULL, handler, f, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_THREAD_POOL_SIZE, threads,
+        MHD_OPTION_CONNECTION_LIMIT, (unsigned)(conf->max_connections + 64), MHD_OPTION_CONNECTION_TIMEOUT, timeout_s,
+        MHD_OPTION_CONNECTION_MEMORY_LIMIT, mem, MHD_OPTION_LISTEN_BACKLOG_SIZE, 4096, MHD_OPTION_URI_LOG_CALLBACK,
+        uri_log, f, MHD_OPTION_NOTIFY_COMPLETED, completed, f, MHD_OPTION_NOTIFY_CONNECTION, conn_notify, f,
+        MHD_OPTION_UNESCAPE_CALLBACK, no_unescape, f, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "front", MHD_OPTION_END);
+    if (!f->d) {
+        *err = cm_asprintf("cannot listen on %s:%u (address in use or not permitted)", conf->listen.host,
+                           conf->listen.port);
+        free(f);
+        return NULL;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(f->d, MHD_DAEMON_INFO_BIND_PORT);
+    f->port = di ? di->port : conf->listen.port;
+    return f;
+}
+
+uint16_t gw_front_port(const struct gw_front *f)
+{
+    return f->port;
+}
+
+void gw_front_quiesce(struct gw_front *f)
+{
+    atomic_store(&f->shutting_down, true);
+    MHD_socket s = MHD_quiesce_daemon(f->d);
+    if (s != MHD_INVALID_SOCKET)
+        close(s);
+}
+
+void gw_front_stop(struct gw_front *f)
+{
+    if (!f)
+        return;
+    MHD_stop_daemon(f->d);
+    free(f);
+}

@@ -1,1 +1,144 @@
-/* placeholder: being written */
+/* idem.c - Idempotency-Key parsing (bare token or RFC 8941 sf-string) and request part hashing. */
+#include "gateway/idem.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+static bool is_ows(char c)
+{
+    return c == ' ' || c == '\t';
+}
+
+/* RFC 8941 3.3.3: DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE, with
+ * unescaped = %x20-21 / %x23-5B / %x5D-7E. p/len span from the opening quote
+ * to the end of the value (trailing OWS already removed). */
+static bool parse_sf_string(const char *p, size_t len, char out[GW_KEY_MAX + 1], size_t *out_len)
+{
+    size_t o = 0;
+    size_t i = 1; /* past the opening quote */
+    for (; i < len; i++) {
+        unsigned char c = (unsigned char)p[i];
+        if (c == '"')
+            break;
+        if (c == '\\') {
+            if (++i >= len)
+                return false;
+            c = (unsigned char)p[i];
+            if (c != '"' && c != '\\')
+                return false;
+        } else if (c < 0x20 || c > 0x7e) {
+            return false;
+        }
+        if (o >= GW_KEY_MAX)
+            return false;
+        out[o++] = (char)c;
+    }
+    /* The closing quote must exist and be the last byte. */
+    if (i >= len || i != len - 1 || o == 0)
+        return false;
+    out[o] = '\0';
+    *out_len = o;
+    return true;
+}
+
+bool gw_key_parse(const char *raw, size_t len, char out[GW_KEY_MAX + 1], size_t *out_len)
+{
+    if (!raw)
+        return false;
+    while (len > 0 && is_ows(raw[0])) {
+        raw++;
+        len--;
+    }
+    while (len > 0 && is_ows(raw[len - 1]))
+        len--;
+    if (len == 0)
+        return false;
+    if (raw[0] == '"')
+        return parse_sf_string(raw, len, out, out_len);
+    if (len > GW_KEY_MAX)
+        return false;
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)raw[i];
+        if (c < 0x21 || c > 0x7e)
+            return false;
+        out[i] = (char)c;
+    }
+    out[len] = '\0';
+    *out_len = len;
+    return true;
+}
+
+static void put_u64(struct cm_sha256 *h, uint64_t v)
+{
+    uint8_t b[8];
+    for (int i = 7; i >= 0; i--) {
+        b[i] = (uint8_t)(v & 0xff);
+        v >>= 8;
+    }
+    cm_sha256_update(h, b, sizeof(b));
+}
+
+static void put_str(struct cm_sha256 *h, const char *s)
+{
+    cm_sha256_part(h, s ? s : "", s ? strlen(s) : 0);
+}
+
+/* Header names are case-insensitive: hash the configured name in lower case. */
+static void put_lower_name(struct cm_sha256 *h, const char *name)
+{
+    size_t n = name ? strlen(name) : 0;
+    char *low = cm_malloc(n + 1);
+    for (size_t i = 0; i < n; i++) {
+        char c = name[i];
+        low[i] = (c >= 'A' && c <= 'Z') ? (char)(c - 'A' + 'a') : c;
+    }
+    cm_sha256_part(h, low, n);
+    free(low);
+}
+
+/* header part: lower-cased name, then the count of values, then each value
+ * length-prefixed in arrival order; absent (count 0) differs from one empty value. */
+static void put_header(struct cm_sha256 *h, const char *name, const struct cm_hdrs *hdrs)
+{
+    put_lower_name(h, name);
+    uint64_t count = 0;
+    if (hdrs && name)
+        for (size_t i = 0; i < hdrs->n; i++)
+            if (hdrs->v[i].name && strcasecmp(hdrs->v[i].name, name) == 0)
+                count++;
+    put_u64(h, count);
+    if (count == 0)
+        return;
+    for (size_t i = 0; i < hdrs->n; i++)
+        if (hdrs->v[i].name && strcasecmp(hdrs->v[i].name, name) == 0)
+            put_str(h, hdrs->v[i].value);
+}
+
+void gw_hash_parts(const struct conf_part *parts, size_t n, const struct gw_reqparts *r, uint8_t out[32])
+{
+    struct cm_sha256 h;
+    cm_sha256_init(&h);
+    for (size_t i = 0; i < n; i++) {
+        uint8_t tag = (uint8_t)('A' + (int)parts[i].kind);
+        cm_sha256_update(&h, &tag, 1);
+        switch (parts[i].kind) {
+        case CONF_PART_METHOD:
+            put_str(&h, r->method);
+            break;
+        case CONF_PART_PATH:
+            put_str(&h, r->path);
+            break;
+        case CONF_PART_QUERY:
+            put_str(&h, r->query);
+            break;
+        case CONF_PART_BODY:
+            cm_sha256_part(&h, r->body ? r->body : "", r->body ? r->body_len : 0);
+            break;
+        case CONF_PART_HEADER:
+            put_header(&h, parts[i].header, r->hdrs);
+            break;
+        }
+    }
+    cm_sha256_final(&h, out);
+}

@@ -1,1 +1,228 @@
-/* placeholder: being written */
+/* loop.c - the I/O thread: one libevent base driving upstream transfers,
+ * the Postgres pool and Redis; other threads hand it work through a locked
+ * queue woken with event_active. */
+#include <event2/event.h>
+#include <event2/thread.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gateway/gateway.h"
+#include "store/store.h"
+#include "upstream/upstream.h"
+
+struct work {
+    void (*fn)(void *);
+    void *arg;
+    struct work *next;
+};
+
+struct gw_loop {
+    const struct conf *conf;
+    struct event_base *base;
+    struct event *wake;
+    struct up_client *up;
+    struct store *store;
+    pthread_t thread;
+    bool running;
+    pthread_mutex_t mu;
+    struct work *head, *tail;
+    bool stopping;
+    atomic_bool schema_ready;
+    struct gw_job *active; /* running jobs (loop thread only) */
+    atomic_size_t njobs;
+    atomic_bool closing;
+};
+
+static void drain(evutil_socket_t fd, short what, void *arg)
+{
+    struct gw_loop *l = arg;
+    pthread_mutex_lock(&l->mu);
+    struct work *w = l->head;
+    l->head = l->tail = NULL;
+    bool stop = l->stopping;
+    pthread_mutex_unlock(&l->mu);
+    while (w) {
+        struct work *next = w->next;
+        w->fn(w->arg);
+        free(w);
+        w = next;
+    }
+    if (stop)
+        event_base_loopbreak(l->base);
+}
+
+static void *loop_main(void *arg)
+{
+    struct gw_loop *l = arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
+    event_base_loop(l->base, EVLOOP_NO_EXIT_ON_EMPTY);
+    return NULL;
+}
+
+static void ev_log(int severity, const char *msg)
+{
+    char q[512];
+    cm_log(severity >= EVENT_LOG_ERR ? CM_ERROR : CM_WARN, "libevent", "msg=%s", cm_log_quote(q, sizeof q, msg));
+}
+
+struct gw_loop *gw_loop_create(const struct conf *conf, char **err)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, (void (*)(void))evthread_use_pthreads);
+    event_set_log_callback(ev_log);
+
+    struct gw_loop *l = cm_calloc(1, sizeof *l);
+    l->conf = conf;
+    pthread_mutex_init(&l->mu, NULL);
+    l->base = event_base_new();
+    if (!l->base) {
+        *err = cm_strdup("cannot create the event loop");
+        goto fail;
+    }
+    l->wake = event_new(l->base, -1, EV_PERSIST, drain, l);
+    event_add(l->wake, NULL);
+    long max_host = 0;
+    for (size_t i = 0; i < conf->upstreams_n; i++)
+        if ((long)conf->upstreams[i].max_connections > max_host)
+            max_host = (long)conf->upstreams[i].max_connections;
+    l->up = up_client_create(l->base, max_host);
+    if (!l->up) {
+        *err = cm_strdup("cannot create the upstream client");
+        goto fail;
+    }
+    l->store = store_create(l->base, conf, err);
+    if (!l->store)
+        goto fail;
+    return l;
+fail:
+    gw_loop_destroy(l);
+    return NULL;
+}
+
+bool gw_loop_start(struct gw_loop *l)
+{
+    if (pthread_create(&l->thread, NULL, loop_main, l) != 0)
+        return false;
+    l->running = true;
+    return true;
+}
+
+void gw_loop_submit(struct gw_loop *l, void (*fn)(void *), void *arg)
+{
+    struct work *w = cm_malloc(sizeof *w);
+    w->fn = fn;
+    w->arg = arg;
+    w->next = NULL;
+    pthread_mutex_lock(&l->mu);
+    bool was_empty = l->head == NULL;
+    if (l->tail)
+        l->tail->next = w;
+    else
+        l->head = w;
+    l->tail = w;
+    pthread_mutex_unlock(&l->mu);
+    if (was_empty)
+        event_active(l->wake, EV_READ, 0);
+}
+
+void gw_loop_destroy(struct gw_loop *l)
+{
+    if (!l)
+        return;
+    if (l->running) {
+        pthread_mutex_lock(&l->mu);
+        l->stopping = true;
+        pthread_mutex_unlock(&l->mu);
+        event_active(l->wake, EV_READ, 0);
+        pthread_join(l->thread, NULL);
+        l->running = false;
+    }
+    /* Anything still queued after the break runs now, on this thread. */
+    drain(-1, 0, l);
+    store_destroy(l->store);
+    up_client_destroy(l->up);
+    if (l->wake)
+        event_free(l->wake);
+    if (l->base)
+        event_base_free(l->base);
+    pthread_mutex_destroy(&l->mu);
+    free(l);
+}
+
+struct event_base *gw_loop_base(struct gw_loop *l)
+{
+    return l->base;
+}
+
+struct up_client *gw_loop_upstream(struct gw_loop *l)
+{
+    return l->up;
+}
+
+struct store *gw_loop_store(struct gw_loop *l)
+{
+    return l->store;
+}
+
+const struct conf *gw_loop_conf(struct gw_loop *l)
+{
+    return l->conf;
+}
+
+void gw_loop_set_schema_ready(struct gw_loop *l, bool ready)
+{
+    atomic_store(&l->schema_ready, ready);
+}
+
+bool gw_loop_schema_ready(struct gw_loop *l)
+{
+    return atomic_load(&l->schema_ready);
+}
+
+void gw_loop_job_add(struct gw_loop *l, struct gw_job *job)
+{
+    job->prev_active = NULL;
+    job->next_active = l->active;
+    if (l->active)
+        l->active->prev_active = job;
+    l->active = job;
+    atomic_fetch_add(&l->njobs, 1);
+}
+
+void gw_loop_job_remove(struct gw_loop *l, struct gw_job *job)
+{
+    if (job->prev_active)
+        job->prev_active->next_active = job->next_active;
+    else if (l->active == job)
+        l->active = job->next_active;
+    else
+        return; /* not listed */
+    if (job->next_active)
+        job->next_active->prev_active = job->prev_active;
+    job->next_active = job->prev_active = NULL;
+    atomic_fetch_sub(&l->njobs, 1);
+}
+
+size_t gw_loop_jobs(struct gw_loop *l)
+{
+    return atomic_load(&l->njobs);
+}
+
+struct gw_job *gw_loop_first_job(struct gw_loop *l)
+{
+    return l->active;
+}
+
+void gw_loop_set_closing(struct gw_loop *l)
+{
+    atomic_store(&l->closing, true);
+}
+
+bool gw_loop_closing(struct gw_loop *l)
+{
+    return atomic_load(&l->closing);
+}

@@ -1,2 +1,264 @@
-/* placeholder: being written */
-int main(void) { return 0; }
+/* main.c - idemgate's entry point: command line, start-up, signals, graceful drain. */
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/metrics.h"
+#include "conf/conf.h"
+#include "gateway/gateway.h"
+#include "store/store.h"
+
+#define MIGRATE_TIMEOUT_MS 5000
+#define MIGRATE_RETRY_MS   2000
+
+static void usage(FILE *out)
+{
+    fprintf(out, "usage: idemgate -c FILE          run with this configuration (--config FILE)\n"
+                 "       idemgate --check -c FILE  validate the configuration, print what is wrong, exit 0/1\n"
+                 "       idemgate --version\n"
+                 "environment: IDEMGATE_POSTGRES_URL, IDEMGATE_REDIS_URL (empty: no Redis), IDEMGATE_ADMIN_TOKEN,\n"
+                 "             IDEMGATE_LOG_LEVEL (debug|info|warn|error)\n");
+}
+
+struct migrator {
+    const struct conf *conf;
+    struct gw_loop *loop;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stop;
+};
+
+/* Retries the schema migration until it succeeds or the process stops. */
+static void *migrate_main(void *arg)
+{
+    struct migrator *m = arg;
+    for (;;) {
+        char *err = NULL;
+        if (store_migrate(m->conf->postgres_url, MIGRATE_TIMEOUT_MS, &err)) {
+            gw_loop_set_schema_ready(m->loop, true);
+            cm_log(CM_INFO, "schema_ready", NULL);
+            return NULL;
+        }
+        char q[512];
+        cm_log(CM_WARN, "schema_unavailable", "error=%s retry_ms=%d", cm_log_quote(q, sizeof q, err ? err : "?"),
+               MIGRATE_RETRY_MS);
+        free(err);
+        pthread_mutex_lock(&m->mu);
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += MIGRATE_RETRY_MS / 1000;
+        while (!m->stop && pthread_cond_timedwait(&m->cv, &m->mu, &ts) != ETIMEDOUT) {
+        }
+        bool stop = m->stop;
+        pthread_mutex_unlock(&m->mu);
+        if (stop)
+            return NULL;
+    }
+}
+
+static void raise_nofile(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+            cm_log(CM_WARN, "rlimit", "msg=\"cannot raise RLIMIT_NOFILE\"");
+    }
+}
+
+static void set_log_level(void)
+{
+    const char *lv = getenv("IDEMGATE_LOG_LEVEL");
+    if (!lv)
+        return;
+    if (strcmp(lv, "debug") == 0)
+        cm_log_set_level(CM_DEBUG);
+    else if (strcmp(lv, "warn") == 0)
+        cm_log_set_level(CM_WARN);
+    else if (strcmp(lv, "error") == 0)
+        cm_log_set_level(CM_ERROR);
+}
+
+/* Waits until cond(arg) is false or the deadline passes; true when drained. */
+static bool wait_until(bool (*busy)(void *), void *arg, uint64_t deadline_ms)
+{
+    while (busy(arg)) {
+        if (cm_now_ms() >= deadline_ms)
+            return false;
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    return true;
+}
+
+struct running {
+    struct gw_loop *loop;
+    struct gw_admin *admin;
+};
+
+static bool jobs_busy(void *arg)
+{
+    struct running *r = arg;
+    return gw_loop_jobs(r->loop) > 0 || gw_admin_jobs(r->admin) > 0;
+}
+
+static int run(const struct conf *conf)
+{
+    char *err = NULL;
+    char q[512];
+    int rc = 1;
+    struct gw_loop *loop = NULL;
+    struct gw_front *front = NULL;
+    struct gw_admin *admin = NULL;
+    struct migrator mig = {.conf = conf};
+    bool mig_started = false;
+    pthread_mutex_init(&mig.mu, NULL);
+    pthread_cond_init(&mig.cv, NULL);
+
+    const char **names = cm_calloc(conf->routes_n + 1, sizeof *names);
+    for (size_t i = 0; i < conf->routes_n; i++)
+        names[i] = conf->routes[i].name;
+    cm_metrics_init(conf->routes_n, names);
+    free(names);
+
+    loop = gw_loop_create(conf, &err);
+    if (!loop) {
+        cm_log(CM_ERROR, "start_failed", "error=%s", cm_log_quote(q, sizeof q, err ? err : "?"));
+        goto out;
+    }
+    if (!gw_loop_start(loop)) {
+        cm_log(CM_ERROR, "start_failed", "error=\"cannot start the I/O thread\"");
+        goto out;
+    }
+    mig.loop = loop;
+    if (pthread_create(&mig.thread, NULL, migrate_main, &mig) != 0) {
+        cm_log(CM_ERROR, "start_failed", "error=\"cannot start the migration thread\"");
+        goto out;
+    }
+    mig_started = true;
+    /* Give the first migration a moment so that a healthy start is ready at once. */
+    for (int i = 0; i < 500 && !gw_loop_schema_ready(loop); i++) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+
+    front = gw_front_start(conf, loop, &err);
+    if (!front) {
+        cm_log(CM_ERROR, "start_failed", "error=%s", cm_log_quote(q, sizeof q, err ? err : "?"));
+        goto out;
+    }
+    cm_log(CM_INFO, "listening", "addr=%s:%u", conf->listen.host, gw_front_port(front));
+    if (conf->admin_enabled) {
+        admin = gw_admin_start(conf, loop, &err);
+        if (!admin) {
+            cm_log(CM_ERROR, "start_failed", "error=%s", cm_log_quote(q, sizeof q, err ? err : "?"));
+            goto out;
+        }
+        cm_log(CM_INFO, "admin_listening", "addr=%s:%u", conf->admin_listen.host, gw_admin_port(admin));
+    }
+    char pg[512], rd[512];
+    cm_log(CM_INFO, "started", "version=%s routes=%zu upstreams=%zu postgres=%s redis=%s pool=%u", IDEMGATE_VERSION,
+           conf->routes_n, conf->upstreams_n,
+           cm_log_quote(pg, sizeof pg, cm_redact_url(q, sizeof q, conf->postgres_url)),
+           conf->redis_url ? cm_log_quote(rd, sizeof rd, cm_redact_url(q, sizeof q, conf->redis_url)) : "none",
+           conf->pool);
+
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    int sig = 0;
+    sigwait(&set, &sig);
+    cm_log(CM_INFO, "stopping", "signal=%s grace_ms=%llu jobs=%zu", sig == SIGINT ? "SIGINT" : "SIGTERM",
+           (unsigned long long)conf->shutdown_grace_ms, gw_loop_jobs(loop));
+
+    gw_front_quiesce(front);
+    struct running r = {loop, admin};
+    if (!wait_until(jobs_busy, &r, cm_now_ms() + conf->shutdown_grace_ms)) {
+        cm_log(CM_WARN, "grace_expired", "jobs=%zu", gw_loop_jobs(loop));
+        gw_loop_submit(loop, gw_pipeline_abort_all, loop);
+        if (!wait_until(jobs_busy, &r, cm_now_ms() + 2000))
+            cm_log(CM_ERROR, "stop_incomplete", "jobs=%zu", gw_loop_jobs(loop));
+    }
+    /* Let resumed connections flush their answers. */
+    struct timespec ts = {0, 50 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    rc = 0;
+out:
+    free(err);
+    if (mig_started) {
+        pthread_mutex_lock(&mig.mu);
+        mig.stop = true;
+        pthread_cond_signal(&mig.cv);
+        pthread_mutex_unlock(&mig.mu);
+        pthread_join(mig.thread, NULL);
+    }
+    gw_admin_stop(admin);
+    gw_front_stop(front);
+    gw_loop_destroy(loop);
+    pthread_mutex_destroy(&mig.mu);
+    pthread_cond_destroy(&mig.cv);
+    cm_metrics_reset();
+    cm_log(CM_INFO, "stopped", "exit=%d", rc);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    const char *file = NULL;
+    bool check = false;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--version") == 0 || strcmp(argv[i], "-V") == 0) {
+            printf("idemgate %s\n", IDEMGATE_VERSION);
+            return 0;
+        } else if (strcmp(argv[i], "--check") == 0) {
+            check = true;
+        } else if ((strcmp(argv[i], "-c") == 0 || strcmp(argv[i], "--config") == 0) && i + 1 < argc) {
+            file = argv[++i];
+        } else if (strncmp(argv[i], "--config=", 9) == 0) {
+            file = argv[i] + 9;
+        } else if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
+            usage(stdout);
+            return 0;
+        } else {
+            fprintf(stderr, "idemgate: unknown or incomplete argument '%s'\n", argv[i]);
+            usage(stderr);
+            return 1;
+        }
+    }
+    if (!file) {
+        usage(stderr);
+        return 1;
+    }
+    set_log_level();
+    char *err = NULL;
+    struct conf *conf = conf_load(file, &err);
+    if (!conf) {
+        char q[2048];
+        cm_log(CM_ERROR, "config_invalid", "file=%s error=%s", file, cm_log_quote(q, sizeof q, err ? err : "?"));
+        free(err);
+        return 1;
+    }
+    if (check) {
+        cm_log(CM_INFO, "config_ok", "file=%s routes=%zu upstreams=%zu", file, conf->routes_n, conf->upstreams_n);
+        conf_destroy(conf);
+        return 0;
+    }
+    raise_nofile();
+    signal(SIGPIPE, SIG_IGN);
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &set, NULL); /* every thread inherits this; main takes them with sigwait */
+    int rc = run(conf);
+    conf_destroy(conf);
+    return rc;
+}

@@ -1,1 +1,391 @@
-/* placeholder: being written */
+/* pipeline.c - the request pipeline on the loop thread: claim the key,
+ * forward once, store the answer (fenced), then answer; or replay, 409, 422. */
+#include <event2/event.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gateway/gateway.h"
+#include "gateway/problem.h"
+#include "store/store.h"
+#include "upstream/upstream.h"
+
+#define WAIT_BACKOFF_FIRST_MS 20
+#define WAIT_BACKOFF_MAX_MS   500
+
+static void claim(struct gw_job *job);
+
+void gw_job_problem(struct gw_job *job, int status, const char *name, const char *title, const char *detail)
+{
+    size_t len;
+    char *json = gw_problem_json(status, name, title, detail, &len);
+    cm_hdrs_free(&job->resp_hdrs);
+    cm_buf_free(&job->resp_body);
+    cm_buf_init(&job->resp_body, len + 1);
+    if (!cm_buf_append(&job->resp_body, json, len))
+        abort(); /* cannot happen: the cap fits */
+    free(json);
+    cm_hdrs_add(&job->resp_hdrs, "Content-Type", GW_PROBLEM_CONTENT_TYPE);
+    job->status = status;
+}
+
+static void retry_after(struct gw_job *job, uint64_t ms)
+{
+    char v[32];
+    uint64_t s = (ms + 999) / 1000;
+    snprintf(v, sizeof v, "%llu", (unsigned long long)(s ? s : 1));
+    cm_hdrs_add(&job->resp_hdrs, "Retry-After", v);
+}
+
+static struct store_id job_id(const struct gw_job *job)
+{
+    struct store_id id;
+    id.route = job->route->name;
+    memcpy(id.scope, job->scope, sizeof id.scope);
+    id.key = job->key;
+    id.key_len = job->key_len;
+    return id;
+}
+
+static void stop_timers(struct gw_job *job)
+{
+    if (job->timer) {
+        event_free(job->timer);
+        job->timer = NULL;
+    }
+    if (job->renew_timer) {
+        event_free(job->renew_timer);
+        job->renew_timer = NULL;
+    }
+}
+
+/* The answer is ready: count it and hand the job back to the front. */
+static void finish(struct gw_job *job, enum cm_outcome outcome)
+{
+    stop_timers(job);
+    job->outcome = outcome;
+    cm_metric_request(job->route_index, outcome);
+    gw_loop_job_remove(job->loop, job);
+    gw_job_done(job);
+}
+
+/* Moves an upstream (or stored) answer into the job's answer. */
+static void take_resp(struct gw_job *job, struct cm_resp *r)
+{
+    cm_hdrs_free(&job->resp_hdrs);
+    cm_buf_free(&job->resp_body);
+    job->status = r->status;
+    job->resp_hdrs = r->hdrs;
+    job->resp_body = r->body;
+    cm_hdrs_init(&r->hdrs);
+    cm_buf_init(&r->body, 0);
+}
+
+static bool method_is_idempotent(const char *m)
+{
+    static const char *const safe[] = {"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"};
+    for (size_t i = 0; i < sizeof safe / sizeof safe[0]; i++)
+        if (strcmp(m, safe[i]) == 0)
+            return true;
+    return false;
+}
+
+static size_t max_response(const struct gw_job *job)
+{
+    return job->route ? (size_t)job->route->idem.max_response : (size_t)job->conf->max_response;
+}
+
+static bool is_release_status(const struct gw_job *job, int status)
+{
+    const struct conf_idem *im = &job->route->idem;
+    for (size_t i = 0; i < im->release_statuses_n; i++)
+        if (im->release_statuses[i] == status)
+            return true;
+    return false;
+}
+
+/* ---- passthrough */
+
+static void passthrough_done(void *arg, enum up_result r, struct cm_resp *resp, const char *errmsg, double secs)
+{
+    struct gw_job *job = arg;
+    job->transfer = NULL;
+    cm_metric_upstream_seconds(secs);
+    switch (r) {
+    case UP_OK:
+        take_resp(job, resp);
+        finish(job, CM_OUT_FORWARDED);
+        return;
+    case UP_CONNECT_FAILED:
+        gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the upstream could not be reached");
+        finish(job, CM_OUT_UPSTREAM_UNAVAILABLE);
+        return;
+    case UP_TIMEOUT:
+        gw_job_problem(job, 504, "upstream-timeout", "Upstream timeout", "the upstream did not answer in time");
+        finish(job, CM_OUT_UPSTREAM_TIMEOUT);
+        return;
+    case UP_TOO_LARGE:
+        gw_job_problem(job, 502, "upstream-response-too-large", "Upstream response too large",
+                       "the upstream's answer exceeds max_response");
+        finish(job, CM_OUT_ERROR);
+        return;
+    default:
+        cm_log(CM_WARN, "upstream_error", "result=%s detail=\"%s\"", up_result_name(r), errmsg ? errmsg : "");
+        gw_job_problem(job, 502, "upstream-no-response", "No response from upstream",
+                       "the upstream closed the connection without an answer");
+        finish(job, CM_OUT_UPSTREAM_NO_RESPONSE);
+        return;
+    }
+}
+
+static bool forward(struct gw_job *job, up_done_cb cb)
+{
+    struct cm_buf url;
+    cm_buf_init(&url, 64 * 1024);
+    if (!cm_buf_appendf(&url, "%s%s", job->upstream->url, job->uri)) {
+        cm_buf_free(&url);
+        return false;
+    }
+    struct up_request req = {
+        .method = job->method,
+        .url = url.data,
+        .hdrs = &job->fwd_hdrs,
+        .body = job->body.data,
+        .body_len = job->body.len,
+        .connect_timeout_ms = job->upstream->connect_timeout_ms,
+        .timeout_ms = job->upstream->timeout_ms,
+        .max_response = max_response(job),
+        .no_resend = job->idempotent || !method_is_idempotent(job->method),
+    };
+    job->transfer = up_send(gw_loop_upstream(job->loop), &req, cb, job);
+    cm_buf_free(&url);
+    return job->transfer != NULL;
+}
+
+/* ---- idempotent: after the upstream answered or failed */
+
+static void answer_after_store(void *arg, bool ok, long rows)
+{
+    struct gw_job *job = arg;
+    finish(job, job->outcome);
+}
+
+static void completed(void *arg, bool ok, long rows)
+{
+    struct gw_job *job = arg;
+    if (!ok || rows == 0) {
+        cm_metric_completion_failure(job->route_index);
+        cm_log(CM_ERROR, "completion_failed", "route=%s reason=%s", job->route->name,
+               ok ? "fenced_out" : "store_unavailable");
+    }
+    take_resp(job, &job->up_resp);
+    finish(job, CM_OUT_FORWARDED);
+}
+
+static void idem_forward_done(void *arg, enum up_result r, struct cm_resp *resp, const char *errmsg, double secs)
+{
+    struct gw_job *job = arg;
+    struct store *st = gw_loop_store(job->loop);
+    struct store_id id = job_id(job);
+    const struct conf_idem *im = &job->route->idem;
+    job->transfer = NULL;
+    cm_metric_upstream_seconds(secs);
+    /* The lease is no longer renewed from here: the record is settled next. */
+    if (job->renew_timer) {
+        event_free(job->renew_timer);
+        job->renew_timer = NULL;
+    }
+    switch (r) {
+    case UP_OK:
+        if (is_release_status(job, resp->status)) {
+            take_resp(job, resp);
+            job->outcome = CM_OUT_RELEASED;
+            store_release(st, &id, job->token, answer_after_store, job);
+            return;
+        }
+        job->up_resp = *resp;
+        cm_hdrs_init(&resp->hdrs);
+        cm_buf_init(&resp->body, 0);
+        store_complete(st, &id, job->token, &job->up_resp, im->retention_ms, im->lease_ms, completed, job);
+        return;
+    case UP_CONNECT_FAILED:
+        gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable",
+                       "the upstream could not be reached; nothing was sent and the key was released");
+        job->outcome = CM_OUT_UPSTREAM_UNAVAILABLE;
+        store_release(st, &id, job->token, answer_after_store, job);
+        return;
+    case UP_TIMEOUT:
+        gw_job_problem(job, 504, "upstream-timeout", "Upstream timeout",
+                       "the request was sent but no answer came in time; its outcome is unknown");
+        job->outcome = CM_OUT_UPSTREAM_TIMEOUT;
+        break;
+    case UP_TOO_LARGE:
+        gw_job_problem(job, 502, "upstream-response-too-large", "Upstream response too large",
+                       "the upstream executed the request but its answer exceeds max_response and cannot be "
+                       "stored; the outcome is recorded as unknown");
+        job->outcome = CM_OUT_ERROR;
+        break;
+    default:
+        cm_log(CM_WARN, "upstream_error", "route=%s result=%s detail=\"%s\"", job->route->name, up_result_name(r),
+               errmsg ? errmsg : "");
+        gw_job_problem(job, 502, "upstream-no-response", "No response from upstream",
+                       "the request was sent but the upstream closed the connection without an answer; its "
+                       "outcome is unknown");
+        job->outcome = CM_OUT_UPSTREAM_NO_RESPONSE;
+        break;
+    }
+    store_mark_unknown(st, &id, job->token, im->lease_ms, answer_after_store, job);
+}
+
+static void renewed(void *arg, bool ok, long rows)
+{
+    struct gw_job *job = arg;
+    job->renewing = false;
+    if (ok && rows == 0)
+        cm_log(CM_WARN, "lease_lost", "route=%s", job->route->name);
+}
+
+static void renew_tick(evutil_socket_t fd, short what, void *arg)
+{
+    struct gw_job *job = arg;
+    if (job->renewing)
+        return;
+    job->renewing = true;
+    struct store_id id = job_id(job);
+    store_renew(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms, renewed, job);
+}
+
+static void wait_tick(evutil_socket_t fd, short what, void *arg)
+{
+    claim(arg);
+}
+
+static void claimed(void *arg, struct store_claim_res *res)
+{
+    struct gw_job *job = arg;
+    const struct conf_idem *im = &job->route->idem;
+    switch (res->verdict) {
+    case STORE_NEW: {
+        job->token = res->token;
+        uint64_t every = im->lease_ms / 3 ? im->lease_ms / 3 : 1;
+        struct timeval tv = {(time_t)(every / 1000), (suseconds_t)((every % 1000) * 1000)};
+        job->renew_timer = event_new(gw_loop_base(job->loop), -1, EV_PERSIST, renew_tick, job);
+        event_add(job->renew_timer, &tv);
+        if (!forward(job, idem_forward_done)) {
+            gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the transfer could not start");
+            job->outcome = CM_OUT_UPSTREAM_UNAVAILABLE;
+            struct store_id id = job_id(job);
+            store_release(gw_loop_store(job->loop), &id, job->token, answer_after_store, job);
+        }
+        return;
+    }
+    case STORE_REPLAY:
+        take_resp(job, &res->resp);
+        job->replayed = true;
+        cm_metric_dedup_hit(job->route_index);
+        finish(job, CM_OUT_REPLAYED);
+        return;
+    case STORE_MISMATCH:
+        cm_metric_parameter_conflict(job->route_index);
+        gw_job_problem(job, 422, "idempotency-key-mismatch", "Idempotency key reused with another request",
+                       "this key was already used with a different request payload");
+        finish(job, CM_OUT_MISMATCH);
+        return;
+    case STORE_IN_FLIGHT:
+        if (im->on_in_flight == CONF_IN_FLIGHT_WAIT) {
+            uint64_t now = cm_now_ms();
+            if (!job->wait_deadline_ms) {
+                job->wait_deadline_ms = now + im->wait_ms;
+                job->wait_backoff_ms = WAIT_BACKOFF_FIRST_MS;
+            }
+            if (now < job->wait_deadline_ms) {
+                uint64_t d = job->wait_backoff_ms;
+                if (now + d > job->wait_deadline_ms)
+                    d = job->wait_deadline_ms - now;
+                job->wait_backoff_ms =
+                    job->wait_backoff_ms * 2 > WAIT_BACKOFF_MAX_MS ? WAIT_BACKOFF_MAX_MS : job->wait_backoff_ms * 2;
+                if (!job->timer)
+                    job->timer = evtimer_new(gw_loop_base(job->loop), wait_tick, job);
+                struct timeval tv = {(time_t)(d / 1000), (suseconds_t)((d % 1000) * 1000)};
+                evtimer_add(job->timer, &tv);
+                return;
+            }
+        }
+        cm_metric_in_flight_conflict(job->route_index);
+        gw_job_problem(job, 409, "idempotency-key-in-use", "Idempotency key in use",
+                       "a request with this key is still being processed; retry later");
+        retry_after(job, res->lease_remaining_ms < im->lease_ms ? res->lease_remaining_ms : im->lease_ms);
+        finish(job, CM_OUT_IN_FLIGHT);
+        return;
+    case STORE_UNKNOWN:
+        gw_job_problem(job, 409, "idempotency-outcome-unknown", "Outcome unknown",
+                       "an earlier request with this key was sent upstream but its outcome is unknown; an "
+                       "operator must release the key before it can be retried");
+        finish(job, CM_OUT_UNKNOWN);
+        return;
+    case STORE_UNAVAILABLE:
+    default:
+        cm_log(CM_WARN, "store_unavailable", "route=%s detail=\"%s\"", job->route->name, res->err ? res->err : "");
+        gw_job_problem(job, 503, "store-unavailable", "Store unavailable",
+                       "the idempotency store cannot be reached; nothing was forwarded");
+        retry_after(job, 1000);
+        finish(job, CM_OUT_STORE_UNAVAILABLE);
+        return;
+    }
+}
+
+static void claim(struct gw_job *job)
+{
+    const struct conf_idem *im = &job->route->idem;
+    struct store_claim_req req;
+    memset(&req, 0, sizeof req);
+    req.id = job_id(job);
+    req.route_index = job->route_index;
+    memcpy(req.fp, job->fp, sizeof req.fp);
+    req.lease_ms = im->lease_ms;
+    req.retention_ms = im->retention_ms;
+    req.takeover_unknown = im->on_unknown == CONF_UNKNOWN_RETRY;
+    store_claim(gw_loop_store(job->loop), &req, claimed, job);
+}
+
+void gw_pipeline_run(void *arg)
+{
+    struct gw_job *job = arg;
+    gw_loop_job_add(job->loop, job);
+    if (gw_loop_closing(job->loop)) {
+        gw_job_problem(job, 503, "shutting-down", "Shutting down", "the gateway is stopping");
+        finish(job, CM_OUT_ERROR);
+        return;
+    }
+    if (!job->idempotent) {
+        if (!forward(job, passthrough_done)) {
+            gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the transfer could not start");
+            finish(job, CM_OUT_UPSTREAM_UNAVAILABLE);
+        }
+        return;
+    }
+    if (!gw_loop_schema_ready(job->loop)) {
+        gw_job_problem(job, 503, "store-unavailable", "Store unavailable",
+                       "the idempotency store is not ready yet; nothing was forwarded");
+        retry_after(job, 1000);
+        finish(job, CM_OUT_STORE_UNAVAILABLE);
+        return;
+    }
+    claim(job);
+}
+
+void gw_pipeline_abort_all(void *arg)
+{
+    struct gw_loop *l = arg;
+    struct gw_job *job;
+    gw_loop_set_closing(l);
+    while ((job = gw_loop_first_job(l)) != NULL) {
+        if (job->transfer) {
+            up_cancel(gw_loop_upstream(l), job->transfer);
+            job->transfer = NULL;
+        }
+        gw_job_problem(job, 503, "shutting-down", "Shutting down",
+                       "the gateway stopped before this request finished; its outcome is unknown");
+        finish(job, CM_OUT_ERROR);
+    }
+}

@@ -1,0 +1,132 @@
+/* gateway.h - the gateway room's internal API: the I/O loop thread, the job
+ * that carries one client request from the HTTP front to the pipeline and
+ * back, the pipeline, the front and the admin listener. */
+#ifndef IDEMGATE_GATEWAY_H
+#define IDEMGATE_GATEWAY_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+#include "common/metrics.h"
+#include "conf/conf.h"
+#include "gateway/idem.h"
+
+struct event_base;
+struct up_client;
+struct store;
+struct gw_loop;
+
+/* ---- the I/O loop: one thread running libevent, owning the curl multi
+ * handle, the Postgres pool and the Redis context. */
+
+/* Creates the loop (event base, upstream client, store). NULL + *err on failure. */
+struct gw_loop *gw_loop_create(const struct conf *conf, char **err);
+/* Starts the loop thread. Returns false on failure. */
+bool gw_loop_start(struct gw_loop *l) CM_MUST_CHECK;
+/* Runs fn(arg) on the loop thread soon. Safe from any thread. */
+void gw_loop_submit(struct gw_loop *l, void (*fn)(void *), void *arg);
+/* Stops the thread (pending submissions are run first, best effort) and
+ * frees everything. NULL is a no-op. */
+void gw_loop_destroy(struct gw_loop *l);
+struct event_base *gw_loop_base(struct gw_loop *l);
+struct up_client *gw_loop_upstream(struct gw_loop *l);
+struct store *gw_loop_store(struct gw_loop *l);
+const struct conf *gw_loop_conf(struct gw_loop *l);
+/* Set once the schema exists; idempotent requests get 503 until then. */
+void gw_loop_set_schema_ready(struct gw_loop *l, bool ready);
+bool gw_loop_schema_ready(struct gw_loop *l);
+/* After this, new jobs are answered 503 at once (shutdown past the grace). */
+void gw_loop_set_closing(struct gw_loop *l);
+bool gw_loop_closing(struct gw_loop *l);
+/* Jobs between submit and finish (for graceful shutdown). */
+size_t gw_loop_jobs(struct gw_loop *l);
+/* Loop thread only: the list of running jobs. */
+struct gw_job;
+void gw_loop_job_add(struct gw_loop *l, struct gw_job *job);
+void gw_loop_job_remove(struct gw_loop *l, struct gw_job *job);
+struct gw_job *gw_loop_first_job(struct gw_loop *l);
+/* Loop thread only: ends every running job now (grace expired): upstream
+ * transfers are cancelled, their records stay in flight (unknown after the
+ * lease), the clients get 503 shutting-down. */
+void gw_pipeline_abort_all(void *loop);
+
+/* ---- a job: one client request in the pipeline. Built by the front on an
+ * HTTP thread, run by the pipeline on the loop thread, answered by the front
+ * after resume. */
+struct gw_job {
+    /* request (immutable once submitted) */
+    const struct conf *conf;
+    const struct conf_route *route; /* NULL: default upstream */
+    size_t route_index;             /* or CM_ROUTE_DEFAULT */
+    const struct conf_upstream *upstream;
+    char *method;
+    char *uri;               /* raw request target: path[?query] */
+    char *path;              /* raw path, no query */
+    char *query;             /* raw query without '?', "" when none */
+    struct cm_hdrs fwd_hdrs; /* headers to forward (filtered, X-Forwarded-* added) */
+    struct cm_buf body;
+    bool idempotent;
+    char key[GW_KEY_MAX + 1];
+    size_t key_len;
+    uint8_t scope[32];
+    uint8_t fp[32];
+    uint64_t started_ms;
+
+    /* answer (written by the pipeline before gw_job_finish) */
+    int status;
+    struct cm_hdrs resp_hdrs;
+    struct cm_buf resp_body;
+    bool replayed;
+    enum cm_outcome outcome;
+
+    /* front bookkeeping */
+    void *conn; /* struct MHD_Connection * */
+    atomic_bool done;
+    bool submitted;
+    bool answered;
+    struct gw_loop *loop;
+    void (*finish)(struct gw_job *job); /* set by the front: resumes the connection */
+
+    /* pipeline state (loop thread only) */
+    uint64_t token;
+    uint64_t wait_deadline_ms;
+    uint64_t wait_backoff_ms;
+    struct event *timer;       /* wait backoff */
+    struct event *renew_timer; /* lease renewal */
+    struct up_transfer *transfer;
+    struct cm_resp up_resp; /* upstream answer being stored */
+    bool renewing;
+    struct gw_job *next_active, *prev_active; /* loop's list of running jobs */
+};
+
+/* Fills the answer with a problem+json body. */
+void gw_job_problem(struct gw_job *job, int status, const char *name, const char *title, const char *detail);
+/* Loop thread: runs the pipeline for a submitted job; ends in gw_job_done. */
+void gw_pipeline_run(void *job);
+/* Loop thread: the answer is ready; hands the job back to the front. */
+void gw_job_done(struct gw_job *job);
+
+/* ---- the HTTP front (libmicrohttpd). */
+struct gw_front;
+/* Starts listening per conf (port 0: any free port). NULL + *err on failure. */
+struct gw_front *gw_front_start(const struct conf *conf, struct gw_loop *loop, char **err);
+uint16_t gw_front_port(const struct gw_front *f);
+/* Stops accepting new connections (existing ones are served). */
+void gw_front_quiesce(struct gw_front *f);
+/* Stops the daemon; every suspended connection must have been resumed. */
+void gw_front_stop(struct gw_front *f);
+
+/* ---- the admin listener. */
+struct gw_admin;
+struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_loop *loop, char **err);
+uint16_t gw_admin_port(const struct gw_admin *a);
+void gw_admin_stop(struct gw_admin *a);
+size_t gw_admin_jobs(struct gw_admin *a);
+
+/* Formats an MHD log message as one key=value line. */
+void gw_mhd_log(void *cls, const char *fmt, va_list ap);
+
+#endif
