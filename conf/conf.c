@@ -1,1 +1,1571 @@
-/* placeholder: being written */
+/* conf.c - loads the YAML configuration (libyaml document API) into struct conf and validates every key. */
+#include "conf/conf.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include <yaml.h>
+
+#define KIB ((uint64_t)1024)
+#define MIB (KIB * 1024)
+#define GIB (MIB * 1024)
+
+#define SEC  ((uint64_t)1000)
+#define MIN  (SEC * 60)
+#define HOUR (MIN * 60)
+#define DAY  (HOUR * 24)
+
+/* Upper bounds that keep later arithmetic (now + duration, int conversions,
+ * Postgres bytea) far from overflow. */
+#define DURATION_MAX  (DAY * 36500)
+#define SIZE_MAX_BODY GIB
+#define CONF_FILE_MAX (4 * MIB)
+#define NAME_MAX_LEN  128
+#define PATH_BUF      256
+
+/* ---------------------------------------------------------------- parsers */
+
+enum num_err { NUM_OK, NUM_BAD, NUM_NO_UNIT, NUM_RANGE, NUM_DECIMAL_UNIT };
+
+/* Leading decimal digits of s into *v; returns the number of digits, or 0
+ * (with *overflow set when the digits did not fit). */
+static size_t parse_digits(const char *s, uint64_t *v, bool *overflow)
+{
+    uint64_t x = 0;
+    size_t i = 0;
+    *overflow = false;
+    while (s[i] >= '0' && s[i] <= '9') {
+        unsigned d = (unsigned)(s[i] - '0');
+        if (x > (UINT64_MAX - d) / 10)
+            *overflow = true;
+        else
+            x = x * 10 + d;
+        i++;
+    }
+    *v = x;
+    return *overflow ? 0 : i;
+}
+
+static enum num_err duration_parse(const char *s, uint64_t *ms)
+{
+    static const struct {
+        const char *unit;
+        uint64_t mult;
+    } units[] = {{"ms", 1}, {"s", SEC}, {"m", MIN}, {"h", HOUR}, {"d", DAY}};
+    uint64_t v;
+    bool overflow;
+    size_t n = parse_digits(s, &v, &overflow);
+    if (overflow)
+        return NUM_RANGE;
+    if (n == 0)
+        return NUM_BAD;
+    if (s[n] == '\0')
+        return NUM_NO_UNIT;
+    for (size_t i = 0; i < sizeof(units) / sizeof(units[0]); i++) {
+        if (strcmp(s + n, units[i].unit) == 0) {
+            if (v > DURATION_MAX / units[i].mult)
+                return NUM_RANGE;
+            *ms = v * units[i].mult;
+            return NUM_OK;
+        }
+    }
+    return NUM_BAD;
+}
+
+static enum num_err size_parse(const char *s, uint64_t *bytes)
+{
+    static const struct {
+        const char *unit;
+        uint64_t mult;
+    } units[] = {{"", 1}, {"B", 1}, {"KiB", KIB}, {"MiB", MIB}, {"GiB", GIB}};
+    static const char *const decimal[] = {"KB", "MB", "GB", "kB", "K", "M", "G", "k", "Kb", "Mb", "Gb"};
+    uint64_t v;
+    bool overflow;
+    size_t n = parse_digits(s, &v, &overflow);
+    if (overflow)
+        return NUM_RANGE;
+    if (n == 0)
+        return NUM_BAD;
+    for (size_t i = 0; i < sizeof(units) / sizeof(units[0]); i++) {
+        if (strcmp(s + n, units[i].unit) == 0) {
+            if (v > UINT64_MAX / units[i].mult)
+                return NUM_RANGE;
+            *bytes = v * units[i].mult;
+            return NUM_OK;
+        }
+    }
+    for (size_t i = 0; i < sizeof(decimal) / sizeof(decimal[0]); i++)
+        if (strcmp(s + n, decimal[i]) == 0)
+            return NUM_DECIMAL_UNIT;
+    return NUM_BAD;
+}
+
+bool conf_parse_duration(const char *s, uint64_t *ms)
+{
+    uint64_t v = 0;
+    if (s == NULL || duration_parse(s, &v) != NUM_OK)
+        return false;
+    *ms = v;
+    return true;
+}
+
+bool conf_parse_size(const char *s, uint64_t *bytes)
+{
+    uint64_t v = 0;
+    if (s == NULL || size_parse(s, &v) != NUM_OK)
+        return false;
+    *bytes = v;
+    return true;
+}
+
+unsigned conf_method_bit(const char *method)
+{
+    static const struct {
+        const char *name;
+        unsigned bit;
+    } methods[] = {
+        {"GET", CONF_M_GET},         {"HEAD", CONF_M_HEAD},   {"POST", CONF_M_POST},
+        {"PUT", CONF_M_PUT},         {"PATCH", CONF_M_PATCH}, {"DELETE", CONF_M_DELETE},
+        {"OPTIONS", CONF_M_OPTIONS}, {"TRACE", CONF_M_TRACE}, {"CONNECT", CONF_M_CONNECT},
+    };
+    if (method == NULL)
+        return 0;
+    for (size_t i = 0; i < sizeof(methods) / sizeof(methods[0]); i++)
+        if (strcmp(method, methods[i].name) == 0)
+            return methods[i].bit;
+    return 0;
+}
+
+const struct conf_route *conf_match_route(const struct conf *c, const char *path)
+{
+    if (c == NULL || path == NULL)
+        return NULL;
+    for (size_t i = 0; i < c->routes_n; i++) {
+        const struct conf_route *r = &c->routes[i];
+        if (r->path != NULL) {
+            if (strcmp(r->path, path) == 0)
+                return r;
+            continue;
+        }
+        if (r->path_prefix == NULL)
+            continue;
+        if (strcmp(r->path_prefix, "/") == 0)
+            return r;
+        size_t n = strlen(r->path_prefix);
+        if (strncmp(path, r->path_prefix, n) == 0 && (path[n] == '\0' || path[n] == '/'))
+            return r;
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- freeing */
+
+static void parts_free(struct conf_part *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        free(p[i].header);
+    free(p);
+}
+
+static void idem_free(struct conf_idem *d)
+{
+    free(d->header);
+    parts_free(d->scope, d->scope_n);
+    parts_free(d->fingerprint, d->fingerprint_n);
+    free(d->release_statuses);
+}
+
+void conf_destroy(struct conf *c)
+{
+    if (c == NULL)
+        return;
+    free(c->file);
+    free(c->listen.host);
+    free(c->admin_listen.host);
+    free(c->postgres_url);
+    free(c->redis_url);
+    for (size_t i = 0; i < c->upstreams_n; i++) {
+        free(c->upstreams[i].name);
+        free(c->upstreams[i].url);
+        free(c->upstreams[i].base_path);
+    }
+    free(c->upstreams);
+    for (size_t i = 0; i < c->routes_n; i++) {
+        free(c->routes[i].name);
+        free(c->routes[i].path);
+        free(c->routes[i].path_prefix);
+        idem_free(&c->routes[i].idem);
+    }
+    free(c->routes);
+    free(c->admin_token);
+    free(c);
+}
+
+/* ---------------------------------------------------------------- context */
+
+/* A reference to an upstream by name, resolved once the whole file is read
+ * (routes may come before upstreams). node == 0: the route had no upstream
+ * key and takes default_upstream. */
+struct upref {
+    int node;
+    size_t line;
+    size_t *target;
+    bool *has; /* NULL for routes */
+    char path[PATH_BUF];
+};
+
+struct ctx {
+    const char *file;
+    yaml_document_t *doc;
+    struct conf *c;
+    char *err;
+    char path[PATH_BUF];
+    size_t plen;
+    size_t key_line; /* 1-based line of the key whose value is being parsed */
+    struct upref *refs;
+    size_t refs_n;
+};
+
+static size_t node_line(const yaml_node_t *n)
+{
+    return n->start_mark.line + 1;
+}
+
+static size_t path_push(struct ctx *x, const char *fmt, ...) CM_PRINTF(2, 3);
+static size_t path_push(struct ctx *x, const char *fmt, ...)
+{
+    size_t old = x->plen;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(x->path + x->plen, sizeof(x->path) - x->plen, fmt, ap);
+    va_end(ap);
+    if (n > 0)
+        x->plen += (size_t)n;
+    if (x->plen >= sizeof(x->path))
+        x->plen = sizeof(x->path) - 1;
+    return old;
+}
+
+static size_t path_push_key(struct ctx *x, const char *key)
+{
+    return x->plen == 0 ? path_push(x, "%s", key) : path_push(x, ".%s", key);
+}
+
+static void path_pop(struct ctx *x, size_t old)
+{
+    x->plen = old;
+    x->path[old] = '\0';
+}
+
+/* Records the first error: "FILE:LINE: PATH: message". Returns false. */
+static bool fail_line(struct ctx *x, size_t line, const char *fmt, ...) CM_PRINTF(3, 4);
+static bool fail_line(struct ctx *x, size_t line, const char *fmt, ...)
+{
+    if (x->err != NULL)
+        return false;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    x->err = cm_asprintf("%s:%zu: %s: %s", x->file, line, x->plen ? x->path : "(root)", msg);
+    return false;
+}
+
+#define fail(x, node, ...) fail_line((x), node_line(node), __VA_ARGS__)
+
+/* Copies a user value for an error message: passwords of URLs redacted, at
+ * most 64 bytes, control bytes and quotes replaced, so a message stays one
+ * readable line that is safe to log. */
+static const char *shown(char out[80], const char *value)
+{
+    char red[256];
+    const char *s = cm_redact_url(red, sizeof(red), value);
+    size_t i = 0;
+    for (; s[i] != '\0' && i < 64; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        out[i] = (ch < 0x20 || ch == 0x7f || ch == '\'') ? '?' : (char)ch;
+    }
+    if (s[i] != '\0') {
+        memcpy(out + i, "...", 3);
+        i += 3;
+    }
+    out[i] = '\0';
+    return out;
+}
+
+static const char *node_kind(const yaml_node_t *n)
+{
+    switch (n->type) {
+    case YAML_MAPPING_NODE:
+        return "a mapping";
+    case YAML_SEQUENCE_NODE:
+        return "a list";
+    case YAML_SCALAR_NODE:
+        return "a scalar";
+    default:
+        return "nothing";
+    }
+}
+
+static bool is_null(const yaml_node_t *n)
+{
+    if (n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE)
+        return false;
+    const char *v = (const char *)n->data.scalar.value;
+    return v[0] == '\0' || strcmp(v, "~") == 0 || strcmp(v, "null") == 0 || strcmp(v, "Null") == 0 ||
+           strcmp(v, "NULL") == 0;
+}
+
+/* The text of a scalar node, or NULL (error recorded) for a mapping, a list,
+ * a null or a string holding a NUL byte. what: "a duration", ... */
+static const char *scalar(struct ctx *x, const yaml_node_t *n, const char *what)
+{
+    if (n->type != YAML_SCALAR_NODE) {
+        fail(x, n, "expected %s, got %s", what, node_kind(n));
+        return NULL;
+    }
+    if (is_null(n)) {
+        fail(x, n, "missing value (expected %s)", what);
+        return NULL;
+    }
+    const char *v = (const char *)n->data.scalar.value;
+    if (strlen(v) != n->data.scalar.length) {
+        fail(x, n, "contains a NUL byte");
+        return NULL;
+    }
+    return v;
+}
+
+static bool expect_type(struct ctx *x, const yaml_node_t *n, yaml_node_type_t t)
+{
+    if (n->type == t)
+        return true;
+    if (n->type == YAML_SCALAR_NODE && n->data.scalar.length > 0 && !is_null(n)) {
+        char b[80];
+        return fail(x, n, "expected %s, got the scalar '%s'",
+                    t == YAML_MAPPING_NODE ? "a mapping" : "a list ([a, b] or '- ' items)",
+                    shown(b, (const char *)n->data.scalar.value));
+    }
+    return fail(x, n, "expected %s, got %s", t == YAML_MAPPING_NODE ? "a mapping" : "a list ([a, b] or '- ' items)",
+                is_null(n) ? "nothing" : node_kind(n));
+}
+
+/* ---------------------------------------------------------------- value checks */
+
+static bool is_tchar(unsigned char ch)
+{
+    return isalnum(ch) || (ch != '\0' && strchr("!#$%&'*+-.^_`|~", ch) != NULL);
+}
+
+static bool is_token(const char *s)
+{
+    if (*s == '\0')
+        return false;
+    for (; *s; s++)
+        if (!is_tchar((unsigned char)*s))
+            return false;
+    return true;
+}
+
+static bool is_name(const char *s)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > NAME_MAX_LEN)
+        return false;
+    for (; *s; s++)
+        if (!isalnum((unsigned char)*s) && *s != '_' && *s != '.' && *s != '-')
+            return false;
+    return true;
+}
+
+static bool is_hostname(const char *s, size_t n)
+{
+    if (n == 0 || n > 253)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)s[i]) && s[i] != '.' && s[i] != '-' && s[i] != '_')
+            return false;
+    return true;
+}
+
+static bool is_ipv6ish(const char *s, size_t n)
+{
+    if (n == 0 || n > 64)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!isxdigit((unsigned char)s[i]) && s[i] != ':' && s[i] != '.' && s[i] != '%')
+            return false;
+    return memchr(s, ':', n) != NULL;
+}
+
+/* A port: 1..65535 (0 too when allow_zero). */
+static bool parse_port(const char *s, size_t n, bool allow_zero, uint16_t *port)
+{
+    uint64_t v = 0;
+    if (n == 0 || n > 5)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return false;
+        v = v * 10 + (uint64_t)(s[i] - '0');
+    }
+    if (v > 65535 || (v == 0 && !allow_zero))
+        return false;
+    *port = (uint16_t)v;
+    return true;
+}
+
+/* host[:port] or [v6][:port] at s (length n). On success sets host and hostn
+ * (brackets stripped), port_s and port_n (port_s NULL when no port). Returns a
+ * problem text, or NULL when well formed. */
+static const char *split_hostport(const char *s, size_t n, const char **host, size_t *hostn, const char **port_s,
+                                  size_t *port_n)
+{
+    const char *rest;
+    *port_s = NULL;
+    *port_n = 0;
+    if (n > 0 && s[0] == '[') {
+        const char *close = memchr(s, ']', n);
+        if (close == NULL)
+            return "missing ']' after the IPv6 address";
+        *host = s + 1;
+        *hostn = (size_t)(close - s - 1);
+        if (!is_ipv6ish(*host, *hostn))
+            return "invalid IPv6 address between [ ]";
+        rest = close + 1;
+    } else {
+        const char *colon = memchr(s, ':', n);
+        *host = s;
+        *hostn = colon ? (size_t)(colon - s) : n;
+        if (colon && memchr(colon + 1, ':', n - (size_t)(colon + 1 - s)) != NULL)
+            return "an IPv6 address must be written in brackets: [::1]:8080";
+        if (*hostn == 0)
+            return "missing host";
+        if (!is_hostname(*host, *hostn))
+            return "invalid host name";
+        rest = s + *hostn;
+    }
+    size_t left = n - (size_t)(rest - s);
+    if (left == 0)
+        return NULL;
+    if (rest[0] != ':')
+        return "unexpected text after the host";
+    *port_s = rest + 1;
+    *port_n = left - 1;
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- table-driven mappings */
+
+enum ftype { F_BOOL, F_U32, F_DUR, F_SIZE, F_ENUM, F_FUNC };
+
+typedef bool (*field_fn)(struct ctx *x, yaml_node_t *n, void *target);
+
+struct field {
+    const char *key;
+    enum ftype type;
+    size_t off;
+    uint64_t min, max;        /* F_U32, F_DUR (ms), F_SIZE (bytes) */
+    const char *const *names; /* F_ENUM: NULL-terminated, index = value */
+    field_fn fn;              /* F_FUNC */
+    bool required;
+};
+
+static const char *fmt_size(char out[32], uint64_t v)
+{
+    if (v >= GIB && v % GIB == 0)
+        snprintf(out, 32, "%" PRIu64 "GiB", v / GIB);
+    else if (v >= MIB && v % MIB == 0)
+        snprintf(out, 32, "%" PRIu64 "MiB", v / MIB);
+    else if (v >= KIB && v % KIB == 0)
+        snprintf(out, 32, "%" PRIu64 "KiB", v / KIB);
+    else
+        snprintf(out, 32, "%" PRIu64 "B", v);
+    return out;
+}
+
+static const char *fmt_dur(char out[32], uint64_t v)
+{
+    if (v >= DAY && v % DAY == 0)
+        snprintf(out, 32, "%" PRIu64 "d", v / DAY);
+    else if (v >= HOUR && v % HOUR == 0)
+        snprintf(out, 32, "%" PRIu64 "h", v / HOUR);
+    else if (v >= MIN && v % MIN == 0)
+        snprintf(out, 32, "%" PRIu64 "m", v / MIN);
+    else if (v >= SEC && v % SEC == 0)
+        snprintf(out, 32, "%" PRIu64 "s", v / SEC);
+    else
+        snprintf(out, 32, "%" PRIu64 "ms", v);
+    return out;
+}
+
+static bool check_range(struct ctx *x, const yaml_node_t *n, uint64_t v, const struct field *f,
+                        const char *(*fmt)(char[32], uint64_t))
+{
+    char a[32], b[32];
+    if (v < f->min) {
+        if (f->min == 1)
+            return fail(x, n, "must be greater than 0");
+        return fail(x, n, "must be at least %s (got %s)", fmt(a, f->min), fmt(b, v));
+    }
+    if (v > f->max)
+        return fail(x, n, "must be at most %s (got %s)", fmt(a, f->max), fmt(b, v));
+    return true;
+}
+
+static const char *fmt_int(char out[32], uint64_t v)
+{
+    snprintf(out, 32, "%" PRIu64, v);
+    return out;
+}
+
+static bool set_u32(struct ctx *x, yaml_node_t *n, const struct field *f, uint32_t *out)
+{
+    const char *s = scalar(x, n, "an integer");
+    if (s == NULL)
+        return false;
+    char b[80], lo[32], hi[32];
+    uint64_t v;
+    bool overflow;
+    const char *digits = s[0] == '-' ? s + 1 : s;
+    size_t nd = parse_digits(digits, &v, &overflow);
+    if (!overflow && (nd == 0 || digits[nd] != '\0'))
+        return fail(x, n, "invalid integer '%s'", shown(b, s));
+    if (overflow || s[0] == '-' || v < f->min || v > f->max)
+        return fail(x, n, "must be between %s and %s (got %s)", fmt_int(lo, f->min), fmt_int(hi, f->max), shown(b, s));
+    *out = (uint32_t)v;
+    return true;
+}
+
+static bool set_duration(struct ctx *x, yaml_node_t *n, const struct field *f, uint64_t *out)
+{
+    const char *s = scalar(x, n, "a duration");
+    if (s == NULL)
+        return false;
+    char b[80], m[32];
+    uint64_t v = 0;
+    switch (duration_parse(s, &v)) {
+    case NUM_OK:
+        break;
+    case NUM_NO_UNIT:
+        return fail(x, n, "invalid duration '%s' (a unit is required: ms, s, m, h, d)", shown(b, s));
+    case NUM_RANGE:
+        return fail(x, n, "invalid duration '%s' (too large, at most %s)", shown(b, s), fmt_dur(m, DURATION_MAX));
+    default:
+        return fail(x, n, "invalid duration '%s' (use ms, s, m, h, d)", shown(b, s));
+    }
+    if (!check_range(x, n, v, f, fmt_dur))
+        return false;
+    *out = v;
+    return true;
+}
+
+static bool set_size(struct ctx *x, yaml_node_t *n, const struct field *f, uint64_t *out)
+{
+    const char *s = scalar(x, n, "a size");
+    if (s == NULL)
+        return false;
+    char b[80];
+    uint64_t v = 0;
+    switch (size_parse(s, &v)) {
+    case NUM_OK:
+        break;
+    case NUM_DECIMAL_UNIT:
+        return fail(x, n, "invalid size '%s' (sizes are 1024-based: use B, KiB, MiB, GiB)", shown(b, s));
+    case NUM_RANGE:
+        return fail(x, n, "invalid size '%s' (too large)", shown(b, s));
+    default:
+        return fail(x, n, "invalid size '%s' (use B, KiB, MiB, GiB)", shown(b, s));
+    }
+    if (!check_range(x, n, v, f, fmt_size))
+        return false;
+    *out = v;
+    return true;
+}
+
+static bool set_bool(struct ctx *x, yaml_node_t *n, bool *out)
+{
+    const char *s = scalar(x, n, "true or false");
+    if (s == NULL)
+        return false;
+    if (strcmp(s, "true") == 0 || strcmp(s, "True") == 0 || strcmp(s, "TRUE") == 0) {
+        *out = true;
+        return true;
+    }
+    if (strcmp(s, "false") == 0 || strcmp(s, "False") == 0 || strcmp(s, "FALSE") == 0) {
+        *out = false;
+        return true;
+    }
+    char b[80];
+    return fail(x, n, "invalid boolean '%s' (use true or false)", shown(b, s));
+}
+
+static bool set_enum(struct ctx *x, yaml_node_t *n, const struct field *f, int *out)
+{
+    char want[128] = "";
+    size_t wl = 0;
+    for (size_t i = 0; f->names[i] != NULL; i++) {
+        int k = snprintf(want + wl, sizeof(want) - wl, "%s%s", i ? ", " : "", f->names[i]);
+        if (k > 0 && (size_t)k < sizeof(want) - wl)
+            wl += (size_t)k;
+    }
+    char what[160];
+    snprintf(what, sizeof(what), "one of %s", want);
+    const char *s = scalar(x, n, what);
+    if (s == NULL)
+        return false;
+    for (int i = 0; f->names[i] != NULL; i++) {
+        if (strcmp(s, f->names[i]) == 0) {
+            *out = i;
+            return true;
+        }
+    }
+    char b[80];
+    return fail(x, n, "invalid value '%s' (use %s)", shown(b, s), want);
+}
+
+/* Parses a mapping node against a table of fields; base is the struct the
+ * offsets refer to. A missing required key is reported at the line of the key
+ * that holds this mapping (x->key_line), or of the mapping itself. */
+static bool parse_map(struct ctx *x, yaml_node_t *n, const struct field *fields, size_t nfields, void *base)
+{
+    size_t parent_line = x->key_line ? x->key_line : node_line(n);
+    uint64_t seen = 0;
+    if (!expect_type(x, n, YAML_MAPPING_NODE))
+        return false;
+    for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
+        yaml_node_t *k = yaml_document_get_node(x->doc, p->key);
+        yaml_node_t *v = yaml_document_get_node(x->doc, p->value);
+        if (k == NULL || v == NULL)
+            return fail(x, n, "malformed mapping");
+        if (k->type != YAML_SCALAR_NODE)
+            return fail(x, k, "a key must be a plain name, got %s", node_kind(k));
+        const char *key = (const char *)k->data.scalar.value;
+        size_t i = 0;
+        while (i < nfields && strcmp(fields[i].key, key) != 0)
+            i++;
+        char b[80];
+        size_t old = path_push_key(x, shown(b, key));
+        if (i == nfields) {
+            char known[256] = "";
+            size_t kl = 0;
+            for (size_t j = 0; j < nfields; j++) {
+                int w = snprintf(known + kl, sizeof(known) - kl, "%s%s", j ? ", " : "", fields[j].key);
+                if (w > 0 && (size_t)w < sizeof(known) - kl)
+                    kl += (size_t)w;
+            }
+            return fail(x, k, "unknown key (expected one of: %s)", known);
+        }
+        if (seen & ((uint64_t)1 << i))
+            return fail(x, k, "duplicate key");
+        seen |= (uint64_t)1 << i;
+        const struct field *f = &fields[i];
+        void *target = (char *)base + f->off;
+        x->key_line = node_line(k);
+        bool ok = false;
+        switch (f->type) {
+        case F_BOOL:
+            ok = set_bool(x, v, target);
+            break;
+        case F_U32:
+            ok = set_u32(x, v, f, target);
+            break;
+        case F_DUR:
+            ok = set_duration(x, v, f, target);
+            break;
+        case F_SIZE:
+            ok = set_size(x, v, f, target);
+            break;
+        case F_ENUM:
+            ok = set_enum(x, v, f, target);
+            break;
+        case F_FUNC:
+            ok = f->fn(x, v, target);
+            break;
+        }
+        x->key_line = 0;
+        if (!ok)
+            return false;
+        path_pop(x, old);
+    }
+    for (size_t i = 0; i < nfields; i++) {
+        if (fields[i].required && !(seen & ((uint64_t)1 << i))) {
+            path_push_key(x, fields[i].key);
+            return fail_line(x, parent_line, "missing required key");
+        }
+    }
+    return true;
+}
+
+#define FIELD(k, t, s, m, lo, hi)                                                                                      \
+    {                                                                                                                  \
+        .key = k, .type = t, .off = offsetof(s, m), .min = lo, .max = hi                                               \
+    }
+#define FIELD_ENUM(k, s, m, n)                                                                                         \
+    {                                                                                                                  \
+        .key = k, .type = F_ENUM, .off = offsetof(s, m), .names = n                                                    \
+    }
+#define FIELD_FN(k, s, m, f, req)                                                                                      \
+    {                                                                                                                  \
+        .key = k, .type = F_FUNC, .off = offsetof(s, m), .fn = f, .required = req                                      \
+    }
+#define FIELD_BASE(k, f, req)                                                                                          \
+    {                                                                                                                  \
+        .key = k, .type = F_FUNC, .off = 0, .fn = f, .required = req                                                   \
+    }
+#define NFIELDS(a) (sizeof(a) / sizeof((a)[0]))
+
+_Static_assert(sizeof(enum conf_key_mode) == sizeof(int), "enum stored through int");
+_Static_assert(sizeof(enum conf_in_flight) == sizeof(int), "enum stored through int");
+_Static_assert(sizeof(enum conf_on_unknown) == sizeof(int), "enum stored through int");
+
+/* ---------------------------------------------------------------- field handlers */
+
+static bool parse_listen(struct ctx *x, yaml_node_t *n, struct conf_addr *out)
+{
+    const char *s = scalar(x, n, "host:port");
+    if (s == NULL)
+        return false;
+    const char *host, *port_s;
+    size_t hostn, port_n;
+    char b[80];
+    const char *why = split_hostport(s, strlen(s), &host, &hostn, &port_s, &port_n);
+    if (why != NULL)
+        return fail(x, n, "invalid address '%s': %s (use host:port or [v6]:port)", shown(b, s), why);
+    if (port_s == NULL)
+        return fail(x, n, "invalid address '%s': missing port (use host:port or [v6]:port)", shown(b, s));
+    uint16_t port;
+    if (!parse_port(port_s, port_n, true, &port))
+        return fail(x, n, "invalid address '%s': port must be between 0 and 65535", shown(b, s));
+    free(out->host);
+    out->host = cm_strndup(host, hostn);
+    out->port = port;
+    return true;
+}
+
+static bool fn_listen(struct ctx *x, yaml_node_t *n, void *target)
+{
+    return parse_listen(x, n, target);
+}
+
+static bool fn_admin_listen(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf *c = target;
+    if (n->type == YAML_SCALAR_NODE && strcmp((const char *)n->data.scalar.value, "off") == 0) {
+        c->admin_enabled = false;
+        return true;
+    }
+    c->admin_enabled = true;
+    return parse_listen(x, n, &c->admin_listen);
+}
+
+static const struct field admin_fields[] = {
+    FIELD_BASE("listen", fn_admin_listen, false),
+};
+
+static bool fn_admin(struct ctx *x, yaml_node_t *n, void *target)
+{
+    return parse_map(x, n, admin_fields, NFIELDS(admin_fields), target);
+}
+
+static bool fn_postgres(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a Postgres URL");
+    if (s == NULL)
+        return false;
+    if (strncmp(s, "postgres://", 11) != 0 && strncmp(s, "postgresql://", 13) != 0 && strchr(s, '=') == NULL)
+        return fail(x, n, "must start with postgres:// or postgresql:// (or be a key=value connection string)");
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+/* Returns a problem text, or NULL when s is a Redis URL we can use. */
+static const char *redis_url_problem(const char *s)
+{
+    if (s[0] == '/')
+        return NULL;
+    if (strncmp(s, "redis://", 8) != 0)
+        return "must be redis://[:password@]host:port[/db] or an absolute unix socket path";
+    const char *a = s + 8;
+    size_t alen = strcspn(a, "/");
+    const char *at = NULL;
+    for (size_t i = 0; i < alen; i++)
+        if (a[i] == '@')
+            at = a + i;
+    if (at != NULL) {
+        if (a[0] != ':')
+            return "user names are not supported: use redis://:password@host:port";
+        alen -= (size_t)(at + 1 - a);
+        a = at + 1;
+    }
+    const char *host, *port_s;
+    size_t hostn, port_n;
+    const char *why = split_hostport(a, alen, &host, &hostn, &port_s, &port_n);
+    if (why != NULL)
+        return why;
+    uint16_t port;
+    if (port_s == NULL)
+        return "missing port (e.g. redis://127.0.0.1:6379/0)";
+    if (!parse_port(port_s, port_n, false, &port))
+        return "port must be between 1 and 65535";
+    const char *rest = a + alen;
+    if (rest[0] == '\0' || strcmp(rest, "/") == 0)
+        return NULL;
+    uint64_t db;
+    bool overflow;
+    size_t nd = parse_digits(rest + 1, &db, &overflow);
+    if (nd == 0 || rest[1 + nd] != '\0' || db > 65535)
+        return "the database must be a number: redis://host:port/0";
+    return NULL;
+}
+
+static bool fn_redis(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    if (is_null(n)) { /* "redis:" or "redis: ~": no Redis */
+        free(*out);
+        *out = NULL;
+        return true;
+    }
+    const char *s = scalar(x, n, "a Redis URL");
+    if (s == NULL)
+        return false;
+    if (s[0] == '\0') {
+        free(*out);
+        *out = NULL;
+        return true;
+    }
+    const char *why = redis_url_problem(s);
+    if (why != NULL)
+        return fail(x, n, "%s", why);
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static const struct field store_fields[] = {
+    FIELD_FN("postgres", struct conf, postgres_url, fn_postgres, false),
+    FIELD("pool", F_U32, struct conf, pool, 1, 256),
+    FIELD_FN("redis", struct conf, redis_url, fn_redis, false),
+    FIELD("redis_timeout", F_DUR, struct conf, redis_timeout_ms, 1, DURATION_MAX),
+};
+
+static bool fn_store(struct ctx *x, yaml_node_t *n, void *target)
+{
+    return parse_map(x, n, store_fields, NFIELDS(store_fields), target);
+}
+
+/* ---- upstreams */
+
+static bool fn_upstream_name(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a name");
+    if (s == NULL)
+        return false;
+    char b[80];
+    if (!is_name(s))
+        return fail(x, n, "invalid name '%s' (1 to %d characters of A-Z a-z 0-9 _ . -)", shown(b, s), NAME_MAX_LEN);
+    for (size_t i = 0; i < x->c->upstreams_n; i++) {
+        if (x->c->upstreams[i].name != NULL && strcmp(x->c->upstreams[i].name, s) == 0)
+            return fail(x, n, "duplicate upstream name '%s'", s);
+    }
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static bool fn_upstream_url(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_upstream *u = target;
+    const char *s = scalar(x, n, "an http:// URL");
+    if (s == NULL)
+        return false;
+    size_t skip;
+    if (strncasecmp(s, "http://", 7) == 0)
+        skip = 7;
+    else if (strncasecmp(s, "https://", 8) == 0)
+        skip = 8;
+    else
+        return fail(x, n, "must start with http:// or https://");
+    const char *a = s + skip;
+    for (const char *p = s; *p; p++)
+        if ((unsigned char)*p <= 0x20 || *p == 0x7f)
+            return fail(x, n, "must not contain spaces or control characters");
+    if (strpbrk(a, "?#") != NULL)
+        return fail(x, n, "must not have a query or fragment");
+    size_t alen = strcspn(a, "/");
+    if (memchr(a, '@', alen) != NULL)
+        return fail(x, n, "user info (user@host) is not supported");
+    const char *host, *port_s;
+    size_t hostn, port_n;
+    const char *why = split_hostport(a, alen, &host, &hostn, &port_s, &port_n);
+    if (why != NULL)
+        return fail(x, n, "invalid URL: %s", why);
+    uint16_t port;
+    if (port_s != NULL && !parse_port(port_s, port_n, false, &port))
+        return fail(x, n, "invalid URL: port must be between 1 and 65535");
+    size_t len = strlen(s);
+    while (len > skip + alen && s[len - 1] == '/')
+        len--;
+    free(u->url);
+    free(u->base_path);
+    u->url = cm_strndup(s, len);
+    u->base_path = cm_strndup(s + skip + alen, len - skip - alen);
+    return true;
+}
+
+static const struct field upstream_fields[] = {
+    FIELD_FN("name", struct conf_upstream, name, fn_upstream_name, true),
+    FIELD_BASE("url", fn_upstream_url, true),
+    FIELD("connect_timeout", F_DUR, struct conf_upstream, connect_timeout_ms, 1, DURATION_MAX),
+    FIELD("timeout", F_DUR, struct conf_upstream, timeout_ms, 1, DURATION_MAX),
+    FIELD("max_connections", F_U32, struct conf_upstream, max_connections, 1, 100000),
+};
+
+static bool fn_upstreams(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf *c = target;
+    if (!expect_type(x, n, YAML_SEQUENCE_NODE))
+        return false;
+    size_t cnt = (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
+    if (cnt == 0)
+        return fail(x, n, "must list at least one upstream");
+    c->upstreams = cm_calloc(cnt, sizeof(*c->upstreams));
+    for (size_t i = 0; i < cnt; i++) {
+        yaml_node_t *item = yaml_document_get_node(x->doc, n->data.sequence.items.start[i]);
+        struct conf_upstream *u = &c->upstreams[i];
+        u->connect_timeout_ms = 2 * SEC;
+        u->timeout_ms = 30 * SEC;
+        u->max_connections = 1024;
+        size_t old = path_push(x, "[%zu]", i);
+        x->key_line = 0;
+        /* counted before parsing so that a half-built entry is freed */
+        c->upstreams_n = i + 1;
+        if (item == NULL || !parse_map(x, item, upstream_fields, NFIELDS(upstream_fields), u))
+            return false;
+        path_pop(x, old);
+    }
+    return true;
+}
+
+/* ---- references to upstreams */
+
+static void add_ref(struct ctx *x, int node, size_t line, size_t *target, bool *has)
+{
+    x->refs = cm_realloc(x->refs, (x->refs_n + 1) * sizeof(*x->refs));
+    struct upref *r = &x->refs[x->refs_n++];
+    r->node = node;
+    r->line = line;
+    r->target = target;
+    r->has = has;
+    snprintf(r->path, sizeof(r->path), "%s", x->path);
+}
+
+static int node_id(struct ctx *x, yaml_node_t *n)
+{
+    return (int)(n - x->doc->nodes.start) + 1;
+}
+
+static bool fn_route_upstream(struct ctx *x, yaml_node_t *n, void *target)
+{
+    if (scalar(x, n, "an upstream name") == NULL)
+        return false;
+    add_ref(x, node_id(x, n), node_line(n), target, NULL);
+    return true;
+}
+
+static bool fn_default_upstream(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf *c = target;
+    if (scalar(x, n, "an upstream name") == NULL)
+        return false;
+    add_ref(x, node_id(x, n), node_line(n), &c->default_upstream, &c->has_default_upstream);
+    return true;
+}
+
+/* Two passes: named references first, so that default_upstream is known when
+ * the routes without an upstream take it. */
+static bool resolve_refs(struct ctx *x)
+{
+    struct conf *c = x->c;
+    for (size_t i = 0; i < 2 * x->refs_n; i++) {
+        struct upref *r = &x->refs[i % x->refs_n];
+        if ((i < x->refs_n) != (r->node != 0))
+            continue;
+        snprintf(x->path, sizeof(x->path), "%s", r->path);
+        x->plen = strlen(x->path);
+        if (r->node == 0) {
+            if (c->has_default_upstream) {
+                *r->target = c->default_upstream;
+                continue;
+            }
+            return fail_line(x, r->line, "missing required key (or set default_upstream)");
+        }
+        const char *name = (const char *)yaml_document_get_node(x->doc, r->node)->data.scalar.value;
+        size_t j = 0;
+        while (j < c->upstreams_n && strcmp(c->upstreams[j].name, name) != 0)
+            j++;
+        if (j == c->upstreams_n) {
+            char b[80], known[200] = "";
+            size_t kl = 0;
+            for (size_t k = 0; k < c->upstreams_n; k++) {
+                int w = snprintf(known + kl, sizeof(known) - kl, "%s%s", k ? ", " : "", c->upstreams[k].name);
+                if (w > 0 && (size_t)w < sizeof(known) - kl)
+                    kl += (size_t)w;
+            }
+            return fail_line(x, r->line, "unknown upstream '%s' (defined: %s)", shown(b, name),
+                             c->upstreams_n ? known : "none");
+        }
+        *r->target = j;
+        if (r->has != NULL)
+            *r->has = true;
+    }
+    path_pop(x, 0);
+    return true;
+}
+
+/* ---- routes */
+
+static bool fn_route_name(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a name");
+    if (s == NULL)
+        return false;
+    char b[80];
+    if (!is_name(s))
+        return fail(x, n, "invalid name '%s' (1 to %d characters of A-Z a-z 0-9 _ . -)", shown(b, s), NAME_MAX_LEN);
+    for (size_t i = 0; i < x->c->routes_n; i++) {
+        if (x->c->routes[i].name != NULL && strcmp(x->c->routes[i].name, s) == 0)
+            return fail(x, n, "duplicate route name '%s'", s);
+    }
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static bool check_path(struct ctx *x, yaml_node_t *n, const char *s)
+{
+    if (s[0] != '/')
+        return fail(x, n, "must start with '/'");
+    for (const char *p = s; *p; p++) {
+        if ((unsigned char)*p <= 0x20 || *p == 0x7f)
+            return fail(x, n, "must not contain spaces or control characters");
+        if (*p == '?' || *p == '#')
+            return fail(x, n, "must not contain a query or fragment ('?' or '#')");
+    }
+    return true;
+}
+
+static bool fn_path(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a path");
+    if (s == NULL || !check_path(x, n, s))
+        return false;
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static bool fn_path_prefix(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a path prefix");
+    if (s == NULL || !check_path(x, n, s))
+        return false;
+    size_t len = strlen(s);
+    while (len > 1 && s[len - 1] == '/')
+        len--;
+    free(*out);
+    *out = cm_strndup(s, len);
+    return true;
+}
+
+static bool fn_methods(struct ctx *x, yaml_node_t *n, void *target)
+{
+    unsigned *out = target;
+    unsigned bits = 0;
+    if (!expect_type(x, n, YAML_SEQUENCE_NODE))
+        return false;
+    if (n->data.sequence.items.top == n->data.sequence.items.start)
+        return fail(x, n, "must list at least one method (use idempotency.key: off to disable idempotency)");
+    for (yaml_node_item_t *it = n->data.sequence.items.start; it < n->data.sequence.items.top; it++) {
+        yaml_node_t *m = yaml_document_get_node(x->doc, *it);
+        size_t old = path_push(x, "[%zu]", (size_t)(it - n->data.sequence.items.start));
+        const char *s = scalar(x, m, "an HTTP method");
+        if (s == NULL)
+            return false;
+        unsigned bit = conf_method_bit(s);
+        if (bit == 0) {
+            char b[80], up[16];
+            size_t i = 0;
+            for (; s[i] && i < sizeof(up) - 1; i++)
+                up[i] = (char)toupper((unsigned char)s[i]);
+            up[i] = '\0';
+            if (s[i] == '\0' && conf_method_bit(up) != 0)
+                return fail(x, m, "invalid method '%s' (methods are case-sensitive: use %s)", shown(b, s), up);
+            return fail(x, m, "unknown method '%s' (use GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS, TRACE, CONNECT)",
+                        shown(b, s));
+        }
+        bits |= bit;
+        path_pop(x, old);
+    }
+    *out = bits;
+    return true;
+}
+
+static const struct field match_fields[] = {
+    FIELD_FN("path", struct conf_route, path, fn_path, false),
+    FIELD_FN("path_prefix", struct conf_route, path_prefix, fn_path_prefix, false),
+    FIELD_FN("methods", struct conf_route, methods, fn_methods, false),
+};
+
+static bool fn_match(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_route *r = target;
+    size_t line = x->key_line;
+    if (!parse_map(x, n, match_fields, NFIELDS(match_fields), r))
+        return false;
+    if (r->path != NULL && r->path_prefix != NULL)
+        return fail_line(x, line, "path and path_prefix are mutually exclusive (use one)");
+    if (r->path == NULL && r->path_prefix == NULL)
+        return fail_line(x, line, "needs exactly one of path or path_prefix");
+    return true;
+}
+
+/* ---- idempotency */
+
+static bool parse_parts(struct ctx *x, yaml_node_t *n, struct conf_part **out, size_t *out_n)
+{
+    if (!expect_type(x, n, YAML_SEQUENCE_NODE))
+        return false;
+    size_t cnt = (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
+    struct conf_part *parts = cnt ? cm_calloc(cnt, sizeof(*parts)) : NULL;
+    size_t got = 0;
+    for (size_t i = 0; i < cnt; i++) {
+        yaml_node_t *m = yaml_document_get_node(x->doc, n->data.sequence.items.start[i]);
+        size_t old = path_push(x, "[%zu]", i);
+        const char *s = scalar(x, m, "method, path, query, body or header:NAME");
+        if (s == NULL)
+            goto fail;
+        struct conf_part p = {0};
+        char b[80];
+        if (strcmp(s, "method") == 0) {
+            p.kind = CONF_PART_METHOD;
+        } else if (strcmp(s, "path") == 0) {
+            p.kind = CONF_PART_PATH;
+        } else if (strcmp(s, "query") == 0) {
+            p.kind = CONF_PART_QUERY;
+        } else if (strcmp(s, "body") == 0) {
+            p.kind = CONF_PART_BODY;
+        } else if (strncmp(s, "header:", 7) == 0) {
+            if (s[7] == '\0') {
+                fail(x, m, "'header:' needs a header name (e.g. header:Authorization)");
+                goto fail;
+            }
+            if (!is_token(s + 7)) {
+                fail(x, m, "invalid header name '%s'", shown(b, s + 7));
+                goto fail;
+            }
+            p.kind = CONF_PART_HEADER;
+        } else {
+            fail(x, m, "invalid part '%s' (use method, path, query, body or header:NAME)", shown(b, s));
+            goto fail;
+        }
+        for (size_t j = 0; j < got; j++) {
+            if (parts[j].kind == p.kind && (p.kind != CONF_PART_HEADER || strcasecmp(parts[j].header, s + 7) == 0)) {
+                fail(x, m, "duplicate part '%s'", shown(b, s));
+                goto fail;
+            }
+        }
+        if (p.kind == CONF_PART_HEADER)
+            p.header = cm_strdup(s + 7);
+        parts[got++] = p;
+        path_pop(x, old);
+    }
+    parts_free(*out, *out_n);
+    *out = parts;
+    *out_n = got;
+    return true;
+fail:
+    parts_free(parts, got);
+    return false;
+}
+
+static bool fn_scope(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_idem *d = target;
+    return parse_parts(x, n, &d->scope, &d->scope_n);
+}
+
+static bool fn_fingerprint(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_idem *d = target;
+    return parse_parts(x, n, &d->fingerprint, &d->fingerprint_n);
+}
+
+static bool fn_key_header(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a header name");
+    if (s == NULL)
+        return false;
+    char b[80];
+    if (!is_token(s))
+        return fail(x, n, "invalid header name '%s'", shown(b, s));
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static bool fn_release_statuses(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_idem *d = target;
+    if (!expect_type(x, n, YAML_SEQUENCE_NODE))
+        return false;
+    size_t cnt = (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
+    int *st = cnt ? cm_calloc(cnt, sizeof(*st)) : NULL;
+    static const struct field status_field = {.key = "", .type = F_U32, .min = 100, .max = 599};
+    for (size_t i = 0; i < cnt; i++) {
+        yaml_node_t *m = yaml_document_get_node(x->doc, n->data.sequence.items.start[i]);
+        size_t old = path_push(x, "[%zu]", i);
+        uint32_t v;
+        if (!set_u32(x, m, &status_field, &v))
+            goto fail;
+        for (size_t j = 0; j < i; j++) {
+            if (st[j] == (int)v) {
+                fail(x, m, "duplicate status %u", v);
+                goto fail;
+            }
+        }
+        st[i] = (int)v;
+        path_pop(x, old);
+    }
+    free(d->release_statuses);
+    d->release_statuses = st;
+    d->release_statuses_n = cnt;
+    return true;
+fail:
+    free(st);
+    return false;
+}
+
+static const char *const key_modes[] = {"optional", "required", "off", NULL};
+static const char *const in_flight_modes[] = {"conflict", "wait", NULL};
+static const char *const unknown_modes[] = {"reject", "retry", NULL};
+
+static const struct field idem_fields[] = {
+    FIELD_ENUM("key", struct conf_idem, key, key_modes),
+    FIELD_FN("header", struct conf_idem, header, fn_key_header, false),
+    FIELD_BASE("scope", fn_scope, false),
+    FIELD_BASE("fingerprint", fn_fingerprint, false),
+    FIELD("retention", F_DUR, struct conf_idem, retention_ms, 1, DURATION_MAX),
+    FIELD("lease", F_DUR, struct conf_idem, lease_ms, 1, DURATION_MAX),
+    FIELD_ENUM("on_in_flight", struct conf_idem, on_in_flight, in_flight_modes),
+    FIELD("wait", F_DUR, struct conf_idem, wait_ms, 1, DURATION_MAX),
+    FIELD_ENUM("on_unknown", struct conf_idem, on_unknown, unknown_modes),
+    FIELD_BASE("release_statuses", fn_release_statuses, false),
+    FIELD("max_body", F_SIZE, struct conf_idem, max_body, 1, SIZE_MAX_BODY),
+    FIELD("forward_key", F_BOOL, struct conf_idem, forward_key, 0, 0),
+    FIELD("max_response", F_SIZE, struct conf_idem, max_response, 1, SIZE_MAX_BODY),
+};
+
+static bool fn_idem(struct ctx *x, yaml_node_t *n, void *target)
+{
+    return parse_map(x, n, idem_fields, NFIELDS(idem_fields), target);
+}
+
+static void idem_defaults(struct conf_idem *d)
+{
+    static const enum conf_part_kind fp[] = {CONF_PART_METHOD, CONF_PART_PATH, CONF_PART_QUERY, CONF_PART_BODY};
+    d->key = CONF_KEY_OPTIONAL;
+    d->header = cm_strdup("Idempotency-Key");
+    d->scope = NULL;
+    d->scope_n = 0;
+    d->fingerprint = cm_calloc(4, sizeof(*d->fingerprint));
+    for (size_t i = 0; i < 4; i++)
+        d->fingerprint[i].kind = fp[i];
+    d->fingerprint_n = 4;
+    d->retention_ms = 24 * HOUR;
+    d->lease_ms = 60 * SEC;
+    d->on_in_flight = CONF_IN_FLIGHT_CONFLICT;
+    d->wait_ms = 10 * SEC;
+    d->on_unknown = CONF_UNKNOWN_REJECT;
+    d->release_statuses = NULL;
+    d->release_statuses_n = 0;
+    d->max_body = MIB;
+    d->forward_key = true;
+    d->max_response = 8 * MIB;
+}
+
+static const struct field route_fields[] = {
+    FIELD_FN("name", struct conf_route, name, fn_route_name, true),
+    FIELD_BASE("match", fn_match, true),
+    FIELD_FN("upstream", struct conf_route, upstream, fn_route_upstream, false),
+    FIELD_FN("idempotency", struct conf_route, idem, fn_idem, false),
+};
+
+static bool fn_routes(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf *c = target;
+    if (!expect_type(x, n, YAML_SEQUENCE_NODE))
+        return false;
+    size_t cnt = (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
+    c->routes = cnt ? cm_calloc(cnt, sizeof(*c->routes)) : NULL;
+    for (size_t i = 0; i < cnt; i++) {
+        yaml_node_t *item = yaml_document_get_node(x->doc, n->data.sequence.items.start[i]);
+        struct conf_route *r = &c->routes[i];
+        r->methods = CONF_M_POST | CONF_M_PATCH;
+        idem_defaults(&r->idem);
+        c->routes_n = i + 1; /* the names parsed so far are checked for duplicates; this one is still NULL */
+        size_t old = path_push(x, "[%zu]", i);
+        x->key_line = 0;
+        size_t refs_before = x->refs_n;
+        if (item == NULL || !parse_map(x, item, route_fields, NFIELDS(route_fields), r))
+            return false;
+        if (x->refs_n == refs_before) {
+            path_push(x, ".upstream");
+            add_ref(x, 0, node_line(item), &r->upstream, NULL);
+        }
+        path_pop(x, old);
+    }
+    return true;
+}
+
+/* ---- top level */
+
+static const struct field top_fields[] = {
+    FIELD_FN("listen", struct conf, listen, fn_listen, false),
+    FIELD_BASE("admin", fn_admin, false),
+    FIELD("shutdown_grace", F_DUR, struct conf, shutdown_grace_ms, 0, DURATION_MAX),
+    FIELD_BASE("store", fn_store, false),
+    FIELD_BASE("upstreams", fn_upstreams, true),
+    FIELD_BASE("routes", fn_routes, false),
+    FIELD_BASE("default_upstream", fn_default_upstream, false),
+    FIELD("max_header_bytes", F_SIZE, struct conf, max_header_bytes, 1, MIB),
+    FIELD("max_body", F_SIZE, struct conf, max_body, 1, SIZE_MAX_BODY),
+    FIELD("max_response", F_SIZE, struct conf, max_response, 1, SIZE_MAX_BODY),
+    FIELD("max_connections", F_U32, struct conf, max_connections, 1, 100000),
+    FIELD("client_timeout", F_DUR, struct conf, client_timeout_ms, 1, DURATION_MAX),
+    FIELD("threads", F_U32, struct conf, threads, 0, 64),
+};
+
+static void conf_defaults(struct conf *c)
+{
+    c->listen.host = cm_strdup("127.0.0.1");
+    c->listen.port = 8080;
+    c->admin_listen.host = cm_strdup("127.0.0.1");
+    c->admin_listen.port = 9090;
+    c->admin_enabled = true;
+    c->shutdown_grace_ms = 10 * SEC;
+    c->pool = 8;
+    c->redis_timeout_ms = 50;
+    c->max_header_bytes = 16 * KIB;
+    c->max_body = MIB;
+    c->max_response = 8 * MIB;
+    c->max_connections = 4096;
+    c->client_timeout_ms = 30 * SEC;
+    c->threads = 0;
+}
+
+/* Line of the first key named key in the top-level mapping or in its nested
+ * mapping parent ("store"), or 0. */
+static size_t find_line(struct ctx *x, yaml_node_t *map, const char *key, yaml_node_t **value)
+{
+    if (map == NULL || map->type != YAML_MAPPING_NODE)
+        return 0;
+    for (yaml_node_pair_t *p = map->data.mapping.pairs.start; p < map->data.mapping.pairs.top; p++) {
+        yaml_node_t *k = yaml_document_get_node(x->doc, p->key);
+        if (k && k->type == YAML_SCALAR_NODE && strcmp((const char *)k->data.scalar.value, key) == 0) {
+            if (value)
+                *value = yaml_document_get_node(x->doc, p->value);
+            return node_line(k);
+        }
+    }
+    return 0;
+}
+
+static bool apply_env(struct ctx *x, yaml_node_t *root)
+{
+    struct conf *c = x->c;
+    const char *pg = getenv("IDEMGATE_POSTGRES_URL");
+    if (pg != NULL && pg[0] != '\0') {
+        if (strncmp(pg, "postgres://", 11) != 0 && strncmp(pg, "postgresql://", 13) != 0 && strchr(pg, '=') == NULL) {
+            x->err = cm_asprintf("%s: IDEMGATE_POSTGRES_URL (environment): must start with postgres:// or "
+                                 "postgresql:// (or be a key=value connection string)",
+                                 x->file);
+            return false;
+        }
+        free(c->postgres_url);
+        c->postgres_url = cm_strdup(pg);
+    }
+    const char *rd = getenv("IDEMGATE_REDIS_URL");
+    if (rd != NULL) {
+        free(c->redis_url);
+        c->redis_url = NULL;
+        if (rd[0] != '\0') {
+            const char *why = redis_url_problem(rd);
+            if (why != NULL) {
+                x->err = cm_asprintf("%s: IDEMGATE_REDIS_URL (environment): %s", x->file, why);
+                return false;
+            }
+            c->redis_url = cm_strdup(rd);
+        }
+    }
+    const char *tok = getenv("IDEMGATE_ADMIN_TOKEN");
+    free(c->admin_token);
+    c->admin_token = (tok != NULL && tok[0] != '\0') ? cm_strdup(tok) : NULL;
+
+    if (c->postgres_url == NULL) {
+        yaml_node_t *store = NULL;
+        size_t line = find_line(x, root, "store", &store);
+        if (line == 0)
+            line = node_line(root);
+        path_pop(x, 0);
+        path_push(x, "store.postgres");
+        return fail_line(x, line, "missing required key (set it here or in IDEMGATE_POSTGRES_URL)");
+    }
+    return true;
+}
+
+static bool check_addresses(struct ctx *x, yaml_node_t *root)
+{
+    struct conf *c = x->c;
+    if (c->admin_enabled && c->listen.port != 0 && c->listen.port == c->admin_listen.port &&
+        strcmp(c->listen.host, c->admin_listen.host) == 0) {
+        yaml_node_t *admin = NULL;
+        size_t line = find_line(x, root, "admin", &admin);
+        size_t l2 = find_line(x, admin, "listen", NULL);
+        path_pop(x, 0);
+        path_push(x, "admin.listen");
+        return fail_line(x, l2 ? l2 : (line ? line : node_line(root)), "same address as listen (%s:%u)", c->listen.host,
+                         c->listen.port);
+    }
+    return true;
+}
+
+static char *syntax_error(const char *name, const yaml_parser_t *p, const char *yaml, size_t len)
+{
+    size_t line;
+    if (p->error == YAML_READER_ERROR) {
+        line = 1;
+        for (size_t i = 0; i < p->problem_offset && i < len; i++)
+            if (yaml[i] == '\n')
+                line++;
+        return cm_asprintf("%s:%zu: YAML syntax error: %s", name, line, p->problem ? p->problem : "unreadable input");
+    }
+    if (p->error == YAML_MEMORY_ERROR)
+        return cm_asprintf("%s:1: YAML syntax error: out of memory", name);
+    line = p->problem_mark.line + 1;
+    if (p->context != NULL)
+        return cm_asprintf("%s:%zu: YAML syntax error: %s (%s at line %zu)", name, line,
+                           p->problem ? p->problem : "invalid YAML", p->context, p->context_mark.line + 1);
+    return cm_asprintf("%s:%zu: YAML syntax error: %s", name, line, p->problem ? p->problem : "invalid YAML");
+}
+
+struct conf *conf_load_string(const char *name, const char *yaml, size_t len, char **err)
+{
+    yaml_parser_t parser;
+    yaml_document_t doc, extra;
+    bool have_doc = false;
+    struct ctx x = {.file = name};
+    struct conf *c = cm_calloc(1, sizeof(*c));
+    *err = NULL;
+    c->file = cm_strdup(name);
+    conf_defaults(c);
+    x.c = c;
+    x.doc = &doc;
+
+    if (!yaml_parser_initialize(&parser)) {
+        x.err = cm_asprintf("%s:1: YAML syntax error: cannot initialise the parser", name);
+        goto fail_noparser;
+    }
+    yaml_parser_set_input_string(&parser, (const unsigned char *)yaml, len);
+    if (!yaml_parser_load(&parser, &doc)) {
+        x.err = syntax_error(name, &parser, yaml, len);
+        goto fail;
+    }
+    have_doc = true;
+    yaml_node_t *root = yaml_document_get_root_node(&doc);
+    if (root == NULL) {
+        x.err = cm_asprintf("%s:1: (root): the configuration is empty", name);
+        goto fail;
+    }
+    if (!yaml_parser_load(&parser, &extra)) {
+        x.err = syntax_error(name, &parser, yaml, len);
+        goto fail;
+    }
+    bool second = yaml_document_get_root_node(&extra) != NULL;
+    size_t second_line = extra.start_mark.line + 1;
+    yaml_document_delete(&extra);
+    if (second) {
+        x.err = cm_asprintf("%s:%zu: (root): only one YAML document is allowed", name, second_line);
+        goto fail;
+    }
+
+    if (!parse_map(&x, root, top_fields, NFIELDS(top_fields), c))
+        goto fail;
+    if (!resolve_refs(&x))
+        goto fail;
+    if (!check_addresses(&x, root))
+        goto fail;
+    if (!apply_env(&x, root))
+        goto fail;
+
+    yaml_document_delete(&doc);
+    yaml_parser_delete(&parser);
+    free(x.refs);
+    return c;
+
+fail:
+    if (have_doc)
+        yaml_document_delete(&doc);
+    yaml_parser_delete(&parser);
+fail_noparser:
+    free(x.refs);
+    conf_destroy(c);
+    *err = x.err ? x.err : cm_asprintf("%s:1: (root): invalid configuration", name);
+    return NULL;
+}
+
+struct conf *conf_load(const char *file, char **err)
+{
+    FILE *f = fopen(file, "rb");
+    if (f == NULL) {
+        *err = cm_asprintf("%s: cannot open: %s", file, strerror(errno));
+        return NULL;
+    }
+    struct cm_buf b;
+    cm_buf_init(&b, CONF_FILE_MAX);
+    char chunk[8192];
+    size_t n;
+    while ((n = fread(chunk, 1, sizeof(chunk), f)) > 0) {
+        if (!cm_buf_append(&b, chunk, n)) {
+            fclose(f);
+            cm_buf_free(&b);
+            *err = cm_asprintf("%s: file is larger than %d MiB", file, (int)(CONF_FILE_MAX / MIB));
+            return NULL;
+        }
+    }
+    if (ferror(f)) {
+        int e = errno;
+        fclose(f);
+        cm_buf_free(&b);
+        *err = cm_asprintf("%s: cannot read: %s", file, strerror(e));
+        return NULL;
+    }
+    fclose(f);
+    struct conf *c = conf_load_string(file, b.data ? b.data : "", b.len, err);
+    cm_buf_free(&b);
+    return c;
+}

@@ -31,8 +31,8 @@ struct conf_addr {
 
 struct conf_upstream {
     char *name;
-    char *url;       /* as written, trailing slash removed: http://127.0.0.1:9000 */
-    char *base_path; /* path part of url without trailing '/', "" when none */
+    char *url;                   /* as written, trailing slash removed: http://127.0.0.1:9000 */
+    char *base_path;             /* path part of url without trailing '/', "" when none */
     uint64_t connect_timeout_ms; /* default 2s */
     uint64_t timeout_ms;         /* default 30s */
     uint32_t max_connections;    /* upstream sockets, default 1024 */
@@ -49,11 +49,11 @@ struct conf_part {
 };
 
 struct conf_idem {
-    enum conf_key_mode key;           /* default optional */
-    char *header;                     /* default "Idempotency-Key" */
-    struct conf_part *scope;          /* default none */
+    enum conf_key_mode key;  /* default optional */
+    char *header;            /* default "Idempotency-Key" */
+    struct conf_part *scope; /* default none */
     size_t scope_n;
-    struct conf_part *fingerprint;    /* default method, path, query, body */
+    struct conf_part *fingerprint; /* default method, path, query, body */
     size_t fingerprint_n;
     uint64_t retention_ms;            /* default 24h */
     uint64_t lease_ms;                /* default 60s */
@@ -62,31 +62,31 @@ struct conf_idem {
     enum conf_on_unknown on_unknown;  /* default reject */
     int *release_statuses;            /* default none */
     size_t release_statuses_n;
-    uint64_t max_body;                /* default 1MiB; applies to every request of the route */
-    bool forward_key;                 /* default true */
-    uint64_t max_response;            /* default 8MiB: largest stored/replayed response */
+    uint64_t max_body;     /* default 1MiB; applies to every request of the route */
+    bool forward_key;      /* default true */
+    uint64_t max_response; /* default 8MiB: largest stored/replayed response */
 };
 
 struct conf_route {
     char *name;
-    char *path;       /* exact path, or NULL */
+    char *path;        /* exact path, or NULL */
     char *path_prefix; /* whole-segment prefix, or NULL; exactly one is set */
-    unsigned methods; /* CONF_M_* bits idempotency applies to; default POST|PATCH */
-    size_t upstream;  /* index into conf.upstreams */
+    unsigned methods;  /* CONF_M_* bits idempotency applies to; default POST|PATCH */
+    size_t upstream;   /* index into conf.upstreams */
     struct conf_idem idem;
 };
 
 struct conf {
-    char *file; /* path the config was read from */
+    char *file;                    /* path the config was read from */
     struct conf_addr listen;       /* default 127.0.0.1:8080 */
     struct conf_addr admin_listen; /* default 127.0.0.1:9090 */
     bool admin_enabled;            /* false when admin.listen is "off" */
     uint64_t shutdown_grace_ms;    /* default 10s */
 
-    char *postgres_url;            /* required (after env override) */
-    uint32_t pool;                 /* default 8, 1..256 */
-    char *redis_url;               /* NULL: no Redis */
-    uint64_t redis_timeout_ms;     /* default 50ms */
+    char *postgres_url;        /* required (after env override) */
+    uint32_t pool;             /* default 8, 1..256 */
+    char *redis_url;           /* NULL: no Redis */
+    uint64_t redis_timeout_ms; /* default 50ms */
 
     struct conf_upstream *upstreams;
     size_t upstreams_n;
@@ -96,19 +96,20 @@ struct conf {
     size_t default_upstream; /* index, valid when has_default_upstream */
 
     /* Front limits (top-level keys; extensions to SPEC section 3). */
-    uint64_t max_header_bytes; /* default 16KiB -> 431 */
-    uint64_t max_body;         /* default 1MiB, requests no route matches -> 413 */
-    uint64_t max_response;     /* default 8MiB, responses of non-idempotent requests */
-    uint32_t max_connections;  /* default 4096; beyond: 503 and close */
+    uint64_t max_header_bytes;  /* default 16KiB -> 431 */
+    uint64_t max_body;          /* default 1MiB, requests no route matches -> 413 */
+    uint64_t max_response;      /* default 8MiB, responses of non-idempotent requests */
+    uint32_t max_connections;   /* default 4096; beyond: 503 and close */
     uint64_t client_timeout_ms; /* default 30s: idle/slow client connections */
-    uint32_t threads;          /* HTTP front threads, default 0 = number of CPUs */
-    char *admin_token;         /* from IDEMGATE_ADMIN_TOKEN only, NULL when unset */
+    uint32_t threads;           /* HTTP front threads, default 0 = number of CPUs */
+    char *admin_token;          /* from IDEMGATE_ADMIN_TOKEN only, NULL when unset */
 };
 
 /* Loads and validates FILE, then applies IDEMGATE_POSTGRES_URL,
  * IDEMGATE_REDIS_URL (empty string: no Redis) and IDEMGATE_ADMIN_TOKEN from
  * the environment. Returns the config, or NULL with *err set to a heap string
- * "FILE:LINE: KEY: what is wrong" (caller frees *err). */
+ * "FILE:LINE: KEY: what is wrong" (caller frees *err). Errors without a line:
+ * "FILE: cannot open: ..." and "FILE: IDEMGATE_..._URL (environment): ...". */
 struct conf *conf_load(const char *file, char **err);
 /* Same, from a YAML text in memory; name is used in messages. */
 struct conf *conf_load_string(const char *name, const char *yaml, size_t len, char **err);

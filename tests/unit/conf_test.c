@@ -1,0 +1,765 @@
+/* conf_test.c - configuration loading: the example file, defaults, parsers, route matching, env, bad configs. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "conf/conf.h"
+
+/* A minimal valid file (5 lines); cases append from line 6. */
+#define BASE                                                                                                           \
+    "store:\n"                                                                                                         \
+    "  postgres: postgres://u@127.0.0.1/db\n"                                                                          \
+    "upstreams:\n"                                                                                                     \
+    "  - name: api\n"                                                                                                  \
+    "    url: http://127.0.0.1:9000\n"
+
+static void clean_env(void)
+{
+    unsetenv("IDEMGATE_POSTGRES_URL");
+    unsetenv("IDEMGATE_REDIS_URL");
+    unsetenv("IDEMGATE_ADMIN_TOKEN");
+}
+
+static struct conf *load(const char *yaml, char **err)
+{
+    *err = NULL;
+    return conf_load_string("t.yaml", yaml, strlen(yaml), err);
+}
+
+/* Loads text that must be valid; fails the test with the message otherwise. */
+static struct conf *load_ok(const char *yaml)
+{
+    char *err = NULL;
+    struct conf *c = load(yaml, &err);
+    cr_assert_not_null(c, "unexpected error: %s", err ? err : "(none)");
+    cr_assert_null(err);
+    return c;
+}
+
+static const char *example_path(void)
+{
+    static char buf[4096];
+    const char *env = getenv("IDEMGATE_EXAMPLE_CONF");
+    if (env != NULL && access(env, R_OK) == 0)
+        return env;
+    /* __FILE__ is tests/unit/conf_test.c relative to the build directory,
+     * where meson runs the tests. */
+    const char *f = __FILE__;
+    const char *cut = strstr(f, "tests/unit/conf_test.c");
+    if (cut != NULL) {
+        snprintf(buf, sizeof(buf), "%.*sconf/idemgate.example.yaml", (int)(cut - f), f);
+        if (access(buf, R_OK) == 0)
+            return buf;
+    }
+    static const char *const guesses[] = {"conf/idemgate.example.yaml", "../conf/idemgate.example.yaml"};
+    for (size_t i = 0; i < sizeof(guesses) / sizeof(guesses[0]); i++)
+        if (access(guesses[i], R_OK) == 0)
+            return guesses[i];
+    return NULL;
+}
+
+TestSuite(conf, .init = clean_env);
+
+Test(conf, example_config_loads)
+{
+    const char *path = example_path();
+    cr_assert_not_null(path, "conf/idemgate.example.yaml not found");
+    char *err = NULL;
+    struct conf *c = conf_load(path, &err);
+    cr_assert_not_null(c, "example failed: %s", err ? err : "");
+
+    cr_expect_str_eq(c->file, path);
+    cr_expect_str_eq(c->listen.host, "127.0.0.1");
+    cr_expect_eq(c->listen.port, 8080);
+    cr_expect(c->admin_enabled);
+    cr_expect_str_eq(c->admin_listen.host, "127.0.0.1");
+    cr_expect_eq(c->admin_listen.port, 9090);
+    cr_expect_eq(c->shutdown_grace_ms, 10000);
+    cr_expect_str_eq(c->postgres_url, "postgresql://idemgate@127.0.0.1:5432/idemgate");
+    cr_expect_eq(c->pool, 8);
+    cr_expect_str_eq(c->redis_url, "redis://127.0.0.1:6379/0");
+    cr_expect_eq(c->redis_timeout_ms, 50);
+
+    cr_assert_eq(c->upstreams_n, 1);
+    cr_expect_str_eq(c->upstreams[0].name, "api");
+    cr_expect_str_eq(c->upstreams[0].url, "http://127.0.0.1:9000");
+    cr_expect_str_eq(c->upstreams[0].base_path, "");
+    cr_expect_eq(c->upstreams[0].connect_timeout_ms, 2000);
+    cr_expect_eq(c->upstreams[0].timeout_ms, 30000);
+    cr_expect_eq(c->upstreams[0].max_connections, 1024);
+
+    cr_assert_eq(c->routes_n, 2);
+    const struct conf_route *p = &c->routes[0];
+    cr_expect_str_eq(p->name, "payments");
+    cr_expect_null(p->path);
+    cr_expect_str_eq(p->path_prefix, "/v1/payments");
+    cr_expect_eq(p->methods, CONF_M_POST | CONF_M_PATCH);
+    cr_expect_eq(p->upstream, 0);
+    cr_expect_eq(p->idem.key, CONF_KEY_REQUIRED);
+    cr_expect_str_eq(p->idem.header, "Idempotency-Key");
+    cr_assert_eq(p->idem.scope_n, 1);
+    cr_expect_eq(p->idem.scope[0].kind, CONF_PART_HEADER);
+    cr_expect_str_eq(p->idem.scope[0].header, "Authorization");
+    cr_assert_eq(p->idem.fingerprint_n, 4);
+    cr_expect_eq(p->idem.fingerprint[0].kind, CONF_PART_METHOD);
+    cr_expect_eq(p->idem.fingerprint[1].kind, CONF_PART_PATH);
+    cr_expect_eq(p->idem.fingerprint[2].kind, CONF_PART_QUERY);
+    cr_expect_eq(p->idem.fingerprint[3].kind, CONF_PART_BODY);
+    cr_expect_eq(p->idem.retention_ms, 24ULL * 3600 * 1000);
+    cr_expect_eq(p->idem.lease_ms, 60000);
+    cr_expect_eq(p->idem.on_in_flight, CONF_IN_FLIGHT_CONFLICT);
+    cr_expect_eq(p->idem.wait_ms, 10000);
+    cr_expect_eq(p->idem.on_unknown, CONF_UNKNOWN_REJECT);
+    cr_assert_eq(p->idem.release_statuses_n, 2);
+    cr_expect_eq(p->idem.release_statuses[0], 429);
+    cr_expect_eq(p->idem.release_statuses[1], 503);
+    cr_expect_eq(p->idem.max_body, 1024 * 1024);
+    cr_expect(p->idem.forward_key);
+    cr_expect_eq(p->idem.max_response, 8 * 1024 * 1024);
+
+    const struct conf_route *o = &c->routes[1];
+    cr_expect_str_eq(o->name, "orders");
+    cr_expect_str_eq(o->path_prefix, "/v1/orders");
+    cr_expect_eq(o->methods, CONF_M_POST | CONF_M_PUT | CONF_M_PATCH);
+    cr_expect_eq(o->idem.key, CONF_KEY_OPTIONAL);
+    cr_expect_eq(o->idem.on_in_flight, CONF_IN_FLIGHT_WAIT);
+    cr_expect_eq(o->idem.scope_n, 0);
+
+    cr_expect(c->has_default_upstream);
+    cr_expect_eq(c->default_upstream, 0);
+    cr_expect_eq(c->max_header_bytes, 16 * 1024);
+    cr_expect_eq(c->max_body, 1024 * 1024);
+    cr_expect_eq(c->max_response, 8 * 1024 * 1024);
+    cr_expect_eq(c->max_connections, 4096);
+    cr_expect_eq(c->client_timeout_ms, 30000);
+    cr_expect_eq(c->threads, 0);
+    cr_expect_null(c->admin_token);
+    conf_destroy(c);
+}
+
+Test(conf, defaults_applied)
+{
+    struct conf *c = load_ok(BASE "routes:\n"
+                                  "  - name: r\n"
+                                  "    match: {path: /x}\n"
+                                  "    upstream: api\n");
+    cr_expect_str_eq(c->listen.host, "127.0.0.1");
+    cr_expect_eq(c->listen.port, 8080);
+    cr_expect(c->admin_enabled);
+    cr_expect_str_eq(c->admin_listen.host, "127.0.0.1");
+    cr_expect_eq(c->admin_listen.port, 9090);
+    cr_expect_eq(c->shutdown_grace_ms, 10000);
+    cr_expect_eq(c->pool, 8);
+    cr_expect_null(c->redis_url);
+    cr_expect_eq(c->redis_timeout_ms, 50);
+    cr_expect_eq(c->upstreams[0].connect_timeout_ms, 2000);
+    cr_expect_eq(c->upstreams[0].timeout_ms, 30000);
+    cr_expect_eq(c->upstreams[0].max_connections, 1024);
+    cr_expect_not(c->has_default_upstream);
+    cr_expect_eq(c->max_header_bytes, 16384);
+    cr_expect_eq(c->max_body, 1048576);
+    cr_expect_eq(c->max_response, 8388608);
+    cr_expect_eq(c->max_connections, 4096);
+    cr_expect_eq(c->client_timeout_ms, 30000);
+    cr_expect_eq(c->threads, 0);
+
+    cr_assert_eq(c->routes_n, 1);
+    const struct conf_route *r = &c->routes[0];
+    cr_expect_str_eq(r->path, "/x");
+    cr_expect_null(r->path_prefix);
+    cr_expect_eq(r->methods, CONF_M_POST | CONF_M_PATCH);
+    cr_expect_eq(r->idem.key, CONF_KEY_OPTIONAL);
+    cr_expect_str_eq(r->idem.header, "Idempotency-Key");
+    cr_expect_eq(r->idem.scope_n, 0);
+    cr_assert_eq(r->idem.fingerprint_n, 4);
+    cr_expect_eq(r->idem.fingerprint[3].kind, CONF_PART_BODY);
+    cr_expect_eq(r->idem.retention_ms, 86400000);
+    cr_expect_eq(r->idem.lease_ms, 60000);
+    cr_expect_eq(r->idem.wait_ms, 10000);
+    cr_expect_eq(r->idem.on_in_flight, CONF_IN_FLIGHT_CONFLICT);
+    cr_expect_eq(r->idem.on_unknown, CONF_UNKNOWN_REJECT);
+    cr_expect_eq(r->idem.release_statuses_n, 0);
+    cr_expect_eq(r->idem.max_body, 1048576);
+    cr_expect(r->idem.forward_key);
+    cr_expect_eq(r->idem.max_response, 8388608);
+    conf_destroy(c);
+}
+
+Test(conf, every_key_set)
+{
+    struct conf *c = load_ok("listen: '[::1]:0'\n"
+                             "admin:\n"
+                             "  listen: 'off'\n"
+                             "shutdown_grace: 0s\n"
+                             "store:\n"
+                             "  postgres: host=/tmp dbname=x\n"
+                             "  pool: 256\n"
+                             "  redis: /run/redis.sock\n"
+                             "  redis_timeout: 5ms\n"
+                             "upstreams:\n"
+                             "  - name: a.b-c_1\n"
+                             "    url: https://Example.com:8443/base/path///\n"
+                             "    connect_timeout: 1500ms\n"
+                             "    timeout: 2m\n"
+                             "    max_connections: 7\n"
+                             "  - name: b\n"
+                             "    url: http://[::1]:9000/\n"
+                             "routes:\n"
+                             "  - name: r1\n"
+                             "    match:\n"
+                             "      path_prefix: /v1/things/\n"
+                             "      methods: [GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS, TRACE, CONNECT]\n"
+                             "  - name: r2\n"
+                             "    match: {path_prefix: /}\n"
+                             "    upstream: a.b-c_1\n"
+                             "    idempotency:\n"
+                             "      key: 'off'\n"
+                             "      header: X-Request-Id\n"
+                             "      scope: [header:X-Tenant, query]\n"
+                             "      fingerprint: [body, 'header:Content-Type']\n"
+                             "      retention: 7d\n"
+                             "      lease: 5m\n"
+                             "      on_in_flight: wait\n"
+                             "      wait: 3s\n"
+                             "      on_unknown: retry\n"
+                             "      release_statuses: [429, 500, 502]\n"
+                             "      max_body: 512KiB\n"
+                             "      forward_key: false\n"
+                             "      max_response: 1GiB\n"
+                             "default_upstream: b\n"
+                             "max_header_bytes: 8192\n"
+                             "max_body: 2MiB\n"
+                             "max_response: 100B\n"
+                             "max_connections: 100000\n"
+                             "client_timeout: 1h\n"
+                             "threads: 64\n");
+    cr_expect_str_eq(c->listen.host, "::1");
+    cr_expect_eq(c->listen.port, 0);
+    cr_expect_not(c->admin_enabled);
+    cr_expect_eq(c->shutdown_grace_ms, 0);
+    cr_expect_str_eq(c->postgres_url, "host=/tmp dbname=x");
+    cr_expect_eq(c->pool, 256);
+    cr_expect_str_eq(c->redis_url, "/run/redis.sock");
+    cr_expect_eq(c->redis_timeout_ms, 5);
+    cr_assert_eq(c->upstreams_n, 2);
+    cr_expect_str_eq(c->upstreams[0].name, "a.b-c_1");
+    cr_expect_str_eq(c->upstreams[0].url, "https://Example.com:8443/base/path");
+    cr_expect_str_eq(c->upstreams[0].base_path, "/base/path");
+    cr_expect_eq(c->upstreams[0].connect_timeout_ms, 1500);
+    cr_expect_eq(c->upstreams[0].timeout_ms, 120000);
+    cr_expect_eq(c->upstreams[0].max_connections, 7);
+    cr_expect_str_eq(c->upstreams[1].url, "http://[::1]:9000");
+    cr_expect_str_eq(c->upstreams[1].base_path, "");
+    cr_assert_eq(c->routes_n, 2);
+    cr_expect_str_eq(c->routes[0].path_prefix, "/v1/things");
+    cr_expect_eq(c->routes[0].methods, 0x1ff);
+    cr_expect_eq(c->routes[0].upstream, 1, "a route without upstream takes default_upstream");
+    const struct conf_route *r = &c->routes[1];
+    cr_expect_str_eq(r->path_prefix, "/");
+    cr_expect_eq(r->upstream, 0);
+    cr_expect_eq(r->idem.key, CONF_KEY_OFF);
+    cr_expect_str_eq(r->idem.header, "X-Request-Id");
+    cr_assert_eq(r->idem.scope_n, 2);
+    cr_expect_eq(r->idem.scope[0].kind, CONF_PART_HEADER);
+    cr_expect_str_eq(r->idem.scope[0].header, "X-Tenant");
+    cr_expect_eq(r->idem.scope[1].kind, CONF_PART_QUERY);
+    cr_expect_null(r->idem.scope[1].header);
+    cr_assert_eq(r->idem.fingerprint_n, 2);
+    cr_expect_eq(r->idem.fingerprint[0].kind, CONF_PART_BODY);
+    cr_expect_str_eq(r->idem.fingerprint[1].header, "Content-Type");
+    cr_expect_eq(r->idem.retention_ms, 7ULL * 86400000);
+    cr_expect_eq(r->idem.lease_ms, 300000);
+    cr_expect_eq(r->idem.on_in_flight, CONF_IN_FLIGHT_WAIT);
+    cr_expect_eq(r->idem.wait_ms, 3000);
+    cr_expect_eq(r->idem.on_unknown, CONF_UNKNOWN_RETRY);
+    cr_assert_eq(r->idem.release_statuses_n, 3);
+    cr_expect_eq(r->idem.release_statuses[2], 502);
+    cr_expect_eq(r->idem.max_body, 512 * 1024);
+    cr_expect_not(r->idem.forward_key);
+    cr_expect_eq(r->idem.max_response, 1ULL << 30);
+    cr_expect(c->has_default_upstream);
+    cr_expect_eq(c->default_upstream, 1);
+    cr_expect_eq(c->max_header_bytes, 8192);
+    cr_expect_eq(c->max_body, 2 * 1048576);
+    cr_expect_eq(c->max_response, 100);
+    cr_expect_eq(c->max_connections, 100000);
+    cr_expect_eq(c->client_timeout_ms, 3600000);
+    cr_expect_eq(c->threads, 64);
+    conf_destroy(c);
+}
+
+Test(conf, admin_and_listen_forms)
+{
+    struct conf *c = load_ok(BASE "listen: 0.0.0.0:0\nadmin:\n  listen: localhost:0\n");
+    cr_expect_str_eq(c->listen.host, "0.0.0.0");
+    cr_expect_eq(c->listen.port, 0);
+    cr_expect(c->admin_enabled);
+    cr_expect_str_eq(c->admin_listen.host, "localhost");
+    cr_expect_eq(c->admin_listen.port, 0);
+    conf_destroy(c);
+
+    c = load_ok(BASE "admin:\n  listen: off\n");
+    cr_expect_not(c->admin_enabled, "a plain off disables admin");
+    conf_destroy(c);
+
+    c = load_ok(BASE "admin: {}\nlisten: '[2001:db8::1]:65535'\n");
+    cr_expect(c->admin_enabled);
+    cr_expect_str_eq(c->admin_listen.host, "127.0.0.1");
+    cr_expect_eq(c->admin_listen.port, 9090);
+    cr_expect_str_eq(c->listen.host, "2001:db8::1");
+    cr_expect_eq(c->listen.port, 65535);
+    conf_destroy(c);
+}
+
+struct dur_case {
+    const char *in;
+    bool ok;
+    uint64_t ms;
+};
+
+Test(conf, durations)
+{
+    static const struct dur_case cases[] = {
+        {"500ms", true, 500},
+        {"0ms", true, 0},
+        {"1s", true, 1000},
+        {"30s", true, 30000},
+        {"5m", true, 300000},
+        {"24h", true, 86400000},
+        {"7d", true, 604800000},
+        {"36500d", true, 36500ULL * 86400000},
+        {"36501d", false, 0},
+        {"99999999999999999999s", false, 0},
+        {"18446744073709551615ms", false, 0},
+        {"30", false, 0},
+        {"0", false, 0},
+        {"", false, 0},
+        {"abc", false, 0},
+        {"s", false, 0},
+        {"-5s", false, 0},
+        {"+5s", false, 0},
+        {"1.5s", false, 0},
+        {"1,5s", false, 0},
+        {"5 s", false, 0},
+        {" 5s", false, 0},
+        {"5sec", false, 0},
+        {"5S", false, 0},
+        {"5us", false, 0},
+        {"1h30m", false, 0},
+        {"5w", false, 0},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        uint64_t v = 12345;
+        bool ok = conf_parse_duration(cases[i].in, &v);
+        cr_expect_eq(ok, cases[i].ok, "duration '%s': got ok=%d", cases[i].in, ok);
+        if (cases[i].ok)
+            cr_expect_eq(v, cases[i].ms, "duration '%s': got %llu", cases[i].in, (unsigned long long)v);
+        else
+            cr_expect_eq(v, 12345, "duration '%s': output written on failure", cases[i].in);
+    }
+    uint64_t v;
+    cr_expect_not(conf_parse_duration(NULL, &v));
+}
+
+struct size_case {
+    const char *in;
+    bool ok;
+    uint64_t bytes;
+};
+
+Test(conf, sizes)
+{
+    static const struct size_case cases[] = {
+        {"0", true, 0},
+        {"512", true, 512},
+        {"512B", true, 512},
+        {"64KiB", true, 65536},
+        {"1MiB", true, 1048576},
+        {"8MiB", true, 8388608},
+        {"1GiB", true, 1073741824},
+        {"16GiB", true, 16ULL << 30},
+        {"18446744073709551615", true, UINT64_MAX},
+        {"18446744073709551616", false, 0},
+        {"17179869184GiB", false, 0},
+        {"1KB", false, 0},
+        {"1MB", false, 0},
+        {"1GB", false, 0},
+        {"1kb", false, 0},
+        {"1K", false, 0},
+        {"1TiB", false, 0},
+        {"1.5MiB", false, 0},
+        {"-1", false, 0},
+        {"", false, 0},
+        {"MiB", false, 0},
+        {"1 MiB", false, 0},
+        {"1mib", false, 0},
+        {"0x10", false, 0},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        uint64_t v = 777;
+        bool ok = conf_parse_size(cases[i].in, &v);
+        cr_expect_eq(ok, cases[i].ok, "size '%s': got ok=%d", cases[i].in, ok);
+        if (cases[i].ok)
+            cr_expect_eq(v, cases[i].bytes, "size '%s': got %llu", cases[i].in, (unsigned long long)v);
+        else
+            cr_expect_eq(v, 777, "size '%s': output written on failure", cases[i].in);
+    }
+}
+
+Test(conf, method_bits)
+{
+    cr_expect_eq(conf_method_bit("GET"), CONF_M_GET);
+    cr_expect_eq(conf_method_bit("HEAD"), CONF_M_HEAD);
+    cr_expect_eq(conf_method_bit("POST"), CONF_M_POST);
+    cr_expect_eq(conf_method_bit("PUT"), CONF_M_PUT);
+    cr_expect_eq(conf_method_bit("PATCH"), CONF_M_PATCH);
+    cr_expect_eq(conf_method_bit("DELETE"), CONF_M_DELETE);
+    cr_expect_eq(conf_method_bit("OPTIONS"), CONF_M_OPTIONS);
+    cr_expect_eq(conf_method_bit("TRACE"), CONF_M_TRACE);
+    cr_expect_eq(conf_method_bit("CONNECT"), CONF_M_CONNECT);
+    cr_expect_eq(conf_method_bit("post"), 0);
+    cr_expect_eq(conf_method_bit("POSTX"), 0);
+    cr_expect_eq(conf_method_bit(""), 0);
+    cr_expect_eq(conf_method_bit(NULL), 0);
+}
+
+struct match_case {
+    const char *path;
+    const char *route; /* NULL: no match */
+};
+
+Test(conf, route_matching)
+{
+    struct conf *c = load_ok(BASE "routes:\n"
+                                  "  - name: exact\n"
+                                  "    match: {path: /v1/payments/special}\n"
+                                  "    upstream: api\n"
+                                  "  - name: payments\n"
+                                  "    match: {path_prefix: /v1/payments/}\n"
+                                  "    upstream: api\n"
+                                  "  - name: shadowed\n"
+                                  "    match: {path_prefix: /v1/payments/42}\n"
+                                  "    upstream: api\n"
+                                  "  - name: orders\n"
+                                  "    match: {path: /v1/orders}\n"
+                                  "    upstream: api\n");
+    static const struct match_case cases[] = {
+        {"/v1/payments", "payments"},
+        {"/v1/payments/", "payments"},
+        {"/v1/payments/42", "payments"}, /* first match wins over "shadowed" */
+        {"/v1/payments/42/refunds", "payments"},
+        {"/v1/payments/special", "exact"},
+        {"/v1/payments/special/x", "payments"},
+        {"/v1/paymentsx", NULL},
+        {"/v1/payment", NULL},
+        {"/v1", NULL},
+        {"/", NULL},
+        {"", NULL},
+        {"/v1/orders", "orders"},
+        {"/v1/orders/1", NULL}, /* path is exact */
+        {"/v1/orders/", NULL},
+        {"/V1/orders", NULL},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const struct conf_route *r = conf_match_route(c, cases[i].path);
+        if (cases[i].route == NULL)
+            cr_expect_null(r, "'%s' matched %s", cases[i].path, r ? r->name : "");
+        else {
+            cr_expect_not_null(r, "'%s' matched nothing", cases[i].path);
+            if (r != NULL)
+                cr_expect_str_eq(r->name, cases[i].route, "'%s'", cases[i].path);
+        }
+    }
+    cr_expect_null(conf_match_route(c, NULL));
+    cr_expect_null(conf_match_route(NULL, "/v1/payments"));
+    conf_destroy(c);
+
+    c = load_ok(BASE "routes:\n"
+                     "  - name: a\n"
+                     "    match: {path: /a}\n"
+                     "    upstream: api\n"
+                     "  - name: all\n"
+                     "    match: {path_prefix: /}\n"
+                     "    upstream: api\n"
+                     "  - name: never\n"
+                     "    match: {path: /b}\n"
+                     "    upstream: api\n");
+    cr_expect_str_eq(conf_match_route(c, "/a")->name, "a");
+    cr_expect_str_eq(conf_match_route(c, "/a/b")->name, "all");
+    cr_expect_str_eq(conf_match_route(c, "/b")->name, "all");
+    cr_expect_str_eq(conf_match_route(c, "/")->name, "all");
+    conf_destroy(c);
+
+    c = load_ok(BASE "routes: []\n");
+    cr_expect_eq(c->routes_n, 0);
+    cr_expect_null(conf_match_route(c, "/x"));
+    conf_destroy(c);
+}
+
+Test(conf, env_postgres_overrides_file)
+{
+    setenv("IDEMGATE_POSTGRES_URL", "postgres://env@127.0.0.1:5433/e", 1);
+    struct conf *c = load_ok(BASE);
+    cr_expect_str_eq(c->postgres_url, "postgres://env@127.0.0.1:5433/e");
+    conf_destroy(c);
+
+    /* with the env set, store.postgres may be absent */
+    c = load_ok("upstreams:\n  - name: api\n    url: http://127.0.0.1:9000\n");
+    cr_expect_str_eq(c->postgres_url, "postgres://env@127.0.0.1:5433/e");
+    conf_destroy(c);
+
+    setenv("IDEMGATE_POSTGRES_URL", "mysql://nope", 1);
+    char *err = NULL;
+    c = load(BASE, &err);
+    cr_expect_null(c);
+    cr_assert_not_null(err);
+    cr_expect(strstr(err, "t.yaml: IDEMGATE_POSTGRES_URL (environment): must start with postgres://") != NULL, "%s",
+              err);
+    free(err);
+}
+
+Test(conf, env_redis)
+{
+    const char *yaml = BASE "  # comment\n";
+    const char *with_redis = "store:\n"
+                             "  postgres: postgres://u@127.0.0.1/db\n"
+                             "  redis: redis://:secret@127.0.0.1:6379/2\n"
+                             "upstreams:\n"
+                             "  - name: api\n"
+                             "    url: http://127.0.0.1:9000\n";
+    struct conf *c = load_ok(with_redis);
+    cr_expect_str_eq(c->redis_url, "redis://:secret@127.0.0.1:6379/2");
+    conf_destroy(c);
+
+    setenv("IDEMGATE_REDIS_URL", "", 1);
+    c = load_ok(with_redis);
+    cr_expect_null(c->redis_url, "an empty IDEMGATE_REDIS_URL disables Redis");
+    conf_destroy(c);
+
+    setenv("IDEMGATE_REDIS_URL", "redis://127.0.0.1:6380", 1);
+    c = load_ok(yaml);
+    cr_expect_str_eq(c->redis_url, "redis://127.0.0.1:6380");
+    conf_destroy(c);
+
+    setenv("IDEMGATE_REDIS_URL", "http://127.0.0.1:6380", 1);
+    char *err = NULL;
+    c = load(yaml, &err);
+    cr_expect_null(c);
+    cr_assert_not_null(err);
+    cr_expect(strstr(err, "t.yaml: IDEMGATE_REDIS_URL (environment): must be redis://") != NULL, "%s", err);
+    free(err);
+}
+
+Test(conf, env_admin_token)
+{
+    struct conf *c = load_ok(BASE);
+    cr_expect_null(c->admin_token);
+    conf_destroy(c);
+
+    setenv("IDEMGATE_ADMIN_TOKEN", "", 1);
+    c = load_ok(BASE);
+    cr_expect_null(c->admin_token);
+    conf_destroy(c);
+
+    setenv("IDEMGATE_ADMIN_TOKEN", "s3cret", 1);
+    c = load_ok(BASE);
+    cr_expect_str_eq(c->admin_token, "s3cret");
+    conf_destroy(c);
+}
+
+Test(conf, missing_file)
+{
+    char *err = NULL;
+    struct conf *c = conf_load("/nonexistent/idemgate.yaml", &err);
+    cr_expect_null(c);
+    cr_assert_not_null(err);
+    cr_expect_str_eq(err, "/nonexistent/idemgate.yaml: cannot open: No such file or directory");
+    free(err);
+}
+
+Test(conf, file_error_names_the_file)
+{
+    char path[] = "/tmp/conf_test_XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert(fd >= 0);
+    const char *text = BASE "routes:\n  - name: r\n    match: {path: /a}\n    upstream: ghost\n";
+    cr_assert_eq(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+    close(fd);
+    char *err = NULL;
+    struct conf *c = conf_load(path, &err);
+    unlink(path);
+    cr_expect_null(c);
+    cr_assert_not_null(err);
+    char want[128];
+    snprintf(want, sizeof(want), "%s:9: routes[0].upstream: unknown upstream 'ghost' (defined: api)", path);
+    cr_expect_str_eq(err, want);
+    free(err);
+}
+
+struct bad_case {
+    const char *what;
+    const char *yaml;
+    const char *want; /* substring of the message, file:line: key.path: ... */
+};
+
+#define UPS          "upstreams:\n  - name: api\n    url: http://127.0.0.1:9000\n"
+#define PG           "store:\n  postgres: postgres://u@127.0.0.1/db\n"
+#define ROUTE(extra) "routes:\n  - name: p\n    match: {path: /a}\n    upstream: api\n" extra
+
+static const struct bad_case bad_cases[] = {
+    {"unknown top-level key", BASE "listn: 1.2.3.4:80\n", "t.yaml:6: listn: unknown key (expected one of: listen,"},
+    {"unknown nested key", PG "  poool: 3\n" UPS,
+     "t.yaml:3: store.poool: unknown key (expected one of: postgres, pool"},
+    {"unknown idempotency key", BASE ROUTE("    idempotency:\n      lease: 1s\n      leese: 2s\n"),
+     "t.yaml:12: routes[0].idempotency.leese: unknown key"},
+    {"bad duration", BASE ROUTE("    idempotency:\n      lease: abc\n"),
+     "t.yaml:11: routes[0].idempotency.lease: invalid duration 'abc' (use ms, s, m, h, d)"},
+    {"duration without unit", BASE "shutdown_grace: 30\n",
+     "t.yaml:6: shutdown_grace: invalid duration '30' (a unit is required: ms, s, m, h, d)"},
+    {"fractional duration", BASE "client_timeout: 1.5s\n",
+     "t.yaml:6: client_timeout: invalid duration '1.5s' (use ms, s, m, h, d)"},
+    {"negative duration", PG "  redis_timeout: -50ms\n" UPS,
+     "t.yaml:3: store.redis_timeout: invalid duration '-50ms' (use ms, s, m, h, d)"},
+    {"zero lease", BASE ROUTE("    idempotency: {lease: 0s}\n"),
+     "t.yaml:10: routes[0].idempotency.lease: must be greater than 0"},
+    {"duration overflow", BASE ROUTE("    idempotency: {retention: 99999999999d}\n"),
+     "t.yaml:10: routes[0].idempotency.retention: invalid duration '99999999999d' (too large, at most 36500d)"},
+    {"decimal size unit", BASE "max_body: 1MB\n",
+     "t.yaml:6: max_body: invalid size '1MB' (sizes are 1024-based: use B, KiB, MiB, GiB)"},
+    {"bad size", BASE ROUTE("    idempotency:\n      max_body: lots\n"),
+     "t.yaml:11: routes[0].idempotency.max_body: invalid size 'lots' (use B, KiB, MiB, GiB)"},
+    {"zero size", BASE "max_header_bytes: 0\n", "t.yaml:6: max_header_bytes: must be greater than 0"},
+    {"size too large", BASE "max_header_bytes: 2MiB\n", "t.yaml:6: max_header_bytes: must be at most 1MiB (got 2MiB)"},
+    {"unknown upstream reference", BASE ROUTE("") "  - name: q\n    match: {path: /b}\n    upstream: nope\n",
+     "t.yaml:12: routes[1].upstream: unknown upstream 'nope' (defined: api)"},
+    {"route without upstream nor default", BASE "routes:\n  - name: p\n    match: {path: /a}\n",
+     "t.yaml:7: routes[0].upstream: missing required key (or set default_upstream)"},
+    {"duplicate route name", BASE ROUTE("") "  - name: p\n    match: {path: /b}\n    upstream: api\n",
+     "t.yaml:10: routes[1].name: duplicate route name 'p'"},
+    {"duplicate upstream name", BASE "  - name: api\n    url: http://127.0.0.1:9001\n",
+     "t.yaml:6: upstreams[1].name: duplicate upstream name 'api'"},
+    {"both path and path_prefix",
+     BASE "routes:\n  - name: p\n    match:\n      path: /a\n      path_prefix: /b\n    upstream: api\n",
+     "t.yaml:8: routes[0].match: path and path_prefix are mutually exclusive"},
+    {"neither path nor path_prefix",
+     BASE "routes:\n  - name: p\n    match:\n      methods: [POST]\n    upstream: api\n",
+     "t.yaml:8: routes[0].match: needs exactly one of path or path_prefix"},
+    {"path without slash", BASE "routes:\n  - name: p\n    match: {path_prefix: v1}\n    upstream: api\n",
+     "t.yaml:8: routes[0].match.path_prefix: must start with '/'"},
+    {"lower-case method",
+     BASE "routes:\n  - name: p\n    match: {path: /a, methods: [POST, post]}\n    upstream: api\n",
+     "t.yaml:8: routes[0].match.methods[1]: invalid method 'post' (methods are case-sensitive: use POST)"},
+    {"unknown method",
+     BASE "routes:\n  - name: p\n    match:\n      path: /a\n      methods:\n        - FETCH\n    upstream: api\n",
+     "t.yaml:11: routes[0].match.methods[0]: unknown method 'FETCH' (use GET, HEAD,"},
+    {"methods not a list", BASE "routes:\n  - name: p\n    match: {path: /a, methods: POST}\n    upstream: api\n",
+     "t.yaml:8: routes[0].match.methods: expected a list ([a, b] or '- ' items), got the scalar 'POST'"},
+    {"bad key mode", BASE ROUTE("    idempotency: {key: always}\n"),
+     "t.yaml:10: routes[0].idempotency.key: invalid value 'always' (use optional, required, off)"},
+    {"bad on_in_flight", BASE ROUTE("    idempotency:\n      on_in_flight: queue\n"),
+     "t.yaml:11: routes[0].idempotency.on_in_flight: invalid value 'queue' (use conflict, wait)"},
+    {"bad on_unknown", BASE ROUTE("    idempotency:\n      on_unknown: ignore\n"),
+     "t.yaml:11: routes[0].idempotency.on_unknown: invalid value 'ignore' (use reject, retry)"},
+    {"bad boolean", BASE ROUTE("    idempotency:\n      forward_key: yes\n"),
+     "t.yaml:11: routes[0].idempotency.forward_key: invalid boolean 'yes' (use true or false)"},
+    {"bad key header", BASE ROUTE("    idempotency:\n      header: Idempotency Key\n"),
+     "t.yaml:11: routes[0].idempotency.header: invalid header name 'Idempotency Key'"},
+    {"listen without port", BASE "listen: localhost\n",
+     "t.yaml:6: listen: invalid address 'localhost': missing port (use host:port or [v6]:port)"},
+    {"listen port out of range", BASE "listen: 127.0.0.1:70000\n",
+     "t.yaml:6: listen: invalid address '127.0.0.1:70000': port must be between 0 and 65535"},
+    {"listen bare IPv6", BASE "listen: ::1:8080\n",
+     "t.yaml:6: listen: invalid address '::1:8080': an IPv6 address must be written in brackets"},
+    {"admin port out of range", BASE "admin:\n  listen: 127.0.0.1:99999\n",
+     "t.yaml:7: admin.listen: invalid address '127.0.0.1:99999': port must be between 0 and 65535"},
+    {"admin on the listen address", BASE "listen: 127.0.0.1:8000\nadmin:\n  listen: 127.0.0.1:8000\n",
+     "t.yaml:8: admin.listen: same address as listen (127.0.0.1:8000)"},
+    {"missing postgres, no store", UPS,
+     "t.yaml:1: store.postgres: missing required key (set it here or in IDEMGATE_POSTGRES_URL)"},
+    {"missing postgres, store present", "listen: 127.0.0.1:1\nstore:\n  pool: 4\n" UPS,
+     "t.yaml:2: store.postgres: missing required key"},
+    {"bad postgres scheme", "store:\n  postgres: mysql://u@127.0.0.1/db\n" UPS,
+     "t.yaml:2: store.postgres: must start with postgres:// or postgresql://"},
+    {"bad redis url", PG "  redis: http://127.0.0.1:6379\n" UPS,
+     "t.yaml:3: store.redis: must be redis://[:password@]host:port[/db] or an absolute unix socket path"},
+    {"redis without port", PG "  redis: redis://127.0.0.1\n" UPS, "t.yaml:3: store.redis: missing port"},
+    {"pool 0", PG "  pool: 0\n" UPS, "t.yaml:3: store.pool: must be between 1 and 256 (got 0)"},
+    {"pool not a number", PG "  pool: eight\n" UPS, "t.yaml:3: store.pool: invalid integer 'eight'"},
+    {"threads out of range", BASE "threads: 65\n", "t.yaml:6: threads: must be between 0 and 64 (got 65)"},
+    {"max_connections 0", BASE "max_connections: 0\n", "t.yaml:6: max_connections: must be between 1 and 100000"},
+    {"release status out of range", BASE ROUTE("    idempotency:\n      release_statuses: [503, 600]\n"),
+     "t.yaml:11: routes[0].idempotency.release_statuses[1]: must be between 100 and 599 (got 600)"},
+    {"release status duplicate", BASE ROUTE("    idempotency:\n      release_statuses: [503, 503]\n"),
+     "t.yaml:11: routes[0].idempotency.release_statuses[1]: duplicate status 503"},
+    {"header: with empty name", BASE ROUTE("    idempotency:\n      scope: [\"header:\"]\n"),
+     "t.yaml:11: routes[0].idempotency.scope[0]: 'header:' needs a header name"},
+    {"header: with a bad name", BASE ROUTE("    idempotency:\n      fingerprint: [method, 'header:X Y']\n"),
+     "t.yaml:11: routes[0].idempotency.fingerprint[1]: invalid header name 'X Y'"},
+    {"unknown fingerprint part",
+     BASE ROUTE("    idempotency:\n      fingerprint:\n        - method\n        - bodyy\n"),
+     "t.yaml:13: routes[0].idempotency.fingerprint[1]: invalid part 'bodyy' (use method, path, query, body or "
+     "header:NAME)"},
+    {"YAML syntax error", BASE "routes:\n  - name: p\n    match: {path: /a\n    upstream: api\n",
+     "t.yaml:9: YAML syntax error: "},
+    {"YAML tab indentation", BASE "listen:\n\t127.0.0.1:1\n", "t.yaml:7: YAML syntax error: "},
+    {"empty upstreams", PG "upstreams: []\n", "t.yaml:3: upstreams: must list at least one upstream"},
+    {"missing upstreams", PG, "t.yaml:1: upstreams: missing required key"},
+    {"missing upstream url", PG "upstreams:\n  - name: api\n", "t.yaml:4: upstreams[0].url: missing required key"},
+    {"bad upstream url scheme", PG "upstreams:\n  - name: api\n    url: ftp://127.0.0.1\n",
+     "t.yaml:5: upstreams[0].url: must start with http:// or https://"},
+    {"upstream url with query", PG "upstreams:\n  - name: api\n    url: http://127.0.0.1/x?y=1\n",
+     "t.yaml:5: upstreams[0].url: must not have a query or fragment"},
+    {"upstream url without host", PG "upstreams:\n  - name: api\n    url: http:///x\n",
+     "t.yaml:5: upstreams[0].url: invalid URL: missing host"},
+    {"upstream url port 0", PG "upstreams:\n  - name: api\n    url: http://127.0.0.1:0\n",
+     "t.yaml:5: upstreams[0].url: invalid URL: port must be between 1 and 65535"},
+    {"bad upstream name", PG "upstreams:\n  - name: my api\n    url: http://127.0.0.1\n",
+     "t.yaml:4: upstreams[0].name: invalid name 'my api'"},
+    {"zero upstream timeout", BASE "    timeout: 0ms\n", "t.yaml:6: upstreams[0].timeout: must be greater than 0"},
+    {"unknown default_upstream", BASE "default_upstream: web\n",
+     "t.yaml:6: default_upstream: unknown upstream 'web' (defined: api)"},
+    {"non-scalar where scalar expected", BASE "listen: [a, b]\n", "t.yaml:6: listen: expected host:port, got a list"},
+    {"mapping where scalar expected", BASE "shutdown_grace:\n  s: 1\n",
+     "t.yaml:7: shutdown_grace: expected a duration, got a mapping"},
+    {"missing value", BASE "shutdown_grace:\n", "t.yaml:6: shutdown_grace: missing value (expected a duration)"},
+    {"mapping where list expected", BASE "routes: {a: 1}\n", "t.yaml:6: routes: expected a list"},
+    {"scalar where mapping expected", BASE "admin: 5\n", "t.yaml:6: admin: expected a mapping, got the scalar '5'"},
+    {"store not a mapping", "store: postgres://u:pw@h/db\n" UPS,
+     "t.yaml:1: store: expected a mapping, got the scalar 'postgres://u:***@h/db'"},
+    {"duplicate key", BASE "listen: 127.0.0.1:1\nlisten: 127.0.0.1:2\n", "t.yaml:7: listen: duplicate key"},
+    {"missing route name", BASE "routes:\n  - match: {path: /a}\n    upstream: api\n",
+     "t.yaml:7: routes[0].name: missing required key"},
+    {"missing match", BASE "routes:\n  - name: p\n    upstream: api\n",
+     "t.yaml:7: routes[0].match: missing required key"},
+    {"empty route name", BASE "routes:\n  - name: ''\n    match: {path: /a}\n    upstream: api\n",
+     "t.yaml:7: routes[0].name: invalid name ''"},
+    {"root is a list", "- a\n- b\n", "t.yaml:1: (root): expected a mapping, got a list"},
+    {"empty file", "# nothing\n", "t.yaml:1: (root): the configuration is empty"},
+    {"two documents", BASE "---\nlisten: 127.0.0.1:1\n", "t.yaml:6: (root): only one YAML document is allowed"},
+};
+
+Test(conf, bad_configs)
+{
+    cr_assert_geq(sizeof(bad_cases) / sizeof(bad_cases[0]), 20);
+    for (size_t i = 0; i < sizeof(bad_cases) / sizeof(bad_cases[0]); i++) {
+        const struct bad_case *bc = &bad_cases[i];
+        char *err = NULL;
+        struct conf *c = load(bc->yaml, &err);
+        cr_expect_null(c, "[%s] loaded although invalid", bc->what);
+        conf_destroy(c);
+        if (err == NULL) {
+            cr_expect_not_null(err, "[%s] no error message", bc->what);
+            continue;
+        }
+        cr_expect(strstr(err, bc->want) != NULL, "[%s]\n  want: %s\n  got:  %s", bc->what, bc->want, err);
+        cr_expect(strncmp(err, "t.yaml:", 7) == 0, "[%s] message must start with file:line: %s", bc->what, err);
+        free(err);
+    }
+}
+
+Test(conf, destroy_null)
+{
+    conf_destroy(NULL); /* must not crash */
+}
