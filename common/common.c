@@ -64,15 +64,12 @@ char *cm_strndup(const char *s, size_t n)
 char *cm_asprintf(const char *fmt, ...)
 {
     va_list ap;
+    char *p = NULL;
     va_start(ap, fmt);
-    int n = vsnprintf(NULL, 0, fmt, ap);
+    int n = vasprintf(&p, fmt, ap);
     va_end(ap);
     if (n < 0)
-        return cm_strdup("");
-    char *p = cm_malloc((size_t)n + 1);
-    va_start(ap, fmt);
-    vsnprintf(p, (size_t)n + 1, fmt, ap);
-    va_end(ap);
+        oom(strlen(fmt));
     return p;
 }
 

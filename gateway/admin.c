@@ -230,12 +230,12 @@ struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_loop *loop, c
     memset(&ss, 0, sizeof ss);
     memcpy(&ss, res->ai_addr, res->ai_addrlen);
     freeaddrinfo(res);
-    a->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
-                                MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0),
-                            0, NULL, NULL, handler, a, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
-                            MHD_OPTION_CONNECTION_LIMIT, 256u, MHD_OPTION_CONNECTION_TIMEOUT, 30u,
-                            MHD_OPTION_NOTIFY_COMPLETED, completed, a, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "admin",
-                            MHD_OPTION_END);
+    a->d =
+        MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
+                             MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0),
+                         0, NULL, NULL, handler, a, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "admin",
+                         MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, 256u,
+                         MHD_OPTION_CONNECTION_TIMEOUT, 30u, MHD_OPTION_NOTIFY_COMPLETED, completed, a, MHD_OPTION_END);
     if (!a->d) {
         *err = cm_asprintf("cannot listen on admin address %s:%u", conf->admin_listen.host, conf->admin_listen.port);
         free(a);

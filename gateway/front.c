@@ -141,7 +141,7 @@ static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
     }
     if (job->replayed)
         MHD_add_response_header(resp, "Idempotent-Replayed", "true");
-    if (atomic_load(&r->front->shutting_down) || job->status == 431 || job->status == 413)
+    if (atomic_load(&r->front->shutting_down) || job->status == 431 || job->status == 413 || job->status == 400)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)job->status, resp);
     MHD_destroy_response(resp);
@@ -243,6 +243,48 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     }
 }
 
+static bool is_tchar(unsigned char ch)
+{
+    return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+           (ch && strchr("!#$%&'*+-.^_`|~", ch) != NULL);
+}
+
+/* RFC 9110 field names are tokens; values carry no control byte but HTAB. */
+static bool headers_well_formed(const struct cm_hdrs *h)
+{
+    for (size_t i = 0; i < h->n; i++) {
+        const unsigned char *p = (const unsigned char *)h->v[i].name;
+        if (!*p)
+            return false;
+        for (; *p; p++)
+            if (!is_tchar(*p))
+                return false;
+        for (p = (const unsigned char *)h->v[i].value; *p; p++)
+            if ((*p < 0x20 && *p != '\t') || *p == 0x7f)
+                return false;
+    }
+    return true;
+}
+
+/* Request framing that could be read two ways (RFC 9112 6.3) is refused:
+ * a Content-Length that is not one number (repeated with other values, or a
+ * list), or Content-Length together with Transfer-Encoding. */
+static bool framing_ambiguous(const struct cm_hdrs *h)
+{
+    const char *first = NULL;
+    for (size_t i = 0; i < h->n; i++) {
+        if (strcasecmp(h->v[i].name, "Content-Length") != 0)
+            continue;
+        const char *v = h->v[i].value;
+        if (!*v || strspn(v, "0123456789") != strlen(v))
+            return true;
+        if (first && strcmp(first, v) != 0)
+            return true;
+        first = v;
+    }
+    return first && cm_hdrs_get(h, "Transfer-Encoding") != NULL;
+}
+
 static size_t header_block_size(const struct req *r, const char *method)
 {
     size_t n = strlen(method) + 1 + strlen(r->job.uri) + 11; /* request line */
@@ -280,6 +322,9 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     if (header_block_size(r, method) > conf->max_header_bytes)
         return reject(r, c, 431, "request-header-fields-too-large", "Request header fields too large",
                       "the request header block exceeds max_header_bytes", CM_OUT_TOO_LARGE);
+    if (!headers_well_formed(&r->in_hdrs) || framing_ambiguous(&r->in_hdrs))
+        return reject(r, c, 400, "bad-request", "Bad request", "malformed header field or ambiguous message framing",
+                      CM_OUT_ERROR);
     if (!job->upstream)
         return reject(r, c, 404, "route-not-found", "No route", "no route matches this path", CM_OUT_NOT_FOUND);
 
@@ -421,14 +466,15 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loop *loop, c
     if (mem < 32 * 1024)
         mem = 32 * 1024;
     unsigned timeout_s = (unsigned)((conf->client_timeout_ms + 999) / 1000);
-    f->d = MHD_start_daemon(
-        MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG | MHD_USE_TURBO |
-            mhd_family_flag(&ss),
-        0, NULL, NULL, handler, f, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_THREAD_POOL_SIZE, threads,
-        MHD_OPTION_CONNECTION_LIMIT, (unsigned)(conf->max_connections + 64), MHD_OPTION_CONNECTION_TIMEOUT, timeout_s,
-        MHD_OPTION_CONNECTION_MEMORY_LIMIT, mem, MHD_OPTION_LISTEN_BACKLOG_SIZE, 4096, MHD_OPTION_URI_LOG_CALLBACK,
-        uri_log, f, MHD_OPTION_NOTIFY_COMPLETED, completed, f, MHD_OPTION_NOTIFY_CONNECTION, conn_notify, f,
-        MHD_OPTION_UNESCAPE_CALLBACK, no_unescape, f, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "front", MHD_OPTION_END);
+    f->d = MHD_start_daemon(MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG |
+                                MHD_USE_TURBO | mhd_family_flag(&ss),
+                            0, NULL, NULL, handler, f, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "front",
+                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_THREAD_POOL_SIZE, threads,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)(conf->max_connections + 64),
+                            MHD_OPTION_CONNECTION_TIMEOUT, timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT, mem,
+                            MHD_OPTION_LISTEN_BACKLOG_SIZE, 4096, MHD_OPTION_URI_LOG_CALLBACK, uri_log, f,
+                            MHD_OPTION_NOTIFY_COMPLETED, completed, f, MHD_OPTION_NOTIFY_CONNECTION, conn_notify, f,
+                            MHD_OPTION_UNESCAPE_CALLBACK, no_unescape, f, MHD_OPTION_END);
     if (!f->d) {
         *err = cm_asprintf("cannot listen on %s:%u (address in use or not permitted)", conf->listen.host,
                            conf->listen.port);
