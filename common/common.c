@@ -239,7 +239,7 @@ static bool named_in_connection(const char *list, const char *name)
         const char *end = p;
         while (end > start && (end[-1] == ' ' || end[-1] == '\t'))
             end--;
-        if ((size_t)(end - start) == nlen && strncasecmp(start, name, nlen) == 0)
+        if (end > start && (size_t)(end - start) == nlen && strncasecmp(start, name, nlen) == 0)
             return true;
     }
     return false;

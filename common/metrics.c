@@ -1,1 +1,378 @@
-/* placeholder: being written */
+/* metrics.c - the process-wide Prometheus registry: relaxed C11 atomics, rendered as text format 0.0.4. */
+#include "common/metrics.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Upper bounds (seconds) of the finite histogram buckets; +Inf is implied. */
+static const double bucket_le[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+static const char *const bucket_le_text[] = {"0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25",
+                                             "0.5",   "1",      "2.5",   "5",    "10",    "30",   "60"};
+#define NBUCKETS_FINITE (sizeof(bucket_le) / sizeof(bucket_le[0]))
+#define NBUCKETS        (NBUCKETS_FINITE + 1)
+
+struct hist {
+    /* Per-bucket counts, not cumulative: one atomic add per observation.
+     * _count is derived from them when rendering, so +Inf == _count always. */
+    _Atomic uint64_t bucket[NBUCKETS];
+    _Atomic uint64_t sum_us;
+};
+
+struct route_ctr {
+    _Atomic uint64_t requests[CM_OUT__COUNT];
+    _Atomic uint64_t dedup_hits;
+    _Atomic uint64_t parameter_conflicts;
+    _Atomic uint64_t in_flight_conflicts;
+    _Atomic uint64_t completion_failures;
+    _Atomic uint64_t stuck_processing;
+};
+
+/* Routes 0..nroutes-1 as configured, then "_default", then "_none". */
+struct registry {
+    size_t nroutes;
+    char **names;
+    struct route_ctr *rc; /* nroutes + 2 entries */
+};
+
+static struct route_ctr fallback_rc[2];
+static struct registry reg = {0, NULL, fallback_rc};
+
+static struct hist upstream_hist;
+static struct hist store_hist[CM_STORE__COUNT];
+static _Atomic uint64_t store_errors[CM_STORE__COUNT];
+static _Atomic int postgres_up;
+static _Atomic int redis_up;
+static _Atomic int64_t connections;
+
+static const char *const outcome_names[CM_OUT__COUNT] = {
+    [CM_OUT_FORWARDED] = "forwarded",
+    [CM_OUT_REPLAYED] = "replayed",
+    [CM_OUT_MISMATCH] = "mismatch",
+    [CM_OUT_IN_FLIGHT] = "in_flight",
+    [CM_OUT_UNKNOWN] = "unknown",
+    [CM_OUT_KEY_MISSING] = "key_missing",
+    [CM_OUT_KEY_INVALID] = "key_invalid",
+    [CM_OUT_TOO_LARGE] = "too_large",
+    [CM_OUT_STORE_UNAVAILABLE] = "store_unavailable",
+    [CM_OUT_UPSTREAM_UNAVAILABLE] = "upstream_unavailable",
+    [CM_OUT_UPSTREAM_TIMEOUT] = "upstream_timeout",
+    [CM_OUT_UPSTREAM_NO_RESPONSE] = "upstream_no_response",
+    [CM_OUT_RELEASED] = "released",
+    [CM_OUT_NOT_FOUND] = "not_found",
+    [CM_OUT_ERROR] = "error",
+};
+
+static const char *const store_names[CM_STORE__COUNT] = {
+    [CM_STORE_POSTGRES] = "postgres",
+    [CM_STORE_REDIS] = "redis",
+};
+
+const char *cm_outcome_name(enum cm_outcome o)
+{
+    if ((unsigned)o >= CM_OUT__COUNT)
+        return "error";
+    return outcome_names[o];
+}
+
+static void ctr_add(_Atomic uint64_t *c, uint64_t n)
+{
+    atomic_fetch_add_explicit(c, n, memory_order_relaxed);
+}
+
+static uint64_t ctr_get(_Atomic uint64_t *c)
+{
+    return atomic_load_explicit(c, memory_order_relaxed);
+}
+
+static void zero_route(struct route_ctr *r)
+{
+    for (size_t i = 0; i < CM_OUT__COUNT; i++)
+        atomic_store_explicit(&r->requests[i], 0, memory_order_relaxed);
+    atomic_store_explicit(&r->dedup_hits, 0, memory_order_relaxed);
+    atomic_store_explicit(&r->parameter_conflicts, 0, memory_order_relaxed);
+    atomic_store_explicit(&r->in_flight_conflicts, 0, memory_order_relaxed);
+    atomic_store_explicit(&r->completion_failures, 0, memory_order_relaxed);
+    atomic_store_explicit(&r->stuck_processing, 0, memory_order_relaxed);
+}
+
+static void zero_hist(struct hist *h)
+{
+    for (size_t i = 0; i < NBUCKETS; i++)
+        atomic_store_explicit(&h->bucket[i], 0, memory_order_relaxed);
+    atomic_store_explicit(&h->sum_us, 0, memory_order_relaxed);
+}
+
+static void zero_globals(void)
+{
+    zero_route(&fallback_rc[0]);
+    zero_route(&fallback_rc[1]);
+    zero_hist(&upstream_hist);
+    for (size_t i = 0; i < CM_STORE__COUNT; i++) {
+        zero_hist(&store_hist[i]);
+        atomic_store_explicit(&store_errors[i], 0, memory_order_relaxed);
+    }
+    atomic_store_explicit(&postgres_up, 0, memory_order_relaxed);
+    atomic_store_explicit(&redis_up, 0, memory_order_relaxed);
+    atomic_store_explicit(&connections, 0, memory_order_relaxed);
+}
+
+void cm_metrics_reset(void)
+{
+    if (reg.rc != fallback_rc) {
+        for (size_t i = 0; i < reg.nroutes; i++)
+            free(reg.names[i]);
+        free(reg.names);
+        free(reg.rc);
+    }
+    reg.nroutes = 0;
+    reg.names = NULL;
+    reg.rc = fallback_rc;
+    zero_globals();
+}
+
+void cm_metrics_init(size_t nroutes, const char *const *route_names)
+{
+    cm_metrics_reset();
+    if (nroutes > 0) {
+        reg.names = cm_calloc(nroutes, sizeof(*reg.names));
+        for (size_t i = 0; i < nroutes; i++)
+            reg.names[i] = cm_strdup(route_names && route_names[i] ? route_names[i] : "");
+    }
+    reg.rc = cm_calloc(nroutes + 2, sizeof(*reg.rc));
+    for (size_t i = 0; i < nroutes + 2; i++)
+        zero_route(&reg.rc[i]);
+    reg.nroutes = nroutes;
+}
+
+/* Any index that is neither a configured route nor CM_ROUTE_DEFAULT counts as "_none". */
+static struct route_ctr *route_of(size_t route)
+{
+    if (route < reg.nroutes)
+        return &reg.rc[route];
+    if (route == CM_ROUTE_DEFAULT)
+        return &reg.rc[reg.nroutes];
+    return &reg.rc[reg.nroutes + 1];
+}
+
+static const char *route_name(size_t i)
+{
+    if (i < reg.nroutes)
+        return reg.names[i];
+    return i == reg.nroutes ? "_default" : "_none";
+}
+
+void cm_metric_request(size_t route, enum cm_outcome o)
+{
+    if ((unsigned)o >= CM_OUT__COUNT)
+        o = CM_OUT_ERROR;
+    ctr_add(&route_of(route)->requests[o], 1);
+}
+
+void cm_metric_dedup_hit(size_t route)
+{
+    ctr_add(&route_of(route)->dedup_hits, 1);
+}
+
+void cm_metric_parameter_conflict(size_t route)
+{
+    ctr_add(&route_of(route)->parameter_conflicts, 1);
+}
+
+void cm_metric_in_flight_conflict(size_t route)
+{
+    ctr_add(&route_of(route)->in_flight_conflicts, 1);
+}
+
+void cm_metric_completion_failure(size_t route)
+{
+    ctr_add(&route_of(route)->completion_failures, 1);
+}
+
+void cm_metric_stuck_processing_set(size_t route, uint64_t n)
+{
+    atomic_store_explicit(&route_of(route)->stuck_processing, n, memory_order_relaxed);
+}
+
+static void hist_observe(struct hist *h, double s)
+{
+    if (!(s > 0)) /* negative, zero or NaN */
+        s = 0;
+    size_t b = 0;
+    while (b < NBUCKETS_FINITE && s > bucket_le[b])
+        b++;
+    ctr_add(&h->bucket[b], 1);
+    /* Cap one observation at ~10^6 s so the microsecond sum cannot wrap in practice. */
+    double us = s < 1e6 ? s * 1e6 : 1e12;
+    ctr_add(&h->sum_us, (uint64_t)llround(us));
+}
+
+void cm_metric_upstream_seconds(double s)
+{
+    hist_observe(&upstream_hist, s);
+}
+
+void cm_metric_store_seconds(enum cm_store_label st, double s)
+{
+    if ((unsigned)st >= CM_STORE__COUNT)
+        return;
+    hist_observe(&store_hist[st], s);
+}
+
+void cm_metric_store_error(enum cm_store_label st)
+{
+    if ((unsigned)st >= CM_STORE__COUNT)
+        return;
+    ctr_add(&store_errors[st], 1);
+}
+
+void cm_metric_postgres_up(bool up)
+{
+    atomic_store_explicit(&postgres_up, up ? 1 : 0, memory_order_relaxed);
+}
+
+void cm_metric_redis_up(bool up)
+{
+    atomic_store_explicit(&redis_up, up ? 1 : 0, memory_order_relaxed);
+}
+
+void cm_metric_connections(int64_t delta)
+{
+    atomic_fetch_add_explicit(&connections, delta, memory_order_relaxed);
+}
+
+/* ---- rendering */
+
+/* Label value escaping of the text format: backslash, double quote, newline. */
+static bool put_label_value(struct cm_buf *out, const char *s)
+{
+    const char *run = s;
+    for (const char *p = s; *p; p++) {
+        const char *esc = NULL;
+        if (*p == '\\')
+            esc = "\\\\";
+        else if (*p == '"')
+            esc = "\\\"";
+        else if (*p == '\n')
+            esc = "\\n";
+        if (!esc)
+            continue;
+        if (!cm_buf_append(out, run, (size_t)(p - run)) || !cm_buf_append(out, esc, 2))
+            return false;
+        run = p + 1;
+    }
+    return cm_buf_append(out, run, strlen(run));
+}
+
+static bool put_family(struct cm_buf *out, const char *name, const char *type, const char *help)
+{
+    return cm_buf_appendf(out, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+/* name{label="value"} n */
+static bool put_labelled(struct cm_buf *out, const char *name, const char *label, const char *value, uint64_t n)
+{
+    return cm_buf_appendf(out, "%s{%s=\"", name, label) && put_label_value(out, value) &&
+           cm_buf_appendf(out, "\"} %llu\n", (unsigned long long)n);
+}
+
+static bool put_route_family(struct cm_buf *out, const char *name, const char *help, size_t field_off, bool gauge)
+{
+    if (!put_family(out, name, gauge ? "gauge" : "counter", help))
+        return false;
+    for (size_t i = 0; i < reg.nroutes + 2; i++) {
+        _Atomic uint64_t *c = (_Atomic uint64_t *)((char *)&reg.rc[i] + field_off);
+        if (!put_labelled(out, name, "route", route_name(i), ctr_get(c)))
+            return false;
+    }
+    return true;
+}
+
+/* Renders one histogram series; label may be NULL (no labels). */
+static bool put_hist(struct cm_buf *out, const char *name, const char *label, const char *value, struct hist *h)
+{
+    uint64_t cum = 0;
+    for (size_t b = 0; b < NBUCKETS; b++) {
+        cum += ctr_get(&h->bucket[b]);
+        const char *le = b < NBUCKETS_FINITE ? bucket_le_text[b] : "+Inf";
+        if (!cm_buf_appendf(out, "%s_bucket{", name))
+            return false;
+        if (label &&
+            (!cm_buf_appendf(out, "%s=\"", label) || !put_label_value(out, value) || !cm_buf_append(out, "\",", 2)))
+            return false;
+        if (!cm_buf_appendf(out, "le=\"%s\"} %llu\n", le, (unsigned long long)cum))
+            return false;
+    }
+    uint64_t us = ctr_get(&h->sum_us);
+    const char *sfx[2] = {"_sum", "_count"};
+    for (size_t k = 0; k < 2; k++) {
+        if (!cm_buf_appendf(out, "%s%s", name, sfx[k]))
+            return false;
+        if (label &&
+            (!cm_buf_appendf(out, "{%s=\"", label) || !put_label_value(out, value) || !cm_buf_append(out, "\"}", 2)))
+            return false;
+        bool ok = k == 0 ? cm_buf_appendf(out, " %llu.%06llu\n", (unsigned long long)(us / 1000000),
+                                          (unsigned long long)(us % 1000000))
+                         : cm_buf_appendf(out, " %llu\n", (unsigned long long)cum);
+        if (!ok)
+            return false;
+    }
+    return true;
+}
+
+static bool put_gauge(struct cm_buf *out, const char *name, const char *help, long long v)
+{
+    return put_family(out, name, "gauge", help) && cm_buf_appendf(out, "%s %lld\n", name, v);
+}
+
+bool cm_metrics_render(struct cm_buf *out)
+{
+    const char *n = "idemgate_requests_total";
+    if (!put_family(out, n, "counter", "Requests answered, by route and outcome."))
+        return false;
+    for (size_t i = 0; i < reg.nroutes + 2; i++) {
+        for (size_t o = 0; o < CM_OUT__COUNT; o++) {
+            if (!cm_buf_appendf(out, "%s{route=\"", n) || !put_label_value(out, route_name(i)) ||
+                !cm_buf_appendf(out, "\",outcome=\"%s\"} %llu\n", outcome_names[o],
+                                (unsigned long long)ctr_get(&reg.rc[i].requests[o])))
+                return false;
+        }
+    }
+    if (!put_route_family(out, "idemgate_dedup_hits_total", "Retries answered with a stored response.",
+                          offsetof(struct route_ctr, dedup_hits), false) ||
+        !put_route_family(out, "idemgate_parameter_conflicts_total",
+                          "Keys reused with a different request fingerprint (422).",
+                          offsetof(struct route_ctr, parameter_conflicts), false) ||
+        !put_route_family(out, "idemgate_in_flight_conflicts_total", "Retries that found their key in flight.",
+                          offsetof(struct route_ctr, in_flight_conflicts), false) ||
+        !put_route_family(out, "idemgate_completion_failures_total", "Responses whose completion could not be stored.",
+                          offsetof(struct route_ctr, completion_failures), false) ||
+        !put_route_family(out, "idemgate_stuck_processing", "Records in flight for over 5 minutes.",
+                          offsetof(struct route_ctr, stuck_processing), true))
+        return false;
+
+    if (!put_family(out, "idemgate_upstream_seconds", "histogram", "Upstream request duration in seconds.") ||
+        !put_hist(out, "idemgate_upstream_seconds", NULL, NULL, &upstream_hist))
+        return false;
+    if (!put_family(out, "idemgate_store_seconds", "histogram", "Store operation duration in seconds."))
+        return false;
+    for (size_t s = 0; s < CM_STORE__COUNT; s++)
+        if (!put_hist(out, "idemgate_store_seconds", "store", store_names[s], &store_hist[s]))
+            return false;
+    if (!put_family(out, "idemgate_store_errors_total", "counter", "Store operations that failed."))
+        return false;
+    for (size_t s = 0; s < CM_STORE__COUNT; s++)
+        if (!put_labelled(out, "idemgate_store_errors_total", "store", store_names[s], ctr_get(&store_errors[s])))
+            return false;
+
+    if (!put_gauge(out, "idemgate_postgres_up", "1 when Postgres answers.",
+                   atomic_load_explicit(&postgres_up, memory_order_relaxed)) ||
+        !put_gauge(out, "idemgate_redis_up", "1 when Redis answers.",
+                   atomic_load_explicit(&redis_up, memory_order_relaxed)) ||
+        !put_gauge(out, "idemgate_connections", "Open client connections.",
+                   (long long)atomic_load_explicit(&connections, memory_order_relaxed)))
+        return false;
+    return put_family(out, "idemgate_build_info", "gauge", "Build information.") &&
+           put_labelled(out, "idemgate_build_info", "version", IDEMGATE_VERSION, 1);
+}

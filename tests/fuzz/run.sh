@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets with clang (ASan + UBSan), replays tests/fuzz/regress/<target>/, then fuzzes each
+# target for SECONDS (default 20) from tests/fuzz/corpus/<target>/. Exits non-zero when any target crashes.
+# Usage: tests/fuzz/run.sh [SECONDS]   (crash inputs are kept in $FUZZ_ARTIFACTS, default /tmp/idemgate-fuzz-artifacts)
+set -u
+
+SECS=${1:-20}
+case "$SECS" in
+'' | *[!0-9]*)
+    echo "usage: $0 [SECONDS]" >&2
+    exit 2
+    ;;
+esac
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+FUZZ="$ROOT/tests/fuzz"
+ARTIFACTS=${FUZZ_ARTIFACTS:-/tmp/idemgate-fuzz-artifacts}
+CC=${CC_FUZZ:-clang}
+WORK=$(mktemp -d /tmp/idemgate-fuzz.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+
+CFLAGS=(-std=gnu11 -g -O1 -D_GNU_SOURCE -fno-omit-frame-pointer
+    -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -I"$ROOT")
+# shellcheck disable=SC2207
+LIBS=($(pkg-config --libs libcrypto yaml-0.1)) || {
+    echo "pkg-config: libcrypto or yaml-0.1 missing" >&2
+    exit 2
+}
+# shellcheck disable=SC2207
+INCS=($(pkg-config --cflags libcrypto yaml-0.1))
+
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+# conf_load_string applies these: keep the conf target independent of the caller's environment.
+unset IDEMGATE_POSTGRES_URL IDEMGATE_REDIS_URL IDEMGATE_ADMIN_TOKEN
+
+sources() {
+    case "$1" in
+    key | fp) echo "common/common.c gateway/idem.c" ;;
+    resp | hdrs) echo "common/common.c" ;;
+    conf) echo "common/common.c conf/conf.c" ;;
+    esac
+}
+
+TARGETS=(key resp hdrs fp conf)
+passed=0
+failed=0
+for t in "${TARGETS[@]}"; do
+    echo "== fuzz_$t"
+    bin="$WORK/fuzz_$t"
+    srcs=()
+    for s in $(sources "$t"); do srcs+=("$ROOT/$s"); done
+    if ! "$CC" "${CFLAGS[@]}" "${INCS[@]}" -o "$bin" "$FUZZ/fuzz_$t.c" "${srcs[@]}" "${LIBS[@]}" 2>"$WORK/build_$t.log"; then
+        cat "$WORK/build_$t.log" >&2
+        echo "fuzz_$t: BUILD FAILED"
+        failed=$((failed + 1))
+        continue
+    fi
+
+    ok=1
+    regress=()
+    if [ -d "$FUZZ/regress/$t" ]; then
+        while IFS= read -r -d '' f; do regress+=("$f"); done < <(find "$FUZZ/regress/$t" -type f -print0 | sort -z)
+    fi
+    if [ ${#regress[@]} -gt 0 ]; then
+        if "$bin" -timeout=5 -rss_limit_mb=2048 "${regress[@]}" >"$WORK/regress_$t.log" 2>&1; then
+            echo "fuzz_$t: ${#regress[@]} regression inputs ok"
+        else
+            tail -n 40 "$WORK/regress_$t.log" >&2
+            echo "fuzz_$t: REGRESSION INPUT CRASHED"
+            ok=0
+        fi
+    fi
+
+    if [ $ok = 1 ]; then
+        corpus="$WORK/corpus_$t"
+        mkdir -p "$corpus" "$ARTIFACTS/$t"
+        [ -d "$FUZZ/corpus/$t" ] && cp "$FUZZ/corpus/$t"/* "$corpus"/ 2>/dev/null
+        dict=()
+        [ -f "$FUZZ/$t.dict" ] && dict=(-dict="$FUZZ/$t.dict")
+        if "$bin" "${dict[@]}" -max_total_time="$SECS" -timeout=5 -rss_limit_mb=2048 -print_final_stats=1 \
+            -artifact_prefix="$ARTIFACTS/$t/" "$corpus" >"$WORK/fuzz_$t.log" 2>&1; then
+            grep -E '^stat::number_of_executed_units|^stat::new_units_added' "$WORK/fuzz_$t.log" | tr '\n' ' '
+            echo
+        else
+            tail -n 60 "$WORK/fuzz_$t.log" >&2
+            echo "fuzz_$t: CRASH (inputs in $ARTIFACTS/$t/; fix the code, then keep them in tests/fuzz/regress/$t/)"
+            ok=0
+        fi
+    fi
+    if [ $ok = 1 ]; then
+        echo "fuzz_$t: ok"
+        passed=$((passed + 1))
+    else
+        failed=$((failed + 1))
+    fi
+done
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
