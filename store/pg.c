@@ -1,1 +1,816 @@
-/* placeholder: being written */
+/* pg.c - non-blocking libpq connection pool on a libevent base: connect with
+ * PQconnectPoll, prepare statements once per connection, run queries with
+ * PQsendQueryPrepared, bounded FIFO, per-query timeouts, reconnect with backoff. */
+#include "store/pg.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <event2/event.h>
+
+#include "common/metrics.h"
+
+#define BACKOFF_MIN_MS 100
+#define BACKOFF_MAX_MS 2000
+
+enum conn_state {
+    C_DOWN,       /* no connection, none scheduled (opened on demand) */
+    C_BACKOFF,    /* waiting for the reconnect timer */
+    C_CONNECTING, /* PQconnectPoll in progress */
+    C_PREPARING,  /* connected, preparing the statements */
+    C_READY,      /* idle */
+    C_BUSY,       /* running a query */
+};
+
+enum q_where { Q_NEW, Q_QUEUED, Q_RUNNING, Q_DEFERRED };
+
+struct pg_query {
+    struct pg_query *prev, *next;
+    struct store_pg *pool;
+    enum q_where where;
+    struct pg_conn *conn;
+    size_t stmt;
+    int nparams;
+    char **values;
+    int *lengths;
+    int *formats;
+    int result_format;
+    store_pg_cb cb;
+    void *arg;
+    struct event *timer;
+    uint64_t start_ms;
+    enum store_pg_status deferred_st;
+    const char *deferred_msg;
+};
+
+struct pg_conn {
+    struct store_pg *pool;
+    unsigned idx;
+    enum conn_state state;
+    PGconn *pg;
+    struct event *io; /* raw storage, assigned with the connection's current socket */
+    bool io_assigned;
+    int io_fd;
+    short io_what;
+    struct event *timer; /* connect timeout or reconnect backoff */
+    uint64_t backoff_ms;
+    size_t prep_next;
+    bool flushing;
+    PGresult *res; /* first result of the command in progress */
+    struct pg_query *cur;
+};
+
+struct qlist {
+    struct pg_query *head, *tail;
+    size_t n;
+};
+
+struct store_pg {
+    struct event_base *base;
+    struct store_pg_opts opts;
+    char *conninfo;
+    struct pg_conn *conns;
+    unsigned n_up;         /* READY or BUSY */
+    unsigned n_connecting; /* CONNECTING or PREPARING */
+    bool attempted;        /* at least one connection attempt finished */
+    bool last_failed;      /* the last connection attempt failed */
+    bool reported_up;      /* for transition logs */
+    atomic_bool up;
+    struct qlist queue;
+    struct qlist deferred;
+    struct timeval qtv, rtv;        /* queue and run timeouts */
+    const struct timeval *qtimeout; /* libevent common timeouts (or &qtv, &rtv) */
+    const struct timeval *rtimeout;
+};
+
+const char *store_pg_status_name(enum store_pg_status st)
+{
+    switch (st) {
+    case STORE_PG_OK:
+        return "ok";
+    case STORE_PG_SQL_ERROR:
+        return "sql_error";
+    case STORE_PG_TRANSPORT:
+        return "transport";
+    case STORE_PG_TIMEOUT:
+        return "timeout";
+    case STORE_PG_UNAVAILABLE:
+        return "unavailable";
+    case STORE_PG_OVERLOAD:
+        return "overload";
+    }
+    return "?";
+}
+
+int64_t store_pg_get_i64(const PGresult *res, int row, int col)
+{
+    if (PQgetisnull(res, row, col) || PQgetlength(res, row, col) != 8)
+        return 0;
+    const unsigned char *p = (const unsigned char *)PQgetvalue(res, row, col);
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | p[i];
+    return (int64_t)v;
+}
+
+int32_t store_pg_get_i32(const PGresult *res, int row, int col)
+{
+    if (PQgetisnull(res, row, col) || PQgetlength(res, row, col) != 4)
+        return 0;
+    const unsigned char *p = (const unsigned char *)PQgetvalue(res, row, col);
+    uint32_t v = ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+    return (int32_t)v;
+}
+
+/* ---- query lists */
+
+static void ql_push_tail(struct qlist *l, struct pg_query *q)
+{
+    q->next = NULL;
+    q->prev = l->tail;
+    if (l->tail)
+        l->tail->next = q;
+    else
+        l->head = q;
+    l->tail = q;
+    l->n++;
+}
+
+static void ql_push_head(struct qlist *l, struct pg_query *q)
+{
+    q->prev = NULL;
+    q->next = l->head;
+    if (l->head)
+        l->head->prev = q;
+    else
+        l->tail = q;
+    l->head = q;
+    l->n++;
+}
+
+static void ql_remove(struct qlist *l, struct pg_query *q)
+{
+    if (q->prev)
+        q->prev->next = q->next;
+    else
+        l->head = q->next;
+    if (q->next)
+        q->next->prev = q->prev;
+    else
+        l->tail = q->prev;
+    q->prev = q->next = NULL;
+    l->n--;
+}
+
+static void q_free(struct pg_query *q)
+{
+    if (q->timer)
+        event_free(q->timer);
+    for (int i = 0; i < q->nparams; i++)
+        free(q->values[i]);
+    free(q->values);
+    free(q->lengths);
+    free(q->formats);
+    free(q);
+}
+
+/* Calls the callback and frees q; q must be detached from every list. */
+static void q_finish(struct pg_query *q, enum store_pg_status st, const PGresult *res, const char *msg)
+{
+    double secs = (double)(cm_now_ms() - q->start_ms) / 1000.0;
+    cm_metric_store_seconds(CM_STORE_POSTGRES, secs);
+    if (st != STORE_PG_OK)
+        cm_metric_store_error(CM_STORE_POSTGRES);
+    evtimer_del(q->timer);
+    q->cb(q->arg, st, st == STORE_PG_OK ? res : NULL, msg ? msg : store_pg_status_name(st));
+    q_free(q);
+}
+
+/* Fails q from the event loop (next iteration), never from the caller's stack. */
+static void q_defer_fail(struct store_pg *p, struct pg_query *q, enum store_pg_status st, const char *msg)
+{
+    static const struct timeval zero = {0, 0};
+    q->where = Q_DEFERRED;
+    q->conn = NULL;
+    q->deferred_st = st;
+    q->deferred_msg = msg;
+    ql_push_tail(&p->deferred, q);
+    evtimer_add(q->timer, &zero);
+}
+
+/* ---- up/down bookkeeping */
+
+static void update_up(struct store_pg *p)
+{
+    bool v = p->n_up > 0 || (p->attempted && !p->last_failed);
+    atomic_store(&p->up, v);
+    cm_metric_postgres_up(v);
+    if (v != p->reported_up) {
+        char url[512];
+        cm_log(v ? CM_INFO : CM_WARN, v ? "postgres_up" : "postgres_down", "url=%s",
+               cm_redact_url(url, sizeof url, p->conninfo));
+        p->reported_up = v;
+    }
+}
+
+static void set_state(struct pg_conn *c, enum conn_state s)
+{
+    struct store_pg *p = c->pool;
+    bool was_up = c->state == C_READY || c->state == C_BUSY;
+    bool was_conn = c->state == C_CONNECTING || c->state == C_PREPARING;
+    bool is_up = s == C_READY || s == C_BUSY;
+    bool is_conn = s == C_CONNECTING || s == C_PREPARING;
+    p->n_up = p->n_up - (was_up ? 1u : 0u) + (is_up ? 1u : 0u);
+    p->n_connecting = p->n_connecting - (was_conn ? 1u : 0u) + (is_conn ? 1u : 0u);
+    c->state = s;
+}
+
+/* Every waiting query fails fast: no connection is up and connecting failed. */
+static void fail_queue(struct store_pg *p, const char *msg)
+{
+    struct pg_query *q;
+    while ((q = p->queue.head) != NULL) {
+        ql_remove(&p->queue, q);
+        q_defer_fail(p, q, STORE_PG_UNAVAILABLE, msg);
+    }
+}
+
+/* ---- connections */
+
+static void conn_io_cb(evutil_socket_t fd, short what, void *arg);
+static void conn_timer_cb(evutil_socket_t fd, short what, void *arg);
+static void conn_start(struct pg_conn *c);
+static void dispatch(struct store_pg *p);
+
+static void conn_watch(struct pg_conn *c, short what)
+{
+    int fd = c->pg ? PQsocket(c->pg) : -1;
+    if (c->io_assigned && c->io_fd == fd && c->io_what == what)
+        return;
+    if (c->io_assigned) {
+        event_del(c->io);
+        c->io_assigned = false;
+    }
+    if (fd < 0 || what == 0)
+        return;
+    event_assign(c->io, c->pool->base, fd, (short)(what | EV_PERSIST), conn_io_cb, c);
+    event_add(c->io, NULL);
+    c->io_assigned = true;
+    c->io_fd = fd;
+    c->io_what = what;
+}
+
+static void conn_close(struct pg_conn *c)
+{
+    if (c->io_assigned) {
+        event_del(c->io);
+        c->io_assigned = false;
+    }
+    evtimer_del(c->timer);
+    if (c->res) {
+        PQclear(c->res);
+        c->res = NULL;
+    }
+    if (c->pg) {
+        PQfinish(c->pg);
+        c->pg = NULL;
+    }
+    c->flushing = false;
+    c->prep_next = 0;
+    set_state(c, C_DOWN);
+}
+
+static void conn_backoff(struct pg_conn *c)
+{
+    struct timeval tv = {(time_t)(c->backoff_ms / 1000), (suseconds_t)((c->backoff_ms % 1000) * 1000)};
+    set_state(c, C_BACKOFF);
+    evtimer_add(c->timer, &tv);
+    c->backoff_ms = c->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : c->backoff_ms * 2;
+}
+
+static void conn_connect_failed(struct pg_conn *c, const char *why)
+{
+    struct store_pg *p = c->pool;
+    char msg[256];
+    cm_log(CM_DEBUG, "postgres_connect_failed", "conn=%u error=%s", c->idx,
+           cm_log_quote(msg, sizeof msg, why ? why : "?"));
+    conn_close(c);
+    conn_backoff(c);
+    p->attempted = true;
+    p->last_failed = true;
+    if (p->n_up == 0)
+        fail_queue(p, "postgres unavailable");
+    update_up(p);
+}
+
+/* A connection that was up broke: its running query fails with a transport error. */
+static void conn_dead(struct pg_conn *c, const char *why)
+{
+    struct store_pg *p = c->pool;
+    struct pg_query *q = c->cur;
+    char msg[256];
+    cm_log(CM_WARN, "postgres_connection_lost", "conn=%u error=%s", c->idx,
+           cm_log_quote(msg, sizeof msg, why ? why : "?"));
+    c->cur = NULL;
+    conn_close(c);
+    conn_backoff(c);
+    if (q)
+        q_defer_fail(p, q, STORE_PG_TRANSPORT, "postgres connection lost");
+    update_up(p);
+}
+
+static void notice_cb(void *arg, const char *message)
+{
+    struct pg_conn *c = arg;
+    char line[512];
+    size_t n = strlen(message);
+    while (n > 0 && (message[n - 1] == '\n' || message[n - 1] == '\r'))
+        n--;
+    char *copy = cm_strndup(message, n);
+    cm_log(CM_INFO, "postgres_notice", "conn=%u msg=%s", c->idx, cm_log_quote(line, sizeof line, copy));
+    free(copy);
+}
+
+static bool conn_flush(struct pg_conn *c)
+{
+    int r = PQflush(c->pg);
+    if (r < 0) {
+        conn_dead(c, PQerrorMessage(c->pg));
+        return false;
+    }
+    c->flushing = r == 1;
+    conn_watch(c, c->flushing ? (EV_READ | EV_WRITE) : EV_READ);
+    return true;
+}
+
+/* Setup steps of a new connection: init_sql (when set), then one PQsendPrepare per statement. */
+static size_t setup_steps(const struct store_pg *p)
+{
+    return (p->opts.init_sql ? 1 : 0) + p->opts.nstmts;
+}
+
+static const char *setup_step_name(const struct pg_conn *c)
+{
+    const struct store_pg *p = c->pool;
+    if (p->opts.init_sql && c->prep_next == 0)
+        return "init";
+    return p->opts.stmts[c->prep_next - (p->opts.init_sql ? 1 : 0)].name;
+}
+
+static void conn_prepare_next(struct pg_conn *c)
+{
+    const struct store_pg *p = c->pool;
+    int sent;
+    if (p->opts.init_sql && c->prep_next == 0) {
+        sent = PQsendQuery(c->pg, p->opts.init_sql);
+    } else {
+        const struct store_pg_stmt *st = &p->opts.stmts[c->prep_next - (p->opts.init_sql ? 1 : 0)];
+        sent = PQsendPrepare(c->pg, st->name, st->sql, st->nparams, st->types);
+    }
+    if (!sent) {
+        conn_connect_failed(c, PQerrorMessage(c->pg));
+        return;
+    }
+    c->flushing = true;
+    int r = PQflush(c->pg);
+    if (r < 0) {
+        conn_connect_failed(c, PQerrorMessage(c->pg));
+        return;
+    }
+    c->flushing = r == 1;
+    conn_watch(c, c->flushing ? (EV_READ | EV_WRITE) : EV_READ);
+}
+
+static void conn_ready(struct pg_conn *c)
+{
+    struct store_pg *p = c->pool;
+    evtimer_del(c->timer);
+    set_state(c, C_READY);
+    c->backoff_ms = BACKOFF_MIN_MS;
+    p->attempted = true;
+    p->last_failed = false;
+    conn_watch(c, EV_READ);
+    update_up(p);
+    dispatch(p);
+}
+
+static void conn_connected(struct pg_conn *c)
+{
+    if (PQsetnonblocking(c->pg, 1) != 0) {
+        conn_connect_failed(c, PQerrorMessage(c->pg));
+        return;
+    }
+    set_state(c, C_PREPARING);
+    c->prep_next = 0;
+    if (setup_steps(c->pool) == 0) {
+        conn_ready(c);
+        return;
+    }
+    conn_prepare_next(c);
+}
+
+static void conn_poll(struct pg_conn *c)
+{
+    switch (PQconnectPoll(c->pg)) {
+    case PGRES_POLLING_READING:
+        conn_watch(c, EV_READ);
+        return;
+    case PGRES_POLLING_WRITING:
+        conn_watch(c, EV_WRITE);
+        return;
+    case PGRES_POLLING_OK:
+        conn_connected(c);
+        return;
+    case PGRES_POLLING_FAILED:
+    default:
+        conn_connect_failed(c, PQerrorMessage(c->pg));
+        return;
+    }
+}
+
+static void conn_start(struct pg_conn *c)
+{
+    struct store_pg *p = c->pool;
+    /* dbname last: what the URL says (application_name too) wins. */
+    static const char *const kw[] = {"application_name", "dbname", NULL};
+    const char *vals[] = {"idemgate", p->conninfo, NULL};
+    conn_close(c);
+    c->pg = PQconnectStartParams(kw, vals, 1);
+    set_state(c, C_CONNECTING);
+    if (!c->pg) {
+        conn_connect_failed(c, "out of memory");
+        return;
+    }
+    if (PQstatus(c->pg) == CONNECTION_BAD) {
+        conn_connect_failed(c, PQerrorMessage(c->pg));
+        return;
+    }
+    PQsetNoticeProcessor(c->pg, notice_cb, c);
+    uint64_t ms = p->opts.connect_timeout_ms;
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    evtimer_add(c->timer, &tv);
+    /* As if PQconnectPoll had returned PGRES_POLLING_WRITING. */
+    conn_watch(c, EV_WRITE);
+}
+
+static enum store_pg_status classify(const PGresult *res, const char **msg)
+{
+    if (!res) {
+        *msg = "no result";
+        return STORE_PG_TRANSPORT;
+    }
+    ExecStatusType es = PQresultStatus(res);
+    if (es == PGRES_TUPLES_OK || es == PGRES_COMMAND_OK)
+        return STORE_PG_OK;
+    *msg = PQresultErrorMessage(res);
+    const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+    if (state && strcmp(state, "57014") == 0) /* statement_timeout */
+        return STORE_PG_TIMEOUT;
+    /* connection exceptions, shutdown, insufficient resources, rollbacks
+     * (serialization, deadlock): worth another try, like a broken link */
+    if (!state || strncmp(state, "08", 2) == 0 || strncmp(state, "57P", 3) == 0 || strncmp(state, "53", 2) == 0 ||
+        strncmp(state, "40", 2) == 0)
+        return STORE_PG_TRANSPORT;
+    return STORE_PG_SQL_ERROR;
+}
+
+static void command_done(struct pg_conn *c)
+{
+    struct store_pg *p = c->pool;
+    PGresult *res = c->res;
+    c->res = NULL;
+    if (c->state == C_PREPARING) {
+        bool ok = res && PQresultStatus(res) == PGRES_COMMAND_OK;
+        if (!ok) {
+            char msg[512];
+            cm_log(CM_ERROR, "postgres_prepare_failed", "conn=%u stmt=%s error=%s", c->idx, setup_step_name(c),
+                   cm_log_quote(msg, sizeof msg, res ? PQresultErrorMessage(res) : PQerrorMessage(c->pg)));
+            if (res)
+                PQclear(res);
+            conn_connect_failed(c, "prepare failed");
+            return;
+        }
+        PQclear(res);
+        if (++c->prep_next < setup_steps(p))
+            conn_prepare_next(c);
+        else
+            conn_ready(c);
+        return;
+    }
+    struct pg_query *q = c->cur;
+    c->cur = NULL;
+    const char *msg = NULL;
+    enum store_pg_status st = classify(res, &msg);
+    if (PQstatus(c->pg) == CONNECTION_BAD) {
+        if (st == STORE_PG_OK)
+            st = STORE_PG_TRANSPORT, msg = "postgres connection lost";
+        if (st == STORE_PG_SQL_ERROR)
+            st = STORE_PG_TRANSPORT;
+        conn_dead(c, PQerrorMessage(c->pg));
+    } else {
+        set_state(c, C_READY);
+        conn_watch(c, EV_READ);
+    }
+    if (q) {
+        q->where = Q_NEW;
+        q->conn = NULL;
+        q_finish(q, st, res, msg);
+    }
+    if (res)
+        PQclear(res);
+    dispatch(p);
+}
+
+static void conn_io_busy(struct pg_conn *c, short what)
+{
+    if (what & EV_READ) {
+        if (!PQconsumeInput(c->pg)) {
+            if (c->state == C_PREPARING)
+                conn_connect_failed(c, PQerrorMessage(c->pg));
+            else
+                conn_dead(c, PQerrorMessage(c->pg));
+            return;
+        }
+    }
+    if (c->flushing) {
+        int r = PQflush(c->pg);
+        if (r < 0) {
+            if (c->state == C_PREPARING)
+                conn_connect_failed(c, PQerrorMessage(c->pg));
+            else
+                conn_dead(c, PQerrorMessage(c->pg));
+            return;
+        }
+        c->flushing = r == 1;
+        conn_watch(c, c->flushing ? (EV_READ | EV_WRITE) : EV_READ);
+    }
+    /* Bounded: a command yields a handful of results before NULL. */
+    for (int guard = 0; guard < 1000 && !PQisBusy(c->pg); guard++) {
+        PGresult *r = PQgetResult(c->pg);
+        if (!r) {
+            command_done(c);
+            return;
+        }
+        if (!c->res)
+            c->res = r;
+        else
+            PQclear(r);
+    }
+    if (PQstatus(c->pg) == CONNECTION_BAD) {
+        if (c->state == C_PREPARING)
+            conn_connect_failed(c, PQerrorMessage(c->pg));
+        else
+            conn_dead(c, PQerrorMessage(c->pg));
+    }
+}
+
+static void conn_io_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct pg_conn *c = arg;
+    (void)fd;
+    switch (c->state) {
+    case C_CONNECTING:
+        conn_poll(c);
+        return;
+    case C_PREPARING:
+    case C_BUSY:
+        conn_io_busy(c, what);
+        return;
+    case C_READY:
+        /* Idle: notices, or the server closing the connection (restart). */
+        if (!PQconsumeInput(c->pg)) {
+            conn_dead(c, PQerrorMessage(c->pg));
+            return;
+        }
+        for (int guard = 0; guard < 100 && !PQisBusy(c->pg); guard++) {
+            PGresult *r = PQgetResult(c->pg);
+            if (!r)
+                break;
+            PQclear(r);
+        }
+        if (PQstatus(c->pg) == CONNECTION_BAD)
+            conn_dead(c, PQerrorMessage(c->pg));
+        return;
+    case C_DOWN:
+    case C_BACKOFF:
+        conn_watch(c, 0);
+        return;
+    }
+}
+
+static void conn_timer_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct pg_conn *c = arg;
+    (void)fd;
+    (void)what;
+    if (c->state == C_BACKOFF) {
+        conn_start(c);
+        return;
+    }
+    if (c->state == C_CONNECTING || c->state == C_PREPARING)
+        conn_connect_failed(c, "connect timeout");
+}
+
+static void conn_send(struct pg_conn *c, struct pg_query *q)
+{
+    struct store_pg *p = c->pool;
+    const struct store_pg_stmt *st = &p->opts.stmts[q->stmt];
+    if (!PQsendQueryPrepared(c->pg, st->name, q->nparams, (const char *const *)q->values, q->lengths, q->formats,
+                             q->result_format)) {
+        /* The connection is broken: the query was not sent, put it back. */
+        q->where = Q_QUEUED;
+        ql_push_head(&p->queue, q);
+        conn_dead(c, PQerrorMessage(c->pg));
+        return;
+    }
+    c->cur = q;
+    q->where = Q_RUNNING;
+    q->conn = c;
+    evtimer_add(q->timer, p->rtimeout);
+    set_state(c, C_BUSY);
+    c->flushing = true;
+    (void)conn_flush(c);
+}
+
+static void dispatch(struct store_pg *p)
+{
+    unsigned size = p->opts.size;
+    unsigned next = 0;
+    while (p->queue.head) {
+        struct pg_conn *c = NULL;
+        for (; next < size; next++) {
+            if (p->conns[next].state == C_READY) {
+                c = &p->conns[next];
+                break;
+            }
+        }
+        if (!c)
+            break;
+        struct pg_query *q = p->queue.head;
+        ql_remove(&p->queue, q);
+        conn_send(c, q);
+    }
+    if (!p->queue.head)
+        return;
+    /* Open more connections on demand, one per waiting query beyond those connecting. */
+    size_t need = p->queue.n > p->n_connecting ? p->queue.n - p->n_connecting : 0;
+    for (unsigned i = 0; i < size && need > 0 && p->queue.head; i++) {
+        if (p->conns[i].state == C_DOWN) {
+            conn_start(&p->conns[i]);
+            need--;
+        }
+    }
+}
+
+static void query_timer_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct pg_query *q = arg;
+    struct store_pg *p = q->pool;
+    (void)fd;
+    (void)what;
+    switch (q->where) {
+    case Q_DEFERRED:
+        ql_remove(&p->deferred, q);
+        q->where = Q_NEW;
+        q_finish(q, q->deferred_st, NULL, q->deferred_msg);
+        return;
+    case Q_QUEUED:
+        ql_remove(&p->queue, q);
+        q->where = Q_NEW;
+        q_finish(q, STORE_PG_TIMEOUT, NULL, "postgres query timeout (waiting for a connection)");
+        return;
+    case Q_RUNNING: {
+        struct pg_conn *c = q->conn;
+        cm_log(CM_WARN, "postgres_query_timeout", "conn=%u stmt=%s", c->idx, p->opts.stmts[q->stmt].name);
+        c->cur = NULL;
+        q->where = Q_NEW;
+        q->conn = NULL;
+        /* The server may still be working on it: drop the connection and open a new one. */
+        conn_close(c);
+        conn_start(c);
+        q_finish(q, STORE_PG_TIMEOUT, NULL, "postgres query timeout");
+        dispatch(p);
+        return;
+    }
+    case Q_NEW:
+        return;
+    }
+}
+
+struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_opts *opts)
+{
+    struct store_pg *p = cm_calloc(1, sizeof *p);
+    p->base = base;
+    p->opts = *opts;
+    if (p->opts.size == 0)
+        p->opts.size = 1;
+    p->conninfo = cm_strdup(opts->conninfo);
+    atomic_init(&p->up, false);
+    p->qtv.tv_sec = (time_t)(opts->queue_timeout_ms / 1000);
+    p->qtv.tv_usec = (suseconds_t)((opts->queue_timeout_ms % 1000) * 1000);
+    p->rtv.tv_sec = (time_t)(opts->run_timeout_ms / 1000);
+    p->rtv.tv_usec = (suseconds_t)((opts->run_timeout_ms % 1000) * 1000);
+    /* Every query shares these timeouts: libevent keeps them in O(1) queues. */
+    p->qtimeout = event_base_init_common_timeout(base, &p->qtv);
+    if (!p->qtimeout)
+        p->qtimeout = &p->qtv;
+    p->rtimeout = event_base_init_common_timeout(base, &p->rtv);
+    if (!p->rtimeout)
+        p->rtimeout = &p->rtv;
+    p->conns = cm_calloc(p->opts.size, sizeof *p->conns);
+    for (unsigned i = 0; i < p->opts.size; i++) {
+        struct pg_conn *c = &p->conns[i];
+        c->pool = p;
+        c->idx = i;
+        c->state = C_DOWN;
+        c->io = cm_calloc(1, event_get_struct_event_size());
+        c->timer = evtimer_new(base, conn_timer_cb, c);
+        if (!c->timer)
+            abort();
+        c->backoff_ms = BACKOFF_MIN_MS;
+    }
+    cm_metric_postgres_up(false);
+    conn_start(&p->conns[0]);
+    return p;
+}
+
+void store_pg_destroy(struct store_pg *p)
+{
+    if (!p)
+        return;
+    for (unsigned i = 0; i < p->opts.size; i++) {
+        struct pg_conn *c = &p->conns[i];
+        if (c->cur) {
+            q_free(c->cur);
+            c->cur = NULL;
+        }
+        conn_close(c);
+        event_free(c->timer);
+        free(c->io);
+    }
+    struct pg_query *q;
+    while ((q = p->queue.head) != NULL) {
+        ql_remove(&p->queue, q);
+        q_free(q);
+    }
+    while ((q = p->deferred.head) != NULL) {
+        ql_remove(&p->deferred, q);
+        q_free(q);
+    }
+    free(p->conns);
+    free(p->conninfo);
+    free(p);
+}
+
+void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param *params, int nparams,
+                    int result_format, store_pg_cb cb, void *arg)
+{
+    struct pg_query *q = cm_calloc(1, sizeof *q);
+    q->pool = p;
+    q->stmt = stmt;
+    q->nparams = nparams;
+    q->result_format = result_format;
+    q->cb = cb;
+    q->arg = arg;
+    q->start_ms = cm_now_ms();
+    q->timer = evtimer_new(p->base, query_timer_cb, q);
+    if (!q->timer)
+        abort();
+    if (nparams > 0) {
+        q->values = cm_calloc((size_t)nparams, sizeof *q->values);
+        q->lengths = cm_calloc((size_t)nparams, sizeof *q->lengths);
+        q->formats = cm_calloc((size_t)nparams, sizeof *q->formats);
+        for (int i = 0; i < nparams; i++) {
+            q->formats[i] = params[i].binary ? 1 : 0;
+            if (!params[i].data)
+                continue;
+            q->values[i] = cm_malloc(params[i].len + 1);
+            memcpy(q->values[i], params[i].data, params[i].len);
+            q->values[i][params[i].len] = '\0';
+            q->lengths[i] = (int)params[i].len;
+        }
+    }
+    if (stmt >= p->opts.nstmts) {
+        q_defer_fail(p, q, STORE_PG_SQL_ERROR, "no such statement");
+        return;
+    }
+    if (p->n_up == 0 && p->last_failed) {
+        q_defer_fail(p, q, STORE_PG_UNAVAILABLE, "postgres unavailable");
+        return;
+    }
+    if (p->queue.n >= p->opts.max_queue) {
+        q_defer_fail(p, q, STORE_PG_OVERLOAD, "postgres queue full");
+        return;
+    }
+    q->where = Q_QUEUED;
+    ql_push_tail(&p->queue, q);
+    evtimer_add(q->timer, p->qtimeout);
+    dispatch(p);
+}
+
+bool store_pg_up(const struct store_pg *p)
+{
+    return p && atomic_load(&((struct store_pg *)p)->up);
+}

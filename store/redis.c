@@ -1,1 +1,438 @@
-/* placeholder: being written */
+/* redis.c - hiredis 0.14 async client on libevent: per-command timers (the
+ * async API has none), AUTH/SELECT on connect, reconnect with backoff from a
+ * timer (never from hiredis callbacks), drop the link after repeated timeouts. */
+#include "store/redis.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <event2/event.h>
+#include <hiredis/adapters/libevent.h>
+#include <hiredis/async.h>
+#include <hiredis/hiredis.h>
+
+#include "common/metrics.h"
+
+#define BACKOFF_MIN_MS 100
+#define BACKOFF_MAX_MS 2000
+#define MAX_TIMEOUTS_IN_A_ROW 5
+#define CONNECT_TIMEOUT_MIN_MS 1000
+
+enum rd_state {
+    R_BACKOFF,    /* waiting for the reconnect timer */
+    R_CONNECTING, /* TCP connect and AUTH/SELECT in progress */
+    R_UP,         /* ready for commands */
+};
+
+struct store_rd {
+    struct event_base *base;
+    char *host;
+    int port;
+    char *user;
+    char *pass;
+    long db; /* -1: no SELECT */
+    char *url_redacted;
+    struct timeval cmd_tv;
+    const struct timeval *cmd_timeout;
+    uint64_t connect_timeout_ms;
+    redisAsyncContext *ac;
+    enum rd_state state;
+    int setup_pending;
+    struct event *timer; /* reconnect backoff, or connect timeout */
+    uint64_t backoff_ms;
+    unsigned timeouts_in_a_row;
+    bool destroying;
+    bool reported_up;
+    atomic_bool up;
+};
+
+struct rd_cmd {
+    struct store_rd *r;
+    store_rd_cb cb;
+    void *arg;
+    struct event *timer; /* NULL for setup commands (the connect timer covers them) */
+    uint64_t start_ms;
+    bool done; /* the caller has been answered (timeout) */
+    bool setup;
+};
+
+static void rd_connect(struct store_rd *r);
+
+static void set_up(struct store_rd *r, bool v)
+{
+    atomic_store(&r->up, v);
+    cm_metric_redis_up(v);
+    if (v != r->reported_up) {
+        cm_log(v ? CM_INFO : CM_WARN, v ? "redis_up" : "redis_down", "url=%s", r->url_redacted);
+        r->reported_up = v;
+    }
+}
+
+static void schedule_reconnect(struct store_rd *r)
+{
+    if (r->destroying)
+        return;
+    uint64_t ms = r->backoff_ms;
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    r->state = R_BACKOFF;
+    evtimer_del(r->timer);
+    evtimer_add(r->timer, &tv);
+    r->backoff_ms = r->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : r->backoff_ms * 2;
+    set_up(r, false);
+}
+
+/* Frees the live context from outside any hiredis callback; pending commands
+ * get reply == NULL. */
+static void rd_drop(struct store_rd *r, const char *why)
+{
+    redisAsyncContext *ac = r->ac;
+    cm_log(CM_WARN, "redis_reset", "url=%s reason=%s", r->url_redacted, why);
+    r->ac = NULL;
+    r->state = R_BACKOFF;
+    if (ac)
+        redisAsyncFree(ac);
+    schedule_reconnect(r);
+}
+
+static void rd_ready(struct store_rd *r)
+{
+    evtimer_del(r->timer);
+    r->state = R_UP;
+    r->timeouts_in_a_row = 0;
+    set_up(r, true);
+}
+
+static void cmd_free(struct rd_cmd *cmd)
+{
+    if (cmd->timer)
+        event_free(cmd->timer);
+    free(cmd);
+}
+
+static void setup_reply(struct store_rd *r, redisAsyncContext *ac, const redisReply *rep)
+{
+    if (ac != r->ac || r->state != R_CONNECTING)
+        return; /* a context we already dropped */
+    if (!rep || rep->type == REDIS_REPLY_ERROR) {
+        char msg[256];
+        cm_log(CM_ERROR, "redis_setup_failed", "url=%s error=%s", r->url_redacted,
+               cm_log_quote(msg, sizeof msg, rep && rep->str ? rep->str : "no reply"));
+        /* Inside a hiredis callback: let hiredis close it; the disconnect
+         * callback schedules the reconnect. */
+        redisAsyncDisconnect(ac);
+        return;
+    }
+    if (--r->setup_pending == 0)
+        rd_ready(r);
+}
+
+static void reply_cb(redisAsyncContext *ac, void *reply, void *privdata)
+{
+    struct rd_cmd *cmd = privdata;
+    struct store_rd *r = cmd->r;
+    const redisReply *rep = reply;
+    if (r->destroying) {
+        cmd_free(cmd);
+        return;
+    }
+    if (cmd->setup) {
+        setup_reply(r, ac, rep);
+        cmd_free(cmd);
+        return;
+    }
+    if (rep) {
+        r->timeouts_in_a_row = 0;
+        r->backoff_ms = BACKOFF_MIN_MS;
+    }
+    if (!cmd->done) {
+        cmd->done = true;
+        evtimer_del(cmd->timer);
+        cm_metric_store_seconds(CM_STORE_REDIS, (double)(cm_now_ms() - cmd->start_ms) / 1000.0);
+        bool failed = !rep || rep->type == REDIS_REPLY_ERROR;
+        if (failed)
+            cm_metric_store_error(CM_STORE_REDIS);
+        if (cmd->cb)
+            cmd->cb(cmd->arg, failed ? NULL : rep);
+    }
+    cmd_free(cmd);
+}
+
+static void cmd_timer_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct rd_cmd *cmd = arg;
+    struct store_rd *r = cmd->r;
+    (void)fd;
+    (void)what;
+    if (cmd->done)
+        return;
+    /* Answer the caller now; the command stays queued in hiredis until its
+     * reply (or the context's end) frees it. */
+    cmd->done = true;
+    cm_metric_store_seconds(CM_STORE_REDIS, (double)(cm_now_ms() - cmd->start_ms) / 1000.0);
+    cm_metric_store_error(CM_STORE_REDIS);
+    if (cmd->cb)
+        cmd->cb(cmd->arg, NULL);
+    /* cmd may be freed from here on (rd_drop frees the context). */
+    if (++r->timeouts_in_a_row >= MAX_TIMEOUTS_IN_A_ROW && r->state == R_UP && r->ac)
+        rd_drop(r, "timeouts");
+}
+
+static void connect_cb(const redisAsyncContext *ac, int status)
+{
+    struct store_rd *r = ac->data;
+    if (r->destroying || ac != r->ac)
+        return;
+    if (status != REDIS_OK) {
+        char msg[256];
+        cm_log(CM_DEBUG, "redis_connect_failed", "url=%s error=%s", r->url_redacted,
+               cm_log_quote(msg, sizeof msg, ac->errstr ? ac->errstr : "?"));
+        /* hiredis frees this context after we return. */
+        r->ac = NULL;
+        schedule_reconnect(r);
+        return;
+    }
+    if (r->setup_pending == 0)
+        rd_ready(r);
+}
+
+static void disconnect_cb(const redisAsyncContext *ac, int status)
+{
+    struct store_rd *r = ac->data;
+    if (r->destroying || ac != r->ac)
+        return;
+    char msg[256];
+    cm_log(CM_WARN, "redis_disconnected", "url=%s error=%s", r->url_redacted,
+           cm_log_quote(msg, sizeof msg, status == REDIS_OK ? "closed" : (ac->errstr ? ac->errstr : "?")));
+    /* hiredis frees this context after we return. */
+    r->ac = NULL;
+    schedule_reconnect(r);
+}
+
+static bool send_setup(struct store_rd *r, int argc, const char **argv)
+{
+    struct rd_cmd *cmd = cm_calloc(1, sizeof *cmd);
+    cmd->r = r;
+    cmd->setup = true;
+    if (redisAsyncCommandArgv(r->ac, reply_cb, cmd, argc, argv, NULL) != REDIS_OK) {
+        cmd_free(cmd);
+        return false;
+    }
+    r->setup_pending++;
+    return true;
+}
+
+static void rd_connect(struct store_rd *r)
+{
+    redisAsyncContext *ac = redisAsyncConnect(r->host, r->port);
+    if (!ac || ac->err) {
+        char msg[256];
+        cm_log(CM_DEBUG, "redis_connect_failed", "url=%s error=%s", r->url_redacted,
+               cm_log_quote(msg, sizeof msg, ac && ac->errstr ? ac->errstr : "out of memory"));
+        if (ac)
+            redisAsyncFree(ac);
+        schedule_reconnect(r);
+        return;
+    }
+    ac->data = r;
+    if (redisLibeventAttach(ac, r->base) != REDIS_OK) {
+        redisAsyncFree(ac);
+        schedule_reconnect(r);
+        return;
+    }
+    redisAsyncSetConnectCallback(ac, connect_cb);
+    redisAsyncSetDisconnectCallback(ac, disconnect_cb);
+    r->ac = ac;
+    r->state = R_CONNECTING;
+    r->setup_pending = 0;
+    bool ok = true;
+    if (r->pass) {
+        const char *argv[3] = {"AUTH", r->user ? r->user : r->pass, r->pass};
+        ok = send_setup(r, r->user ? 3 : 2, argv);
+    }
+    if (ok && r->db > 0) {
+        char db[24];
+        snprintf(db, sizeof db, "%ld", r->db);
+        const char *argv[2] = {"SELECT", db};
+        ok = send_setup(r, 2, argv);
+    }
+    if (!ok) {
+        rd_drop(r, "setup");
+        return;
+    }
+    uint64_t ms = r->connect_timeout_ms;
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    evtimer_del(r->timer);
+    evtimer_add(r->timer, &tv);
+}
+
+static void rd_timer_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct store_rd *r = arg;
+    (void)fd;
+    (void)what;
+    if (r->state == R_BACKOFF)
+        rd_connect(r);
+    else if (r->state == R_CONNECTING)
+        rd_drop(r, "connect timeout");
+}
+
+/* redis://[[user]:password@]host[:port][/db] */
+static bool parse_url(struct store_rd *r, const char *url, char **err)
+{
+    const char *p = url;
+    if (strncmp(p, "redis://", 8) != 0) {
+        *err = cm_strdup("redis URL must start with redis://");
+        return false;
+    }
+    p += 8;
+    const char *end = p + strcspn(p, "/?#");
+    const char *at = NULL;
+    for (const char *q = p; q < end; q++)
+        if (*q == '@')
+            at = q;
+    if (at) {
+        const char *colon = memchr(p, ':', (size_t)(at - p));
+        if (colon) {
+            if (colon > p)
+                r->user = cm_strndup(p, (size_t)(colon - p));
+            r->pass = cm_strndup(colon + 1, (size_t)(at - colon - 1));
+        } else {
+            r->pass = cm_strndup(p, (size_t)(at - p)); /* redis://password@host */
+        }
+        p = at + 1;
+    }
+    const char *hend;
+    const char *portp = NULL;
+    if (*p == '[') {
+        const char *rb = memchr(p, ']', (size_t)(end - p));
+        if (!rb) {
+            *err = cm_strdup("redis URL: unterminated [ in host");
+            return false;
+        }
+        r->host = cm_strndup(p + 1, (size_t)(rb - p - 1));
+        hend = rb + 1;
+        if (hend < end && *hend == ':')
+            portp = hend + 1;
+        else if (hend != end) {
+            *err = cm_strdup("redis URL: malformed host");
+            return false;
+        }
+    } else {
+        const char *colon = memchr(p, ':', (size_t)(end - p));
+        hend = colon ? colon : end;
+        r->host = cm_strndup(p, (size_t)(hend - p));
+        if (colon)
+            portp = colon + 1;
+    }
+    if (r->host[0] == '\0') {
+        *err = cm_strdup("redis URL: missing host");
+        return false;
+    }
+    r->port = 6379;
+    if (portp) {
+        char *e = NULL;
+        unsigned long v = strtoul(portp, &e, 10);
+        if (e == portp || e != end || v == 0 || v > 65535) {
+            *err = cm_strdup("redis URL: bad port");
+            return false;
+        }
+        r->port = (int)v;
+    }
+    r->db = -1;
+    if (*end == '/' && end[1] != '\0') {
+        char *e = NULL;
+        unsigned long v = strtoul(end + 1, &e, 10);
+        if (e == end + 1 || (*e != '\0' && *e != '?') || v > 1000000) {
+            *err = cm_strdup("redis URL: bad database number");
+            return false;
+        }
+        r->db = (long)v;
+    } else if (*end != '\0' && !(*end == '/' && end[1] == '\0')) {
+        *err = cm_strdup("redis URL: unexpected text after host");
+        return false;
+    }
+    return true;
+}
+
+struct store_rd *store_rd_create(struct event_base *base, const char *url, uint64_t timeout_ms, char **err)
+{
+    struct store_rd *r = cm_calloc(1, sizeof *r);
+    r->base = base;
+    if (!parse_url(r, url, err))
+        goto fail;
+    char red[512];
+    r->url_redacted = cm_strdup(cm_redact_url(red, sizeof red, url));
+    if (timeout_ms == 0)
+        timeout_ms = 50;
+    r->cmd_tv.tv_sec = (time_t)(timeout_ms / 1000);
+    r->cmd_tv.tv_usec = (suseconds_t)((timeout_ms % 1000) * 1000);
+    r->cmd_timeout = event_base_init_common_timeout(base, &r->cmd_tv);
+    if (!r->cmd_timeout)
+        r->cmd_timeout = &r->cmd_tv;
+    r->connect_timeout_ms = timeout_ms * 4 > CONNECT_TIMEOUT_MIN_MS ? timeout_ms * 4 : CONNECT_TIMEOUT_MIN_MS;
+    r->backoff_ms = BACKOFF_MIN_MS;
+    r->timer = evtimer_new(base, rd_timer_cb, r);
+    if (!r->timer) {
+        *err = cm_strdup("cannot create the redis timer");
+        goto fail;
+    }
+    atomic_init(&r->up, false);
+    cm_metric_redis_up(false);
+    rd_connect(r);
+    return r;
+fail:
+    if (r->timer)
+        event_free(r->timer);
+    free(r->host);
+    free(r->user);
+    free(r->pass);
+    free(r->url_redacted);
+    free(r);
+    return NULL;
+}
+
+void store_rd_destroy(struct store_rd *r)
+{
+    if (!r)
+        return;
+    r->destroying = true;
+    evtimer_del(r->timer);
+    if (r->ac) {
+        redisAsyncContext *ac = r->ac;
+        r->ac = NULL;
+        redisAsyncFree(ac); /* pending commands come back with NULL: freed, not answered */
+    }
+    event_free(r->timer);
+    free(r->host);
+    free(r->user);
+    free(r->pass);
+    free(r->url_redacted);
+    free(r);
+}
+
+bool store_rd_command(struct store_rd *r, store_rd_cb cb, void *arg, int argc, const char **argv,
+                      const size_t *argvlen)
+{
+    if (!r || r->state != R_UP || !r->ac || r->destroying)
+        return false;
+    struct rd_cmd *cmd = cm_calloc(1, sizeof *cmd);
+    cmd->r = r;
+    cmd->cb = cb;
+    cmd->arg = arg;
+    cmd->start_ms = cm_now_ms();
+    cmd->timer = evtimer_new(r->base, cmd_timer_cb, cmd);
+    if (!cmd->timer)
+        abort();
+    if (redisAsyncCommandArgv(r->ac, reply_cb, cmd, argc, argv, argvlen) != REDIS_OK) {
+        cmd_free(cmd);
+        return false;
+    }
+    evtimer_add(cmd->timer, r->cmd_timeout);
+    return true;
+}
+
+bool store_rd_up(const struct store_rd *r)
+{
+    return r && atomic_load(&((struct store_rd *)r)->up);
+}

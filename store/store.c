@@ -1,1 +1,1199 @@
-/* placeholder: being written */
+/* store.c - the idempotency authority (one atomic Postgres claim statement,
+ * token-fenced owner operations, schema migration, expiry cleaner, admin
+ * queries) and its Redis fast filter (in-flight marker, completed cache). */
+#include "store/store.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include <event2/event.h>
+#include <hiredis/hiredis.h>
+#include <libpq-fe.h>
+
+#include "common/metrics.h"
+#include "conf/conf.h"
+#include "store/pg.h"
+#include "store/redis.h"
+
+/* The server aborts a statement after STATEMENT_TIMEOUT_MS, before the
+ * client gives up on it (RUN_TIMEOUT_MS): a claim the client abandoned does
+ * not commit later behind its back (short of a network stall). */
+#define QUEUE_TIMEOUT_MS 5000
+#define STATEMENT_TIMEOUT_MS "4000"
+#define RUN_TIMEOUT_MS 5000
+#define CONNECT_TIMEOUT_MS 5000
+#define MAX_QUEUE 65536
+#define CLAIM_ATTEMPTS 5
+#define COMPLETE_BACKOFF_MIN_MS 50
+#define COMPLETE_BACKOFF_MAX_MS 1000
+#define CLEAN_FIRST_MS 1000
+#define CLEAN_EVERY_MS 10000
+#define CLEAN_BATCH 1000
+#define CLEAN_MAX_BATCHES 10
+#define ADMIN_MAX_ROWS 1000
+#define ADMIN_JSON_MAX (4u << 20)
+#define RESP_BLOB_MAX ((size_t)1 << 30)
+#define RKEY_LEN (4 + 64)
+#define MIGRATE_LOCK_ID "7251983046512"
+#define SCHEMA_VERSION 1
+
+#define OID_BOOL 16
+#define OID_BYTEA 17
+#define OID_INT8 20
+#define OID_INT4 23
+#define OID_TEXT 25
+
+#define PROBLEM_PREFIX "urn:idemgate:problem:"
+
+/* ---- SQL */
+
+static const char schema_v1[] =
+    "CREATE TABLE IF NOT EXISTS idemgate_keys ("
+    " route text NOT NULL,"
+    " scope bytea NOT NULL,"
+    " key text NOT NULL,"
+    " fingerprint bytea NOT NULL,"
+    " state text NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),"
+    " token bigint NOT NULL,"
+    " lease_until timestamptz NOT NULL,"
+    " created_at timestamptz NOT NULL,"
+    " completed_at timestamptz,"
+    " expires_at timestamptz NOT NULL,"
+    " status int,"
+    " response bytea,"
+    " PRIMARY KEY (route, scope, key));"
+    "CREATE INDEX IF NOT EXISTS idemgate_keys_expires_at ON idemgate_keys (expires_at);"
+    "CREATE INDEX IF NOT EXISTS idemgate_keys_route_key ON idemgate_keys (route, key);"
+    "CREATE INDEX IF NOT EXISTS idemgate_keys_in_flight ON idemgate_keys (created_at) WHERE state = 'in_flight';"
+    "INSERT INTO idemgate_schema_version (version) VALUES (1) ON CONFLICT DO NOTHING;";
+
+#define TS(col) "to_char(" col " AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+#define TAKEABLE(p)                                                                                                    \
+    "(" p "expires_at < now() AND " p "lease_until < now()) OR ($8 AND " p "state IN ('in_flight', 'unknown') AND " p  \
+    "lease_until < now() AND " p "fingerprint = $4)"
+
+enum stmt_id {
+    S_CLAIM,
+    S_COMPLETE,
+    S_RENEW,
+    S_RELEASE,
+    S_MARK_UNKNOWN,
+    S_ADMIN_LIST,
+    S_ADMIN_PURGE,
+    S_ADMIN_RELEASE,
+    S_CLEAN,
+    S_STUCK,
+    S__COUNT
+};
+
+static const Oid claim_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_BYTEA, OID_INT8, OID_INT8, OID_INT8, OID_BOOL};
+static const Oid complete_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT4, OID_BYTEA, OID_INT8};
+static const Oid fenced_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8};
+static const Oid release_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8};
+static const Oid admin_types[] = {OID_TEXT, OID_TEXT};
+
+/* The claim: one statement. The upsert takes the key when it is new, past
+ * retention, or (takeover) a lapsed claim with the same fingerprint; else the
+ * second branch reads the existing record. Under READ COMMITTED that read
+ * uses the statement's snapshot: it may miss a row committed concurrently
+ * (no row) or show a version the upsert would have taken (takeable): the
+ * caller runs the statement again then. */
+static const char sql_claim[] =
+    "WITH ins AS ("
+    " INSERT INTO idemgate_keys AS k (route, scope, key, fingerprint, state, token, lease_until, created_at,"
+    " expires_at)"
+    " VALUES ($1, $2, $3, $4, 'in_flight', $5, now() + $6 * interval '1 ms', now(), now() + $7 * interval '1 ms')"
+    " ON CONFLICT (route, scope, key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',"
+    " token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,"
+    " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL"
+    " WHERE " TAKEABLE("k.") " RETURNING k.token)"
+    " SELECT 'new'::text, token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true FROM ins"
+    " UNION ALL"
+    " SELECT state, token, fingerprint, status, response,"
+    " greatest(0, ceil(extract(epoch FROM lease_until - now()) * 1000))::int8,"
+    " greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::int8,"
+    " " TAKEABLE("") ", lease_until >= now()"
+    " FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)";
+
+/* Fenced by the claim's token alone: a token names one claim, so a retry of
+ * a completion whose first attempt committed (lost reply) matches again. */
+static const char sql_complete[] =
+    "UPDATE idemgate_keys SET state = 'completed', status = $5, response = $6, completed_at = now(),"
+    " expires_at = now() + $7 * interval '1 ms'"
+    " WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4 RETURNING fingerprint";
+
+static const char sql_renew[] = "UPDATE idemgate_keys SET lease_until = now() + $5 * interval '1 ms'"
+                                " WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4 AND state = 'in_flight'";
+
+static const char sql_release[] = "DELETE FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4";
+
+static const char sql_mark_unknown[] =
+    "UPDATE idemgate_keys SET state = 'unknown', lease_until = now() + $5 * interval '1 ms'"
+    " WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4 AND state IN ('in_flight', 'unknown')";
+
+static const char sql_admin_list[] =
+    "SELECT route, key, encode(scope, 'hex'), state, token::text, " TS("created_at") ", " TS("expires_at") ", " TS(
+        "lease_until") ", status, " TS("completed_at") " FROM idemgate_keys WHERE route = $1 AND key = $2"
+                       " ORDER BY created_at, scope LIMIT 1000";
+
+static const char sql_admin_purge[] = "DELETE FROM idemgate_keys WHERE route = $1 AND key = $2 RETURNING scope";
+
+static const char sql_admin_release[] =
+    "WITH d AS (DELETE FROM idemgate_keys WHERE route = $1 AND key = $2"
+    " AND (state = 'unknown' OR (state = 'in_flight' AND lease_until < now())) RETURNING scope)"
+    " SELECT 'd'::text, scope FROM d"
+    " UNION ALL SELECT 't'::text, NULL::bytea FROM idemgate_keys WHERE route = $1 AND key = $2";
+
+static const char sql_clean[] =
+    "DELETE FROM idemgate_keys WHERE ctid IN (SELECT ctid FROM idemgate_keys"
+    " WHERE expires_at < now() AND lease_until < now() LIMIT 1000)"
+    " AND expires_at < now() AND lease_until < now()";
+
+static const char sql_stuck[] = "SELECT route, count(*)::int8 FROM idemgate_keys"
+                                " WHERE state = 'in_flight' AND created_at < now() - interval '5 minutes'"
+                                " GROUP BY route";
+
+static const struct store_pg_stmt stmts[S__COUNT] = {
+    [S_CLAIM] = {"idg_claim", sql_claim, 8, claim_types},
+    [S_COMPLETE] = {"idg_complete", sql_complete, 7, complete_types},
+    [S_RENEW] = {"idg_renew", sql_renew, 5, fenced_types},
+    [S_RELEASE] = {"idg_release", sql_release, 4, release_types},
+    [S_MARK_UNKNOWN] = {"idg_mark_unknown", sql_mark_unknown, 5, fenced_types},
+    [S_ADMIN_LIST] = {"idg_admin_list", sql_admin_list, 2, admin_types},
+    [S_ADMIN_PURGE] = {"idg_admin_purge", sql_admin_purge, 2, admin_types},
+    [S_ADMIN_RELEASE] = {"idg_admin_release", sql_admin_release, 2, admin_types},
+    [S_CLEAN] = {"idg_clean", sql_clean, 0, NULL},
+    [S_STUCK] = {"idg_stuck", sql_stuck, 0, NULL},
+};
+
+/* ---- the store */
+
+enum op_kind { OP_CLAIM, OP_COMPLETE, OP_RENEW, OP_RELEASE, OP_MARK_UNKNOWN, OP_ADMIN };
+
+/* Every pending operation is on the store's list so that store_destroy can
+ * free it without calling back. */
+struct op {
+    struct op *prev, *next;
+    struct store *s;
+    enum op_kind kind;
+};
+
+struct store {
+    struct event_base *base;
+    const struct conf *conf;
+    struct store_pg_opts pg_opts;
+    struct store_pg *pg;
+    struct store_rd *rd;
+    struct event *clean_timer;
+    bool cleaning;
+    int clean_batches;
+    uint64_t cleaned;
+    struct op *ops;
+};
+
+struct claim_op {
+    struct op h;
+    char *route;
+    char *key;
+    size_t key_len;
+    size_t route_index;
+    uint8_t scope[32];
+    uint8_t fp[32];
+    uint64_t lease_ms;
+    uint64_t retention_ms;
+    bool takeover;
+    uint64_t token;
+    int attempts;
+    bool marker_ours; /* our SET NX placed the in-flight marker */
+    char rkey[RKEY_LEN + 1];
+    store_claim_cb cb;
+    void *arg;
+};
+
+struct owner_op {
+    struct op h;
+    char *route;
+    char *key;
+    size_t key_len;
+    uint8_t scope[32];
+    uint64_t token;
+    uint64_t arg_ms; /* lease (renew, mark_unknown) or retention (complete) */
+    char rkey[RKEY_LEN + 1];
+    store_done_cb cb;
+    void *arg;
+    /* complete */
+    char *blob;
+    size_t blob_len;
+    int status;
+    uint64_t deadline_ms;
+    uint64_t backoff_ms;
+    uint64_t attempt_ms;
+    int attempts;
+    bool encode_failed;
+    struct event *timer;
+};
+
+struct admin_op {
+    struct op h;
+    enum stmt_id stmt;
+    char *route;
+    char *key;
+    size_t key_len;
+    store_admin_cb cb;
+    void *arg;
+};
+
+const char *store_verdict_name(enum store_verdict v)
+{
+    switch (v) {
+    case STORE_NEW:
+        return "new";
+    case STORE_REPLAY:
+        return "replay";
+    case STORE_MISMATCH:
+        return "mismatch";
+    case STORE_IN_FLIGHT:
+        return "in_flight";
+    case STORE_UNKNOWN:
+        return "unknown";
+    case STORE_UNAVAILABLE:
+        return "unavailable";
+    }
+    return "?";
+}
+
+static void op_link(struct store *s, struct op *o, enum op_kind kind)
+{
+    o->s = s;
+    o->kind = kind;
+    o->prev = NULL;
+    o->next = s->ops;
+    if (s->ops)
+        s->ops->prev = o;
+    s->ops = o;
+}
+
+static void op_unlink(struct op *o)
+{
+    struct store *s = o->s;
+    if (o->prev)
+        o->prev->next = o->next;
+    else
+        s->ops = o->next;
+    if (o->next)
+        o->next->prev = o->prev;
+    o->prev = o->next = NULL;
+}
+
+static void op_free(struct op *o)
+{
+    switch (o->kind) {
+    case OP_CLAIM: {
+        struct claim_op *c = (struct claim_op *)o;
+        free(c->route);
+        free(c->key);
+        break;
+    }
+    case OP_COMPLETE:
+    case OP_RENEW:
+    case OP_RELEASE:
+    case OP_MARK_UNKNOWN: {
+        struct owner_op *w = (struct owner_op *)o;
+        if (w->timer)
+            event_free(w->timer);
+        free(w->route);
+        free(w->key);
+        free(w->blob);
+        break;
+    }
+    case OP_ADMIN: {
+        struct admin_op *a = (struct admin_op *)o;
+        free(a->route);
+        free(a->key);
+        break;
+    }
+    }
+    free(o);
+}
+
+/* ---- helpers */
+
+static void be64(uint8_t out[8], uint64_t v)
+{
+    for (int i = 7; i >= 0; i--) {
+        out[i] = (uint8_t)(v & 0xff);
+        v >>= 8;
+    }
+}
+
+static uint64_t get_be64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static void be32(uint8_t out[4], uint32_t v)
+{
+    out[0] = (uint8_t)(v >> 24);
+    out[1] = (uint8_t)(v >> 16);
+    out[2] = (uint8_t)(v >> 8);
+    out[3] = (uint8_t)v;
+}
+
+/* "idg:" + hex(SHA-256(route NUL scope NUL key)): no raw key or scope in Redis. */
+static void redis_key(const char *route, const uint8_t scope[32], const char *key, size_t key_len,
+                      char out[RKEY_LEN + 1])
+{
+    struct cm_sha256 h;
+    uint8_t d[32];
+    cm_sha256_init(&h);
+    cm_sha256_update(&h, route, strlen(route));
+    cm_sha256_update(&h, "", 1);
+    cm_sha256_update(&h, scope, 32);
+    cm_sha256_update(&h, "", 1);
+    cm_sha256_update(&h, key, key_len);
+    cm_sha256_final(&h, d);
+    memcpy(out, "idg:", 4);
+    cm_hex(d, 32, out + 4);
+    out[RKEY_LEN] = '\0';
+}
+
+static const char *pg_err_text(enum store_pg_status st)
+{
+    switch (st) {
+    case STORE_PG_OK:
+        return "ok";
+    case STORE_PG_SQL_ERROR:
+        return "postgres error";
+    case STORE_PG_TRANSPORT:
+        return "postgres connection lost";
+    case STORE_PG_TIMEOUT:
+        return "postgres timeout";
+    case STORE_PG_UNAVAILABLE:
+        return "postgres unavailable";
+    case STORE_PG_OVERLOAD:
+        return "postgres queue full";
+    }
+    return "postgres error";
+}
+
+static void log_pg_failure(const char *what, enum store_pg_status st, const char *msg)
+{
+    char q[512];
+    cm_log(st == STORE_PG_SQL_ERROR ? CM_ERROR : CM_WARN, "store_error", "op=%s status=%s error=%s", what,
+           store_pg_status_name(st), cm_log_quote(q, sizeof q, msg ? msg : ""));
+}
+
+static long cmd_rows(const PGresult *res)
+{
+    const char *t = PQcmdTuples((PGresult *)res);
+    if (!t || !*t)
+        return PQntuples(res);
+    char *end = NULL;
+    long v = strtol(t, &end, 10);
+    return (end && *end == '\0' && v >= 0) ? v : 0;
+}
+
+static void redis_fire(struct store *s, int argc, const char **argv, const size_t *lens)
+{
+    if (s->rd)
+        (void)store_rd_command(s->rd, NULL, NULL, argc, argv, lens);
+}
+
+static void redis_del(struct store *s, const char *rkey)
+{
+    const char *argv[2] = {"DEL", rkey};
+    size_t lens[2] = {3, strlen(rkey)};
+    redis_fire(s, 2, argv, lens);
+}
+
+static void redis_pexpire(struct store *s, const char *rkey, uint64_t ms)
+{
+    char px[24];
+    snprintf(px, sizeof px, "%llu", (unsigned long long)(ms ? ms : 1));
+    const char *argv[3] = {"PEXPIRE", rkey, px};
+    size_t lens[3] = {7, strlen(rkey), strlen(px)};
+    redis_fire(s, 3, argv, lens);
+}
+
+/* Caches a completed answer: "C" + fingerprint + cm_resp_encode blob, for ttl_ms. */
+static void redis_cache(struct store *s, const char *rkey, const uint8_t fp[32], const void *blob, size_t blob_len,
+                        uint64_t ttl_ms)
+{
+    if (!s->rd || ttl_ms == 0 || !store_rd_up(s->rd))
+        return;
+    char *val = cm_malloc(1 + 32 + blob_len);
+    val[0] = 'C';
+    memcpy(val + 1, fp, 32);
+    memcpy(val + 33, blob, blob_len);
+    char px[24];
+    snprintf(px, sizeof px, "%llu", (unsigned long long)ttl_ms);
+    const char *argv[5] = {"SET", rkey, val, "PX", px};
+    size_t lens[5] = {3, strlen(rkey), 1 + 32 + blob_len, 2, strlen(px)};
+    redis_fire(s, 5, argv, lens);
+    free(val);
+}
+
+/* ---- claim */
+
+static void claim_pg(struct claim_op *c);
+
+static void claim_finish(struct claim_op *c, struct store_claim_res *res)
+{
+    struct store *s = c->h.s;
+    /* Our marker must not outlive a claim that did not take the key: it
+     * would answer "in flight" for a record that is not ours. */
+    if (c->marker_ours && res->verdict != STORE_NEW && res->verdict != STORE_REPLAY)
+        redis_del(s, c->rkey);
+    op_unlink(&c->h);
+    c->cb(c->arg, res);
+    cm_resp_free(&res->resp);
+    op_free(&c->h);
+}
+
+static void claim_fail(struct claim_op *c, const char *err)
+{
+    struct store_claim_res res;
+    memset(&res, 0, sizeof res);
+    cm_resp_init(&res.resp, 0);
+    res.verdict = STORE_UNAVAILABLE;
+    res.err = err;
+    claim_finish(c, &res);
+}
+
+static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct claim_op *c = arg;
+    struct store *s = c->h.s;
+    if (st != STORE_PG_OK) {
+        if (st == STORE_PG_SQL_ERROR)
+            log_pg_failure("claim", st, msg);
+        claim_fail(c, pg_err_text(st));
+        return;
+    }
+    bool again = PQntuples(pr) == 0;
+    if (!again && PQnfields(pr) >= 9) {
+        const char *takeable = PQgetvalue(pr, 0, 7);
+        again = !PQgetisnull(pr, 0, 7) && PQgetlength(pr, 0, 7) == 1 && takeable[0] != 0;
+    }
+    if (again) {
+        /* The row changed after the statement's snapshot: run it again. */
+        if (++c->attempts < CLAIM_ATTEMPTS) {
+            claim_pg(c);
+            return;
+        }
+        cm_log(CM_WARN, "store_error", "op=claim status=contention attempts=%d", c->attempts);
+        claim_fail(c, "claim contention");
+        return;
+    }
+    if (PQnfields(pr) < 9) {
+        claim_fail(c, "unexpected claim result");
+        return;
+    }
+    struct store_claim_res res;
+    memset(&res, 0, sizeof res);
+    cm_resp_init(&res.resp, 0);
+    const char *state = PQgetvalue(pr, 0, 0);
+    int state_len = PQgetlength(pr, 0, 0);
+#define STATE_IS(lit) (state_len == (int)sizeof(lit) - 1 && memcmp(state, lit, sizeof(lit) - 1) == 0)
+    if (STATE_IS("new")) {
+        res.verdict = STORE_NEW;
+        res.token = (uint64_t)store_pg_get_i64(pr, 0, 1);
+        claim_finish(c, &res);
+        return;
+    }
+    const uint8_t *fp = (const uint8_t *)PQgetvalue(pr, 0, 2);
+    if (PQgetisnull(pr, 0, 2) || PQgetlength(pr, 0, 2) != 32 || memcmp(fp, c->fp, 32) != 0) {
+        res.verdict = STORE_MISMATCH;
+        claim_finish(c, &res);
+        return;
+    }
+    if (STATE_IS("completed")) {
+        const char *blob = PQgetvalue(pr, 0, 4);
+        size_t blob_len = (size_t)PQgetlength(pr, 0, 4);
+        cm_resp_free(&res.resp);
+        if (PQgetisnull(pr, 0, 4) || !cm_resp_decode(blob, blob_len, &res.resp)) {
+            cm_log(CM_ERROR, "store_error", "op=claim status=corrupt_response route=%s", c->route);
+            res.verdict = STORE_UNAVAILABLE;
+            res.err = "stored response is corrupt";
+            claim_finish(c, &res);
+            return;
+        }
+        res.verdict = STORE_REPLAY;
+        /* Redis missed it (flushed, evicted, down): put it back. */
+        uint64_t ttl = (uint64_t)store_pg_get_i64(pr, 0, 6);
+        redis_cache(s, c->rkey, c->fp, blob, blob_len, ttl);
+        claim_finish(c, &res);
+        return;
+    }
+    bool live = !PQgetisnull(pr, 0, 8) && PQgetlength(pr, 0, 8) == 1 && PQgetvalue(pr, 0, 8)[0] != 0;
+    if (live) {
+        res.verdict = STORE_IN_FLIGHT;
+        int64_t rem = store_pg_get_i64(pr, 0, 5);
+        res.lease_remaining_ms = rem > 0 ? (uint64_t)rem : 0;
+    } else {
+        res.verdict = STORE_UNKNOWN;
+    }
+#undef STATE_IS
+    claim_finish(c, &res);
+}
+
+static void claim_pg(struct claim_op *c)
+{
+    struct store *s = c->h.s;
+    uint8_t tok[8], lease[8], ret[8];
+    uint8_t takeover = c->takeover ? 1 : 0;
+    c->token = cm_random_token();
+    be64(tok, c->token);
+    be64(lease, c->lease_ms);
+    be64(ret, c->retention_ms);
+    struct store_pg_param p[8] = {
+        {c->route, strlen(c->route), true}, {c->scope, 32, true}, {c->key, c->key_len, true},
+        {c->fp, 32, true},                  {tok, 8, true},       {lease, 8, true},
+        {ret, 8, true},                     {&takeover, 1, true},
+    };
+    store_pg_query(s->pg, S_CLAIM, p, 8, 1, claim_pg_cb, c);
+}
+
+static void claim_redis_cb(void *arg, const struct redisReply *reply)
+{
+    struct claim_op *c = arg;
+    const redisReply *r = reply;
+    if (r && r->type == REDIS_REPLY_NIL) {
+        c->marker_ours = true; /* the marker is ours: Postgres decides */
+        claim_pg(c);
+        return;
+    }
+    if (r && r->type == REDIS_REPLY_STRING && r->len >= 33) {
+        const uint8_t *v = (const uint8_t *)r->str;
+        bool same = memcmp(v + 1, c->fp, 32) == 0;
+        if (v[0] == 'C') {
+            struct store_claim_res res;
+            memset(&res, 0, sizeof res);
+            res.from_redis = true;
+            if (!same) {
+                cm_resp_init(&res.resp, 0);
+                res.verdict = STORE_MISMATCH;
+                claim_finish(c, &res);
+                return;
+            }
+            if (cm_resp_decode(v + 33, r->len - 33, &res.resp)) {
+                res.verdict = STORE_REPLAY;
+                claim_finish(c, &res);
+                return;
+            }
+            cm_resp_free(&res.resp);
+        } else if (v[0] == 'F' && r->len == 41 && same) {
+            /* Our own fingerprint in flight: answer without Postgres only
+             * while the lease written in the marker still runs. */
+            uint64_t until = get_be64(v + 33);
+            uint64_t now = cm_wall_ms();
+            if (until > now) {
+                struct store_claim_res res;
+                memset(&res, 0, sizeof res);
+                cm_resp_init(&res.resp, 0);
+                res.from_redis = true;
+                res.verdict = STORE_IN_FLIGHT;
+                res.lease_remaining_ms = until - now;
+                claim_finish(c, &res);
+                return;
+            }
+        }
+    }
+    /* Error, timeout, another fingerprint's marker, stale marker, anything
+     * unexpected: Postgres decides. */
+    claim_pg(c);
+}
+
+void store_claim(struct store *s, const struct store_claim_req *req, store_claim_cb cb, void *arg)
+{
+    struct claim_op *c = cm_calloc(1, sizeof *c);
+    op_link(s, &c->h, OP_CLAIM);
+    c->route = cm_strdup(req->id.route);
+    c->key = cm_strndup(req->id.key, req->id.key_len);
+    c->key_len = req->id.key_len;
+    c->route_index = req->route_index;
+    memcpy(c->scope, req->id.scope, 32);
+    memcpy(c->fp, req->fp, 32);
+    c->lease_ms = req->lease_ms ? req->lease_ms : 1;
+    c->retention_ms = req->retention_ms;
+    c->takeover = req->takeover_unknown;
+    c->cb = cb;
+    c->arg = arg;
+    redis_key(c->route, c->scope, c->key, c->key_len, c->rkey);
+    if (s->rd) {
+        /* SET NX GET: places our marker, or returns what is there (Redis >= 7). */
+        uint8_t marker[41];
+        marker[0] = 'F';
+        memcpy(marker + 1, c->fp, 32);
+        be64(marker + 33, cm_wall_ms() + c->lease_ms);
+        char px[24];
+        snprintf(px, sizeof px, "%llu", (unsigned long long)c->lease_ms);
+        const char *argv[7] = {"SET", c->rkey, (const char *)marker, "NX", "PX", px, "GET"};
+        size_t lens[7] = {3, RKEY_LEN, sizeof marker, 2, 2, strlen(px), 3};
+        if (store_rd_command(s->rd, claim_redis_cb, c, 7, argv, lens))
+            return;
+    }
+    claim_pg(c);
+}
+
+/* ---- owner operations */
+
+static struct owner_op *owner_new(struct store *s, enum op_kind kind, const struct store_id *id, uint64_t token,
+                                  store_done_cb cb, void *arg)
+{
+    struct owner_op *w = cm_calloc(1, sizeof *w);
+    op_link(s, &w->h, kind);
+    w->route = cm_strdup(id->route);
+    w->key = cm_strndup(id->key, id->key_len);
+    w->key_len = id->key_len;
+    memcpy(w->scope, id->scope, 32);
+    w->token = token;
+    w->cb = cb;
+    w->arg = arg;
+    redis_key(w->route, w->scope, w->key, w->key_len, w->rkey);
+    return w;
+}
+
+static void owner_finish(struct owner_op *w, bool ok, long rows)
+{
+    op_unlink(&w->h);
+    if (w->cb)
+        w->cb(w->arg, ok, rows);
+    op_free(&w->h);
+}
+
+static void owner_send(struct owner_op *w, enum stmt_id stmt, store_pg_cb cb);
+
+static void complete_timer_cb(evutil_socket_t fd, short what, void *arg);
+
+static void complete_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct owner_op *w = arg;
+    struct store *s = w->h.s;
+    if (st == STORE_PG_OK) {
+        long rows = PQntuples(pr);
+        if (rows > 0 && !PQgetisnull(pr, 0, 0) && PQgetlength(pr, 0, 0) == 32) {
+            uint64_t spent = cm_now_ms() - w->attempt_ms;
+            uint64_t ttl = w->arg_ms > spent ? w->arg_ms - spent : 0;
+            redis_cache(s, w->rkey, (const uint8_t *)PQgetvalue(pr, 0, 0), w->blob, w->blob_len, ttl);
+        }
+        if (w->attempts > 1)
+            cm_log(CM_INFO, "store_complete_retried", "attempts=%d rows=%ld", w->attempts, rows);
+        owner_finish(w, true, rows);
+        return;
+    }
+    uint64_t now = cm_now_ms();
+    if (st != STORE_PG_SQL_ERROR && now + w->backoff_ms < w->deadline_ms) {
+        cm_log(CM_DEBUG, "store_complete_retry", "attempt=%d status=%s backoff_ms=%llu", w->attempts,
+               store_pg_status_name(st), (unsigned long long)w->backoff_ms);
+        struct timeval tv = {(time_t)(w->backoff_ms / 1000), (suseconds_t)((w->backoff_ms % 1000) * 1000)};
+        w->backoff_ms = w->backoff_ms * 2 > COMPLETE_BACKOFF_MAX_MS ? COMPLETE_BACKOFF_MAX_MS : w->backoff_ms * 2;
+        evtimer_add(w->timer, &tv);
+        return;
+    }
+    log_pg_failure("complete", st, msg);
+    owner_finish(w, false, 0);
+}
+
+static void complete_send(struct owner_op *w)
+{
+    struct store *s = w->h.s;
+    uint8_t tok[8], status[4], ret[8];
+    be64(tok, w->token);
+    be32(status, (uint32_t)w->status);
+    be64(ret, w->arg_ms);
+    struct store_pg_param p[7] = {
+        {w->route, strlen(w->route), true}, {w->scope, 32, true}, {w->key, w->key_len, true},
+        {tok, 8, true},                     {status, 4, true},    {w->blob, w->blob_len, true},
+        {ret, 8, true},
+    };
+    w->attempts++;
+    w->attempt_ms = cm_now_ms();
+    store_pg_query(s->pg, S_COMPLETE, p, 7, 1, complete_pg_cb, w);
+}
+
+static void complete_timer_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct owner_op *w = arg;
+    (void)fd;
+    (void)what;
+    if (w->encode_failed) {
+        cm_log(CM_ERROR, "store_error", "op=complete status=encode_failed");
+        owner_finish(w, false, 0);
+        return;
+    }
+    complete_send(w);
+}
+
+void store_complete(struct store *s, const struct store_id *id, uint64_t token, const struct cm_resp *resp,
+                    uint64_t retention_ms, uint64_t retry_for_ms, store_done_cb cb, void *arg)
+{
+    struct owner_op *w = owner_new(s, OP_COMPLETE, id, token, cb, arg);
+    w->arg_ms = retention_ms;
+    w->status = resp->status;
+    w->backoff_ms = COMPLETE_BACKOFF_MIN_MS;
+    w->deadline_ms = cm_now_ms() + retry_for_ms;
+    w->timer = evtimer_new(s->base, complete_timer_cb, w);
+    if (!w->timer)
+        abort();
+    struct cm_buf b;
+    cm_buf_init(&b, RESP_BLOB_MAX);
+    if (!cm_resp_encode(resp, &b)) {
+        cm_buf_free(&b);
+        w->encode_failed = true;
+        static const struct timeval zero = {0, 0};
+        evtimer_add(w->timer, &zero);
+        return;
+    }
+    w->blob = cm_buf_take(&b, &w->blob_len);
+    cm_buf_free(&b);
+    complete_send(w);
+}
+
+static void owner_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct owner_op *w = arg;
+    struct store *s = w->h.s;
+    if (st != STORE_PG_OK) {
+        log_pg_failure(w->h.kind == OP_RENEW ? "renew" : w->h.kind == OP_RELEASE ? "release" : "mark_unknown", st,
+                       msg);
+        owner_finish(w, false, 0);
+        return;
+    }
+    long rows = cmd_rows(pr);
+    if (w->h.kind == OP_RELEASE && rows > 0)
+        redis_del(s, w->rkey);
+    owner_finish(w, true, rows);
+}
+
+static void owner_send(struct owner_op *w, enum stmt_id stmt, store_pg_cb cb)
+{
+    struct store *s = w->h.s;
+    uint8_t tok[8], ms[8];
+    be64(tok, w->token);
+    be64(ms, w->arg_ms);
+    struct store_pg_param p[5] = {
+        {w->route, strlen(w->route), true}, {w->scope, 32, true}, {w->key, w->key_len, true},
+        {tok, 8, true},                     {ms, 8, true},
+    };
+    store_pg_query(s->pg, stmt, p, stmts[stmt].nparams, 1, cb, w);
+}
+
+void store_renew(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms, store_done_cb cb,
+                 void *arg)
+{
+    struct owner_op *w = owner_new(s, OP_RENEW, id, token, cb, arg);
+    w->arg_ms = lease_ms;
+    /* Keep the marker alive as long as the lease (its embedded lease time is
+     * not moved, so Redis stops answering "in flight" by itself after the
+     * first lease and Postgres answers). */
+    redis_pexpire(s, w->rkey, lease_ms);
+    owner_send(w, S_RENEW, owner_pg_cb);
+}
+
+void store_release(struct store *s, const struct store_id *id, uint64_t token, store_done_cb cb, void *arg)
+{
+    struct owner_op *w = owner_new(s, OP_RELEASE, id, token, cb, arg);
+    owner_send(w, S_RELEASE, owner_pg_cb);
+}
+
+void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms,
+                        store_done_cb cb, void *arg)
+{
+    struct owner_op *w = owner_new(s, OP_MARK_UNKNOWN, id, token, cb, arg);
+    w->arg_ms = lease_ms;
+    redis_pexpire(s, w->rkey, lease_ms);
+    owner_send(w, S_MARK_UNKNOWN, owner_pg_cb);
+}
+
+/* ---- admin */
+
+static void json_str(struct cm_buf *b, const char *p, size_t n)
+{
+    bool ok = cm_buf_append(b, "\"", 1);
+    for (size_t i = 0; i < n && ok; i++) {
+        unsigned char ch = (unsigned char)p[i];
+        if (ch == '"' || ch == '\\') {
+            char e[2] = {'\\', (char)ch};
+            ok = cm_buf_append(b, e, 2);
+        } else if (ch < 0x20 || ch == 0x7f) {
+            ok = cm_buf_appendf(b, "\\u%04x", ch);
+        } else {
+            ok = cm_buf_append(b, &p[i], 1);
+        }
+    }
+    if (ok)
+        ok = cm_buf_append(b, "\"", 1);
+    (void)ok; /* a capped-out body is reported by the caller (truncation check) */
+}
+
+static char *problem_json(int status, const char *name, const char *title, const char *detail)
+{
+    struct cm_buf b;
+    cm_buf_init(&b, 4096);
+    bool ok = cm_buf_appendf(&b, "{\"type\":\"" PROBLEM_PREFIX "%s\",\"title\":", name);
+    json_str(&b, title, strlen(title));
+    ok = ok && cm_buf_appendf(&b, ",\"status\":%d,\"detail\":", status);
+    json_str(&b, detail, strlen(detail));
+    ok = ok && cm_buf_append(&b, "}", 1);
+    (void)ok;
+    size_t n;
+    char *s = cm_buf_take(&b, &n);
+    cm_buf_free(&b);
+    return s ? s : cm_strdup("{}");
+}
+
+static void admin_finish(struct admin_op *a, int status, char *json)
+{
+    op_unlink(&a->h);
+    a->cb(a->arg, status, json);
+    op_free(&a->h);
+}
+
+static void admin_del_scopes(struct admin_op *a, const PGresult *pr, int col, bool only_d)
+{
+    for (int i = 0; i < PQntuples(pr); i++) {
+        if (only_d && PQgetvalue(pr, i, 0)[0] != 'd')
+            continue;
+        if (PQgetisnull(pr, i, col) || PQgetlength(pr, i, col) != 32)
+            continue;
+        char rk[RKEY_LEN + 1];
+        redis_key(a->route, (const uint8_t *)PQgetvalue(pr, i, col), a->key, a->key_len, rk);
+        redis_del(a->h.s, rk);
+    }
+}
+
+static char *admin_list_json(const PGresult *pr)
+{
+    struct cm_buf b;
+    cm_buf_init(&b, ADMIN_JSON_MAX);
+    bool ok = cm_buf_append(&b, "[", 1);
+    static const char *const names[] = {"route", "key", "scope", "state", "token", "created_at", "expires_at",
+                                        "lease_until"};
+    for (int i = 0; i < PQntuples(pr) && ok; i++) {
+        ok = cm_buf_append(&b, i ? ",{" : "{", i ? 2 : 1);
+        for (int col = 0; col < 8 && ok; col++) {
+            ok = cm_buf_appendf(&b, "%s\"%s\":", col ? "," : "", names[col]);
+            json_str(&b, PQgetvalue(pr, i, col), (size_t)PQgetlength(pr, i, col));
+        }
+        if (ok && !PQgetisnull(pr, i, 8)) {
+            char *end = NULL;
+            long st = strtol(PQgetvalue(pr, i, 8), &end, 10);
+            ok = cm_buf_appendf(&b, ",\"status\":%ld", st);
+        }
+        if (ok && !PQgetisnull(pr, i, 9)) {
+            ok = cm_buf_append(&b, ",\"completed_at\":", 16);
+            json_str(&b, PQgetvalue(pr, i, 9), (size_t)PQgetlength(pr, i, 9));
+        }
+        ok = ok && cm_buf_append(&b, "}", 1);
+    }
+    ok = ok && cm_buf_append(&b, "]", 1);
+    if (!ok) {
+        cm_buf_free(&b);
+        return NULL;
+    }
+    size_t n;
+    char *s = cm_buf_take(&b, &n);
+    cm_buf_free(&b);
+    return s;
+}
+
+static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct admin_op *a = arg;
+    if (st != STORE_PG_OK) {
+        log_pg_failure("admin", st, msg);
+        admin_finish(a, 503, problem_json(503, "store-unavailable", "Store unavailable", pg_err_text(st)));
+        return;
+    }
+    switch (a->stmt) {
+    case S_ADMIN_LIST: {
+        char *json = admin_list_json(pr);
+        if (!json) {
+            admin_finish(a, 500, problem_json(500, "internal-error", "Internal error", "listing too large"));
+            return;
+        }
+        admin_finish(a, 200, json);
+        return;
+    }
+    case S_ADMIN_PURGE: {
+        admin_del_scopes(a, pr, 0, false);
+        admin_finish(a, 200, cm_asprintf("{\"deleted\":%d}", PQntuples(pr)));
+        return;
+    }
+    case S_ADMIN_RELEASE: {
+        int released = 0, total = 0;
+        for (int i = 0; i < PQntuples(pr); i++) {
+            if (PQgetvalue(pr, i, 0)[0] == 'd')
+                released++;
+            else
+                total++;
+        }
+        admin_del_scopes(a, pr, 1, true);
+        if (released > 0)
+            admin_finish(a, 200, cm_asprintf("{\"released\":%d}", released));
+        else if (total == 0)
+            admin_finish(a, 404, problem_json(404, "not-found", "Not found", "no record with this route and key"));
+        else
+            admin_finish(a, 409,
+                         problem_json(409, "not-releasable", "Not releasable",
+                                      "no record with this route and key is an unknown outcome or a lapsed lease"));
+        return;
+    }
+    default:
+        admin_finish(a, 500, problem_json(500, "internal-error", "Internal error", "unexpected admin statement"));
+        return;
+    }
+}
+
+static void admin_run(struct store *s, enum stmt_id stmt, int result_format, const char *route, const char *key,
+                      size_t key_len, store_admin_cb cb, void *arg)
+{
+    struct admin_op *a = cm_calloc(1, sizeof *a);
+    op_link(s, &a->h, OP_ADMIN);
+    a->stmt = stmt;
+    a->route = cm_strdup(route);
+    a->key = cm_strndup(key, key_len);
+    a->key_len = key_len;
+    a->cb = cb;
+    a->arg = arg;
+    struct store_pg_param p[2] = {{a->route, strlen(a->route), true}, {a->key, key_len, true}};
+    store_pg_query(s->pg, stmt, p, 2, result_format, admin_pg_cb, a);
+}
+
+void store_admin_list(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb,
+                      void *arg)
+{
+    admin_run(s, S_ADMIN_LIST, 0, route, key, key_len, cb, arg);
+}
+
+void store_admin_purge(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb,
+                       void *arg)
+{
+    admin_run(s, S_ADMIN_PURGE, 1, route, key, key_len, cb, arg);
+}
+
+void store_admin_release(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb,
+                         void *arg)
+{
+    admin_run(s, S_ADMIN_RELEASE, 1, route, key, key_len, cb, arg);
+}
+
+/* ---- background: expired records and stuck gauge */
+
+static void clean_schedule(struct store *s, uint64_t ms)
+{
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    evtimer_add(s->clean_timer, &tv);
+}
+
+static void stuck_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct store *s = arg;
+    if (st == STORE_PG_OK) {
+        for (size_t i = 0; i < s->conf->routes_n; i++) {
+            uint64_t n = 0;
+            const char *name = s->conf->routes[i].name;
+            for (int r = 0; r < PQntuples(pr); r++) {
+                if ((size_t)PQgetlength(pr, r, 0) == strlen(name) &&
+                    memcmp(PQgetvalue(pr, r, 0), name, strlen(name)) == 0) {
+                    int64_t v = store_pg_get_i64(pr, r, 1);
+                    n = v > 0 ? (uint64_t)v : 0;
+                }
+            }
+            cm_metric_stuck_processing_set(i, n);
+        }
+    } else if (st == STORE_PG_SQL_ERROR) {
+        log_pg_failure("stuck", st, msg);
+    }
+    s->cleaning = false;
+    clean_schedule(s, CLEAN_EVERY_MS);
+}
+
+static void clean_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct store *s = arg;
+    if (st == STORE_PG_OK) {
+        long n = cmd_rows(pr);
+        s->cleaned += (uint64_t)n;
+        if (n > 0)
+            cm_log(CM_DEBUG, "store_cleaned", "rows=%ld", n);
+        if (n >= CLEAN_BATCH && ++s->clean_batches < CLEAN_MAX_BATCHES) {
+            store_pg_query(s->pg, S_CLEAN, NULL, 0, 1, clean_cb, s);
+            return;
+        }
+    } else if (st == STORE_PG_SQL_ERROR) {
+        log_pg_failure("clean", st, msg);
+    }
+    store_pg_query(s->pg, S_STUCK, NULL, 0, 1, stuck_cb, s);
+}
+
+static void clean_timer_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct store *s = arg;
+    (void)fd;
+    (void)what;
+    if (s->cleaning)
+        return;
+    s->cleaning = true;
+    s->clean_batches = 0;
+    store_pg_query(s->pg, S_CLEAN, NULL, 0, 1, clean_cb, s);
+}
+
+/* ---- life cycle */
+
+struct store *store_create(struct event_base *base, const struct conf *conf, char **err)
+{
+    if (!conf->postgres_url || !*conf->postgres_url) {
+        *err = cm_strdup("store: no postgres URL");
+        return NULL;
+    }
+    struct store *s = cm_calloc(1, sizeof *s);
+    s->base = base;
+    s->conf = conf;
+    if (conf->redis_url && *conf->redis_url) {
+        s->rd = store_rd_create(base, conf->redis_url, conf->redis_timeout_ms, err);
+        if (!s->rd) {
+            free(s);
+            return NULL;
+        }
+    }
+    s->pg_opts.conninfo = conf->postgres_url;
+    s->pg_opts.size = conf->pool ? conf->pool : 1;
+    s->pg_opts.queue_timeout_ms = QUEUE_TIMEOUT_MS;
+    s->pg_opts.run_timeout_ms = RUN_TIMEOUT_MS;
+    s->pg_opts.init_sql = "SET statement_timeout = " STATEMENT_TIMEOUT_MS;
+    s->pg_opts.connect_timeout_ms = CONNECT_TIMEOUT_MS;
+    s->pg_opts.max_queue = MAX_QUEUE;
+    s->pg_opts.stmts = stmts;
+    s->pg_opts.nstmts = S__COUNT;
+    s->pg = store_pg_create(base, &s->pg_opts);
+    s->clean_timer = evtimer_new(base, clean_timer_cb, s);
+    if (!s->clean_timer)
+        abort();
+    clean_schedule(s, CLEAN_FIRST_MS);
+    return s;
+}
+
+void store_destroy(struct store *s)
+{
+    if (!s)
+        return;
+    event_free(s->clean_timer);
+    /* Both drop their pending callbacks; then the operations that waited on them go. */
+    store_pg_destroy(s->pg);
+    store_rd_destroy(s->rd);
+    struct op *o;
+    while ((o = s->ops) != NULL) {
+        op_unlink(o);
+        op_free(o);
+    }
+    free(s);
+}
+
+bool store_postgres_up(const struct store *s)
+{
+    return s && store_pg_up(s->pg);
+}
+
+bool store_redis_up(const struct store *s)
+{
+    return s && s->rd && store_rd_up(s->rd);
+}
+
+bool store_redis_enabled(const struct store *s)
+{
+    return s && s->rd != NULL;
+}
+
+/* ---- migration (blocking, at start) */
+
+static char *trimmed(const char *msg)
+{
+    size_t n = strlen(msg);
+    while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r' || msg[n - 1] == ' '))
+        n--;
+    return cm_strndup(msg, n);
+}
+
+static bool exec_ok(PGconn *c, const char *sql, PGresult **out, char **err)
+{
+    PGresult *r = PQexec(c, sql);
+    ExecStatusType st = r ? PQresultStatus(r) : PGRES_FATAL_ERROR;
+    if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
+        char *m = trimmed(r ? PQresultErrorMessage(r) : PQerrorMessage(c));
+        *err = cm_asprintf("postgres migration failed: %s", m);
+        free(m);
+        PQclear(r);
+        return false;
+    }
+    if (out)
+        *out = r;
+    else
+        PQclear(r);
+    return true;
+}
+
+static void migrate_notice(void *arg, const char *message)
+{
+    (void)arg;
+    char q[512];
+    char *m = trimmed(message);
+    cm_log(CM_INFO, "postgres_notice", "msg=%s", cm_log_quote(q, sizeof q, m));
+    free(m);
+}
+
+bool store_migrate(const char *postgres_url, uint64_t timeout_ms, char **err)
+{
+    char ct[24], stmt_to[64];
+    uint64_t secs = (timeout_ms + 999) / 1000;
+    snprintf(ct, sizeof ct, "%llu", (unsigned long long)(secs < 2 ? 2 : secs));
+    static const char *const kw[] = {"dbname", "connect_timeout", "application_name", NULL};
+    const char *vals[] = {postgres_url, ct, "idemgate-migrate", NULL};
+    PGresult *r = NULL;
+    PGconn *c = PQconnectdbParams(kw, vals, 1);
+    if (!c || PQstatus(c) != CONNECTION_OK) {
+        char *m = trimmed(c ? PQerrorMessage(c) : "out of memory");
+        *err = cm_asprintf("postgres connection failed: %s", m);
+        free(m);
+        goto fail;
+    }
+    PQsetNoticeProcessor(c, migrate_notice, NULL);
+    snprintf(stmt_to, sizeof stmt_to, "SET statement_timeout = %llu", (unsigned long long)timeout_ms);
+    if (!exec_ok(c, stmt_to, NULL, err) || !exec_ok(c, "SET client_min_messages = warning", NULL, err))
+        goto fail;
+    /* Serialises concurrent starts: CREATE ... IF NOT EXISTS alone races. */
+    if (!exec_ok(c, "SELECT pg_advisory_lock(" MIGRATE_LOCK_ID ")", NULL, err))
+        goto fail;
+    if (!exec_ok(c,
+                 "CREATE TABLE IF NOT EXISTS idemgate_schema_version (version int PRIMARY KEY,"
+                 " applied_at timestamptz NOT NULL DEFAULT now())",
+                 NULL, err))
+        goto fail;
+    if (!exec_ok(c, "SELECT coalesce(max(version), 0) FROM idemgate_schema_version", &r, err))
+        goto fail;
+    char *end = NULL;
+    long version = strtol(PQgetvalue(r, 0, 0), &end, 10);
+    PQclear(r);
+    r = NULL;
+    if (version < SCHEMA_VERSION) {
+        /* One simple query: its statements run in one implicit transaction. */
+        if (!exec_ok(c, schema_v1, NULL, err))
+            goto fail;
+        cm_log(CM_INFO, "schema_migrated", "from=%ld to=%d", version, SCHEMA_VERSION);
+    } else {
+        cm_log(CM_INFO, "schema_ok", "version=%ld", version);
+    }
+    if (!exec_ok(c, "SELECT pg_advisory_unlock(" MIGRATE_LOCK_ID ")", NULL, err))
+        goto fail;
+    PQfinish(c);
+    return true;
+fail:
+    PQclear(r);
+    if (c)
+        PQfinish(c); /* ends the session: the advisory lock goes with it */
+    return false;
+}

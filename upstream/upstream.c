@@ -1,1 +1,632 @@
-/* placeholder: being written */
+/* upstream.c - forwarding with one libcurl multi handle driven by libevent; classifies every failure by whether
+ * the request may have reached the upstream, and stops libcurl's silent re-send on a dead reused connection. */
+#include "upstream/upstream.h"
+
+#include <curl/curl.h>
+#include <event2/event.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+/* Cap on the response header block (status line excluded); going over is UP_TOO_LARGE. */
+#define UP_MAX_HEADER_BYTES (256 * 1024)
+/* An idle kept-alive connection older than this is not reused: many servers close idle connections after 5 s
+ * (node, Apache), and a request sent on a connection the server is closing at that moment ends as an unknown
+ * outcome. Under load connections are reused long before this. */
+#define UP_MAX_IDLE_REUSE_S 2L
+/* Idle easy handles kept for reuse. */
+#define UP_EASY_POOL_MAX 64
+
+/* One curl socket watched by libevent. */
+struct up_sock {
+    struct up_client *c;
+    curl_socket_t fd;
+    struct event *ev;
+    struct up_sock *prev, *next;
+};
+
+struct up_transfer {
+    struct up_client *c;
+    CURL *easy;
+    up_done_cb cb;
+    void *arg;
+    struct up_transfer *prev, *next;
+    struct curl_slist *hdr_list;
+    void *body; /* our copy of the request body (CURLOPT_POSTFIELDS does not copy) */
+    struct cm_resp resp;
+    size_t hdr_bytes;
+    bool hdrs_final;       /* the blank line after a final (>= 200) status line was seen: later lines are trailers */
+    bool too_large;        /* body or headers went over their cap */
+    bool no_resend;        /* from the request */
+    bool refused_resend;   /* our prereq callback refused libcurl's second send */
+    bool done;             /* completed: the callback runs or ran, up_cancel is a no-op */
+    unsigned prereq_calls; /* times libcurl was about to send the request */
+    struct timespec start;
+    char errbuf[CURL_ERROR_SIZE];
+};
+
+struct up_client {
+    struct event_base *base;
+    CURLM *multi;
+    struct event *timer;
+    struct up_transfer *transfers; /* running, in a doubly linked list */
+    size_t active;
+    struct up_sock *socks;
+    CURL *pool[UP_EASY_POOL_MAX];
+    size_t pool_n;
+    int dispatching;       /* > 0 while done callbacks run */
+    bool destroy_deferred; /* up_client_destroy was called from a done callback */
+};
+
+const char *up_result_name(enum up_result r)
+{
+    switch (r) {
+    case UP_OK:
+        return "ok";
+    case UP_CONNECT_FAILED:
+        return "connect_failed";
+    case UP_TIMEOUT:
+        return "timeout";
+    case UP_NO_RESPONSE:
+        return "no_response";
+    case UP_TOO_LARGE:
+        return "too_large";
+    case UP_CANCELLED:
+        return "cancelled";
+    case UP_ERROR:
+        return "error";
+    }
+    return "unknown";
+}
+
+static pthread_once_t up_global_once = PTHREAD_ONCE_INIT;
+static CURLcode up_global_rc = CURLE_FAILED_INIT;
+
+static void up_global_init(void)
+{
+    up_global_rc = curl_global_init(CURL_GLOBAL_DEFAULT);
+}
+
+static double up_elapsed(const struct timespec *start)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)(now.tv_sec - start->tv_sec) + (double)(now.tv_nsec - start->tv_nsec) / 1e9;
+}
+
+/* ---- libevent <-> curl glue */
+
+static bool up_check_done(struct up_client *c);
+
+static void up_socket_action(struct up_client *c, curl_socket_t fd, int ev_bitmask)
+{
+    int running = 0;
+    CURLMcode mc = curl_multi_socket_action(c->multi, fd, ev_bitmask, &running);
+    if (mc != CURLM_OK)
+        cm_log(CM_ERROR, "upstream_multi_error", "error=\"%s\"", curl_multi_strerror(mc));
+    up_check_done(c);
+}
+
+static void up_on_socket_event(evutil_socket_t fd, short kind, void *arg)
+{
+    struct up_sock *s = arg;
+    int action = ((kind & EV_READ) ? CURL_CSELECT_IN : 0) | ((kind & EV_WRITE) ? CURL_CSELECT_OUT : 0);
+    up_socket_action(s->c, fd, action); /* s may be gone after this */
+}
+
+static void up_on_timer(evutil_socket_t fd, short kind, void *arg)
+{
+    up_socket_action(arg, CURL_SOCKET_TIMEOUT, 0);
+}
+
+static void up_sock_free(struct up_client *c, struct up_sock *s)
+{
+    if (s->prev != NULL)
+        s->prev->next = s->next;
+    else
+        c->socks = s->next;
+    if (s->next != NULL)
+        s->next->prev = s->prev;
+    if (s->ev != NULL)
+        event_free(s->ev);
+    free(s);
+}
+
+/* CURLMOPT_SOCKETFUNCTION: keep one persistent libevent event per socket, matching what curl waits for. */
+static int up_curl_socket_cb(CURL *easy, curl_socket_t fd, int what, void *userp, void *socketp)
+{
+    struct up_client *c = userp;
+    struct up_sock *s = socketp;
+    if (what == CURL_POLL_REMOVE) {
+        if (s != NULL) {
+            curl_multi_assign(c->multi, fd, NULL);
+            up_sock_free(c, s);
+        }
+        return 0;
+    }
+    if (s == NULL) {
+        s = cm_calloc(1, sizeof *s);
+        s->c = c;
+        s->fd = fd;
+        s->next = c->socks;
+        if (c->socks != NULL)
+            c->socks->prev = s;
+        c->socks = s;
+        curl_multi_assign(c->multi, fd, s);
+    }
+    short kind = EV_PERSIST | ((what & CURL_POLL_IN) ? EV_READ : 0) | ((what & CURL_POLL_OUT) ? EV_WRITE : 0);
+    int rc;
+    if (s->ev == NULL) {
+        s->ev = event_new(c->base, fd, kind, up_on_socket_event, s);
+        rc = s->ev ? event_add(s->ev, NULL) : -1;
+    } else {
+        /* reuse the event: no allocation per change of interest */
+        event_del(s->ev);
+        rc = event_assign(s->ev, c->base, fd, kind, up_on_socket_event, s);
+        if (rc == 0)
+            rc = event_add(s->ev, NULL);
+    }
+    if (rc != 0) {
+        cm_log(CM_ERROR, "upstream_event_failed", "fd=%d", (int)fd);
+        return -1;
+    }
+    return 0;
+}
+
+/* CURLMOPT_TIMERFUNCTION: one libevent timer; curl is called back from the loop, never from here. */
+static int up_curl_timer_cb(CURLM *multi, long timeout_ms, void *userp)
+{
+    struct up_client *c = userp;
+    if (timeout_ms < 0) {
+        evtimer_del(c->timer);
+        return 0;
+    }
+    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+    return evtimer_add(c->timer, &tv) == 0 ? 0 : -1;
+}
+
+/* ---- per-transfer curl callbacks */
+
+/* Called by libcurl once the connection is ready, right before it sends the request: once per send. A second
+ * call for the same transfer is libcurl re-sending on its own (Curl_retry_request after a reused connection died
+ * without a response byte), which the upstream may then execute twice. */
+static int up_prereq_cb(void *clientp, char *primary_ip, char *local_ip, int primary_port, int local_port)
+{
+    struct up_transfer *t = clientp;
+    t->prereq_calls++;
+    if (t->prereq_calls > 1 && t->no_resend) {
+        t->refused_resend = true;
+        return CURL_PREREQFUNC_ABORT;
+    }
+    return CURL_PREREQFUNC_OK;
+}
+
+static bool up_is_ws(char ch)
+{
+    return ch == ' ' || ch == '\t';
+}
+
+/* One header line per call (CRLF included), status lines and the blank line ending each block included. */
+static size_t up_header_cb(char *p, size_t size, size_t nitems, void *userdata)
+{
+    struct up_transfer *t = userdata;
+    size_t n = size * nitems;
+    size_t len = n;
+    while (len > 0 && (p[len - 1] == '\n' || p[len - 1] == '\r'))
+        len--;
+    if (len >= 5 && memcmp(p, "HTTP/", 5) == 0) {
+        /* a new response head (after 100 Continue, or a retried send): start over */
+        cm_hdrs_free(&t->resp.hdrs);
+        cm_hdrs_init(&t->resp.hdrs);
+        t->hdr_bytes = 0;
+        t->hdrs_final = false;
+        const char *sp = memchr(p, ' ', len);
+        t->resp.status = 0;
+        if (sp != NULL && (size_t)(sp - p) + 4 <= len) {
+            int st = 0;
+            for (int i = 1; i <= 3 && sp[i] >= '0' && sp[i] <= '9'; i++)
+                st = st * 10 + (sp[i] - '0');
+            t->resp.status = st;
+        }
+        return n;
+    }
+    if (len == 0) {
+        if (t->resp.status >= 200)
+            t->hdrs_final = true;
+        return n;
+    }
+    if (t->hdrs_final)
+        return n; /* a trailer after a chunked body: not part of the stored head */
+    t->hdr_bytes += len;
+    if (t->hdr_bytes > UP_MAX_HEADER_BYTES) {
+        t->too_large = true;
+        return 0;
+    }
+    if (up_is_ws(p[0])) {
+        /* obsolete line folding: join to the previous value with one space */
+        size_t i = 0;
+        while (i < len && up_is_ws(p[i]))
+            i++;
+        if (t->resp.hdrs.n > 0 && i < len) {
+            struct cm_hdr *last = &t->resp.hdrs.v[t->resp.hdrs.n - 1];
+            char *joined = cm_asprintf("%s %.*s", last->value, (int)(len - i), p + i);
+            free(last->value);
+            last->value = joined;
+        }
+        return n;
+    }
+    const char *colon = memchr(p, ':', len);
+    if (colon == NULL || colon == p)
+        return n; /* not a header line: ignore rather than fail the whole response */
+    size_t nlen = (size_t)(colon - p);
+    while (nlen > 0 && up_is_ws(p[nlen - 1]))
+        nlen--;
+    const char *v = colon + 1;
+    size_t vlen = len - (size_t)(v - p);
+    while (vlen > 0 && up_is_ws(*v)) {
+        v++;
+        vlen--;
+    }
+    while (vlen > 0 && up_is_ws(v[vlen - 1]))
+        vlen--;
+    if (nlen > 0)
+        cm_hdrs_addn(&t->resp.hdrs, p, nlen, v, vlen);
+    return n;
+}
+
+static size_t up_write_cb(char *p, size_t size, size_t nmemb, void *userdata)
+{
+    struct up_transfer *t = userdata;
+    size_t n = size * nmemb;
+    if (!cm_buf_append(&t->resp.body, p, n)) {
+        t->too_large = true;
+        return 0; /* CURLE_WRITE_ERROR */
+    }
+    return n;
+}
+
+/* ---- transfers */
+
+static void up_link(struct up_client *c, struct up_transfer *t)
+{
+    t->prev = NULL;
+    t->next = c->transfers;
+    if (c->transfers != NULL)
+        c->transfers->prev = t;
+    c->transfers = t;
+    c->active++;
+}
+
+static void up_unlink(struct up_client *c, struct up_transfer *t)
+{
+    if (t->prev != NULL)
+        t->prev->next = t->next;
+    else
+        c->transfers = t->next;
+    if (t->next != NULL)
+        t->next->prev = t->prev;
+    t->prev = t->next = NULL;
+    c->active--;
+}
+
+/* Frees a transfer that is no longer in the multi handle; its easy handle goes back to the pool. */
+static void up_transfer_free(struct up_client *c, struct up_transfer *t)
+{
+    if (t->easy != NULL) {
+        if (c != NULL && c->pool_n < UP_EASY_POOL_MAX && !c->destroy_deferred) {
+            curl_easy_reset(t->easy);
+            c->pool[c->pool_n++] = t->easy;
+        } else {
+            curl_easy_cleanup(t->easy);
+        }
+    }
+    curl_slist_free_all(t->hdr_list);
+    free(t->body);
+    cm_resp_free(&t->resp);
+    free(t);
+}
+
+static enum up_result up_classify(const struct up_transfer *t, CURLcode rc)
+{
+    if (rc == CURLE_OK)
+        return t->resp.status >= 200 ? UP_OK : UP_ERROR;
+    if (t->too_large)
+        return UP_TOO_LARGE;
+    if (t->refused_resend)
+        return UP_NO_RESPONSE;
+    if (t->prereq_calls == 0)
+        return UP_CONNECT_FAILED; /* refused, unresolvable, connect timeout, queued too long: nothing was sent */
+    switch (rc) {
+    case CURLE_OPERATION_TIMEDOUT:
+        return UP_TIMEOUT;
+    case CURLE_GOT_NOTHING:
+    case CURLE_RECV_ERROR:
+    case CURLE_SEND_ERROR:
+    case CURLE_PARTIAL_FILE:
+    case CURLE_ABORTED_BY_CALLBACK:
+    /* sent once, then libcurl's own re-send could not connect: the first send may have been executed */
+    case CURLE_COULDNT_CONNECT:
+    case CURLE_COULDNT_RESOLVE_HOST:
+        return UP_NO_RESPONSE;
+    default:
+        return UP_ERROR;
+    }
+}
+
+static void up_destroy_now(struct up_client *c);
+
+/* Drains finished transfers and runs their callbacks. Returns true when the client was destroyed meanwhile. */
+static bool up_check_done(struct up_client *c)
+{
+    CURLMsg *msg;
+    int left = 0;
+    c->dispatching++;
+    while (!c->destroy_deferred && (msg = curl_multi_info_read(c->multi, &left)) != NULL) {
+        if (msg->msg != CURLMSG_DONE)
+            continue;
+        CURL *easy = msg->easy_handle;
+        CURLcode rc = msg->data.result; /* msg is invalid once the handle is removed */
+        char *priv = NULL;
+        curl_easy_getinfo(easy, CURLINFO_PRIVATE, &priv);
+        struct up_transfer *t = (struct up_transfer *)(void *)priv;
+        curl_multi_remove_handle(c->multi, easy);
+        if (t == NULL)
+            continue;
+        up_unlink(c, t);
+        t->done = true;
+        enum up_result r = up_classify(t, rc);
+        if (r == UP_OK) {
+            long status = 0;
+            if (curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status) == CURLE_OK && status > 0)
+                t->resp.status = (int)status;
+            cm_hdrs_strip_hop_by_hop(&t->resp.hdrs);
+        }
+        const char *err = "ok";
+        if (rc != CURLE_OK)
+            err = t->errbuf[0] ? t->errbuf : curl_easy_strerror(rc);
+        if (r == UP_NO_RESPONSE && t->refused_resend)
+            err = "connection closed without a response; libcurl's re-send was refused";
+        else if (r == UP_TOO_LARGE)
+            err = "response over its cap";
+        t->cb(t->arg, r, &t->resp, err, up_elapsed(&t->start));
+        up_transfer_free(c, t);
+    }
+    c->dispatching--;
+    if (c->destroy_deferred && c->dispatching == 0) {
+        up_destroy_now(c);
+        return true;
+    }
+    return false;
+}
+
+struct up_client *up_client_create(struct event_base *base, long max_host_connections)
+{
+    pthread_once(&up_global_once, up_global_init);
+    if (up_global_rc != CURLE_OK) {
+        cm_log(CM_ERROR, "upstream_init_failed", "error=\"%s\"", curl_easy_strerror(up_global_rc));
+        return NULL;
+    }
+    if (base == NULL || max_host_connections < 0)
+        return NULL;
+    struct up_client *c = cm_calloc(1, sizeof *c);
+    c->base = base;
+    c->multi = curl_multi_init();
+    c->timer = evtimer_new(base, up_on_timer, c);
+    if (c->multi == NULL || c->timer == NULL)
+        goto fail;
+    /* the connection cache defaults to 4 x the handles in use, which shrinks it right after a burst */
+    long maxconnects = max_host_connections > 0 ? max_host_connections * 4 : 1024;
+    if (curl_multi_setopt(c->multi, CURLMOPT_SOCKETFUNCTION, up_curl_socket_cb) != CURLM_OK ||
+        curl_multi_setopt(c->multi, CURLMOPT_SOCKETDATA, c) != CURLM_OK ||
+        curl_multi_setopt(c->multi, CURLMOPT_TIMERFUNCTION, up_curl_timer_cb) != CURLM_OK ||
+        curl_multi_setopt(c->multi, CURLMOPT_TIMERDATA, c) != CURLM_OK ||
+        curl_multi_setopt(c->multi, CURLMOPT_MAX_HOST_CONNECTIONS, max_host_connections) != CURLM_OK ||
+        curl_multi_setopt(c->multi, CURLMOPT_MAXCONNECTS, maxconnects) != CURLM_OK ||
+        curl_multi_setopt(c->multi, CURLMOPT_PIPELINING, (long)CURLPIPE_NOTHING) != CURLM_OK)
+        goto fail;
+    return c;
+fail:
+    cm_log(CM_ERROR, "upstream_init_failed", "error=\"multi handle\"");
+    if (c->timer != NULL)
+        event_free(c->timer);
+    if (c->multi != NULL)
+        curl_multi_cleanup(c->multi);
+    free(c);
+    return NULL;
+}
+
+static void up_destroy_now(struct up_client *c)
+{
+    while (c->transfers != NULL) {
+        struct up_transfer *t = c->transfers;
+        curl_multi_remove_handle(c->multi, t->easy);
+        up_unlink(c, t);
+        up_transfer_free(NULL, t);
+    }
+    for (size_t i = 0; i < c->pool_n; i++)
+        curl_easy_cleanup(c->pool[i]);
+    c->pool_n = 0;
+    curl_multi_cleanup(c->multi); /* closes the cached connections; may call the socket callback */
+    while (c->socks != NULL)
+        up_sock_free(c, c->socks);
+    event_free(c->timer);
+    free(c);
+}
+
+void up_client_destroy(struct up_client *c)
+{
+    if (c == NULL)
+        return;
+    if (c->dispatching > 0) {
+        /* called from a done callback: cancel the rest now, free when the dispatch loop unwinds */
+        c->destroy_deferred = true;
+        while (c->transfers != NULL) {
+            struct up_transfer *t = c->transfers;
+            curl_multi_remove_handle(c->multi, t->easy);
+            up_unlink(c, t);
+            up_transfer_free(NULL, t);
+        }
+        return;
+    }
+    up_destroy_now(c);
+}
+
+static bool up_has_body(const struct up_request *req)
+{
+    if (req->body_len > 0)
+        return true;
+    return strcasecmp(req->method, "POST") == 0 || strcasecmp(req->method, "PUT") == 0 ||
+           strcasecmp(req->method, "PATCH") == 0;
+}
+
+static bool up_token_ok(const char *s)
+{
+    if (*s == '\0')
+        return false;
+    for (; *s; s++)
+        if ((unsigned char)*s <= 0x20 || (unsigned char)*s >= 0x7f || *s == ':' || *s == ';')
+            return false;
+    return true;
+}
+
+static bool up_value_ok(const char *s)
+{
+    for (; *s; s++)
+        if (*s == '\r' || *s == '\n')
+            return false;
+    return true;
+}
+
+/* Builds the header list: the caller's headers in order, and empty entries that switch off what libcurl would add
+ * on its own (Expect: 100-continue, Accept: * / *, a form Content-Type). Returns false on a header that cannot be
+ * sent safely (CR/LF in a value, a bad name). */
+static bool up_build_headers(struct up_transfer *t, const struct cm_hdrs *h)
+{
+    bool have_accept = false, have_ctype = false;
+    size_t n = h ? h->n : 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *name = h->v[i].name, *value = h->v[i].value;
+        if (!up_token_ok(name) || !up_value_ok(value))
+            return false;
+        /* the length and framing are libcurl's, from the body we hand it */
+        if (strcasecmp(name, "Content-Length") == 0 || strcasecmp(name, "Expect") == 0 || cm_is_hop_by_hop(name))
+            continue;
+        if (strcasecmp(name, "Accept") == 0)
+            have_accept = true;
+        if (strcasecmp(name, "Content-Type") == 0)
+            have_ctype = true;
+        /* "Name:" would make libcurl drop the header; "Name;" sends it with an empty value */
+        char *line = value[0] ? cm_asprintf("%s: %s", name, value) : cm_asprintf("%s;", name);
+        struct curl_slist *nl = curl_slist_append(t->hdr_list, line);
+        free(line);
+        if (nl == NULL)
+            return false;
+        t->hdr_list = nl;
+    }
+    const char *off[3] = {"Expect:", have_accept ? NULL : "Accept:", have_ctype ? NULL : "Content-Type:"};
+    for (size_t i = 0; i < 3; i++) {
+        if (off[i] == NULL)
+            continue;
+        struct curl_slist *nl = curl_slist_append(t->hdr_list, off[i]);
+        if (nl == NULL)
+            return false;
+        t->hdr_list = nl;
+    }
+    return true;
+}
+
+#define UP_SET(opt, val)                                                                                               \
+    do {                                                                                                               \
+        if (curl_easy_setopt(e, opt, val) != CURLE_OK) {                                                               \
+            what = #opt;                                                                                               \
+            goto fail;                                                                                                 \
+        }                                                                                                              \
+    } while (0)
+
+struct up_transfer *up_send(struct up_client *c, const struct up_request *req, up_done_cb cb, void *arg)
+{
+    const char *what = "request";
+    if (c == NULL || req == NULL || cb == NULL || req->method == NULL || req->url == NULL ||
+        (req->body == NULL && req->body_len > 0) || c->destroy_deferred)
+        return NULL;
+    struct up_transfer *t = cm_calloc(1, sizeof *t);
+    t->c = c;
+    t->cb = cb;
+    t->arg = arg;
+    t->no_resend = req->no_resend;
+    cm_resp_init(&t->resp, req->max_response);
+    clock_gettime(CLOCK_MONOTONIC, &t->start);
+    t->easy = c->pool_n > 0 ? c->pool[--c->pool_n] : curl_easy_init();
+    CURL *e = t->easy;
+    if (e == NULL)
+        goto fail;
+    if (!up_build_headers(t, req->hdrs)) {
+        what = "headers";
+        goto fail;
+    }
+
+    UP_SET(CURLOPT_PRIVATE, (void *)t);
+    UP_SET(CURLOPT_ERRORBUFFER, t->errbuf);
+    UP_SET(CURLOPT_NOSIGNAL, 1L);
+    UP_SET(CURLOPT_URL, req->url);
+    UP_SET(CURLOPT_PROTOCOLS_STR, "http,https");
+    UP_SET(CURLOPT_PATH_AS_IS, 1L); /* forward the path unchanged, no "/../" squashing */
+    UP_SET(CURLOPT_PROXY, "");      /* never a proxy from the environment */
+    UP_SET(CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_1_1);
+    UP_SET(CURLOPT_FOLLOWLOCATION, 0L);
+    UP_SET(CURLOPT_HTTP_CONTENT_DECODING, 0L); /* bodies are stored as sent */
+    UP_SET(CURLOPT_MAXAGE_CONN, UP_MAX_IDLE_REUSE_S);
+    UP_SET(CURLOPT_TCP_KEEPALIVE, 1L);
+    UP_SET(CURLOPT_CONNECTTIMEOUT_MS, (long)req->connect_timeout_ms);
+    UP_SET(CURLOPT_TIMEOUT_MS, (long)req->timeout_ms);
+    UP_SET(CURLOPT_PREREQFUNCTION, up_prereq_cb);
+    UP_SET(CURLOPT_PREREQDATA, (void *)t);
+    UP_SET(CURLOPT_HEADERFUNCTION, up_header_cb);
+    UP_SET(CURLOPT_HEADERDATA, (void *)t);
+    UP_SET(CURLOPT_WRITEFUNCTION, up_write_cb);
+    UP_SET(CURLOPT_WRITEDATA, (void *)t);
+    UP_SET(CURLOPT_HTTPHEADER, t->hdr_list);
+
+    if (strcasecmp(req->method, "HEAD") == 0 && req->body_len == 0) {
+        UP_SET(CURLOPT_NOBODY, 1L);
+    } else {
+        if (up_has_body(req)) {
+            t->body = cm_malloc(req->body_len);
+            if (req->body_len > 0)
+                memcpy(t->body, req->body, req->body_len);
+            UP_SET(CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)req->body_len);
+            UP_SET(CURLOPT_POSTFIELDS, t->body);
+        } else {
+            UP_SET(CURLOPT_HTTPGET, 1L);
+        }
+        UP_SET(CURLOPT_CUSTOMREQUEST, req->method);
+    }
+
+    CURLMcode mc = curl_multi_add_handle(c->multi, e);
+    if (mc != CURLM_OK) {
+        what = curl_multi_strerror(mc);
+        goto fail;
+    }
+    up_link(c, t);
+    return t;
+fail:
+    cm_log(CM_WARN, "upstream_send_failed", "step=%s", what);
+    up_transfer_free(c, t);
+    return NULL;
+}
+
+void up_cancel(struct up_client *c, struct up_transfer *t)
+{
+    if (c == NULL || t == NULL || t->done)
+        return;
+    curl_multi_remove_handle(c->multi, t->easy);
+    up_unlink(c, t);
+    up_transfer_free(c, t);
+}
+
+size_t up_active(const struct up_client *c)
+{
+    return c ? c->active : 0;
+}

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# deps.sh - installs the Debian 12 packages idemgate needs to build, test and run; quick no-op when all are there.
+#
+#   scripts/deps.sh            build + test + run dependencies
+#   scripts/deps.sh --bench    also what bench/bench.sh needs (nginx, wrk, pgbench)
+#   scripts/deps.sh --check    only report what is missing (exit 1 if anything is)
+set -euo pipefail
+
+PKGS=(
+    build-essential meson ninja-build pkg-config
+    libmicrohttpd-dev libcurl4-openssl-dev libhiredis-dev libpq-dev libssl-dev libyaml-dev libevent-dev
+    libcriterion-dev
+    postgresql-15 postgresql-client-15 redis-server redis-tools
+    curl ca-certificates clang clang-format libclang-rt-14-dev valgrind
+    iproute2 procps util-linux
+)
+# pgbench ships in postgresql-15 (the /usr/bin/pgbench wrapper in postgresql-client-common), already above.
+BENCH_PKGS=(nginx-light wrk)
+
+bench=0
+check=0
+for a in "$@"; do
+    case "$a" in
+    --bench) bench=1 ;;
+    --check) check=1 ;;
+    -h | --help)
+        sed -n '3,6p' "$0" | sed 's/^# \{0,1\}//'
+        exit 0
+        ;;
+    *)
+        echo "deps.sh: unknown option $a" >&2
+        exit 2
+        ;;
+    esac
+done
+want=("${PKGS[@]}")
+[ $bench = 1 ] && want+=("${BENCH_PKGS[@]}")
+
+missing=()
+for p in "${want[@]}"; do
+    st=$(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null || true)
+    [ "${st:0:2}" = ii ] || missing+=("$p")
+done
+
+if [ ${#missing[@]} = 0 ]; then
+    echo "deps.sh: all ${#want[@]} packages present"
+    exit 0
+fi
+echo "deps.sh: missing: ${missing[*]}"
+[ $check = 1 ] && exit 1
+
+if [ "$(id -u)" = 0 ]; then
+    SUDO=()
+elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+    SUDO=(sudo -n)
+else
+    echo "deps.sh: not root and no password-less sudo; install them with:" >&2
+    echo "  sudo apt-get update && sudo apt-get install -y --no-install-recommends ${missing[*]}" >&2
+    exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+# Debian's postgresql postinst creates and may start a system cluster on 5432; nothing here relies on it
+# (scripts/services.sh runs its own on a random port), so it is left as the package makes it.
+"${SUDO[@]}" apt-get update -q
+"${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "${missing[@]}"
+
+still=()
+for p in "${missing[@]}"; do
+    st=$(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null || true)
+    [ "${st:0:2}" = ii ] || still+=("$p")
+done
+if [ ${#still[@]} != 0 ]; then
+    echo "deps.sh: still missing after install: ${still[*]}" >&2
+    exit 1
+fi
+echo "deps.sh: installed ${missing[*]}"

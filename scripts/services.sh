@@ -1,0 +1,430 @@
+#!/usr/bin/env bash
+# services.sh - throwaway Postgres 15 and Redis on random free loopback ports, for the tests, the demo and the bench.
+#
+#   services.sh start DIR          start both in DIR, write DIR/env (sourceable), wait until both answer
+#   services.sh stop DIR           stop both (bounded, then kill), delete their data; logs stay in DIR
+#   services.sh status DIR         exit 0 when both answer
+#   services.sh pg-stop DIR [fast|immediate]   fault injection: stop Postgres, keep its data and port
+#   services.sh pg-start DIR       start it again on the same port
+#   services.sh redis-stop DIR     stop Redis (its data is lost: it never saves)
+#   services.sh redis-start DIR    start it again on the same port
+#   services.sh redis-flush DIR    FLUSHALL
+#   services.sh free-port [PORT]   print PORT when nothing listens on it, else a random free loopback port
+#
+# Never touches the system cluster (5432) or the system Redis (6379). As root, Postgres runs as the
+# `postgres` user (runuser); Redis runs as the caller. Every wait is bounded (WAIT_S, default 30 s).
+set -euo pipefail
+
+WAIT_S=${SERVICES_WAIT_S:-30}
+PORT_MIN=20000
+PORT_MAX=32000 # below Linux's ephemeral range (32768-60999)
+
+die() {
+    echo "services.sh: $*" >&2
+    exit 1
+}
+say() { echo "services.sh: $*" >&2; }
+
+usage() {
+    sed -n '4,13p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+
+is_root() { [ "$(id -u)" = 0 ]; }
+
+# kill -0 is not enough: an orphan's zombie lingers until init reaps it, and some inits here reap late.
+alive() {
+    local st
+    st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1) || return 1
+    [ -n "$st" ] && [ "$st" != Z ] && [ "$st" != X ]
+}
+
+find_pgbin() {
+    local d cands=()
+    cands+=("$(pg_config --bindir 2>/dev/null || true)" /usr/lib/postgresql/15/bin)
+    for d in /usr/lib/postgresql/*/bin; do cands+=("$d"); done
+    for d in "${cands[@]}"; do
+        if [ -n "$d" ] && [ -x "$d/initdb" ] && [ -x "$d/pg_ctl" ] && [ -x "$d/postgres" ]; then
+            echo "$d"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# Runs a command as the user that owns the Postgres cluster, from / (the caller's cwd may be unreadable to it).
+as_pg() {
+    if is_root; then
+        (cd / && runuser -u postgres -- "$@")
+    else
+        (cd / && "$@")
+    fi
+}
+
+port_free() {
+    local p=$1
+    if command -v ss >/dev/null 2>&1; then
+        [ -z "$(ss -Htln "sport = :$p" 2>/dev/null)" ] || return 1
+    fi
+    # Also catches listeners in other network views ss may not show; a refused connect means free.
+    if (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then return 1; fi
+    return 0
+}
+
+pick_port() {
+    local i p
+    for i in $(seq 1 200); do
+        if command -v shuf >/dev/null 2>&1; then
+            p=$(shuf -i "$PORT_MIN-$PORT_MAX" -n 1)
+        else
+            p=$((PORT_MIN + RANDOM % (PORT_MAX - PORT_MIN)))
+        fi
+        if port_free "$p"; then
+            echo "$p"
+            return 0
+        fi
+    done
+    die "no free port found in $PORT_MIN-$PORT_MAX"
+}
+
+abs_dir() {
+    mkdir -p "$1"
+    (cd "$1" && pwd -P)
+}
+
+load_env() {
+    [ -f "$DIR/env" ] || die "$DIR/env not found: run 'services.sh start $DIR' first"
+    # shellcheck disable=SC1091
+    . "$DIR/env"
+}
+
+# ---------------------------------------------------------------- Postgres
+
+pg_ready() {
+    "$PGBIN/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -t 2 >/dev/null 2>&1
+}
+
+pg_pid() {
+    local pid
+    [ -f "$PG_DATA/postmaster.pid" ] || return 1
+    pid=$(head -n 1 "$PG_DATA/postmaster.pid" 2>/dev/null || true)
+    [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+    alive "$pid" || return 1
+    echo "$pid"
+}
+
+wait_pg_ready() {
+    local deadline=$((SECONDS + WAIT_S))
+    while ((SECONDS < deadline)); do
+        pg_ready && return 0
+        sleep 0.2
+    done
+    return 1
+}
+
+write_pg_conf() {
+    local tmp
+    tmp=$(mktemp)
+    cat >"$tmp" <<EOF
+# written by scripts/services.sh: throwaway cluster, durability traded for test speed
+port = $PG_PORT
+listen_addresses = '127.0.0.1'
+unix_socket_directories = '$PG_HOME'
+max_connections = 200
+fsync = off
+synchronous_commit = off
+full_page_writes = off
+log_min_messages = warning
+log_line_prefix = '%m [%p] '
+EOF
+    chmod 644 "$tmp"
+    if is_root; then chown postgres: "$tmp"; fi
+    mv -f "$tmp" "$PG_DATA/idemgate.conf"
+}
+
+pg_start() {
+    if pg_pid >/dev/null; then
+        wait_pg_ready && return 0
+        die "postgres (pid $(pg_pid)) runs but does not answer on port $PG_PORT"
+    fi
+    rm -f "$PG_DATA/postmaster.pid"
+    as_pg timeout $((WAIT_S + 10)) "$PGBIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t "$WAIT_S" -s start \
+        >/dev/null 2>&1 || return 1
+    wait_pg_ready
+}
+
+pg_stop() {
+    local mode=${1:-fast} pid i
+    pid=$(pg_pid) || return 0
+    as_pg timeout $((WAIT_S + 5)) "$PGBIN/pg_ctl" -D "$PG_DATA" -m "$mode" -w -t "$WAIT_S" -s stop \
+        >/dev/null 2>&1 || true
+    if alive "$pid"; then
+        say "postgres $pid did not stop ($mode): immediate"
+        as_pg timeout 15 "$PGBIN/pg_ctl" -D "$PG_DATA" -m immediate -w -t 10 -s stop >/dev/null 2>&1 || true
+    fi
+    if alive "$pid"; then
+        say "postgres $pid still there: SIGKILL"
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
+    # The backends exit by themselves once the postmaster is gone; wait for the port to be released.
+    for i in $(seq 1 100); do
+        alive "$pid" || break
+        sleep 0.1
+    done
+    for i in $(seq 1 50); do
+        port_free "$PG_PORT" && break
+        sleep 0.1
+    done
+    if alive "$pid"; then
+        die "postgres $pid would not stop"
+    fi
+}
+
+# ---------------------------------------------------------------- Redis
+
+redis_cli() { timeout 5 redis-cli -h 127.0.0.1 -p "$REDIS_PORT" "$@"; }
+
+redis_ready() { [ "$(redis_cli ping 2>/dev/null)" = PONG ]; }
+
+redis_pid() {
+    local pid
+    [ -f "$REDIS_PIDFILE" ] || return 1
+    pid=$(head -n 1 "$REDIS_PIDFILE" 2>/dev/null || true)
+    [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+    alive "$pid" || return 1
+    echo "$pid"
+}
+
+# Returns 0 when Redis answers, 1 on failure, 2 when the port was taken (the caller may retry elsewhere).
+redis_start() {
+    local deadline logstart
+    if redis_pid >/dev/null && redis_ready; then return 0; fi
+    rm -f "$REDIS_PIDFILE"
+    touch "$REDIS_LOG"
+    logstart=$(wc -l <"$REDIS_LOG")
+    (cd "$DIR" && redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
+        --daemonize yes --pidfile "$REDIS_PIDFILE" --logfile "$REDIS_LOG" --dir "$DIR" \
+        --protected-mode yes --databases 16 </dev/null >/dev/null 2>&1) || return 1
+    deadline=$((SECONDS + WAIT_S))
+    while ((SECONDS < deadline)); do
+        redis_ready && return 0
+        if tail -n +"$((logstart + 1))" "$REDIS_LOG" 2>/dev/null | grep -qiE 'address already in use|could not create server tcp'; then
+            return 2
+        fi
+        sleep 0.1
+    done
+    return 1
+}
+
+redis_stop() {
+    local pid i
+    pid=$(redis_pid) || return 0
+    redis_cli shutdown nosave >/dev/null 2>&1 || true
+    for i in $(seq 1 $((WAIT_S * 10))); do
+        alive "$pid" || break
+        ((i == 50)) && kill -TERM "$pid" 2>/dev/null
+        sleep 0.1
+    done
+    if alive "$pid"; then
+        say "redis $pid did not stop: SIGKILL"
+        kill -KILL "$pid" 2>/dev/null || true
+        for i in $(seq 1 50); do
+            alive "$pid" || break
+            sleep 0.1
+        done
+    fi
+    rm -f "$REDIS_PIDFILE"
+}
+
+# ---------------------------------------------------------------- commands
+
+write_env() {
+    local tmp
+    tmp=$(mktemp "$DIR/.env.XXXXXX")
+    cat >"$tmp" <<EOF
+# written by scripts/services.sh start: source it
+export IDEMGATE_TEST_PG_URL=postgresql://idemgate@127.0.0.1:$PG_PORT/idemgate
+export IDEMGATE_TEST_PG_ADMIN_URL=postgresql://postgres@127.0.0.1:$PG_PORT/idemgate
+export IDEMGATE_TEST_REDIS_URL=redis://127.0.0.1:$REDIS_PORT/0
+export IDEMGATE_TEST_SERVICES_DIR=$DIR
+export IDEMGATE_SERVICES_SH=$SELF
+export PG_PORT=$PG_PORT
+export REDIS_PORT=$REDIS_PORT
+export PG_DATA=$PG_DATA
+export PG_HOME=$PG_HOME
+export PG_LOG=$PG_LOG
+export PGBIN=$PGBIN
+export REDIS_PIDFILE=$REDIS_PIDFILE
+export REDIS_LOG=$REDIS_LOG
+EOF
+    chmod 644 "$tmp"
+    mv -f "$tmp" "$DIR/env"
+}
+
+# Postgres must be able to reach its home: as root, DIR/pg when the postgres user can traverse to it and the
+# socket path stays short, else a private directory under /tmp (recorded in DIR/env, removed by stop).
+choose_pg_home() {
+    local h="$DIR/pg"
+    mkdir -p "$h"
+    if is_root; then
+        chown postgres: "$h"
+        chmod 700 "$h"
+        if ((${#h} > 80)) || ! runuser -u postgres -- test -w "$h" 2>/dev/null; then
+            rmdir "$h"
+            h=$(mktemp -d /tmp/idemgate-pg.XXXXXX)
+            chown postgres: "$h"
+        fi
+    elif ((${#h} > 80)); then
+        rmdir "$h"
+        h=$(mktemp -d /tmp/idemgate-pg.XXXXXX)
+    fi
+    echo "$h"
+}
+
+cmd_start() {
+    local try rc
+    if [ -f "$DIR/env" ]; then
+        load_env
+        if pg_ready && redis_ready; then
+            say "already running in $DIR (postgres $PG_PORT, redis $REDIS_PORT)"
+            return 0
+        fi
+        say "stale $DIR/env: stopping what is left and starting afresh"
+        cmd_stop
+    fi
+    PGBIN=$(find_pgbin) || die "Postgres server binaries not found (initdb, pg_ctl): run scripts/deps.sh"
+    command -v redis-server >/dev/null 2>&1 || die "redis-server not found: run scripts/deps.sh"
+    command -v redis-cli >/dev/null 2>&1 || die "redis-cli not found: run scripts/deps.sh"
+    if is_root; then
+        id postgres >/dev/null 2>&1 || die "user postgres missing: run scripts/deps.sh (package postgresql)"
+        command -v runuser >/dev/null 2>&1 || die "runuser missing (util-linux)"
+    fi
+
+    PG_HOME=$(choose_pg_home)
+    PG_DATA=$PG_HOME/data
+    PG_LOG=$PG_HOME/postgres.log
+    REDIS_PIDFILE=$DIR/redis.pid
+    REDIS_LOG=$DIR/redis.log
+    PG_PORT=0
+    REDIS_PORT=0
+    # From here on, a failure stops whatever started.
+    trap 'rc=$?; if [ $rc -ne 0 ]; then say "start failed: cleaning up"; write_env; cmd_stop || true; fi' EXIT
+
+    if ! as_pg "$PGBIN/initdb" -D "$PG_DATA" -U postgres --auth=trust -E UTF8 --locale=C -N \
+        >"$DIR/initdb.log" 2>&1; then
+        cat "$DIR/initdb.log" >&2
+        die "initdb failed"
+    fi
+    echo "include_if_exists = 'idemgate.conf'" | as_pg tee -a "$PG_DATA/postgresql.conf" >/dev/null
+
+    for try in 1 2 3 4 5; do
+        PG_PORT=$(pick_port)
+        write_pg_conf
+        if pg_start; then break; fi
+        if grep -qi 'already in use' "$PG_LOG" 2>/dev/null && ((try < 5)); then
+            say "postgres port $PG_PORT taken: retrying"
+            pg_stop immediate || true
+            continue
+        fi
+        tail -n 30 "$PG_LOG" >&2 2>/dev/null || true
+        die "postgres did not start on port $PG_PORT within ${WAIT_S}s"
+    done
+    if ! PGCONNECT_TIMEOUT=5 timeout 30 "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$PG_PORT" \
+        -U postgres -d postgres \
+        -c "CREATE ROLE idemgate LOGIN" -c "CREATE DATABASE idemgate OWNER idemgate" >/dev/null; then
+        die "could not create role and database idemgate"
+    fi
+
+    for try in 1 2 3 4 5; do
+        REDIS_PORT=$(pick_port)
+        rc=0
+        redis_start || rc=$?
+        [ $rc = 0 ] && break
+        if [ $rc = 2 ] && ((try < 5)); then
+            say "redis port $REDIS_PORT taken: retrying"
+            redis_stop || true
+            continue
+        fi
+        tail -n 30 "$REDIS_LOG" >&2 2>/dev/null || true
+        die "redis did not start on port $REDIS_PORT within ${WAIT_S}s"
+    done
+
+    write_env
+    trap - EXIT
+    echo "services.sh: postgres 127.0.0.1:$PG_PORT redis 127.0.0.1:$REDIS_PORT env $DIR/env" >&2
+}
+
+cmd_stop() {
+    if [ ! -f "$DIR/env" ]; then
+        say "nothing to stop in $DIR"
+        return 0
+    fi
+    load_env
+    redis_stop
+    pg_stop fast
+    if [ -f "$PG_LOG" ] && [ "$PG_HOME" != "$DIR/pg" ]; then cp -f "$PG_LOG" "$DIR/postgres.log" 2>/dev/null || true; fi
+    # Only what start created: the cluster's home (DIR/pg or /tmp/idemgate-pg.*), the env file.
+    case "$PG_HOME" in
+    "$DIR/pg" | /tmp/idemgate-pg.*) rm -rf "$PG_HOME" ;;
+    esac
+    rm -f "$DIR/env"
+}
+
+cmd_status() {
+    local ok=0
+    load_env
+    if pg_ready; then echo "postgres: up (127.0.0.1:$PG_PORT)"; else
+        echo "postgres: down (127.0.0.1:$PG_PORT)"
+        ok=1
+    fi
+    if redis_ready; then echo "redis: up (127.0.0.1:$REDIS_PORT)"; else
+        echo "redis: down (127.0.0.1:$REDIS_PORT)"
+        ok=1
+    fi
+    return $ok
+}
+
+if [ "${1:-}" = free-port ]; then
+    if [ -n "${2:-}" ] && port_free "$2"; then echo "$2"; else pick_port; fi
+    exit 0
+fi
+[ $# -ge 2 ] || usage
+CMD=$1
+DIR=$(abs_dir "$2")
+SELF=$(cd "$(dirname "$0")" && pwd -P)/$(basename "$0")
+shift 2
+
+case "$CMD" in
+start) cmd_start ;;
+stop) cmd_stop ;;
+status) cmd_status ;;
+pg-stop)
+    load_env
+    mode=${1:-fast}
+    case "$mode" in fast | immediate | smart) ;; *) die "pg-stop mode: fast|immediate" ;; esac
+    pg_stop "$mode"
+    ;;
+pg-start)
+    load_env
+    pg_start || {
+        tail -n 20 "$PG_LOG" >&2 2>/dev/null || true
+        die "postgres did not start again on port $PG_PORT"
+    }
+    ;;
+redis-stop)
+    load_env
+    redis_stop
+    ;;
+redis-start)
+    load_env
+    redis_start || {
+        tail -n 20 "$REDIS_LOG" >&2 2>/dev/null || true
+        die "redis did not start again on port $REDIS_PORT"
+    }
+    ;;
+redis-flush)
+    load_env
+    [ "$(redis_cli flushall 2>/dev/null)" = OK ] || die "redis FLUSHALL failed"
+    ;;
+*) usage ;;
+esac

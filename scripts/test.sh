@@ -1,0 +1,243 @@
+#!/usr/bin/env bash
+# test.sh - the whole test run: deps, build, throwaway Postgres+Redis, unit+e2e suites, the same under
+# ASan+UBSan, then the fuzz and chaos stages when present and the run.sh demo. Ends with one line
+# `N passed, N failed` (meson tests, plus each extra stage's own count or 1 per stage) and exits non-zero on a failure.
+#
+#   scripts/test.sh                  everything
+#   scripts/test.sh --quick          skip the ASan+UBSan stage
+#   scripts/test.sh --suite unit     only that meson suite (unit|e2e), no extra stages
+#   scripts/test.sh --no-deps        do not run scripts/deps.sh first
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$(pwd -P)
+
+quick=0
+suite=
+deps=1
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --quick) quick=1 ;;
+    --suite)
+        suite=${2:-}
+        shift
+        case "$suite" in unit | e2e) ;; *)
+            echo "test.sh: --suite unit|e2e" >&2
+            exit 2
+            ;;
+        esac
+        ;;
+    --suite=*)
+        suite=${1#--suite=}
+        case "$suite" in unit | e2e) ;; *)
+            echo "test.sh: --suite unit|e2e" >&2
+            exit 2
+            ;;
+        esac
+        ;;
+    --no-deps) deps=0 ;;
+    -h | --help)
+        sed -n '6,9p' "$0" | sed 's/^# \{0,1\}//'
+        exit 0
+        ;;
+    *)
+        echo "test.sh: unknown option $1 (see --help)" >&2
+        exit 2
+        ;;
+    esac
+    shift
+done
+
+TOTAL_PASS=0
+TOTAL_FAIL=0
+STAGES=()
+TMP=
+SVC=
+NSVC=0
+EXTRA_PID=
+
+log() { printf '\n==== %s\n' "$*"; }
+record() { # name passed failed note
+    STAGES+=("$(printf '%-22s %4s passed %4s failed  %s' "$1" "$2" "$3" "${4:-}")")
+    TOTAL_PASS=$((TOTAL_PASS + $2))
+    TOTAL_FAIL=$((TOTAL_FAIL + $3))
+}
+record_note() { STAGES+=("$(printf '%-22s %s' "$1" "$2")"); }
+
+services_stop() {
+    if [ -n "$SVC" ]; then
+        bash scripts/services.sh stop "$SVC" >/dev/null 2>&1 || bash scripts/services.sh stop "$SVC"
+        SVC=
+    fi
+}
+cleanup() {
+    trap '' PIPE
+    if [ -n "$EXTRA_PID" ]; then kill -TERM "$EXTRA_PID" 2>/dev/null && wait "$EXTRA_PID" 2>/dev/null; fi
+    EXTRA_PID=
+    services_stop
+    if [ -n "$TMP" ] && [ -d "$TMP" ]; then rm -rf "$TMP"; fi
+    TMP=
+}
+trap cleanup EXIT
+trap 'echo "test.sh: interrupted" >&2; exit 130' INT TERM HUP
+
+# A fresh Postgres+Redis for each stage, so no stage sees another's records. Returns 1 on failure.
+services_fresh() {
+    services_stop
+    NSVC=$((NSVC + 1))
+    SVC=$TMP/svc$NSVC
+    if ! bash scripts/services.sh start "$SVC"; then
+        services_stop # tidies whatever start left behind
+        return 1
+    fi
+    # shellcheck disable=SC1091
+    . "$SVC/env"
+}
+
+# meson setup (when needed) + ninja. $1 = build dir, rest = meson options.
+build() {
+    local dir=$1
+    shift
+    if [ ! -f "$dir/build.ninja" ]; then
+        rm -rf "$dir"
+        meson setup "$dir" "$@" || return 1
+    elif [ $# -gt 0 ]; then
+        meson configure "$dir" "$@" >/dev/null || return 1 # an older dir gets today's options
+    fi
+    ninja -C "$dir"
+}
+
+# meson test in $1 (stage name $2); counts results from testlog.json.
+meson_stage() {
+    local dir=$1 name=$2 rc=0 pass fail skip args=()
+    args=(test -C "$dir" --print-errorlogs --num-processes 2)
+    [ -n "$suite" ] && args+=(--suite "$suite")
+    [ "$dir" = build-asan ] && args+=(--timeout-multiplier 3)
+    rm -f "$dir/meson-logs/testlog.json"
+    log "$name: meson ${args[*]}"
+    meson "${args[@]}" || rc=$?
+    pass=0
+    fail=0
+    skip=0
+    if [ -f "$dir/meson-logs/testlog.json" ]; then
+        pass=$(grep -oE '"result": *"(OK|EXPECTEDFAIL)"' "$dir/meson-logs/testlog.json" | wc -l)
+        fail=$(grep -oE '"result": *"(FAIL|TIMEOUT|ERROR|UNEXPECTEDPASS)"' "$dir/meson-logs/testlog.json" | wc -l)
+        skip=$(grep -oE '"result": *"SKIP"' "$dir/meson-logs/testlog.json" | wc -l)
+    fi
+    if [ "$rc" != 0 ] && [ "$fail" = 0 ]; then
+        record "$name" "$pass" 1 "(meson test exited $rc)"
+    elif [ $((pass + fail)) = 0 ]; then
+        record "$name" 0 1 "(no test ran)"
+    elif [ "$skip" != 0 ]; then
+        record "$name" "$pass" "$fail" "($skip skipped)"
+    else
+        record "$name" "$pass" "$fail"
+    fi
+}
+
+# An extra stage script: its own `N passed, N failed` line when it prints one, else 1 test by exit code.
+# extra_stage NAME services|no-services SCRIPT ARGS...
+extra_stage() {
+    local name=$1 svc=$2 script=$3 rc=0 out line p f
+    shift 3
+    if [ ! -e "$script" ]; then
+        record_note "$name" "not present"
+        return
+    fi
+    if [ ! -x "$script" ]; then
+        record_note "$name" "skipped: $script is not executable"
+        return
+    fi
+    if [ "$svc" = services ]; then
+        if ! services_fresh; then
+            record "$name" 0 1 "(services did not start)"
+            return
+        fi
+    else
+        services_stop
+    fi
+    log "$name: $script $*"
+    out=$TMP/$name.out
+    # timeout puts the stage in its own process group and, on expiry or on our TERM, signals all of it.
+    timeout -k 10 900 "$script" "$@" >"$out" 2>&1 </dev/null &
+    EXTRA_PID=$!
+    tail -n +1 --pid="$EXTRA_PID" -f "$out"
+    wait "$EXTRA_PID"
+    rc=$?
+    EXTRA_PID=
+    line=$(grep -E '^([A-Za-z]+: )?[0-9]+ passed, [0-9]+ failed' "$out" | tail -n 1)
+    if [ -n "$line" ]; then
+        p=$(sed -E 's/^([A-Za-z]+: )?([0-9]+) passed.*/\2/' <<<"$line")
+        f=$(sed -E 's/^([A-Za-z]+: )?[0-9]+ passed, ([0-9]+) failed.*/\2/' <<<"$line")
+        if [ "$rc" != 0 ] && [ "$f" = 0 ]; then f=1; fi
+        record "$name" "$p" "$f" "$([ "$rc" != 0 ] && echo "(exit $rc)")"
+    elif [ "$rc" = 0 ]; then
+        record "$name" 1 0
+    else
+        record "$name" 0 1 "(exit $rc)"
+    fi
+}
+
+start_s=$SECONDS
+
+if [ $deps = 1 ]; then
+    log "deps"
+    if ! bash scripts/deps.sh; then
+        record "deps" 0 1
+        cleanup
+        printf '\n%s\n' "${STAGES[@]}"
+        echo "$TOTAL_PASS passed, $TOTAL_FAIL failed"
+        exit 1
+    fi
+fi
+
+TMP=$(mktemp -d /tmp/idemgate-test.XXXXXX)
+chmod 755 "$TMP"
+
+# ---- stage 1: the normal build
+log "build (build/)"
+if build build; then
+    export IDEMGATE_BUILD_DIR=$ROOT/build
+    if services_fresh; then
+        meson_stage build "tests"
+    else
+        record "services" 0 1 "(Postgres/Redis did not start)"
+    fi
+else
+    record "build" 0 1 "(build failed)"
+fi
+
+# ---- stage 2: ASan + UBSan
+if [ $quick = 0 ]; then
+    log "build (build-asan/: address,undefined)"
+    # Warnings are enforced (-Werror) by the normal build; sanitizer instrumentation makes gcc emit false
+    # positives (-Wformat-truncation, -Warray-bounds), so this build only reports them.
+    if build build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dwerror=false; then
+        if services_fresh; then
+            ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 \
+                UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+                IDEMGATE_BUILD_DIR=$ROOT/build-asan \
+                meson_stage build-asan "tests (asan+ubsan)"
+        else
+            record "services" 0 1 "(Postgres/Redis did not start)"
+        fi
+    else
+        record "build-asan" 0 1 "(build failed)"
+    fi
+else
+    record_note "tests (asan+ubsan)" "skipped (--quick)"
+fi
+
+# ---- extra stages (each owned by its room; they find the build in IDEMGATE_BUILD_DIR)
+if [ -z "$suite" ]; then
+    export IDEMGATE_BUILD_DIR=$ROOT/build
+    extra_stage fuzz services tests/fuzz/run.sh
+    extra_stage chaos services tests/chaos/run.sh --short
+    # The README's run command, end to end (its own Postgres/Redis in .run/, the replay demo, then stop).
+    extra_stage demo no-services scripts/run.sh --no-wait --no-deps
+fi
+
+cleanup
+printf '\n==== results (%ss)\n' $((SECONDS - start_s))
+printf '%s\n' "${STAGES[@]}"
+echo "$TOTAL_PASS passed, $TOTAL_FAIL failed"
+[ "$TOTAL_FAIL" = 0 ]

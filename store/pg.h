@@ -1,0 +1,82 @@
+/* pg.h - a bounded pool of non-blocking libpq connections driven by one
+ * libevent base, with prepared statements, a bounded FIFO of waiting queries,
+ * per-query timeouts and reconnection with backoff. Internal to store/. */
+#ifndef IDEMGATE_STORE_PG_H
+#define IDEMGATE_STORE_PG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <libpq-fe.h>
+
+#include "common/common.h"
+
+struct event_base;
+struct store_pg;
+
+/* A statement prepared once on every connection right after it connects. */
+struct store_pg_stmt {
+    const char *name;
+    const char *sql;
+    int nparams;
+    const Oid *types; /* nparams OIDs */
+};
+
+enum store_pg_status {
+    STORE_PG_OK,          /* res is a PGRES_TUPLES_OK / PGRES_COMMAND_OK result */
+    STORE_PG_SQL_ERROR,   /* the server refused the statement */
+    STORE_PG_TRANSPORT,   /* the connection broke while the query was sent or running */
+    STORE_PG_TIMEOUT,     /* no answer within the query timeout (the connection is reset) */
+    STORE_PG_UNAVAILABLE, /* no connection is up and connecting failed */
+    STORE_PG_OVERLOAD,    /* the waiting queue is full */
+};
+const char *store_pg_status_name(enum store_pg_status st);
+
+/* res is valid only during the callback (the pool frees it); NULL unless
+ * st == STORE_PG_OK. errmsg is a short text for logs (never NULL). */
+typedef void (*store_pg_cb)(void *arg, enum store_pg_status st, const PGresult *res, const char *errmsg);
+
+struct store_pg_opts {
+    const char *conninfo;        /* URL or key=value string (expand_dbname) */
+    unsigned size;               /* connections, >= 1 */
+    uint64_t queue_timeout_ms;   /* longest wait in the queue before being sent */
+    uint64_t run_timeout_ms;     /* from sending to result (keep it above the server's statement_timeout) */
+    uint64_t connect_timeout_ms; /* per connection attempt */
+    const char *init_sql;        /* run once per connection before preparing (e.g. SET statement_timeout), or NULL */
+    size_t max_queue;            /* waiting queries beyond this fail with STORE_PG_OVERLOAD */
+    const struct store_pg_stmt *stmts;
+    size_t nstmts;
+};
+
+/* A query parameter: data == NULL is SQL NULL; binary selects format 1. */
+struct store_pg_param {
+    const void *data;
+    size_t len;
+    bool binary;
+};
+
+/* Creates the pool on base and starts its first connection (the others are
+ * opened on demand). opts and its statements must outlive the pool; the
+ * conninfo is copied. Never fails (connection problems are reported per
+ * query and through store_pg_up). */
+struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_opts *opts);
+/* Closes every connection; queued and running queries are dropped without
+ * their callbacks. NULL is a no-op. */
+void store_pg_destroy(struct store_pg *p);
+
+/* Runs prepared statement number stmt with these parameters (copied) and
+ * calls cb exactly once, always from the event loop (never from inside this
+ * call). result_format: 0 text, 1 binary. */
+void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param *params, int nparams,
+                    int result_format, store_pg_cb cb, void *arg);
+
+/* True when at least one connection is up, or the last attempt succeeded.
+ * Thread-safe. */
+bool store_pg_up(const struct store_pg *p);
+
+/* Decoders for binary results (big-endian). */
+int64_t store_pg_get_i64(const PGresult *res, int row, int col);
+int32_t store_pg_get_i32(const PGresult *res, int row, int col);
+
+#endif

@@ -1,0 +1,263 @@
+/* cli_test.c - end-to-end tests of the idemgate command line: --version, --check on good and bad configurations,
+ * missing files, usage and unknown flags (the real binary, run as a child process). */
+#include <criterion/criterion.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "harness.h"
+
+TestSuite(cli, .init = e2e_setup_nostore, .fini = e2e_teardown, .timeout = 60);
+
+#define RUN_MS 10000
+
+/* SPEC section 3's example, every key set; line numbers below refer to this text. */
+static const char *const good_lines[] = {
+    /* 1 */ "listen: 127.0.0.1:18080",
+    /* 2 */ "admin:",
+    /* 3 */ "  listen: 127.0.0.1:19090",
+    /* 4 */ "shutdown_grace: 10s",
+    /* 5 */ "store:",
+    /* 6 */ "  postgres: postgresql://idemgate@127.0.0.1:5432/idemgate",
+    /* 7 */ "  pool: 8",
+    /* 8 */ "  redis: redis://127.0.0.1:6379/0",
+    /* 9 */ "  redis_timeout: 50ms",
+    /* 10 */ "upstreams:",
+    /* 11 */ "  - name: api",
+    /* 12 */ "    url: http://127.0.0.1:9000",
+    /* 13 */ "    connect_timeout: 2s",
+    /* 14 */ "    timeout: 30s",
+    /* 15 */ "routes:",
+    /* 16 */ "  - name: payments",
+    /* 17 */ "    match:",
+    /* 18 */ "      path_prefix: /v1/payments",
+    /* 19 */ "      methods: [POST, PATCH]",
+    /* 20 */ "    upstream: api",
+    /* 21 */ "    idempotency:",
+    /* 22 */ "      key: required",
+    /* 23 */ "      header: Idempotency-Key",
+    /* 24 */ "      scope: [header:Authorization]",
+    /* 25 */ "      fingerprint: [method, path, query, body]",
+    /* 26 */ "      retention: 24h",
+    /* 27 */ "      lease: 60s",
+    /* 28 */ "      on_in_flight: conflict",
+    /* 29 */ "      wait: 10s",
+    /* 30 */ "      on_unknown: reject",
+    /* 31 */ "      release_statuses: [429, 503]",
+    /* 32 */ "      max_body: 1MiB",
+    /* 33 */ "      forward_key: true",
+    /* 34 */ "default_upstream: api",
+};
+#define GOOD_N (sizeof good_lines / sizeof good_lines[0])
+
+/* The good config with line `line` (1-based) replaced by `repl` (NULL: unchanged; "" deletes it). */
+static char *config_with(size_t line, const char *repl)
+{
+    size_t cap = 8192, n = 0;
+    char *out = malloc(cap);
+    cr_assert_not_null(out);
+    for (size_t i = 0; i < GOOD_N; i++) {
+        const char *l = (repl != NULL && i + 1 == line) ? repl : good_lines[i];
+        if (repl != NULL && i + 1 == line && *repl == '\0')
+            continue;
+        int w = snprintf(out + n, cap - n, "%s\n", l);
+        cr_assert(w > 0 && (size_t)w < cap - n);
+        n += (size_t)w;
+    }
+    return out;
+}
+
+static int idemgate(const char *const *args, const char *const *env, char **out, char **err)
+{
+    const char *argv[16];
+    size_t n = 0;
+    argv[n++] = e2e_env("IDEMGATE_BIN");
+    for (size_t i = 0; args[i] != NULL && n < 15; i++)
+        argv[n++] = args[i];
+    argv[n] = NULL;
+    return e2e_run(argv, env, RUN_MS, out, err);
+}
+
+Test(cli, version_prints_the_version_and_exits_0)
+{
+    char *out, *err;
+    static const char *const a[] = {"--version", NULL};
+    int code = idemgate(a, NULL, &out, &err);
+    cr_expect_eq(code, 0, "--version exit %d; stderr: %s", code, err);
+    cr_expect(strstr(out, "idemgate 0.1.0") != NULL, "--version printed: '%s'", out);
+    free(out);
+    free(err);
+}
+
+Test(cli, check_accepts_the_spec_example)
+{
+    char *text = config_with(0, NULL);
+    const char *path = e2e_write_file("good.yaml", text);
+    free(text);
+    char *out, *err;
+    const char *a[] = {"--check", "-c", path, NULL};
+    int code = idemgate(a, NULL, &out, &err);
+    cr_expect_eq(code, 0, "--check on a valid config: exit %d, stderr: %s", code, err);
+    free(out);
+    free(err);
+
+    /* long option spelling, and the options in the other order */
+    const char *b[] = {"--config", path, "--check", NULL};
+    code = idemgate(b, NULL, &out, &err);
+    cr_expect_eq(code, 0, "--config FILE --check: exit %d, stderr: %s", code, err);
+    free(out);
+    free(err);
+}
+
+Test(cli, check_accepts_a_minimal_config)
+{
+    const char *path = e2e_write_file("min.yaml", "store:\n"
+                                                  "  postgres: postgresql://idemgate@127.0.0.1:5432/idemgate\n"
+                                                  "upstreams:\n"
+                                                  "  - name: api\n"
+                                                  "    url: http://127.0.0.1:9000\n"
+                                                  "default_upstream: api\n");
+    char *out, *err;
+    const char *a[] = {"--check", "-c", path, NULL};
+    int code = idemgate(a, NULL, &out, &err);
+    cr_expect_eq(code, 0, "--check on a minimal config: exit %d, stderr: %s", code, err);
+    free(out);
+    free(err);
+}
+
+static const struct bad_case {
+    size_t line;      /* line replaced in the good config, and the line the error must name */
+    const char *repl; /* its new text */
+    const char *key;  /* must appear in the message */
+} bad_cases[] = {
+    {1, "listen: 127.0.0.1:99999", "listen"},
+    {4, "shutdown_grace: banana", "shutdown_grace"},
+    {4, "bogus_key: 1", "bogus_key"},
+    {7, "  pool: 0", "pool"},
+    {9, "  redis_timeout: soon", "redis_timeout"},
+    {13, "    connect_timeout: -2s", "connect_timeout"},
+    {19, "      methods: [POST, FETCH]", "methods"},
+    {20, "    upstream: nope", "upstream"},
+    {22, "      key: sometimes", "key"},
+    {25, "      fingerprint: [method, colour]", "fingerprint"},
+    {26, "      retention: 24x", "retention"},
+    {28, "      on_in_flight: maybe", "on_in_flight"},
+    {30, "      on_unknown: shrug", "on_unknown"},
+    {31, "      release_statuses: [429, 7000]", "release_statuses"},
+    {32, "      max_body: lots", "max_body"},
+    {33, "      forward_key: perhaps", "forward_key"},
+    {34, "default_upstream: nope", "default_upstream"},
+};
+
+Test(cli, check_rejects_bad_configs_naming_file_line_and_key)
+{
+    for (size_t i = 0; i < sizeof bad_cases / sizeof bad_cases[0]; i++) {
+        const struct bad_case *c = &bad_cases[i];
+        char name[32];
+        snprintf(name, sizeof name, "bad-%zu.yaml", i);
+        char *text = config_with(c->line, c->repl);
+        const char *path = e2e_write_file(name, text);
+        free(text);
+        char *out, *err;
+        const char *a[] = {"--check", "-c", path, NULL};
+        int code = idemgate(a, NULL, &out, &err);
+        cr_expect_eq(code, 1, "[%s] --check exit %d (want 1); stderr: %s", c->repl, code, err);
+        char where[600];
+        snprintf(where, sizeof where, "%s:%zu:", path, c->line);
+        cr_expect(strstr(err, where) != NULL, "[%s] stderr must name '%s'; got: %s", c->repl, where, err);
+        cr_expect(strstr(err, c->key) != NULL, "[%s] stderr must name the key '%s'; got: %s", c->repl, c->key, err);
+        free(out);
+        free(err);
+    }
+}
+
+Test(cli, yaml_syntax_error_names_file_and_line)
+{
+    char *text = config_with(12, "    url: [unclosed");
+    const char *path = e2e_write_file("syntax.yaml", text);
+    free(text);
+    char *out, *err;
+    const char *a[] = {"--check", "-c", path, NULL};
+    int code = idemgate(a, NULL, &out, &err);
+    cr_expect_eq(code, 1, "exit %d; stderr: %s", code, err);
+    char where[600];
+    snprintf(where, sizeof where, "%s:", path);
+    cr_expect(strstr(err, where) != NULL, "stderr must name the file; got: %s", err);
+    /* libyaml reports an unclosed flow sequence on the line where it notices it: 12 or just after */
+    bool line_ok = false;
+    for (int l = 12; l <= 14 && !line_ok; l++) {
+        snprintf(where, sizeof where, "%s:%d:", path, l);
+        line_ok = strstr(err, where) != NULL;
+    }
+    cr_expect(line_ok, "stderr must name the line (12..14); got: %s", err);
+    free(out);
+    free(err);
+}
+
+Test(cli, postgres_url_comes_from_the_environment_when_missing)
+{
+    char *text = config_with(6, "");
+    const char *path = e2e_write_file("nopg.yaml", text);
+    free(text);
+    char *out, *err;
+    const char *a[] = {"--check", "-c", path, NULL};
+    int code = idemgate(a, NULL, &out, &err);
+    cr_expect_eq(code, 1, "no postgres anywhere: exit %d", code);
+    cr_expect(strstr(err, "postgres") != NULL, "the message must name postgres; got: %s", err);
+    free(out);
+    free(err);
+
+    static const char *const env[] = {"IDEMGATE_POSTGRES_URL=postgresql://idemgate@127.0.0.1:5432/idemgate", NULL};
+    code = idemgate(a, env, &out, &err);
+    cr_expect_eq(code, 0, "IDEMGATE_POSTGRES_URL set: exit %d; stderr: %s", code, err);
+    free(out);
+    free(err);
+}
+
+Test(cli, missing_config_file_is_a_clear_error)
+{
+    char *path = e2e_render("{{TMPDIR}}/does-not-exist.yaml", NULL);
+    char *out, *err;
+    const char *a[] = {"--check", "-c", path, NULL};
+    int code = idemgate(a, NULL, &out, &err);
+    cr_expect_eq(code, 1, "--check on a missing file: exit %d", code);
+    cr_expect(strstr(err, path) != NULL, "the message must name the file; got: %s", err);
+    free(out);
+    free(err);
+
+    const char *b[] = {"-c", path, NULL};
+    code = idemgate(b, NULL, &out, &err);
+    cr_expect_eq(code, 1, "-c on a missing file: exit %d", code);
+    cr_expect(strstr(err, path) != NULL, "the message must name the file; got: %s", err);
+    free(out);
+    free(err);
+    free(path);
+}
+
+Test(cli, no_arguments_prints_usage_and_exits_1)
+{
+    char *out, *err;
+    static const char *const a[] = {NULL};
+    int code = idemgate(a, NULL, &out, &err);
+    cr_expect_eq(code, 1, "no arguments: exit %d", code);
+    cr_expect(strcasestr(err, "usage") != NULL, "usage expected on stderr; got: '%s'", err);
+    free(out);
+    free(err);
+}
+
+Test(cli, unknown_flag_exits_1)
+{
+    static const char *const cases[][3] = {
+        {"--bogus", NULL, NULL}, {"-x", NULL, NULL}, {"-c", NULL, NULL}, /* -c without its file */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *out, *err;
+        int code = idemgate(cases[i], NULL, &out, &err);
+        cr_expect_eq(code, 1, "%s: exit %d", cases[i][0], code);
+        cr_expect(strlen(err) > 0, "%s: an explanation expected on stderr", cases[i][0]);
+        free(out);
+        free(err);
+    }
+}

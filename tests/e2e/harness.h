@@ -1,0 +1,216 @@
+/* harness.h - end-to-end test harness: starts the real idemgate and testupstream
+ * binaries, writes their configs, and talks HTTP (libcurl) or raw TCP to them. */
+#ifndef IDEMGATE_E2E_HARNESS_H
+#define IDEMGATE_E2E_HARNESS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+/*
+ * Typical use (each Criterion Test runs in its own forked process, with its own processes and temp dir):
+ *
+ *   TestSuite(x, .init = e2e_setup, .fini = e2e_teardown, .timeout = 90);
+ *   Test(x, y) {
+ *       struct e2e_upstream *up = e2e_upstream_start(NULL);
+ *       struct e2e_gw_opts o = {.up = up};
+ *       struct e2e_gw *gw = e2e_gw_start("listen: 127.0.0.1:{{LISTEN_PORT}}\n...", &o);
+ *       static const char *const h[] = {"Idempotency-Key: k1", NULL};
+ *       struct e2e_req rq = {.method = "POST", .path = "/v1/payments", .headers = h, .body = "{}", .body_len = 2};
+ *       struct e2e_resp r;
+ *       e2e_http(gw->port, &rq, &r);
+ *       cr_expect_eq(r.status, 200);
+ *       e2e_resp_free(&r);
+ *       cr_expect_eq(e2e_upstream_count(up, "k1"), 1);
+ *   }
+ *
+ * Failures inside the harness fail the test (cr_assert) with the gateway's log tail on stderr.
+ */
+
+/* Every wait in the harness is bounded by one of these. */
+#define E2E_READY_TIMEOUT_MS 10000 /* gateway /healthz, upstream port file */
+#define E2E_STOP_TIMEOUT_MS  15000 /* SIGTERM -> exit, before SIGKILL */
+#define E2E_HTTP_TIMEOUT_MS  10000 /* default per HTTP request */
+
+/* Criterion fixtures: use as TestSuite(x, .init = e2e_setup, .fini = e2e_teardown).
+ * e2e_setup fails the test when IDEMGATE_BIN, IDEMGATE_TEST_UPSTREAM,
+ * IDEMGATE_TEST_PG_URL or IDEMGATE_TEST_REDIS_URL is missing (never skips).
+ * e2e_teardown stops every process the test started (SIGTERM, then SIGKILL
+ * after a bound), always reaps them, removes the temp dir (kept when
+ * E2E_KEEP=1); under ASan (ASAN_OPTIONS set) a gateway that does not exit 0
+ * at SIGTERM makes the test program exit non-zero. */
+void e2e_setup(void);
+void e2e_teardown(void);
+/* Same as e2e_setup without the Postgres/Redis requirement (CLI tests). */
+void e2e_setup_nostore(void);
+
+/* A required environment variable; fails the test when missing or empty. */
+const char *e2e_env(const char *name);
+/* The test's temp dir (created by e2e_setup). */
+const char *e2e_tmpdir(void);
+/* Writes data to DIR/name; returns the heap path (freed by teardown). */
+const char *e2e_write_file(const char *name, const char *data);
+/* A free 127.0.0.1 TCP port (bind port 0, getsockname, close). */
+uint16_t e2e_free_port(void);
+
+/* ---- child processes */
+struct e2e_proc {
+    pid_t pid; /* 0 when not started */
+    bool exited;
+    int wstatus; /* raw waitpid status, valid when exited */
+    bool killed; /* we had to SIGKILL it */
+    char *log;   /* file receiving its stdout and stderr */
+    const char *what;
+};
+/* Waits up to timeout_ms for the process to exit; true when it has. */
+bool e2e_proc_wait(struct e2e_proc *p, int timeout_ms);
+/* Sends sig, waits up to grace_ms, then SIGKILLs and reaps. Returns true
+ * when it exited by itself within grace_ms. Safe on a stopped process. */
+bool e2e_proc_stop(struct e2e_proc *p, int sig, int grace_ms);
+/* Exit code (0..255) when it exited normally, -SIGNAL when a signal killed
+ * it, -1000 while still running. */
+int e2e_proc_exit_code(const struct e2e_proc *p);
+/* Whole content of the process's log (heap, NUL-terminated; caller frees). */
+char *e2e_proc_log(const struct e2e_proc *p);
+/* Prints the last bytes of the log on stderr (for failure messages). */
+void e2e_proc_dump_log(const struct e2e_proc *p, size_t tail);
+
+/* Runs argv[0] (with argv, extra env "K=V" entries, NULL-terminated, may be
+ * NULL), waits up to timeout_ms, and returns its exit code (as
+ * e2e_proc_exit_code; killed at the bound -> the test fails). *out and *err
+ * get stdout and stderr (heap, caller frees; may be NULL to ignore). */
+int e2e_run(const char *const *argv, const char *const *env, int timeout_ms, char **out, char **err);
+
+/* ---- the test upstream */
+struct e2e_upstream {
+    struct e2e_proc proc;
+    uint16_t port;
+    char url[64]; /* http://127.0.0.1:PORT */
+};
+/* Starts testupstream --port 0 --port-file F [extra args] and waits until it
+ * answers /_test/health. Fails the test on any problem. The struct lives
+ * until teardown. */
+struct e2e_upstream *e2e_upstream_start(const char *const *extra_args);
+/* Executions counted by the upstream: key NULL -> all, else per
+ * Idempotency-Key value as received. Fails the test when unreachable. */
+long e2e_upstream_count(const struct e2e_upstream *u, const char *key);
+void e2e_upstream_reset(const struct e2e_upstream *u);
+/* Headers of the last execution ("Name: value\n" lines; heap, caller frees). */
+char *e2e_upstream_last_headers(const struct e2e_upstream *u);
+
+/* ---- the gateway */
+struct e2e_gw {
+    struct e2e_proc proc;
+    uint16_t port;       /* front */
+    uint16_t admin_port; /* admin */
+    char *conf_path;
+    char *conf_text;
+};
+struct e2e_gw_opts {
+    /* {{UPSTREAM_URL}} and {{UPSTREAM_PORT}} come from this one. */
+    const struct e2e_upstream *up;
+    /* Extra placeholders: NULL-terminated name, value pairs. */
+    const char *const *vars;
+    /* Extra environment "K=V" for the gateway (IDEMGATE_POSTGRES_URL,
+     * IDEMGATE_REDIS_URL and IDEMGATE_ADMIN_TOKEN are removed from the
+     * inherited environment unless given here). */
+    const char *const *env;
+    /* Do not wait for /healthz (the test checks start-up itself). */
+    bool no_wait;
+};
+/* Renders the template and writes it as the gateway's config, then runs
+ * `idemgate -c FILE` with stderr into a log, and waits (bounded) for
+ * GET /healthz on admin to answer 200. Placeholders, written {{NAME}}:
+ * LISTEN_PORT, ADMIN_PORT, PG_URL, REDIS_URL, UPSTREAM_URL, UPSTREAM_PORT,
+ * DEAD_PORT (a port nobody listens on), TMPDIR, plus opts->vars. An unknown
+ * placeholder fails the test. Retries with other ports when the log says the
+ * address is in use. The struct lives until teardown. opts may be NULL. */
+struct e2e_gw *e2e_gw_start(const char *tmpl, const struct e2e_gw_opts *opts);
+/* SIGTERM, wait up to grace_ms, then SIGKILL. Returns the exit code as
+ * e2e_proc_exit_code. */
+int e2e_gw_stop(struct e2e_gw *g, int grace_ms);
+/* Gateway log (heap, caller frees) and searches in it. */
+char *e2e_gw_log(const struct e2e_gw *g);
+bool e2e_gw_log_contains(const struct e2e_gw *g, const char *needle);
+/* Polls the log until needle appears (true) or timeout_ms passes (false). */
+bool e2e_gw_log_wait(const struct e2e_gw *g, const char *needle, int timeout_ms);
+/* Renders a template with the same placeholders (for --check tests); heap. */
+char *e2e_render(const char *tmpl, const char *const *vars);
+
+/* ---- HTTP client (libcurl easy, blocking, timeouts always set) */
+struct e2e_hdr {
+    char *name;
+    char *value;
+};
+struct e2e_req {
+    const char *method;         /* default "GET"; "HEAD" sends no body */
+    const char *path;           /* "/v1/x?y=1" */
+    const char *const *headers; /* NULL-terminated "Name: value" lines */
+    const void *body;           /* NULL: no body */
+    size_t body_len;
+    long timeout_ms; /* default E2E_HTTP_TIMEOUT_MS */
+};
+struct e2e_resp {
+    long status; /* 0 when the transfer failed (see curl_code, error) */
+    int curl_code;
+    char error[256];
+    struct e2e_hdr *hdrs; /* in arrival order, final response only */
+    size_t nhdrs;
+    unsigned char *body; /* NUL-terminated beyond body_len */
+    size_t body_len;
+    double seconds; /* total time */
+};
+void e2e_http(uint16_t port, const struct e2e_req *rq, struct e2e_resp *out);
+/* GET path with no extra header. */
+void e2e_get(uint16_t port, const char *path, struct e2e_resp *out);
+void e2e_resp_free(struct e2e_resp *r);
+/* First value of a header (case-insensitive), or NULL. */
+const char *e2e_resp_header(const struct e2e_resp *r, const char *name);
+/* n-th (0-based) value of a header, or NULL. */
+const char *e2e_resp_header_nth(const struct e2e_resp *r, const char *name, size_t n);
+size_t e2e_resp_header_count(const struct e2e_resp *r, const char *name);
+/* True when the response is application/problem+json whose "type" is
+ * urn:idemgate:problem:NAME. */
+bool e2e_resp_is_problem(const struct e2e_resp *r, const char *name);
+
+/* Runs n requests at once (curl multi) against port; out[i] answers rq[i].
+ * Bounded by the largest timeout of the requests. */
+void e2e_http_parallel(uint16_t port, const struct e2e_req *rq, struct e2e_resp *out, size_t n);
+
+/* A request running in a background thread (the request is copied). */
+struct e2e_async;
+struct e2e_async *e2e_http_async(uint16_t port, const struct e2e_req *rq);
+/* Waits for it (bounded by its timeout + 5 s) and frees the handle. */
+void e2e_http_join(struct e2e_async *a, struct e2e_resp *out);
+
+/* Parses "Name: value\n" lines (as /_test/last-headers answers). */
+size_t e2e_parse_header_lines(const char *text, struct e2e_hdr **out);
+void e2e_hdrs_free(struct e2e_hdr *h, size_t n);
+/* First value of name in a parsed list, or NULL; count of name. */
+const char *e2e_hdrs_get(const struct e2e_hdr *h, size_t n, const char *name);
+size_t e2e_hdrs_count(const struct e2e_hdr *h, size_t n, const char *name);
+
+/* ---- raw TCP (malformed input) */
+struct e2e_raw {
+    char *data; /* heap, NUL-terminated beyond len; caller frees */
+    size_t len;
+    bool closed;    /* the peer closed the connection */
+    bool timed_out; /* the bound passed first */
+    int status;     /* status code of the first response line, 0 when none */
+};
+/* Connects to 127.0.0.1:port, sends the bytes, then reads until the peer
+ * closes, one full response has arrived (headers plus Content-Length body)
+ * or timeout_ms passes. Fails the test when it cannot connect. */
+void e2e_raw_send(uint16_t port, const void *data, size_t len, int timeout_ms, struct e2e_raw *out);
+
+/* ---- services (scripts/services.sh CMD $IDEMGATE_TEST_SERVICES_DIR), e.g.
+ * "pg-stop", "pg-start", "redis-stop", "redis-start", "redis-flush". Returns
+ * the script's exit code (bounded by 60 s). */
+int e2e_services(const char *cmd);
+
+/* Monotonic milliseconds. */
+uint64_t e2e_now_ms(void);
+void e2e_sleep_ms(int ms);
+
+#endif

@@ -1,0 +1,772 @@
+/* upstream_test.c - the curl-multi forwarder against the real testupstream binary (and a tiny raw server for
+ * malformed-ish heads): methods, binary bodies, header order, hop-by-hop, keep-alive, failure classification and
+ * the no-resend guarantee on a dead reused connection. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/event.h>
+#include <event2/listener.h>
+
+#include "common/common.h"
+#include "upstream/upstream.h"
+
+static pid_t g_pid = -1;
+static int g_port;
+static struct event_base *g_base;
+static struct event *g_tick;
+static struct up_client *g_cli;
+
+/* ---- the real test upstream, one per test process */
+
+static void testupstream_path(char *out, size_t n)
+{
+    const char *env = getenv("IDEMGATE_TEST_UPSTREAM");
+    if (env != NULL && *env) {
+        snprintf(out, n, "%s", env);
+        return;
+    }
+    /* fallback: <build>/tests/unit/upstream_test -> <build>/tests/tools/testupstream */
+    char self[PATH_MAX - 64];
+    ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+    cr_assert(len > 0, "cannot find the test executable");
+    self[len] = '\0';
+    char *slash = strrchr(self, '/');
+    cr_assert_not_null(slash);
+    *slash = '\0';
+    int w = snprintf(out, n, "%s/../tools/testupstream", self);
+    cr_assert(w > 0 && (size_t)w < n);
+}
+
+static void start_testupstream(void)
+{
+    char path[PATH_MAX];
+    testupstream_path(path, sizeof path);
+    cr_assert(access(path, X_OK) == 0, "testupstream not found at %s (set IDEMGATE_TEST_UPSTREAM)", path);
+    int pfd[2];
+    cr_assert(pipe2(pfd, O_CLOEXEC) == 0);
+    g_pid = fork();
+    cr_assert(g_pid >= 0);
+    if (g_pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        dup2(pfd[1], STDOUT_FILENO);
+        execl(path, path, "--quiet", "--host", "127.0.0.1", "--port", "0", (char *)NULL);
+        _exit(127);
+    }
+    close(pfd[1]);
+    char line[256];
+    size_t used = 0;
+    uint64_t deadline = cm_now_ms() + 10000;
+    g_port = 0;
+    while (g_port == 0 && cm_now_ms() < deadline && used < sizeof line - 1) {
+        struct pollfd p = {.fd = pfd[0], .events = POLLIN};
+        if (poll(&p, 1, 100) <= 0)
+            continue;
+        ssize_t r = read(pfd[0], line + used, sizeof line - 1 - used);
+        if (r <= 0)
+            break;
+        used += (size_t)r;
+        line[used] = '\0';
+        const char *m = strstr(line, "event=listening port=");
+        if (m != NULL && strchr(m, '\n') != NULL)
+            g_port = (int)strtol(m + strlen("event=listening port="), NULL, 10);
+    }
+    close(pfd[0]);
+    cr_assert(g_port > 0, "testupstream did not report its port");
+}
+
+static void stop_testupstream(void)
+{
+    if (g_pid > 0) {
+        kill(g_pid, SIGTERM);
+        int st;
+        for (int i = 0; i < 500; i++) {
+            if (waitpid(g_pid, &st, WNOHANG) == g_pid) {
+                g_pid = -1;
+                return;
+            }
+            usleep(10000);
+        }
+        kill(g_pid, SIGKILL);
+        waitpid(g_pid, &st, 0);
+        g_pid = -1;
+    }
+}
+
+static void on_tick(evutil_socket_t fd, short what, void *arg) {}
+
+static void setup(void)
+{
+    cm_log_set_level(CM_ERROR);
+    start_testupstream();
+    g_base = event_base_new();
+    cr_assert_not_null(g_base);
+    /* a periodic wake-up so that a loop waiting on a condition re-checks its deadline */
+    g_tick = event_new(g_base, -1, EV_PERSIST, on_tick, NULL);
+    struct timeval tv = {0, 20000};
+    event_add(g_tick, &tv);
+    g_cli = up_client_create(g_base, 0);
+    cr_assert_not_null(g_cli);
+}
+
+static void teardown(void)
+{
+    up_client_destroy(g_cli);
+    g_cli = NULL;
+    if (g_tick != NULL)
+        event_free(g_tick);
+    g_tick = NULL;
+    if (g_base != NULL)
+        event_base_free(g_base);
+    g_base = NULL;
+    stop_testupstream();
+}
+
+TestSuite(upstream, .init = setup, .fini = teardown, .timeout = 60);
+
+/* ---- running transfers */
+
+struct result {
+    int calls;
+    enum up_result r;
+    int status;
+    struct cm_hdrs hdrs;
+    char *body;
+    size_t body_len;
+    char err[256];
+};
+
+static void result_free(struct result *res)
+{
+    cm_hdrs_free(&res->hdrs);
+    free(res->body);
+    memset(res, 0, sizeof *res);
+}
+
+static void on_done(void *arg, enum up_result r, struct cm_resp *resp, const char *errmsg, double secs)
+{
+    struct result *res = arg;
+    res->calls++;
+    res->r = r;
+    res->status = resp->status;
+    cm_hdrs_free(&res->hdrs);
+    res->hdrs = resp->hdrs; /* moved out, as the callback contract allows */
+    cm_hdrs_init(&resp->hdrs);
+    free(res->body);
+    res->body = cm_buf_take(&resp->body, &res->body_len);
+    snprintf(res->err, sizeof res->err, "%s", errmsg ? errmsg : "");
+}
+
+/* Runs the loop until *count reaches want or timeout_ms passes; returns the final count. */
+static int run_until(const int *count, int want, uint64_t timeout_ms)
+{
+    uint64_t deadline = cm_now_ms() + timeout_ms;
+    while (*count < want && cm_now_ms() < deadline)
+        event_base_loop(g_base, EVLOOP_ONCE);
+    return *count;
+}
+
+static void run_for(uint64_t ms)
+{
+    uint64_t deadline = cm_now_ms() + ms;
+    while (cm_now_ms() < deadline)
+        event_base_loop(g_base, EVLOOP_ONCE);
+}
+
+struct reqspec {
+    const char *method;
+    const char *path;
+    struct cm_hdrs hdrs;
+    const void *body;
+    size_t body_len;
+    uint64_t timeout_ms;
+    size_t max_response;
+    bool no_resend;
+    int port; /* 0: the test upstream */
+    char url[256];
+    struct up_request req;
+};
+
+static void spec_init(struct reqspec *s, const char *method, const char *path)
+{
+    memset(s, 0, sizeof *s);
+    s->method = method;
+    s->path = path;
+    s->timeout_ms = 10000;
+    s->max_response = 8 * 1024 * 1024;
+    s->no_resend = true;
+    cm_hdrs_init(&s->hdrs);
+}
+
+static const struct up_request *spec_req(struct reqspec *s)
+{
+    snprintf(s->url, sizeof s->url, "http://127.0.0.1:%d%s", s->port ? s->port : g_port, s->path);
+    s->req = (struct up_request){
+        .method = s->method,
+        .url = s->url,
+        .hdrs = &s->hdrs,
+        .body = s->body,
+        .body_len = s->body_len,
+        .connect_timeout_ms = 2000,
+        .timeout_ms = s->timeout_ms,
+        .max_response = s->max_response,
+        .no_resend = s->no_resend,
+    };
+    return &s->req;
+}
+
+/* Sends one request on cli and waits for its callback (at most 15 s). */
+static void do_request(struct up_client *cli, struct reqspec *s, struct result *res)
+{
+    memset(res, 0, sizeof *res);
+    cm_hdrs_init(&res->hdrs);
+    struct up_transfer *t = up_send(cli, spec_req(s), on_done, res);
+    cr_assert_not_null(t, "up_send failed");
+    run_until(&res->calls, 1, 15000);
+    cr_assert_eq(res->calls, 1, "callback calls: %d", res->calls);
+    cm_hdrs_free(&s->hdrs);
+}
+
+static uint64_t upstream_count(const char *key)
+{
+    struct reqspec s;
+    char path[256];
+    if (key != NULL)
+        snprintf(path, sizeof path, "/_test/count?key=%s", key);
+    else
+        snprintf(path, sizeof path, "/_test/count");
+    spec_init(&s, "GET", path);
+    struct result res;
+    struct up_client *c = up_client_create(g_base, 0);
+    do_request(c, &s, &res);
+    up_client_destroy(c);
+    cr_assert_eq(res.r, UP_OK, "count: %s (%s)", up_result_name(res.r), res.err);
+    cr_assert_eq(res.status, 200, "count: status %d", res.status);
+    uint64_t v = strtoull(res.body ? res.body : "x", NULL, 10);
+    result_free(&res);
+    return v;
+}
+
+static char *upstream_last_headers(void)
+{
+    struct reqspec s;
+    spec_init(&s, "GET", "/_test/last-headers");
+    struct result res;
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_OK, "last-headers: %s (%s)", up_result_name(res.r), res.err);
+    char *out = cm_strndup(res.body ? res.body : "", res.body_len);
+    result_free(&res);
+    return out;
+}
+
+static size_t hdr_index(const struct cm_hdrs *h, const char *name, const char *value, size_t from)
+{
+    for (size_t i = from; i < h->n; i++)
+        if (strcasecmp(h->v[i].name, name) == 0 && (value == NULL || strcmp(h->v[i].value, value) == 0))
+            return i;
+    return (size_t)-1;
+}
+
+/* Same generator as testupstream's X-Test-Body-Size body. */
+static uint8_t body_byte(uint64_t i)
+{
+    if (i % 64 == 1)
+        return 0;
+    uint64_t x = i / 8 + 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return (uint8_t)(x >> (8 * (i % 8)));
+}
+
+static char *random_binary(size_t n)
+{
+    char *p = cm_malloc(n);
+    uint32_t x = 2463534242u;
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        p[i] = (char)(i % 100 == 7 ? 0 : (x & 0xff));
+    }
+    return p;
+}
+
+/* ---- tests */
+
+Test(upstream, every_method_reaches_the_upstream)
+{
+    const char *methods[] = {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"};
+    for (size_t i = 0; i < sizeof methods / sizeof *methods; i++) {
+        struct reqspec s;
+        struct result res;
+        spec_init(&s, methods[i], "/m/x?y=1&z=%20");
+        bool with_body = strcmp(methods[i], "GET") != 0 && strcmp(methods[i], "HEAD") != 0;
+        if (with_body) {
+            s.body = "{\"a\":1}";
+            s.body_len = 7;
+            cm_hdrs_add(&s.hdrs, "Content-Type", "application/json");
+        }
+        do_request(g_cli, &s, &res);
+        cr_assert_eq(res.r, UP_OK, "%s: %s (%s)", methods[i], up_result_name(res.r), res.err);
+        cr_assert_eq(res.status, 200, "%s: status %d", methods[i], res.status);
+        cr_assert_str_eq(cm_hdrs_get(&res.hdrs, "X-Echo-Method"), methods[i]);
+        cr_assert_str_eq(cm_hdrs_get(&res.hdrs, "X-Echo-Uri"), "/m/x?y=1&z=%20");
+        if (strcmp(methods[i], "HEAD") == 0)
+            cr_assert_eq(res.body_len, 0);
+        else if (with_body)
+            cr_assert(res.body_len == 7 && memcmp(res.body, "{\"a\":1}", 7) == 0, "%s: body not echoed", methods[i]);
+        else
+            cr_assert(res.body_len > 0 && strstr(res.body, "\"ok\":true") != NULL);
+        result_free(&res);
+    }
+    cr_assert_eq(upstream_count(NULL), 7);
+}
+
+Test(upstream, status_and_empty_post_body)
+{
+    struct reqspec s;
+    struct result res;
+    spec_init(&s, "POST", "/created");
+    cm_hdrs_add(&s.hdrs, "X-Test-Status", "201");
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_OK, "%s (%s)", up_result_name(res.r), res.err);
+    cr_assert_eq(res.status, 201, "status %d", res.status);
+    result_free(&res);
+    char *h = upstream_last_headers();
+    cr_assert_not_null(strstr(h, "Content-Length: 0\n"), "an empty POST carries Content-Length: 0:\n%s", h);
+    free(h);
+}
+
+Test(upstream, headers_sent_as_given_without_curl_defaults)
+{
+    struct reqspec s;
+    struct result res;
+    spec_init(&s, "POST", "/h");
+    cm_hdrs_add(&s.hdrs, "Host", "api.example.test");
+    cm_hdrs_add(&s.hdrs, "X-First", "1");
+    cm_hdrs_add(&s.hdrs, "X-Empty", "");
+    cm_hdrs_add(&s.hdrs, "X-Dup", "a");
+    cm_hdrs_add(&s.hdrs, "X-Dup", "b");
+    char *big = random_binary(2 * 1024 * 1024); /* over 1 MiB: libcurl would add Expect: 100-continue */
+    s.body = big;
+    s.body_len = 2 * 1024 * 1024;
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_OK, "%s", res.err);
+    result_free(&res);
+    free(big);
+    char *h = upstream_last_headers();
+    cr_assert_not_null(strstr(h, "Host: api.example.test\n"), "%s", h);
+    const char *a = strstr(h, "X-First: 1\n"), *b = strstr(h, "X-Dup: a\n"), *c = strstr(h, "X-Dup: b\n");
+    cr_assert(a && b && c && a < b && b < c, "order kept:\n%s", h);
+    cr_assert_not_null(strstr(h, "X-Empty: \n"), "%s", h);
+    cr_assert_null(strstr(h, "Expect"), "no Expect:\n%s", h);
+    cr_assert_null(strstr(h, "Accept"), "no Accept:\n%s", h);
+    cr_assert_null(strstr(h, "Content-Type"), "no Content-Type unless given:\n%s", h);
+    cr_assert_null(strstr(h, "User-Agent"), "%s", h);
+    free(h);
+}
+
+Test(upstream, one_mib_binary_both_ways)
+{
+    size_t n = 1024 * 1024;
+    char *body = random_binary(n);
+    struct reqspec s;
+    struct result res;
+    spec_init(&s, "POST", "/echo");
+    cm_hdrs_add(&s.hdrs, "Content-Type", "application/octet-stream");
+    s.body = body;
+    s.body_len = n;
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_OK, "%s", res.err);
+    cr_assert_eq(res.body_len, n);
+    cr_assert(memcmp(res.body, body, n) == 0, "echoed body differs");
+    result_free(&res);
+    free(body);
+
+    for (int chunked = 0; chunked < 2; chunked++) {
+        spec_init(&s, "GET", "/bin");
+        cm_hdrs_add(&s.hdrs, "X-Test-Body-Size", "1048576");
+        if (chunked)
+            cm_hdrs_add(&s.hdrs, "X-Test-Chunked", "1");
+        do_request(g_cli, &s, &res);
+        cr_assert_eq(res.r, UP_OK, "%s", res.err);
+        cr_assert_eq(res.body_len, n);
+        size_t zeros = 0;
+        for (size_t i = 0; i < n; i++) {
+            cr_assert_eq((uint8_t)res.body[i], body_byte(i), "byte %zu differs (chunked=%d)", i, chunked);
+            zeros += res.body[i] == 0;
+        }
+        cr_assert(zeros > 1000);
+        cr_assert_null(cm_hdrs_get(&res.hdrs, "Transfer-Encoding"));
+        result_free(&res);
+    }
+}
+
+Test(upstream, repeated_headers_in_order_and_hop_by_hop_stripped)
+{
+    struct reqspec s;
+    struct result res;
+    spec_init(&s, "GET", "/hdrs");
+    cm_hdrs_add(&s.hdrs, "X-Test-Chunked", "1");
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_OK);
+    size_t a = hdr_index(&res.hdrs, "Set-Cookie", "a=1", 0);
+    size_t b = hdr_index(&res.hdrs, "Set-Cookie", "b=2", 0);
+    size_t one = hdr_index(&res.hdrs, "X-Multi", "one", 0);
+    size_t two = hdr_index(&res.hdrs, "X-Multi", "two", 0);
+    cr_assert(a != (size_t)-1 && b != (size_t)-1 && a < b, "Set-Cookie a=1 then b=2");
+    cr_assert(one != (size_t)-1 && two != (size_t)-1 && one < two, "X-Multi one then two");
+    cr_assert_eq(hdr_index(&res.hdrs, "Connection", NULL, 0), (size_t)-1);
+    cr_assert_eq(hdr_index(&res.hdrs, "Keep-Alive", NULL, 0), (size_t)-1);
+    cr_assert_eq(hdr_index(&res.hdrs, "X-Hop", NULL, 0), (size_t)-1, "named in Connection");
+    cr_assert_eq(hdr_index(&res.hdrs, "Transfer-Encoding", NULL, 0), (size_t)-1);
+    cr_assert_not_null(cm_hdrs_get(&res.hdrs, "X-Upstream-Exec"));
+    cr_assert_str_eq(cm_hdrs_get(&res.hdrs, "Content-Type"), "application/json");
+    result_free(&res);
+}
+
+Test(upstream, keep_alive_connection_is_reused)
+{
+    char first[32] = "";
+    for (int i = 0; i < 3; i++) {
+        struct reqspec s;
+        struct result res;
+        spec_init(&s, i == 1 ? "POST" : "GET", "/ka");
+        if (i == 1) {
+            s.body = "x";
+            s.body_len = 1;
+        }
+        do_request(g_cli, &s, &res);
+        cr_assert_eq(res.r, UP_OK);
+        const char *id = cm_hdrs_get(&res.hdrs, "X-Conn-Id");
+        cr_assert_not_null(id);
+        if (i == 0)
+            snprintf(first, sizeof first, "%s", id);
+        else
+            cr_assert_str_eq(id, first, "request %d used another connection", i);
+        result_free(&res);
+    }
+}
+
+Test(upstream, refused_connect_is_connect_failed)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert(bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+    socklen_t sl = sizeof sa;
+    cr_assert(getsockname(fd, (struct sockaddr *)&sa, &sl) == 0);
+    close(fd); /* bound, never listened: the port is closed */
+    struct reqspec s;
+    struct result res;
+    spec_init(&s, "POST", "/nobody-home");
+    s.port = ntohs(sa.sin_port);
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_CONNECT_FAILED, "got %s (%s)", up_result_name(res.r), res.err);
+    result_free(&res);
+}
+
+Test(upstream, slow_answer_is_timeout_after_sending)
+{
+    struct reqspec s;
+    struct result res;
+    spec_init(&s, "POST", "/slow");
+    cm_hdrs_add(&s.hdrs, "X-Test-Delay-Ms", "3000");
+    cm_hdrs_add(&s.hdrs, "Idempotency-Key", "slow-1");
+    s.timeout_ms = 300;
+    uint64_t t0 = cm_now_ms();
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_TIMEOUT, "got %s (%s)", up_result_name(res.r), res.err);
+    cr_assert(cm_now_ms() - t0 < 2500);
+    result_free(&res);
+    cr_assert_eq(upstream_count("slow-1"), 1, "the request did reach the upstream");
+}
+
+Test(upstream, queued_past_its_timeout_is_connect_failed)
+{
+    struct up_client *c = up_client_create(g_base, 1);
+    cr_assert_not_null(c);
+    struct reqspec s1, s2;
+    struct result r1 = {0}, r2 = {0};
+    cm_hdrs_init(&r1.hdrs);
+    cm_hdrs_init(&r2.hdrs);
+    spec_init(&s1, "POST", "/hold");
+    cm_hdrs_add(&s1.hdrs, "X-Test-Delay-Ms", "1500");
+    spec_init(&s2, "POST", "/queued");
+    cm_hdrs_add(&s2.hdrs, "Idempotency-Key", "queued-1");
+    s2.timeout_ms = 300;
+    cr_assert_not_null(up_send(c, spec_req(&s1), on_done, &r1));
+    cr_assert_not_null(up_send(c, spec_req(&s2), on_done, &r2));
+    cr_assert_eq(up_active(c), 2);
+    run_until(&r2.calls, 1, 5000);
+    cr_assert_eq(r2.calls, 1);
+    cr_assert_eq(r2.r, UP_CONNECT_FAILED, "waiting for a connection slot sent nothing: got %s (%s)",
+                 up_result_name(r2.r), r2.err);
+    run_until(&r1.calls, 1, 5000);
+    cr_assert_eq(r1.r, UP_OK);
+    cm_hdrs_free(&s1.hdrs);
+    cm_hdrs_free(&s2.hdrs);
+    result_free(&r1);
+    result_free(&r2);
+    up_client_destroy(c);
+    cr_assert_eq(upstream_count("queued-1"), 0);
+}
+
+Test(upstream, close_or_reset_without_answer_is_no_response)
+{
+    const char *actions[] = {"close", "reset"};
+    for (int i = 0; i < 2; i++) {
+        /* a fresh client: the connection is new, so libcurl has no reason to re-send */
+        struct up_client *c = up_client_create(g_base, 0);
+        char key[32];
+        snprintf(key, sizeof key, "drop-%s", actions[i]);
+        struct reqspec s;
+        struct result res;
+        spec_init(&s, "POST", "/drop");
+        s.body = "pay";
+        s.body_len = 3;
+        s.no_resend = false;
+        cm_hdrs_add(&s.hdrs, "X-Test-Action", actions[i]);
+        cm_hdrs_add(&s.hdrs, "Idempotency-Key", key);
+        do_request(c, &s, &res);
+        cr_assert_eq(res.r, UP_NO_RESPONSE, "%s: got %s (%s)", actions[i], up_result_name(res.r), res.err);
+        result_free(&res);
+        up_client_destroy(c);
+        cr_assert_eq(upstream_count(key), 1);
+    }
+}
+
+/* The upstream executes, then the REUSED keep-alive connection dies without a response byte. libcurl re-sends
+ * such a request by itself; with no_resend it must not, and the outcome is unknown (UP_NO_RESPONSE). The control
+ * (no_resend=false) shows that the test does detect the second execution. */
+Test(upstream, dead_reused_connection_is_never_resent)
+{
+    struct {
+        const char *method, *action;
+        bool no_resend;
+        uint64_t want;
+    } cases[] = {
+        {"POST", "close", true, 1},  {"POST", "reset", true, 1},  {"DELETE", "close", true, 1},
+        {"POST", "close", false, 2}, {"POST", "reset", false, 2}, {"DELETE", "close", false, 2},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        struct up_client *c = up_client_create(g_base, 0);
+        struct reqspec s;
+        struct result res;
+        spec_init(&s, "GET", "/warm-up");
+        do_request(c, &s, &res);
+        cr_assert_eq(res.r, UP_OK);
+        char conn[32];
+        snprintf(conn, sizeof conn, "%s", cm_hdrs_get(&res.hdrs, "X-Conn-Id"));
+        result_free(&res);
+
+        char key[64];
+        snprintf(key, sizeof key, "reused-%zu", i);
+        spec_init(&s, cases[i].method, "/pay");
+        if (strcmp(cases[i].method, "POST") == 0) {
+            s.body = "{\"amount\":100}";
+            s.body_len = strlen(s.body);
+        }
+        s.no_resend = cases[i].no_resend;
+        cm_hdrs_add(&s.hdrs, "Idempotency-Key", key);
+        cm_hdrs_add(&s.hdrs, "X-Test-Action", cases[i].action);
+        do_request(c, &s, &res);
+        cr_assert_eq(res.r, UP_NO_RESPONSE, "case %zu: got %s (%s)", i, up_result_name(res.r), res.err);
+        result_free(&res);
+        uint64_t n = upstream_count(key);
+        cr_assert_eq(n, cases[i].want, "case %zu (%s %s no_resend=%d): executed %llu times", i, cases[i].method,
+                     cases[i].action, cases[i].no_resend, (unsigned long long)n);
+
+        /* the client is still usable afterwards */
+        spec_init(&s, "GET", "/after");
+        do_request(c, &s, &res);
+        cr_assert_eq(res.r, UP_OK);
+        cr_assert_str_neq(cm_hdrs_get(&res.hdrs, "X-Conn-Id"), conn, "the dead connection is not reused");
+        result_free(&res);
+        up_client_destroy(c);
+    }
+}
+
+Test(upstream, response_over_cap_is_too_large)
+{
+    struct reqspec s;
+    struct result res;
+    spec_init(&s, "GET", "/big");
+    cm_hdrs_add(&s.hdrs, "X-Test-Body-Size", "100000");
+    s.max_response = 65536;
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_TOO_LARGE, "got %s", up_result_name(res.r));
+    result_free(&res);
+    /* exactly at the cap is fine */
+    spec_init(&s, "GET", "/big");
+    cm_hdrs_add(&s.hdrs, "X-Test-Body-Size", "65536");
+    s.max_response = 65536;
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_OK);
+    cr_assert_eq(res.body_len, 65536);
+    result_free(&res);
+}
+
+struct many {
+    int done;
+    int ok;
+    struct cm_hdrs conn_ids;
+};
+
+static void on_many(void *arg, enum up_result r, struct cm_resp *resp, const char *errmsg, double secs)
+{
+    struct many *m = arg;
+    m->done++;
+    if (r == UP_OK && resp->status == 200) {
+        m->ok++;
+        const char *id = cm_hdrs_get(&resp->hdrs, "X-Conn-Id");
+        if (id != NULL && cm_hdrs_get(&m->conn_ids, id) == NULL)
+            cm_hdrs_add(&m->conn_ids, id, "1");
+    }
+}
+
+Test(upstream, two_hundred_concurrent_transfers)
+{
+    struct many m = {0};
+    cm_hdrs_init(&m.conn_ids);
+    struct reqspec s;
+    spec_init(&s, "POST", "/concurrent");
+    cm_hdrs_add(&s.hdrs, "X-Test-Delay-Ms", "100");
+    s.body = "c";
+    s.body_len = 1;
+    for (int i = 0; i < 200; i++)
+        cr_assert_not_null(up_send(g_cli, spec_req(&s), on_many, &m));
+    cm_hdrs_free(&s.hdrs);
+    cr_assert_eq(up_active(g_cli), 200);
+    run_until(&m.done, 200, 5000); /* serially this would take 20 s */
+    cr_assert_eq(m.done, 200);
+    cr_assert_eq(m.ok, 200);
+    cr_assert_eq(up_active(g_cli), 0);
+    cr_assert(m.conn_ids.n > 100, "ran in parallel on %zu connections", m.conn_ids.n);
+    cm_hdrs_free(&m.conn_ids);
+}
+
+Test(upstream, max_host_connections_bounds_sockets)
+{
+    struct up_client *c = up_client_create(g_base, 4);
+    struct many m = {0};
+    cm_hdrs_init(&m.conn_ids);
+    struct reqspec s;
+    spec_init(&s, "GET", "/bounded");
+    cm_hdrs_add(&s.hdrs, "X-Test-Delay-Ms", "50");
+    for (int i = 0; i < 40; i++)
+        cr_assert_not_null(up_send(c, spec_req(&s), on_many, &m));
+    cm_hdrs_free(&s.hdrs);
+    run_until(&m.done, 40, 10000);
+    cr_assert_eq(m.ok, 40);
+    cr_assert(m.conn_ids.n >= 1 && m.conn_ids.n <= 4, "used %zu connections", m.conn_ids.n);
+    cm_hdrs_free(&m.conn_ids);
+    up_client_destroy(c);
+}
+
+Test(upstream, cancel_and_destroy_never_call_back)
+{
+    struct reqspec s;
+    struct result res = {0};
+    cm_hdrs_init(&res.hdrs);
+    spec_init(&s, "POST", "/cancelled");
+    cm_hdrs_add(&s.hdrs, "X-Test-Delay-Ms", "300");
+    struct up_transfer *t = up_send(g_cli, spec_req(&s), on_done, &res);
+    cr_assert_not_null(t);
+    run_for(50);
+    up_cancel(g_cli, t);
+    cr_assert_eq(up_active(g_cli), 0);
+    run_for(500);
+    cr_assert_eq(res.calls, 0);
+
+    struct up_client *c = up_client_create(g_base, 0);
+    for (int i = 0; i < 5; i++)
+        cr_assert_not_null(up_send(c, spec_req(&s), on_done, &res));
+    run_for(50);
+    up_client_destroy(c);
+    run_for(400);
+    cr_assert_eq(res.calls, 0);
+    cm_hdrs_free(&s.hdrs);
+
+    /* the shared client still works */
+    spec_init(&s, "GET", "/alive");
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_OK);
+    result_free(&res);
+}
+
+/* ---- a raw server for heads testupstream cannot produce (interim 1xx, folded lines) */
+
+static const char *g_canned;
+
+static void raw_write_cb(struct bufferevent *bev, void *arg)
+{
+    if (evbuffer_get_length(bufferevent_get_output(bev)) == 0)
+        bufferevent_free(bev);
+}
+
+static void raw_event_cb(struct bufferevent *bev, short what, void *arg)
+{
+    if (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR))
+        bufferevent_free(bev);
+}
+
+static void raw_read_cb(struct bufferevent *bev, void *arg)
+{
+    struct evbuffer *in = bufferevent_get_input(bev);
+    struct evbuffer_ptr p = evbuffer_search(in, "\r\n\r\n", 4, NULL);
+    if (p.pos < 0)
+        return;
+    evbuffer_drain(in, evbuffer_get_length(in));
+    bufferevent_setcb(bev, NULL, raw_write_cb, raw_event_cb, arg);
+    bufferevent_write(bev, g_canned, strlen(g_canned));
+}
+
+static void raw_accept(struct evconnlistener *l, evutil_socket_t fd, struct sockaddr *sa, int len, void *arg)
+{
+    struct bufferevent *bev = bufferevent_socket_new(g_base, fd, BEV_OPT_CLOSE_ON_FREE);
+    bufferevent_setcb(bev, raw_read_cb, NULL, raw_event_cb, NULL);
+    bufferevent_enable(bev, EV_READ | EV_WRITE);
+}
+
+Test(upstream, interim_response_and_folded_header)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct evconnlistener *l = evconnlistener_new_bind(
+        g_base, raw_accept, NULL, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE, 16, (struct sockaddr *)&sa, sizeof sa);
+    cr_assert_not_null(l);
+    socklen_t sl = sizeof sa;
+    getsockname(evconnlistener_get_fd(l), (struct sockaddr *)&sa, &sl);
+    g_canned = "HTTP/1.1 100 Continue\r\nX-Interim: yes\r\n\r\n"
+               "HTTP/1.1 202 Accepted\r\nX-A: 1\r\nX-Fold: first\r\n  second\r\nContent-Length: 2\r\n"
+               "Connection: close\r\n\r\nhi";
+    struct reqspec s;
+    struct result res;
+    spec_init(&s, "POST", "/raw");
+    s.port = ntohs(sa.sin_port);
+    s.body = "b";
+    s.body_len = 1;
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_OK, "%s (%s)", up_result_name(res.r), res.err);
+    cr_assert_eq(res.status, 202);
+    cr_assert_null(cm_hdrs_get(&res.hdrs, "X-Interim"), "the interim head is dropped");
+    cr_assert_str_eq(cm_hdrs_get(&res.hdrs, "X-A"), "1");
+    cr_assert_str_eq(cm_hdrs_get(&res.hdrs, "X-Fold"), "first second");
+    cr_assert_null(cm_hdrs_get(&res.hdrs, "Connection"));
+    cr_assert(res.body_len == 2 && memcmp(res.body, "hi", 2) == 0);
+    result_free(&res);
+    evconnlistener_free(l);
+}
