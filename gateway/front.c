@@ -249,8 +249,10 @@ static bool is_tchar(unsigned char ch)
            (ch && strchr("!#$%&'*+-.^_`|~", ch) != NULL);
 }
 
-/* RFC 9110 field names are tokens; values carry no control byte but HTAB. */
-static bool headers_well_formed(const struct cm_hdrs *h)
+/* RFC 9110 field names are tokens; values carry no control byte but HTAB.
+ * The value of skip (the idempotency key header, when the key is checked) is
+ * left to the key parser, which answers idempotency-key-invalid. */
+static bool headers_well_formed(const struct cm_hdrs *h, const char *skip)
 {
     for (size_t i = 0; i < h->n; i++) {
         const unsigned char *p = (const unsigned char *)h->v[i].name;
@@ -259,6 +261,8 @@ static bool headers_well_formed(const struct cm_hdrs *h)
         for (; *p; p++)
             if (!is_tchar(*p))
                 return false;
+        if (skip && strcasecmp(h->v[i].name, skip) == 0)
+            continue;
         for (p = (const unsigned char *)h->v[i].value; *p; p++)
             if ((*p < 0x20 && *p != '\t') || *p == 0x7f)
                 return false;
@@ -322,7 +326,8 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     if (header_block_size(r, method) > conf->max_header_bytes)
         return reject(r, c, 431, "request-header-fields-too-large", "Request header fields too large",
                       "the request header block exceeds max_header_bytes", CM_OUT_TOO_LARGE);
-    if (!headers_well_formed(&r->in_hdrs) || framing_ambiguous(&r->in_hdrs))
+    bool keyed = route && route->idem.key != CONF_KEY_OFF && (route->methods & conf_method_bit(method));
+    if (!headers_well_formed(&r->in_hdrs, keyed ? route->idem.header : NULL) || framing_ambiguous(&r->in_hdrs))
         return reject(r, c, 400, "bad-request", "Bad request", "malformed header field or ambiguous message framing",
                       CM_OUT_ERROR);
     if (!job->upstream)
@@ -339,7 +344,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     }
     cm_buf_init(&job->body, (size_t)max_body);
 
-    if (route && route->idem.key != CONF_KEY_OFF && (route->methods & conf_method_bit(method))) {
+    if (keyed) {
         const char *raw = cm_hdrs_get(&r->in_hdrs, route->idem.header);
         if (!raw) {
             if (route->idem.key == CONF_KEY_REQUIRED)
