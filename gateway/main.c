@@ -128,6 +128,16 @@ static int run(const struct conf *conf)
     cm_metrics_init(conf->routes_n, names);
     free(names);
 
+    /* Migrate before the pool connects, so its statements prepare at once;
+     * when Postgres is not there yet, a thread keeps trying in the background
+     * and idempotent requests get 503 until then. */
+    char *merr = NULL;
+    bool migrated = store_migrate(conf->postgres_url, MIGRATE_TIMEOUT_MS, &merr);
+    if (!migrated)
+        cm_log(CM_WARN, "schema_unavailable", "error=%s retry_ms=%d", cm_log_quote(q, sizeof q, merr ? merr : "?"),
+               MIGRATE_RETRY_MS);
+    free(merr);
+
     loop = gw_loop_create(conf, &err);
     if (!loop) {
         cm_log(CM_ERROR, "start_failed", "error=%s", cm_log_quote(q, sizeof q, err ? err : "?"));
@@ -138,15 +148,15 @@ static int run(const struct conf *conf)
         goto out;
     }
     mig.loop = loop;
-    if (pthread_create(&mig.thread, NULL, migrate_main, &mig) != 0) {
-        cm_log(CM_ERROR, "start_failed", "error=\"cannot start the migration thread\"");
-        goto out;
-    }
-    mig_started = true;
-    /* Give the first migration a moment so that a healthy start is ready at once. */
-    for (int i = 0; i < 500 && !gw_loop_schema_ready(loop); i++) {
-        struct timespec ts = {0, 10 * 1000 * 1000};
-        nanosleep(&ts, NULL);
+    if (migrated) {
+        gw_loop_set_schema_ready(loop, true);
+        cm_log(CM_INFO, "schema_ready", NULL);
+    } else {
+        if (pthread_create(&mig.thread, NULL, migrate_main, &mig) != 0) {
+            cm_log(CM_ERROR, "start_failed", "error=\"cannot start the migration thread\"");
+            goto out;
+        }
+        mig_started = true;
     }
 
     front = gw_front_start(conf, loop, &err);

@@ -88,15 +88,6 @@ static char *conf_with(const char *idem, const char *redis)
     return out;
 }
 
-static struct e2e_gw *gw_start(const struct e2e_upstream *up, const char *idem, const char *redis)
-{
-    char *tmpl = conf_with(idem, redis);
-    struct e2e_gw_opts o = {.up = up};
-    struct e2e_gw *g = e2e_gw_start(tmpl, &o);
-    free(tmpl);
-    return g;
-}
-
 /* ---- helpers */
 
 static void mkkey(char *buf, size_t n, const char *tag)
@@ -114,12 +105,8 @@ static void mkreq(struct e2e_req *rq, const char **h, char *kh, const char *path
     h[0] = kh;
     h[1] = extra;
     h[2] = NULL;
-    *rq = (struct e2e_req){.method = "POST",
-                           .path = path,
-                           .headers = h,
-                           .body = body,
-                           .body_len = strlen(body),
-                           .timeout_ms = timeout_ms};
+    *rq = (struct e2e_req){
+        .method = "POST", .path = path, .headers = h, .body = body, .body_len = strlen(body), .timeout_ms = timeout_ms};
 }
 
 static void post(uint16_t port, const char *path, const char *key, const char *body, const char *extra,
@@ -184,6 +171,16 @@ static double metric_value(const char *text, const char *name, const char *const
     return best;
 }
 
+/* Fails the test (with the gateway's log) when the gateway process is gone: a crash must not turn into a long
+ * series of connection errors. */
+static void assert_alive(struct e2e_gw *gw, const char *when)
+{
+    if (e2e_proc_wait(&gw->proc, 0)) {
+        e2e_proc_dump_log(&gw->proc, 8000);
+        cr_assert_fail("the gateway died %s (exit %d): see its log above", when, e2e_proc_exit_code(&gw->proc));
+    }
+}
+
 static long readyz(const struct e2e_gw *gw)
 {
     struct e2e_resp r;
@@ -205,6 +202,21 @@ static bool readyz_wait(const struct e2e_gw *gw, long want, int timeout_ms)
             return false;
         e2e_sleep_ms(100);
     }
+}
+
+/* Starts a gateway and waits (bounded) until GET /readyz answers 200: the harness waits for /healthz only, and a
+ * gateway may answer 503 store-unavailable until its Postgres pool is up. */
+static struct e2e_gw *gw_start(const struct e2e_upstream *up, const char *idem, const char *redis)
+{
+    char *tmpl = conf_with(idem, redis);
+    struct e2e_gw_opts o = {.up = up};
+    struct e2e_gw *g = e2e_gw_start(tmpl, &o);
+    free(tmpl);
+    bool ready = readyz_wait(g, 200, 10000);
+    if (!ready)
+        e2e_proc_dump_log(&g->proc, 4000);
+    cr_assert(ready, "gateway not ready (/readyz %ld) 10 s after start", readyz(g));
+    return g;
 }
 
 /* ---- Redis */
@@ -337,6 +349,7 @@ Test(faults, postgres_down_is_503_and_forwards_nothing, .fini = restore_postgres
         cr_expect_not_null(e2e_resp_header(&r, "Retry-After"), "503 store-unavailable must carry Retry-After");
         cr_expect(r.seconds < 5.0, "the 503 took %.2fs", r.seconds);
         e2e_resp_free(&r);
+        assert_alive(gw, "while Postgres was down");
     }
     cr_expect_eq(e2e_upstream_count(up, key), 0, "nothing may be forwarded while Postgres is down");
     cr_expect_eq(e2e_upstream_count(up, NULL), before, "nothing may be forwarded while Postgres is down");
@@ -371,7 +384,11 @@ Test(faults, postgres_down_is_503_and_forwards_nothing, .fini = restore_postgres
             cr_expect(!replay || tries > 1, "the first success must be the execution");
             break;
         }
-        cr_expect(status == 503, "while Postgres comes back: 503 or 200 expected, got %ld", status);
+        if (status != 503) {
+            assert_alive(gw, "while Postgres came back");
+            cr_expect_fail("while Postgres comes back: 503 or 200 expected, got %ld", status);
+            break;
+        }
         if (e2e_now_ms() >= deadline)
             break;
         e2e_sleep_ms(200);
@@ -402,6 +419,7 @@ Test(faults, postgres_down_is_visible_in_metrics, .fini = restore_postgres)
     post(gw->port, "/v1/pay/m", key, "{}", NULL, &r);
     expect_problem(&r, 503, "store-unavailable", "Postgres down");
     e2e_resp_free(&r);
+    assert_alive(gw, "while Postgres was down");
     static const char *const none[] = {NULL};
     static const char *const pg[] = {"store=\"postgres\"", NULL};
     double up_v = -1, err_v = -1;
@@ -465,6 +483,7 @@ Test(faults, sigkill_mid_request_never_executes_twice)
 
     struct e2e_gw *gw2 = gw_start(up, idem, "{{REDIS_URL}}");
     uint64_t since = e2e_now_ms() - t0;
+    cr_log_info("restarted %llu ms after the kill", (unsigned long long)since);
     post(gw2->port, "/v1/pay/kill", key, "{\"k\":1}", NULL, &r);
     if (since < 1700) {
         expect_problem(&r, 409, "idempotency-key-in-use", "retry within the orphaned claim's lease");
@@ -483,7 +502,8 @@ Test(faults, sigkill_mid_request_never_executes_twice)
     if (elapsed < 3300)
         e2e_sleep_ms((int)(3300 - elapsed));
     post(gw2->port, "/v1/pay/kill", key, "{\"k\":1}", NULL, &r);
-    expect_problem(&r, 409, "idempotency-outcome-unknown", "retry after the orphaned claim's lease (on_unknown reject)");
+    expect_problem(&r, 409, "idempotency-outcome-unknown",
+                   "retry after the orphaned claim's lease (on_unknown reject)");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "a crash mid-request must never lead to a second execution");
 }
@@ -517,13 +537,12 @@ Test(faults, two_instances_forty_duplicates_execute_once)
                    e2e_resp_header(&r, "Retry-After") != NULL) {
             conflicts++;
         } else if (bad++ < 5) {
-            cr_log_error("request %d (gateway %d): %ld (%s) %.200s", i, i % 2, r.status, r.error,
-                         (const char *)r.body);
+            cr_log_error("request %d (gateway %d): %ld (%s) %.200s", i, i % 2, r.status, r.error, (const char *)r.body);
         }
         e2e_resp_free(&r);
     }
-    cr_expect_eq(originals, 1, "exactly one original answer over two instances, got %d (replays %d, 409 %d)",
-                 originals, replays, conflicts);
+    cr_expect_eq(originals, 1, "exactly one original answer over two instances, got %d (replays %d, 409 %d)", originals,
+                 replays, conflicts);
     cr_expect_eq(bad, 0, "%d answers were neither the original, a replay nor 409 in-use", bad);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "40 duplicates over two instances must execute once");
     cr_expect_eq(e2e_upstream_count(up, NULL), 1);
