@@ -63,6 +63,7 @@ static void start_testupstream(void)
     if (g_pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGTERM);
         dup2(pfd[1], STDOUT_FILENO);
+        close_range(3, ~0u, 0); /* no inherited descriptor of the test runner */
         execl(path, path, "--quiet", "--host", "127.0.0.1", "--port", "0", (char *)NULL);
         _exit(127);
     }
