@@ -31,7 +31,11 @@ for a in "$@"; do
 done
 
 say() { printf '%s\n' "$*"; }
-hdr() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+if [ -t 1 ]; then
+    hdr() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+else
+    hdr() { printf '\n== %s\n' "$*"; }
+fi
 die() {
     echo "run.sh: $*" >&2
     exit 1

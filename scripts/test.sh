@@ -158,7 +158,8 @@ extra_stage() {
     log "$name: $script $*"
     out=$TMP/$name.out
     # timeout puts the stage in its own process group and, on expiry or on our TERM, signals all of it.
-    timeout -k 10 900 "$script" "$@" >"$out" 2>&1 </dev/null &
+    : >"$out"
+    timeout -k 10 900 "$script" "$@" >>"$out" 2>&1 </dev/null &
     EXTRA_PID=$!
     tail -n +1 --pid="$EXTRA_PID" -f "$out"
     wait "$EXTRA_PID"
