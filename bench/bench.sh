@@ -91,12 +91,12 @@ for c in wrk nginx pgbench curl; do command -v $c >/dev/null 2>&1 || die "$c mis
 # ---- build (optimised, in its own dir)
 if [ ! -f build-bench/build.ninja ]; then
     rm -rf build-bench
-    meson setup build-bench -Dbuildtype=release -Dwerror=false >/tmp/idemgate-bench-setup.log 2>&1 || {
+    meson setup build-bench -Dbuildtype=release >/tmp/idemgate-bench-setup.log 2>&1 || {
         cat /tmp/idemgate-bench-setup.log >&2
         die "meson setup build-bench failed"
     }
 else
-    meson configure build-bench -Dbuildtype=release -Dwerror=false >/dev/null
+    meson configure build-bench -Dbuildtype=release >/dev/null
 fi
 ninja -C build-bench idemgate tests/tools/testupstream >/tmp/idemgate-bench-build.log 2>&1 || {
     tail -n 40 /tmp/idemgate-bench-build.log >&2

@@ -212,7 +212,7 @@ if [ $quick = 0 ]; then
     log "build (build-asan/: address,undefined)"
     # Warnings are enforced (-Werror) by the normal build; sanitizer instrumentation makes gcc emit false
     # positives (-Wformat-truncation, -Warray-bounds), so this build only reports them.
-    if build build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dwerror=false; then
+    if build build-asan -Db_sanitize=address,undefined -Db_lundef=false; then
         if services_fresh; then
             ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 \
                 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

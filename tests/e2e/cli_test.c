@@ -69,7 +69,7 @@ static char *config_with(size_t line, const char *repl)
     return out;
 }
 
-static int idemgate(const char *const *args, const char *const *env, char **out, char **err)
+__attribute__((noinline)) static int idemgate(const char *const *args, const char *const *env, char **out, char **err)
 {
     const char *argv[16];
     size_t n = 0;
