@@ -76,7 +76,8 @@ struct store_pg {
     unsigned n_connecting; /* CONNECTING or PREPARING */
     bool attempted;        /* at least one connection attempt finished */
     bool last_failed;      /* the last connection attempt failed */
-    bool reported_up;      /* for transition logs */
+    bool reported;         /* a state was logged */
+    bool reported_up;      /* the state logged last */
     atomic_bool up;
     struct qlist queue;
     struct qlist deferred;
@@ -94,6 +95,8 @@ const char *store_pg_status_name(enum store_pg_status st)
         return "sql_error";
     case STORE_PG_TRANSPORT:
         return "transport";
+    case STORE_PG_TRANSIENT:
+        return "transient";
     case STORE_PG_TIMEOUT:
         return "timeout";
     case STORE_PG_UNAVAILABLE:
@@ -202,16 +205,23 @@ static void q_defer_fail(struct store_pg *p, struct pg_query *q, enum store_pg_s
 
 /* ---- up/down bookkeeping */
 
-static void update_up(struct store_pg *p)
+/* why: the last connection error, for the log line of a transition to down. */
+static void update_up(struct store_pg *p, const char *why)
 {
     bool v = p->n_up > 0 || (p->attempted && !p->last_failed);
     atomic_store(&p->up, v);
     cm_metric_postgres_up(v);
-    if (v != p->reported_up) {
-        char url[512];
-        cm_log(v ? CM_INFO : CM_WARN, v ? "postgres_up" : "postgres_down", "url=%s",
-               cm_redact_url(url, sizeof url, p->conninfo));
+    if (!p->attempted)
+        return;
+    if (!p->reported || v != p->reported_up) {
+        char url[512], err[256];
+        cm_redact_url(url, sizeof url, p->conninfo);
+        if (v)
+            cm_log(CM_INFO, "postgres_up", "url=%s", url);
+        else
+            cm_log(CM_WARN, "postgres_down", "url=%s error=%s", url, cm_log_quote(err, sizeof err, why ? why : "?"));
         p->reported_up = v;
+        p->reported = true;
     }
 }
 
@@ -290,35 +300,36 @@ static void conn_backoff(struct pg_conn *c)
     c->backoff_ms = c->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : c->backoff_ms * 2;
 }
 
-static void conn_connect_failed(struct pg_conn *c, const char *why)
+static void conn_connect_failed(struct pg_conn *c, const char *why_in)
 {
     struct store_pg *p = c->pool;
-    char msg[256];
-    cm_log(CM_DEBUG, "postgres_connect_failed", "conn=%u error=%s", c->idx,
-           cm_log_quote(msg, sizeof msg, why ? why : "?"));
+    char msg[256], why[256];
+    /* why_in may point into the PGconn that conn_close frees */
+    snprintf(why, sizeof why, "%s", why_in ? why_in : "?");
+    cm_log(CM_DEBUG, "postgres_connect_failed", "conn=%u error=%s", c->idx, cm_log_quote(msg, sizeof msg, why));
     conn_close(c);
     conn_backoff(c);
     p->attempted = true;
     p->last_failed = true;
     if (p->n_up == 0)
         fail_queue(p, "postgres unavailable");
-    update_up(p);
+    update_up(p, why);
 }
 
 /* A connection that was up broke: its running query fails with a transport error. */
-static void conn_dead(struct pg_conn *c, const char *why)
+static void conn_dead(struct pg_conn *c, const char *why_in)
 {
     struct store_pg *p = c->pool;
     struct pg_query *q = c->cur;
-    char msg[256];
-    cm_log(CM_WARN, "postgres_connection_lost", "conn=%u error=%s", c->idx,
-           cm_log_quote(msg, sizeof msg, why ? why : "?"));
+    char msg[256], why[256];
+    snprintf(why, sizeof why, "%s", why_in ? why_in : "?");
+    cm_log(CM_WARN, "postgres_connection_lost", "conn=%u error=%s", c->idx, cm_log_quote(msg, sizeof msg, why));
     c->cur = NULL;
     conn_close(c);
     conn_backoff(c);
     if (q)
         q_defer_fail(p, q, STORE_PG_TRANSPORT, "postgres connection lost");
-    update_up(p);
+    update_up(p, why);
 }
 
 static void notice_cb(void *arg, const char *message)
@@ -392,7 +403,7 @@ static void conn_ready(struct pg_conn *c)
     p->attempted = true;
     p->last_failed = false;
     conn_watch(c, EV_READ);
-    update_up(p);
+    update_up(p, NULL);
     dispatch(p);
 }
 
@@ -413,6 +424,13 @@ static void conn_connected(struct pg_conn *c)
 
 static void conn_poll(struct pg_conn *c)
 {
+    /* PQconnectPoll may close the socket and open another (next address),
+     * possibly under the same number: unregister it while it is still open,
+     * register the current one afresh after the step. */
+    if (c->io_assigned) {
+        event_del(c->io);
+        c->io_assigned = false;
+    }
     switch (PQconnectPoll(c->pg)) {
     case PGRES_POLLING_READING:
         conn_watch(c, EV_READ);
@@ -468,11 +486,13 @@ static enum store_pg_status classify(const PGresult *res, const char **msg)
     const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
     if (state && strcmp(state, "57014") == 0) /* statement_timeout */
         return STORE_PG_TIMEOUT;
-    /* connection exceptions, shutdown, insufficient resources, rollbacks
-     * (serialization, deadlock): worth another try, like a broken link */
-    if (!state || strncmp(state, "08", 2) == 0 || strncmp(state, "57P", 3) == 0 || strncmp(state, "53", 2) == 0 ||
-        strncmp(state, "40", 2) == 0)
+    /* connection exceptions, shutdown */
+    if (!state || strncmp(state, "08", 2) == 0 || strncmp(state, "57P", 3) == 0)
         return STORE_PG_TRANSPORT;
+    /* rollbacks (serialization, deadlock), insufficient resources: the
+     * statement did nothing and another try may work */
+    if (strncmp(state, "40", 2) == 0 || strncmp(state, "53", 2) == 0)
+        return STORE_PG_TRANSIENT;
     return STORE_PG_SQL_ERROR;
 }
 
@@ -506,7 +526,7 @@ static void command_done(struct pg_conn *c)
     if (PQstatus(c->pg) == CONNECTION_BAD) {
         if (st == STORE_PG_OK)
             st = STORE_PG_TRANSPORT, msg = "postgres connection lost";
-        if (st == STORE_PG_SQL_ERROR)
+        if (st == STORE_PG_SQL_ERROR || st == STORE_PG_TRANSIENT)
             st = STORE_PG_TRANSPORT;
         conn_dead(c, PQerrorMessage(c->pg));
     } else {

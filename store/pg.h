@@ -27,6 +27,7 @@ enum store_pg_status {
     STORE_PG_OK,          /* res is a PGRES_TUPLES_OK / PGRES_COMMAND_OK result */
     STORE_PG_SQL_ERROR,   /* the server refused the statement */
     STORE_PG_TRANSPORT,   /* the connection broke while the query was sent or running */
+    STORE_PG_TRANSIENT,   /* the server refused it for now (deadlock, serialization, resources): nothing done */
     STORE_PG_TIMEOUT,     /* no answer within the query timeout (the connection is reset) */
     STORE_PG_UNAVAILABLE, /* no connection is up and connecting failed */
     STORE_PG_OVERLOAD,    /* the waiting queue is full */

@@ -14,9 +14,9 @@
 
 #include "common/metrics.h"
 
-#define BACKOFF_MIN_MS 100
-#define BACKOFF_MAX_MS 2000
-#define MAX_TIMEOUTS_IN_A_ROW 5
+#define BACKOFF_MIN_MS         100
+#define BACKOFF_MAX_MS         2000
+#define MAX_TIMEOUTS_IN_A_ROW  5
 #define CONNECT_TIMEOUT_MIN_MS 1000
 
 enum rd_state {
@@ -43,6 +43,7 @@ struct store_rd {
     uint64_t backoff_ms;
     unsigned timeouts_in_a_row;
     bool destroying;
+    bool reported;
     bool reported_up;
     atomic_bool up;
 };
@@ -59,17 +60,24 @@ struct rd_cmd {
 
 static void rd_connect(struct store_rd *r);
 
-static void set_up(struct store_rd *r, bool v)
+/* why: the reason of a transition to down, for its log line. */
+static void set_up(struct store_rd *r, bool v, const char *why)
 {
     atomic_store(&r->up, v);
     cm_metric_redis_up(v);
-    if (v != r->reported_up) {
-        cm_log(v ? CM_INFO : CM_WARN, v ? "redis_up" : "redis_down", "url=%s", r->url_redacted);
+    if (!r->reported || v != r->reported_up) {
+        char err[256];
+        if (v)
+            cm_log(CM_INFO, "redis_up", "url=%s", r->url_redacted);
+        else
+            cm_log(CM_WARN, "redis_down", "url=%s error=%s", r->url_redacted,
+                   cm_log_quote(err, sizeof err, why ? why : "?"));
         r->reported_up = v;
+        r->reported = true;
     }
 }
 
-static void schedule_reconnect(struct store_rd *r)
+static void schedule_reconnect(struct store_rd *r, const char *why)
 {
     if (r->destroying)
         return;
@@ -79,7 +87,7 @@ static void schedule_reconnect(struct store_rd *r)
     evtimer_del(r->timer);
     evtimer_add(r->timer, &tv);
     r->backoff_ms = r->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : r->backoff_ms * 2;
-    set_up(r, false);
+    set_up(r, false, why);
 }
 
 /* Frees the live context from outside any hiredis callback; pending commands
@@ -92,7 +100,7 @@ static void rd_drop(struct store_rd *r, const char *why)
     r->state = R_BACKOFF;
     if (ac)
         redisAsyncFree(ac);
-    schedule_reconnect(r);
+    schedule_reconnect(r, why);
 }
 
 static void rd_ready(struct store_rd *r)
@@ -100,7 +108,7 @@ static void rd_ready(struct store_rd *r)
     evtimer_del(r->timer);
     r->state = R_UP;
     r->timeouts_in_a_row = 0;
-    set_up(r, true);
+    set_up(r, true, NULL);
 }
 
 static void cmd_free(struct rd_cmd *cmd)
@@ -189,7 +197,7 @@ static void connect_cb(const redisAsyncContext *ac, int status)
                cm_log_quote(msg, sizeof msg, ac->errstr ? ac->errstr : "?"));
         /* hiredis frees this context after we return. */
         r->ac = NULL;
-        schedule_reconnect(r);
+        schedule_reconnect(r, ac->errstr ? ac->errstr : "connect failed");
         return;
     }
     if (r->setup_pending == 0)
@@ -206,7 +214,7 @@ static void disconnect_cb(const redisAsyncContext *ac, int status)
            cm_log_quote(msg, sizeof msg, status == REDIS_OK ? "closed" : (ac->errstr ? ac->errstr : "?")));
     /* hiredis frees this context after we return. */
     r->ac = NULL;
-    schedule_reconnect(r);
+    schedule_reconnect(r, status == REDIS_OK ? "closed" : (ac->errstr ? ac->errstr : "disconnected"));
 }
 
 static bool send_setup(struct store_rd *r, int argc, const char **argv)
@@ -229,15 +237,15 @@ static void rd_connect(struct store_rd *r)
         char msg[256];
         cm_log(CM_DEBUG, "redis_connect_failed", "url=%s error=%s", r->url_redacted,
                cm_log_quote(msg, sizeof msg, ac && ac->errstr ? ac->errstr : "out of memory"));
+        schedule_reconnect(r, ac && ac->errstr ? ac->errstr : "connect failed");
         if (ac)
             redisAsyncFree(ac);
-        schedule_reconnect(r);
         return;
     }
     ac->data = r;
     if (redisLibeventAttach(ac, r->base) != REDIS_OK) {
         redisAsyncFree(ac);
-        schedule_reconnect(r);
+        schedule_reconnect(r, "cannot attach to the event loop");
         return;
     }
     redisAsyncSetConnectCallback(ac, connect_cb);
@@ -411,8 +419,7 @@ void store_rd_destroy(struct store_rd *r)
     free(r);
 }
 
-bool store_rd_command(struct store_rd *r, store_rd_cb cb, void *arg, int argc, const char **argv,
-                      const size_t *argvlen)
+bool store_rd_command(struct store_rd *r, store_rd_cb cb, void *arg, int argc, const char **argv, const size_t *argvlen)
 {
     if (!r || r->state != R_UP || !r->ac || r->destroying)
         return false;

@@ -18,30 +18,30 @@
 /* The server aborts a statement after STATEMENT_TIMEOUT_MS, before the
  * client gives up on it (RUN_TIMEOUT_MS): a claim the client abandoned does
  * not commit later behind its back (short of a network stall). */
-#define QUEUE_TIMEOUT_MS 5000
-#define STATEMENT_TIMEOUT_MS "4000"
-#define RUN_TIMEOUT_MS 5000
-#define CONNECT_TIMEOUT_MS 5000
-#define MAX_QUEUE 65536
-#define CLAIM_ATTEMPTS 5
+#define QUEUE_TIMEOUT_MS        5000
+#define STATEMENT_TIMEOUT_MS    "4000"
+#define RUN_TIMEOUT_MS          5000
+#define CONNECT_TIMEOUT_MS      5000
+#define MAX_QUEUE               65536
+#define CLAIM_ATTEMPTS          5
 #define COMPLETE_BACKOFF_MIN_MS 50
 #define COMPLETE_BACKOFF_MAX_MS 1000
-#define CLEAN_FIRST_MS 1000
-#define CLEAN_EVERY_MS 10000
-#define CLEAN_BATCH 1000
-#define CLEAN_MAX_BATCHES 10
-#define ADMIN_MAX_ROWS 1000
-#define ADMIN_JSON_MAX (4u << 20)
-#define RESP_BLOB_MAX ((size_t)1 << 30)
-#define RKEY_LEN (4 + 64)
-#define MIGRATE_LOCK_ID "7251983046512"
-#define SCHEMA_VERSION 1
+#define CLEAN_FIRST_MS          1000
+#define CLEAN_EVERY_MS          10000
+#define CLEAN_BATCH             1000
+#define CLEAN_MAX_BATCHES       10
+#define ADMIN_MAX_ROWS          1000
+#define ADMIN_JSON_MAX          (4u << 20)
+#define RESP_BLOB_MAX           ((size_t)1 << 30)
+#define RKEY_LEN                (4 + 64)
+#define MIGRATE_LOCK_ID         "7251983046512"
+#define SCHEMA_VERSION          1
 
-#define OID_BOOL 16
+#define OID_BOOL  16
 #define OID_BYTEA 17
-#define OID_INT8 20
-#define OID_INT4 23
-#define OID_TEXT 25
+#define OID_INT8  20
+#define OID_INT4  23
+#define OID_TEXT  25
 
 #define PROBLEM_PREFIX "urn:idemgate:problem:"
 
@@ -98,6 +98,7 @@ static const Oid admin_types[] = {OID_TEXT, OID_TEXT};
  * uses the statement's snapshot: it may miss a row committed concurrently
  * (no row) or show a version the upsert would have taken (takeable): the
  * caller runs the statement again then. */
+/* clang-format off */
 static const char sql_claim[] =
     "WITH ins AS ("
     " INSERT INTO idemgate_keys AS k (route, scope, key, fingerprint, state, token, lease_until, created_at,"
@@ -106,35 +107,42 @@ static const char sql_claim[] =
     " ON CONFLICT (route, scope, key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',"
     " token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,"
     " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL"
-    " WHERE " TAKEABLE("k.") " RETURNING k.token)"
+    " WHERE " TAKEABLE("k.")
+    " RETURNING k.token)"
     " SELECT 'new'::text, token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true FROM ins"
     " UNION ALL"
     " SELECT state, token, fingerprint, status, response,"
     " greatest(0, ceil(extract(epoch FROM lease_until - now()) * 1000))::int8,"
     " greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::int8,"
-    " " TAKEABLE("") ", lease_until >= now()"
+    " " TAKEABLE("") ","
+    " lease_until >= now()"
     " FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)";
+/* clang-format on */
 
 /* Fenced by the claim's token alone: a token names one claim, so a retry of
  * a completion whose first attempt committed (lost reply) matches again. */
 static const char sql_complete[] =
     "UPDATE idemgate_keys SET state = 'completed', status = $5, response = $6, completed_at = now(),"
-    " expires_at = now() + $7 * interval '1 ms'"
+    " lease_until = now(), expires_at = now() + $7 * interval '1 ms'"
     " WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4 RETURNING fingerprint";
 
 static const char sql_renew[] = "UPDATE idemgate_keys SET lease_until = now() + $5 * interval '1 ms'"
                                 " WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4 AND state = 'in_flight'";
 
-static const char sql_release[] = "DELETE FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4";
+static const char sql_release[] =
+    "DELETE FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4";
 
 static const char sql_mark_unknown[] =
     "UPDATE idemgate_keys SET state = 'unknown', lease_until = now() + $5 * interval '1 ms'"
     " WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4 AND state IN ('in_flight', 'unknown')";
 
+/* clang-format off */
 static const char sql_admin_list[] =
-    "SELECT route, key, encode(scope, 'hex'), state, token::text, " TS("created_at") ", " TS("expires_at") ", " TS(
-        "lease_until") ", status, " TS("completed_at") " FROM idemgate_keys WHERE route = $1 AND key = $2"
-                       " ORDER BY created_at, scope LIMIT 1000";
+    "SELECT route, key, encode(scope, 'hex'), state, token::text,"
+    " " TS("created_at") ", " TS("expires_at") ", " TS("lease_until") ", status, " TS("completed_at")
+    " FROM idemgate_keys WHERE route = $1 AND key = $2"
+    " ORDER BY created_at, scope LIMIT 1000";
+/* clang-format on */
 
 static const char sql_admin_purge[] = "DELETE FROM idemgate_keys WHERE route = $1 AND key = $2 RETURNING scope";
 
@@ -144,10 +152,9 @@ static const char sql_admin_release[] =
     " SELECT 'd'::text, scope FROM d"
     " UNION ALL SELECT 't'::text, NULL::bytea FROM idemgate_keys WHERE route = $1 AND key = $2";
 
-static const char sql_clean[] =
-    "DELETE FROM idemgate_keys WHERE ctid IN (SELECT ctid FROM idemgate_keys"
-    " WHERE expires_at < now() AND lease_until < now() LIMIT 1000)"
-    " AND expires_at < now() AND lease_until < now()";
+static const char sql_clean[] = "DELETE FROM idemgate_keys WHERE ctid IN (SELECT ctid FROM idemgate_keys"
+                                " WHERE expires_at < now() AND lease_until < now() LIMIT 1000)"
+                                " AND expires_at < now() AND lease_until < now()";
 
 static const char sql_stuck[] = "SELECT route, count(*)::int8 FROM idemgate_keys"
                                 " WHERE state = 'in_flight' AND created_at < now() - interval '5 minutes'"
@@ -369,6 +376,8 @@ static const char *pg_err_text(enum store_pg_status st)
         return "postgres error";
     case STORE_PG_TRANSPORT:
         return "postgres connection lost";
+    case STORE_PG_TRANSIENT:
+        return "postgres transient error";
     case STORE_PG_TIMEOUT:
         return "postgres timeout";
     case STORE_PG_UNAVAILABLE:
@@ -468,8 +477,15 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
     struct claim_op *c = arg;
     struct store *s = c->h.s;
     if (st != STORE_PG_OK) {
-        if (st == STORE_PG_SQL_ERROR)
+        if (st != STORE_PG_UNAVAILABLE && st != STORE_PG_OVERLOAD)
             log_pg_failure("claim", st, msg);
+        /* A broken link or a rolled-back statement: run it again. Should the
+         * lost attempt have committed, the next one finds the record under
+         * our own token and reports it as ours. */
+        if ((st == STORE_PG_TRANSPORT || st == STORE_PG_TRANSIENT) && ++c->attempts < CLAIM_ATTEMPTS) {
+            claim_pg(c);
+            return;
+        }
         claim_fail(c, pg_err_text(st));
         return;
     }
@@ -498,9 +514,10 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
     const char *state = PQgetvalue(pr, 0, 0);
     int state_len = PQgetlength(pr, 0, 0);
 #define STATE_IS(lit) (state_len == (int)sizeof(lit) - 1 && memcmp(state, lit, sizeof(lit) - 1) == 0)
-    if (STATE_IS("new")) {
+    uint64_t token = (uint64_t)store_pg_get_i64(pr, 0, 1);
+    if (STATE_IS("new") || (STATE_IS("in_flight") && token == c->token)) {
         res.verdict = STORE_NEW;
-        res.token = (uint64_t)store_pg_get_i64(pr, 0, 1);
+        res.token = token;
         claim_finish(c, &res);
         return;
     }
@@ -545,14 +562,18 @@ static void claim_pg(struct claim_op *c)
     struct store *s = c->h.s;
     uint8_t tok[8], lease[8], ret[8];
     uint8_t takeover = c->takeover ? 1 : 0;
-    c->token = cm_random_token();
-    be64(tok, c->token);
+    be64(tok, c->token); /* one token for every attempt of this claim */
     be64(lease, c->lease_ms);
     be64(ret, c->retention_ms);
     struct store_pg_param p[8] = {
-        {c->route, strlen(c->route), true}, {c->scope, 32, true}, {c->key, c->key_len, true},
-        {c->fp, 32, true},                  {tok, 8, true},       {lease, 8, true},
-        {ret, 8, true},                     {&takeover, 1, true},
+        {c->route, strlen(c->route), true},
+        {c->scope, 32, true},
+        {c->key, c->key_len, true},
+        {c->fp, 32, true},
+        {tok, 8, true},
+        {lease, 8, true},
+        {ret, 8, true},
+        {&takeover, 1, true},
     };
     store_pg_query(s->pg, S_CLAIM, p, 8, 1, claim_pg_cb, c);
 }
@@ -620,6 +641,7 @@ void store_claim(struct store *s, const struct store_claim_req *req, store_claim
     c->lease_ms = req->lease_ms ? req->lease_ms : 1;
     c->retention_ms = req->retention_ms;
     c->takeover = req->takeover_unknown;
+    c->token = cm_random_token();
     c->cb = cb;
     c->arg = arg;
     redis_key(c->route, c->scope, c->key, c->key_len, c->rkey);
@@ -706,8 +728,12 @@ static void complete_send(struct owner_op *w)
     be32(status, (uint32_t)w->status);
     be64(ret, w->arg_ms);
     struct store_pg_param p[7] = {
-        {w->route, strlen(w->route), true}, {w->scope, 32, true}, {w->key, w->key_len, true},
-        {tok, 8, true},                     {status, 4, true},    {w->blob, w->blob_len, true},
+        {w->route, strlen(w->route), true},
+        {w->scope, 32, true},
+        {w->key, w->key_len, true},
+        {tok, 8, true},
+        {status, 4, true},
+        {w->blob, w->blob_len, true},
         {ret, 8, true},
     };
     w->attempts++;
@@ -758,8 +784,7 @@ static void owner_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
     struct owner_op *w = arg;
     struct store *s = w->h.s;
     if (st != STORE_PG_OK) {
-        log_pg_failure(w->h.kind == OP_RENEW ? "renew" : w->h.kind == OP_RELEASE ? "release" : "mark_unknown", st,
-                       msg);
+        log_pg_failure(w->h.kind == OP_RENEW ? "renew" : w->h.kind == OP_RELEASE ? "release" : "mark_unknown", st, msg);
         owner_finish(w, false, 0);
         return;
     }
@@ -776,8 +801,11 @@ static void owner_send(struct owner_op *w, enum stmt_id stmt, store_pg_cb cb)
     be64(tok, w->token);
     be64(ms, w->arg_ms);
     struct store_pg_param p[5] = {
-        {w->route, strlen(w->route), true}, {w->scope, 32, true}, {w->key, w->key_len, true},
-        {tok, 8, true},                     {ms, 8, true},
+        {w->route, strlen(w->route), true},
+        {w->scope, 32, true},
+        {w->key, w->key_len, true},
+        {tok, 8, true},
+        {ms, 8, true},
     };
     store_pg_query(s->pg, stmt, p, stmts[stmt].nparams, 1, cb, w);
 }
@@ -800,8 +828,8 @@ void store_release(struct store *s, const struct store_id *id, uint64_t token, s
     owner_send(w, S_RELEASE, owner_pg_cb);
 }
 
-void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms,
-                        store_done_cb cb, void *arg)
+void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms, store_done_cb cb,
+                        void *arg)
 {
     struct owner_op *w = owner_new(s, OP_MARK_UNKNOWN, id, token, cb, arg);
     w->arg_ms = lease_ms;
@@ -871,8 +899,8 @@ static char *admin_list_json(const PGresult *pr)
     struct cm_buf b;
     cm_buf_init(&b, ADMIN_JSON_MAX);
     bool ok = cm_buf_append(&b, "[", 1);
-    static const char *const names[] = {"route", "key", "scope", "state", "token", "created_at", "expires_at",
-                                        "lease_until"};
+    static const char *const names[] = {"route", "key",        "scope",      "state",
+                                        "token", "created_at", "expires_at", "lease_until"};
     for (int i = 0; i < PQntuples(pr) && ok; i++) {
         ok = cm_buf_append(&b, i ? ",{" : "{", i ? 2 : 1);
         for (int col = 0; col < 8 && ok; col++) {
@@ -964,8 +992,7 @@ static void admin_run(struct store *s, enum stmt_id stmt, int result_format, con
     store_pg_query(s->pg, stmt, p, 2, result_format, admin_pg_cb, a);
 }
 
-void store_admin_list(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb,
-                      void *arg)
+void store_admin_list(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb, void *arg)
 {
     admin_run(s, S_ADMIN_LIST, 0, route, key, key_len, cb, arg);
 }

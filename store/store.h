@@ -32,7 +32,7 @@ void store_destroy(struct store *s);
 
 /* Thread-safe readers for /readyz and metrics. */
 bool store_postgres_up(const struct store *s);
-bool store_redis_up(const struct store *s);     /* false when Redis is not configured */
+bool store_redis_up(const struct store *s); /* false when Redis is not configured */
 bool store_redis_enabled(const struct store *s);
 
 /* Identity of a record: route name, SHA-256 of the scope parts, the key
@@ -46,8 +46,8 @@ struct store_id {
 
 struct store_claim_req {
     struct store_id id;
-    size_t route_index;    /* for metrics */
-    uint8_t fp[32];        /* request fingerprint */
+    size_t route_index; /* for metrics */
+    uint8_t fp[32];     /* request fingerprint */
     uint64_t lease_ms;
     uint64_t retention_ms;
     bool takeover_unknown; /* on_unknown: retry (take over a lapsed lease, same fingerprint) */
@@ -96,8 +96,8 @@ void store_renew(struct store *s, const struct store_id *id, uint64_t token, uin
 void store_release(struct store *s, const struct store_id *id, uint64_t token, store_done_cb cb, void *arg);
 /* Marks an unknown outcome (timeout or no response after sending): state
  * unknown, lease_until = now + lease_ms; never released by itself. */
-void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms,
-                        store_done_cb cb, void *arg);
+void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms, store_done_cb cb,
+                        void *arg);
 
 /* Admin operations over every scope of (route, key). cb gets an HTTP status
  * and a JSON body (heap, the callee takes it):

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -470,7 +471,8 @@ Test(store, migrate_is_idempotent)
     migrate();
     cr_assert_eq(psql_long("SELECT max(version) FROM idemgate_schema_version"), 1);
     cr_assert_eq(psql_long("SELECT count(*) FROM pg_indexes WHERE tablename = 'idemgate_keys'"
-                                 " AND schemaname = current_schema()"), 4);
+                           " AND schemaname = current_schema()"),
+                 4);
 }
 
 Test(store, migrate_concurrently_from_three_processes)
@@ -560,6 +562,8 @@ static void verdicts(const char *redis)
     struct dres d = complete(&e, &r, c1.token, &resp, 1000);
     cr_assert(d.ok);
     cr_assert_eq(d.rows, 1);
+    /* the same claim completing again (a retry after a lost commit reply) still matches */
+    cr_assert_eq(complete(&e, &r, c1.token, &resp, 1000).rows, 1);
 
     struct cres c4 = claim(&e, &r);
     cr_assert_eq(c4.v, STORE_REPLAY, "got %s", store_verdict_name(c4.v));
@@ -711,14 +715,14 @@ static void unknown_outcome(const char *redis)
     char key[64];
     unique_key(key, sizeof key, "unk");
     struct req r = basic_req(key);
-    r.lease_ms = 200;
+    r.lease_ms = 1000; /* room for a loaded machine between the steps that must happen within it */
     struct cres c1 = claim(&e, &r);
     cr_assert_eq(c1.v, STORE_NEW);
-    struct dres m = mark_unknown(&e, &r, c1.token, 200);
+    struct dres m = mark_unknown(&e, &r, c1.token, 1000);
     cr_assert(m.ok);
     cr_assert_eq(m.rows, 1);
     cr_assert_eq(claim(&e, &r).v, STORE_IN_FLIGHT, "unknown within its lease is in flight");
-    wait_ms(&e, 350);
+    wait_ms(&e, 1200);
     struct cres rej = claim(&e, &r);
     cr_assert_eq(rej.v, STORE_UNKNOWN, "reject mode: %s", store_verdict_name(rej.v));
     cr_assert_eq(claim(&e, &r).v, STORE_UNKNOWN, "stays unknown");
@@ -786,7 +790,7 @@ static void retention(const char *redis)
     unique_key(key, sizeof key, "ret");
     struct req r = basic_req(key);
     r.lease_ms = 100;
-    r.retention_ms = 400;
+    r.retention_ms = 1000;
     struct cres c1 = claim(&e, &r);
     cr_assert_eq(c1.v, STORE_NEW);
     struct cm_resp resp;
@@ -794,7 +798,7 @@ static void retention(const char *redis)
     cr_assert_eq(complete(&e, &r, c1.token, &resp, 500).rows, 1);
     struct cres c2 = claim(&e, &r);
     cr_assert_eq(c2.v, STORE_REPLAY);
-    wait_ms(&e, 600);
+    wait_ms(&e, 1200);
     struct cres c3 = claim(&e, &r);
     cr_assert_eq(c3.v, STORE_NEW, "past retention: %s", store_verdict_name(c3.v));
     cr_assert_neq(c3.token, c1.token);
@@ -849,15 +853,16 @@ static void concurrent(const char *redis, bool expired_first)
     if (expired_first) {
         /* a completed record past retention: 50 claims race for the takeover */
         struct req old = r;
-        old.lease_ms = 50;
-        old.retention_ms = 50;
+        old.lease_ms = 300;
+        old.retention_ms = 300; /* long enough that no cleaner removes it before the completion */
         struct cres c = claim(&e, &old);
         cr_assert_eq(c.v, STORE_NEW);
         struct cm_resp resp;
         sample_resp(&resp);
+        old.retention_ms = 50;
         cr_assert_eq(complete(&e, &old, c.token, &resp, 500).rows, 1);
         cm_resp_free(&resp);
-        wait_ms(&e, 200);
+        wait_ms(&e, 400);
     }
     enum { N = 50 };
     static struct cres res[N];
@@ -945,19 +950,25 @@ Test(store, claim_racing_an_uncommitted_takeover, .timeout = 30)
     char key[64];
     unique_key(key, sizeof key, "rtake");
     struct req r = basic_req(key);
-    r.lease_ms = 50;
-    r.retention_ms = 50;
+    r.lease_ms = 300;
+    r.retention_ms = 300;
     struct cres c1 = claim(&e, &r);
     cr_assert_eq(c1.v, STORE_NEW);
     struct cm_resp resp;
     sample_resp(&resp);
+    r.retention_ms = 50;
     cr_assert_eq(complete(&e, &r, c1.token, &resp, 500).rows, 1);
-    wait_ms(&e, 150);
-    char *sql = cm_asprintf("UPDATE idemgate_keys SET state = 'in_flight', token = 77, lease_until = now() + "
-                            "interval '1 minute', created_at = now(), expires_at = now() + interval '1 hour',"
-                            " status = NULL, response = NULL, completed_at = NULL WHERE route = 'pay' AND key = '%s';"
-                            " SELECT pg_sleep(1.5)",
-                            key);
+    wait_ms(&e, 400);
+    /* the takeover, as a claim does it (an insert should a cleaner have removed the expired row meanwhile) */
+    char *sql = cm_asprintf("INSERT INTO idemgate_keys AS k (route, scope, key, fingerprint, state, token, lease_until,"
+                            " created_at, expires_at) VALUES ('pay', '\\x%s', '%s', '\\x%s', 'in_flight', 77,"
+                            " now() + interval '1 minute', now(), now() + interval '1 hour')"
+                            " ON CONFLICT (route, scope, key) DO UPDATE SET state = 'in_flight', token = 77,"
+                            " lease_until = now() + interval '1 minute', created_at = now(),"
+                            " expires_at = now() + interval '1 hour', status = NULL, response = NULL,"
+                            " completed_at = NULL; SELECT pg_sleep(1.5)",
+                            "1111111111111111111111111111111111111111111111111111111111111111", key,
+                            "a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1a1");
     pid_t kid = psql_background(sql);
     wait_for_session(key);
     struct cres c2 = claim(&e, &r);
@@ -1022,6 +1033,7 @@ Test(store, redis_flushed_never_yields_a_new_claim)
     struct req r = basic_req(key);
     struct cres c1 = claim(&e, &r);
     cr_assert_eq(c1.v, STORE_NEW);
+    wait_ms(&e, 100); /* let fire-and-forget cache writes reach Redis first */
     free(redis_cli(url, "FLUSHDB", NULL));
     struct cres c2 = claim(&e, &r);
     cr_assert_eq(c2.v, STORE_IN_FLIGHT, "after a flush: %s", store_verdict_name(c2.v));
@@ -1029,12 +1041,14 @@ Test(store, redis_flushed_never_yields_a_new_claim)
     struct cm_resp resp;
     sample_resp(&resp);
     cr_assert_eq(complete(&e, &r, c1.token, &resp, 500).rows, 1);
+    wait_ms(&e, 100); /* let fire-and-forget cache writes reach Redis first */
     free(redis_cli(url, "FLUSHDB", NULL));
     struct cres c3 = claim(&e, &r);
     cr_assert_eq(c3.v, STORE_REPLAY, "after a flush: %s", store_verdict_name(c3.v));
     cr_assert_not(c3.from_redis);
     assert_same_resp(&resp, &c3.resp);
     /* a completed record with another fingerprint, Redis flushed: still a mismatch */
+    wait_ms(&e, 100); /* let fire-and-forget cache writes reach Redis first */
     free(redis_cli(url, "FLUSHDB", NULL));
     struct req other = r;
     fill(other.fp, 0xb2);
@@ -1057,9 +1071,11 @@ Test(store, redis_down_everything_still_correct)
     struct env e;
     env_open(&e, pg_url(), url, 2);
     cr_assert(store_redis_enabled(e.s));
-    wait_ms(&e, 100);
-    cr_assert_not(store_redis_up(e.s));
+    uint64_t end = cm_now_ms() + 5000;
+    while (!store_postgres_up(e.s) && cm_now_ms() < end)
+        wait_ms(&e, 10);
     cr_assert(store_postgres_up(e.s));
+    cr_assert_not(store_redis_up(e.s));
     char key[64];
     unique_key(key, sizeof key, "rdown");
     struct req r = basic_req(key);
@@ -1078,6 +1094,125 @@ Test(store, redis_down_everything_still_correct)
     cres_free(&c2);
     cm_resp_free(&resp);
     env_close(&e);
+    free(url);
+}
+
+/* A Redis that accepts connections and never answers: every command times out (the claim goes on to Postgres
+ * after redis_timeout), and after a few timeouts in a row the link is dropped and opened again. */
+Test(store, redis_black_hole_costs_latency_only, .timeout = 60)
+{
+    migrate();
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+    cr_assert_eq(listen(lfd, 16), 0); /* never accepted: the kernel completes the handshakes */
+    socklen_t len = sizeof a;
+    cr_assert_eq(getsockname(lfd, (struct sockaddr *)&a, &len), 0);
+    char *url = cm_asprintf("redis://127.0.0.1:%d/0", ntohs(a.sin_port));
+    struct env e;
+    env_open(&e, pg_url(), url, 2);
+    wait_redis(&e);
+    char key[64];
+    unique_key(key, sizeof key, "hole");
+    struct req r = basic_req(key);
+    uint64_t t0 = cm_now_ms();
+    struct cres c1 = claim(&e, &r);
+    cr_assert_eq(c1.v, STORE_NEW, "got %s", store_verdict_name(c1.v));
+    cr_assert(cm_now_ms() - t0 >= 150, "the claim should have waited for the Redis timeout");
+    for (int i = 0; i < 8; i++) {
+        struct cres c = claim(&e, &r);
+        cr_assert_eq(c.v, STORE_IN_FLIGHT, "claim %d: %s", i, store_verdict_name(c.v));
+        cr_assert_not(c.from_redis);
+    }
+    struct cm_resp resp;
+    sample_resp(&resp);
+    cr_assert_eq(complete(&e, &r, c1.token, &resp, 500).rows, 1);
+    struct cres c2 = claim(&e, &r);
+    cr_assert_eq(c2.v, STORE_REPLAY);
+    cres_free(&c2);
+    cm_resp_free(&resp);
+    env_close(&e); /* with commands still queued in hiredis: freed without callbacks */
+    close(lfd);
+    free(url);
+}
+
+static pid_t start_redis(int port)
+{
+    char portstr[16];
+    snprintf(portstr, sizeof portstr, "%d", port);
+    pid_t kid = fork();
+    cr_assert_neq(kid, -1);
+    if (kid == 0) {
+        FILE *devnull = freopen("/dev/null", "w", stdout);
+        (void)devnull;
+        execlp("redis-server", "redis-server", "--port", portstr, "--bind", "127.0.0.1", "--save", "", "--appendonly",
+               "no", "--dir", "/tmp", (char *)NULL);
+        _exit(127);
+    }
+    char *url = cm_asprintf("redis://127.0.0.1:%d", port);
+    uint64_t end = cm_now_ms() + 10000;
+    bool up = false;
+    while (!up && cm_now_ms() < end) {
+        const char *argv[] = {"redis-cli", "-u", url, "PING", NULL};
+        int st;
+        char *out = run_cmd(argv, &st);
+        up = st == 0 && strncmp(out, "PONG", 4) == 0;
+        free(out);
+        if (!up)
+            usleep(50000);
+    }
+    free(url);
+    cr_assert(up, "private redis-server did not start");
+    return kid;
+}
+
+static void stop_redis(pid_t kid)
+{
+    kill(kid, SIGKILL);
+    int st;
+    waitpid(kid, &st, 0);
+}
+
+Test(store, redis_restart_reconnects_and_stays_correct, .timeout = 60)
+{
+    migrate();
+    int port = free_port();
+    pid_t rs = start_redis(port);
+    char *url = cm_asprintf("redis://127.0.0.1:%d/0", port);
+    struct env e;
+    env_open(&e, pg_url(), url, 2);
+    wait_redis(&e);
+    char key[64];
+    unique_key(key, sizeof key, "rrst");
+    struct req r = basic_req(key);
+    struct cres c1 = claim(&e, &r);
+    cr_assert_eq(c1.v, STORE_NEW);
+    cr_assert(claim(&e, &r).from_redis);
+    stop_redis(rs); /* loses every marker */
+    uint64_t end = cm_now_ms() + 3000;
+    while (store_redis_up(e.s) && cm_now_ms() < end)
+        wait_ms(&e, 10);
+    cr_assert_not(store_redis_up(e.s), "the disconnect was not noticed");
+    struct cres c2 = claim(&e, &r);
+    cr_assert_eq(c2.v, STORE_IN_FLIGHT, "Redis down: %s", store_verdict_name(c2.v));
+    rs = start_redis(port); /* empty */
+    wait_redis(&e);
+    struct cres c3 = claim(&e, &r);
+    cr_assert_eq(c3.v, STORE_IN_FLIGHT, "Redis restarted empty: %s", store_verdict_name(c3.v));
+    cr_assert_not(c3.from_redis);
+    struct cm_resp resp;
+    sample_resp(&resp);
+    cr_assert_eq(complete(&e, &r, c1.token, &resp, 500).rows, 1);
+    struct cres c4 = claim(&e, &r);
+    cr_assert_eq(c4.v, STORE_REPLAY);
+    cr_assert(c4.from_redis, "the cache works again after the reconnect");
+    cres_free(&c4);
+    cm_resp_free(&resp);
+    env_close(&e);
+    stop_redis(rs);
     free(url);
 }
 
@@ -1194,6 +1329,51 @@ Test(store, killed_connections_are_replaced)
     free(url);
 }
 
+/* A claim whose connection dies under it runs again on a fresh one (the claim statement is atomic, and an
+ * attempt that committed before the link broke would be recognised by its token). */
+Test(store, claim_survives_a_killed_connection, .timeout = 60)
+{
+    migrate();
+    char app[48];
+    snprintf(app, sizeof app, "idg_kc_%016llx", (unsigned long long)cm_random_token());
+    const char *base = pg_url();
+    char *url = cm_asprintf("%s%sapplication_name=%s", base, strchr(base, '?') ? "&" : "?", app);
+    struct env e;
+    env_open(&e, url, NULL, 2);
+    char key[64];
+    unique_key(key, sizeof key, "kc");
+    struct req r = basic_req(key);
+    cr_assert_eq(claim(&e, &r).v, STORE_NEW);
+    /* hold the row so that the next claim waits inside Postgres */
+    char *sql = cm_asprintf("SELECT 1 FROM idemgate_keys WHERE key = '%s' FOR UPDATE; SELECT pg_sleep(2)", key);
+    pid_t kid = psql_background(sql);
+    wait_for_session(key);
+    struct cres c;
+    memset(&c, 0, sizeof c);
+    struct store_claim_req q = mkreq(&r);
+    store_claim(e.s, &q, claim_cb, &c);
+    char *waiting = cm_asprintf("SELECT count(*) FROM pg_stat_activity WHERE application_name = '%s'"
+                                " AND wait_event_type = 'Lock'",
+                                app);
+    uint64_t end = cm_now_ms() + 10000;
+    while (psql_long(waiting) == 0 && cm_now_ms() < end)
+        wait_ms(&e, 20);
+    cr_assert(psql_long(waiting) == 1, "the claim is not waiting on the lock");
+    char *kill_sql = cm_asprintf("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                                 " WHERE application_name = '%s'",
+                                 app);
+    cr_assert(psql_long(kill_sql) >= 1);
+    pump(&e, &c.done, 15000);
+    cr_assert(c.done);
+    cr_assert_eq(c.v, STORE_IN_FLIGHT, "got %s (%s)", store_verdict_name(c.v), c.err);
+    psql_wait(kid);
+    free(kill_sql);
+    free(waiting);
+    free(sql);
+    env_close(&e);
+    free(url);
+}
+
 /* ---- admin */
 
 Test(store, admin_list_release_purge)
@@ -1205,7 +1385,7 @@ Test(store, admin_list_release_purge)
     char key[80];
     unique_key(key, sizeof key, "adm\"q\\b");
     struct req r1 = basic_req(key);
-    r1.lease_ms = 300;
+    r1.lease_ms = 1000;
     struct req r2 = r1;
     fill(r2.scope, 0x22);
     r2.lease_ms = 60000;
@@ -1236,7 +1416,7 @@ Test(store, admin_list_release_purge)
     struct cm_resp resp;
     sample_resp(&resp);
     cr_assert_eq(complete(&e, &r2, c2.token, &resp, 500).rows, 1);
-    wait_ms(&e, 450);
+    wait_ms(&e, 1200);
     cr_assert_eq(claim(&e, &r1).v, STORE_UNKNOWN);
     l = admin(&e, ADMIN_LIST, "pay", key);
     cr_assert(strstr(l.json, "\"status\":201"), "%s", l.json);
