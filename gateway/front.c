@@ -23,6 +23,7 @@ struct gw_front {
     struct MHD_Daemon *d;
     uint16_t port;
     atomic_long connections;
+    atomic_long suspended; /* requests handed to the loop and not answered yet */
     atomic_bool shutting_down;
 };
 
@@ -378,6 +379,7 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     }
     cm_hdrs_free(&r->in_hdrs);
     r->stage = STAGE_SUBMITTED;
+    atomic_fetch_add(&r->front->suspended, 1);
     MHD_suspend_connection(c);
     gw_loop_submit(r->front->loop, gw_pipeline_run, job);
     return MHD_YES;
@@ -412,6 +414,7 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     case STAGE_SUBMITTED:
         if (!atomic_load(&r->job.done))
             return MHD_YES; /* spurious call; still suspended work */
+        atomic_fetch_sub(&r->front->suspended, 1);
         return queue_answer(r, c);
     case STAGE_ANSWERED:
     default:
@@ -494,6 +497,11 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loop *loop, c
 uint16_t gw_front_port(const struct gw_front *f)
 {
     return f->port;
+}
+
+long gw_front_suspended(struct gw_front *f)
+{
+    return atomic_load(&f->suspended);
 }
 
 void gw_front_quiesce(struct gw_front *f)

@@ -18,6 +18,7 @@ struct event_base;
 struct up_client;
 struct store;
 struct gw_loop;
+struct renew_ticket;
 
 /* ---- the I/O loop: one thread running libevent, owning the curl multi
  * handle, the Postgres pool and the Redis context. */
@@ -97,8 +98,9 @@ struct gw_job {
     struct event *timer;       /* wait backoff */
     struct event *renew_timer; /* lease renewal */
     struct up_transfer *transfer;
-    struct cm_resp up_resp; /* upstream answer being stored */
-    bool renewing;
+    struct cm_resp up_resp;                   /* upstream answer being stored */
+    struct renew_ticket *renew_ticket;        /* a lease renewal in flight */
+    bool store_pending;                       /* a store callback will come back to this job */
     struct gw_job *next_active, *prev_active; /* loop's list of running jobs */
 };
 
@@ -114,6 +116,8 @@ struct gw_front;
 /* Starts listening per conf (port 0: any free port). NULL + *err on failure. */
 struct gw_front *gw_front_start(const struct conf *conf, struct gw_loop *loop, char **err);
 uint16_t gw_front_port(const struct gw_front *f);
+/* Requests handed to the loop whose answer has not been queued yet. */
+long gw_front_suspended(struct gw_front *f);
 /* Stops accepting new connections (existing ones are served). */
 void gw_front_quiesce(struct gw_front *f);
 /* Stops the daemon; every suspended connection must have been resumed. */

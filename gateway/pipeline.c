@@ -59,11 +59,22 @@ static void stop_timers(struct gw_job *job)
     }
 }
 
+/* A lease renewal in flight refers to its job through a ticket, so that the
+ * job can be answered (and freed by the front) before the renewal's callback
+ * runs: finish() detaches the ticket and the callback then only frees it. */
+struct renew_ticket {
+    struct gw_job *job;
+};
+
 /* The answer is ready: count it and hand the job back to the front. */
 static void finish(struct gw_job *job, enum cm_outcome outcome)
 {
     stop_timers(job);
     job->outcome = outcome;
+    if (job->renew_ticket) {
+        job->renew_ticket->job = NULL;
+        job->renew_ticket = NULL;
+    }
     cm_metric_request(job->route_index, outcome);
     gw_loop_job_remove(job->loop, job);
     gw_job_done(job);
@@ -167,12 +178,14 @@ static bool forward(struct gw_job *job, up_done_cb cb)
 static void answer_after_store(void *arg, bool ok, long rows)
 {
     struct gw_job *job = arg;
+    job->store_pending = false;
     finish(job, job->outcome);
 }
 
 static void completed(void *arg, bool ok, long rows)
 {
     struct gw_job *job = arg;
+    job->store_pending = false;
     if (!ok || rows == 0) {
         cm_metric_completion_failure(job->route_index);
         cm_log(CM_ERROR, "completion_failed", "route=%s reason=%s", job->route->name,
@@ -200,18 +213,21 @@ static void idem_forward_done(void *arg, enum up_result r, struct cm_resp *resp,
         if (is_release_status(job, resp->status)) {
             take_resp(job, resp);
             job->outcome = CM_OUT_RELEASED;
+            job->store_pending = true;
             store_release(st, &id, job->token, answer_after_store, job);
             return;
         }
         job->up_resp = *resp;
         cm_hdrs_init(&resp->hdrs);
         cm_buf_init(&resp->body, 0);
+        job->store_pending = true;
         store_complete(st, &id, job->token, &job->up_resp, im->retention_ms, im->lease_ms, completed, job);
         return;
     case UP_CONNECT_FAILED:
         gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable",
                        "the upstream could not be reached; nothing was sent and the key was released");
         job->outcome = CM_OUT_UPSTREAM_UNAVAILABLE;
+        job->store_pending = true;
         store_release(st, &id, job->token, answer_after_store, job);
         return;
     case UP_TIMEOUT:
@@ -234,13 +250,18 @@ static void idem_forward_done(void *arg, enum up_result r, struct cm_resp *resp,
         job->outcome = CM_OUT_UPSTREAM_NO_RESPONSE;
         break;
     }
+    job->store_pending = true;
     store_mark_unknown(st, &id, job->token, im->lease_ms, answer_after_store, job);
 }
 
 static void renewed(void *arg, bool ok, long rows)
 {
-    struct gw_job *job = arg;
-    job->renewing = false;
+    struct renew_ticket *t = arg;
+    struct gw_job *job = t->job;
+    free(t);
+    if (!job)
+        return; /* answered meanwhile */
+    job->renew_ticket = NULL;
     if (ok && rows == 0)
         cm_log(CM_WARN, "lease_lost", "route=%s", job->route->name);
 }
@@ -248,11 +269,13 @@ static void renewed(void *arg, bool ok, long rows)
 static void renew_tick(evutil_socket_t fd, short what, void *arg)
 {
     struct gw_job *job = arg;
-    if (job->renewing)
-        return;
-    job->renewing = true;
+    if (job->renew_ticket)
+        return; /* the previous renewal is still running */
+    struct renew_ticket *t = cm_malloc(sizeof *t);
+    t->job = job;
+    job->renew_ticket = t;
     struct store_id id = job_id(job);
-    store_renew(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms, renewed, job);
+    store_renew(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms, renewed, t);
 }
 
 static void wait_tick(evutil_socket_t fd, short what, void *arg)
@@ -263,6 +286,7 @@ static void wait_tick(evutil_socket_t fd, short what, void *arg)
 static void claimed(void *arg, struct store_claim_res *res)
 {
     struct gw_job *job = arg;
+    job->store_pending = false;
     const struct conf_idem *im = &job->route->idem;
     switch (res->verdict) {
     case STORE_NEW: {
@@ -275,6 +299,7 @@ static void claimed(void *arg, struct store_claim_res *res)
             gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the transfer could not start");
             job->outcome = CM_OUT_UPSTREAM_UNAVAILABLE;
             struct store_id id = job_id(job);
+            job->store_pending = true;
             store_release(gw_loop_store(job->loop), &id, job->token, answer_after_store, job);
         }
         return;
@@ -345,6 +370,7 @@ static void claim(struct gw_job *job)
     req.lease_ms = im->lease_ms;
     req.retention_ms = im->retention_ms;
     req.takeover_unknown = im->on_unknown == CONF_UNKNOWN_RETRY;
+    job->store_pending = true;
     store_claim(gw_loop_store(job->loop), &req, claimed, job);
 }
 
@@ -377,15 +403,21 @@ void gw_pipeline_run(void *arg)
 void gw_pipeline_abort_all(void *arg)
 {
     struct gw_loop *l = arg;
-    struct gw_job *job;
     gw_loop_set_closing(l);
-    while ((job = gw_loop_first_job(l)) != NULL) {
-        if (job->transfer) {
-            up_cancel(gw_loop_upstream(l), job->transfer);
-            job->transfer = NULL;
+    /* Jobs waiting for the store keep going (every store operation is
+     * bounded); the others are answered now. */
+    struct gw_job *job = gw_loop_first_job(l);
+    while (job) {
+        struct gw_job *next = job->next_active;
+        if (!job->store_pending) {
+            if (job->transfer) {
+                up_cancel(gw_loop_upstream(l), job->transfer);
+                job->transfer = NULL;
+            }
+            gw_job_problem(job, 503, "shutting-down", "Shutting down",
+                           "the gateway stopped before this request finished; its outcome is unknown");
+            finish(job, CM_OUT_ERROR);
         }
-        gw_job_problem(job, 503, "shutting-down", "Shutting down",
-                       "the gateway stopped before this request finished; its outcome is unknown");
-        finish(job, CM_OUT_ERROR);
+        job = next;
     }
 }

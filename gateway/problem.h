@@ -5,7 +5,7 @@
 #include <stddef.h>
 
 #define GW_PROBLEM_CONTENT_TYPE "application/problem+json"
-#define GW_PROBLEM_TYPE_PREFIX "urn:idemgate:problem:"
+#define GW_PROBLEM_TYPE_PREFIX  "urn:idemgate:problem:"
 
 /* Returns a heap string (caller frees) with the JSON object
  * {"type":"urn:idemgate:problem:NAME","title":TITLE,"status":STATUS,"detail":DETAIL}
