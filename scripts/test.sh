@@ -210,11 +210,11 @@ fi
 # ---- stage 2: ASan + UBSan
 if [ $quick = 0 ]; then
     log "build (build-asan/: address,undefined)"
-    # Warnings are enforced (-Werror) by the normal build; sanitizer instrumentation makes gcc emit false
-    # positives (-Wformat-truncation, -Warray-bounds), so this build only reports them.
+    # Same -Werror as the normal build. LeakSanitizer is on; tests/lsan.supp only hides Criterion's own
+    # runner allocation, nothing of idemgate.
     if build build-asan -Db_sanitize=address,undefined -Db_lundef=false; then
         if services_fresh; then
-            ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 \
+            ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 LSAN_OPTIONS=suppressions=$ROOT/tests/lsan.supp:print_suppressions=0 \
                 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
                 IDEMGATE_BUILD_DIR=$ROOT/build-asan \
                 meson_stage build-asan "tests (asan+ubsan)"
