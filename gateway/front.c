@@ -19,7 +19,7 @@ enum stage { STAGE_NEW, STAGE_BODY, STAGE_SUBMITTED, STAGE_ANSWERED };
 
 struct gw_front {
     const struct conf *conf;
-    struct gw_loop *loop;
+    struct gw_loops *loops;
     struct MHD_Daemon *d;
     uint16_t port;
     atomic_long connections;
@@ -52,7 +52,6 @@ static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
     struct req *r = cm_calloc(1, sizeof *r);
     r->front = f;
     r->job.conf = f->conf;
-    r->job.loop = f->loop;
     r->job.uri = cm_strdup(uri ? uri : "/");
     const char *q = strchr(r->job.uri, '?');
     if (q) {
@@ -381,7 +380,8 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     r->stage = STAGE_SUBMITTED;
     atomic_fetch_add(&r->front->suspended, 1);
     MHD_suspend_connection(c);
-    gw_loop_submit(r->front->loop, gw_pipeline_run, job);
+    job->loop = gw_loops_pick(r->front->loops);
+    gw_loop_submit(job->loop, gw_pipeline_run, job);
     return MHD_YES;
 }
 
@@ -455,11 +455,11 @@ static unsigned mhd_family_flag(const struct sockaddr_storage *ss)
     return ss->ss_family == AF_INET6 ? MHD_USE_IPv6 : 0;
 }
 
-struct gw_front *gw_front_start(const struct conf *conf, struct gw_loop *loop, char **err)
+struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops, char **err)
 {
     struct gw_front *f = cm_calloc(1, sizeof *f);
     f->conf = conf;
-    f->loop = loop;
+    f->loops = loops;
     struct sockaddr_storage ss;
     if (!make_addr(&conf->listen, &ss, err)) {
         free(f);

@@ -54,6 +54,23 @@ struct gw_job *gw_loop_first_job(struct gw_loop *l);
  * lease), the clients get 503 shutting-down. */
 void gw_pipeline_abort_all(void *loop);
 
+/* A set of loops (one per CPU by default): requests are spread round-robin;
+ * each loop has its own upstream client, Redis context and pool share. */
+struct gw_loops {
+    struct gw_loop **v;
+    size_t n;
+    atomic_uint next;
+};
+/* Creates n loops (at most conf->pool). NULL + *err on failure. */
+struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err);
+bool gw_loops_start(struct gw_loops *ls) CM_MUST_CHECK;
+void gw_loops_destroy(struct gw_loops *ls); /* NULL is a no-op */
+struct gw_loop *gw_loops_pick(struct gw_loops *ls);
+size_t gw_loops_jobs(struct gw_loops *ls);
+void gw_loops_set_schema_ready(struct gw_loops *ls, bool ready);
+/* Submits gw_pipeline_abort_all to every loop. */
+void gw_loops_abort_all(struct gw_loops *ls);
+
 /* ---- a job: one client request in the pipeline. Built by the front on an
  * HTTP thread, run by the pipeline on the loop thread, answered by the front
  * after resume. */
@@ -114,7 +131,7 @@ void gw_job_done(struct gw_job *job);
 /* ---- the HTTP front (libmicrohttpd). */
 struct gw_front;
 /* Starts listening per conf (port 0: any free port). NULL + *err on failure. */
-struct gw_front *gw_front_start(const struct conf *conf, struct gw_loop *loop, char **err);
+struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops, char **err);
 uint16_t gw_front_port(const struct gw_front *f);
 /* Requests handed to the loop whose answer has not been queued yet. */
 long gw_front_suspended(struct gw_front *f);

@@ -20,6 +20,7 @@ struct work {
 
 struct gw_loop {
     const struct conf *conf;
+    struct conf *conf_share; /* shallow copy with this loop's share of the pool, or NULL */
     struct event_base *base;
     struct event *wake;
     struct up_client *up;
@@ -145,6 +146,7 @@ void gw_loop_destroy(struct gw_loop *l)
     drain(-1, 0, l);
     store_destroy(l->store);
     up_client_destroy(l->up);
+    free(l->conf_share); /* shallow: the strings belong to the real conf */
     if (l->wake)
         event_free(l->wake);
     if (l->base)
@@ -225,4 +227,77 @@ void gw_loop_set_closing(struct gw_loop *l)
 bool gw_loop_closing(struct gw_loop *l)
 {
     return atomic_load(&l->closing);
+}
+
+/* ---- several loops: each owns its curl multi handle, its Redis context and
+ * its share of the Postgres pool; requests are spread round-robin. */
+
+struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
+{
+    if (n < 1)
+        n = 1;
+    if (n > conf->pool)
+        n = conf->pool; /* every loop needs at least one Postgres connection */
+    struct gw_loops *ls = cm_calloc(1, sizeof *ls);
+    ls->v = cm_calloc(n, sizeof *ls->v);
+    for (size_t i = 0; i < n; i++) {
+        struct conf *share = cm_malloc(sizeof *share);
+        *share = *conf;
+        share->pool = conf->pool / (uint32_t)n + (i < conf->pool % n ? 1 : 0);
+        ls->v[i] = gw_loop_create(share, err);
+        if (!ls->v[i]) {
+            free(share);
+            gw_loops_destroy(ls);
+            return NULL;
+        }
+        ls->v[i]->conf_share = share;
+        ls->n++;
+    }
+    return ls;
+}
+
+bool gw_loops_start(struct gw_loops *ls)
+{
+    for (size_t i = 0; i < ls->n; i++)
+        if (!gw_loop_start(ls->v[i]))
+            return false;
+    return true;
+}
+
+void gw_loops_destroy(struct gw_loops *ls)
+{
+    if (!ls)
+        return;
+    for (size_t i = 0; i < ls->n; i++)
+        gw_loop_destroy(ls->v[i]);
+    free(ls->v);
+    free(ls);
+}
+
+struct gw_loop *gw_loops_pick(struct gw_loops *ls)
+{
+    if (ls->n == 1)
+        return ls->v[0];
+    unsigned i = atomic_fetch_add_explicit(&ls->next, 1, memory_order_relaxed);
+    return ls->v[i % ls->n];
+}
+
+size_t gw_loops_jobs(struct gw_loops *ls)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < ls->n; i++)
+        n += gw_loop_jobs(ls->v[i]);
+    return n;
+}
+
+void gw_loops_set_schema_ready(struct gw_loops *ls, bool ready)
+{
+    for (size_t i = 0; i < ls->n; i++)
+        gw_loop_set_schema_ready(ls->v[i], ready);
+}
+
+void gw_loops_abort_all(struct gw_loops *ls)
+{
+    for (size_t i = 0; i < ls->n; i++)
+        gw_loop_submit(ls->v[i], gw_pipeline_abort_all, ls->v[i]);
 }
