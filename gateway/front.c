@@ -98,6 +98,9 @@ static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum 
         cm_log(CM_ERROR, "bug", "msg=\"request completed while in the pipeline\"");
         return; /* leak rather than free memory the loop still uses */
     }
+    /* Resumed, but the client had gone: the answer was never queued. */
+    if (r && r->stage == STAGE_SUBMITTED)
+        atomic_fetch_sub(&r->front->suspended, 1);
     req_free(r);
 }
 
