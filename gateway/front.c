@@ -5,6 +5,7 @@
 #include <microhttpd.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,7 +18,20 @@
 
 enum stage { STAGE_NEW, STAGE_BODY, STAGE_SUBMITTED, STAGE_ANSWERED };
 
+/* One client connection: for the request-read deadline and the connection limit. */
+struct conn_track {
+    struct conn_track *prev, *next;
+    int fd;
+    bool over_limit;                /* accepted while max_connections were already open */
+    bool shut;                      /* the watchdog shut it down */
+    _Atomic uint64_t reading_since; /* ms; 0 while its request is in the pipeline or being answered */
+};
+
 struct gw_front {
+    pthread_mutex_t mu; /* guards tracks */
+    struct conn_track *tracks;
+    pthread_t watchdog;
+    atomic_bool stop;
     const struct conf *conf;
     struct gw_loops *loops;
     struct MHD_Daemon *d;
@@ -35,6 +49,8 @@ struct req {
     bool body_too_large;
     struct cm_hdrs in_hdrs; /* as received, in order */
 };
+
+static struct conn_track *track_of(struct MHD_Connection *c);
 
 void gw_mhd_log(void *cls, const char *fmt, va_list ap)
 {
@@ -93,6 +109,9 @@ static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum 
 {
     struct req *r = *req_cls;
     *req_cls = NULL;
+    struct conn_track *t = c ? track_of(c) : NULL;
+    if (t) /* a keep-alive connection now waits for its next request: the deadline runs again */
+        atomic_store(&t->reading_since, cm_now_ms());
     /* A submitted job is only ever completed after the loop resumed it. */
     if (r && r->stage == STAGE_SUBMITTED && !atomic_load(&r->job.done)) {
         cm_log(CM_ERROR, "bug", "msg=\"request completed while in the pipeline\"");
@@ -104,16 +123,70 @@ static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum 
     req_free(r);
 }
 
+static struct conn_track *track_of(struct MHD_Connection *c)
+{
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return ci ? ci->socket_context : NULL;
+}
+
 static void conn_notify(void *cls, struct MHD_Connection *c, void **socket_ctx, enum MHD_ConnectionNotificationCode toe)
 {
     struct gw_front *f = cls;
     if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
-        atomic_fetch_add(&f->connections, 1);
+        long prev = atomic_fetch_add(&f->connections, 1);
         cm_metric_connections(1);
+        struct conn_track *t = cm_calloc(1, sizeof *t);
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        t->fd = ci ? ci->connect_fd : -1;
+        t->over_limit = prev >= (long)f->conf->max_connections;
+        atomic_store(&t->reading_since, cm_now_ms());
+        pthread_mutex_lock(&f->mu);
+        t->next = f->tracks;
+        if (f->tracks)
+            f->tracks->prev = t;
+        f->tracks = t;
+        pthread_mutex_unlock(&f->mu);
+        *socket_ctx = t;
     } else {
         atomic_fetch_sub(&f->connections, 1);
         cm_metric_connections(-1);
+        struct conn_track *t = *socket_ctx;
+        *socket_ctx = NULL;
+        if (t) { /* MHD notifies CLOSED before it closes the socket: the watchdog never sees a reused fd */
+            pthread_mutex_lock(&f->mu);
+            if (t->prev)
+                t->prev->next = t->next;
+            else
+                f->tracks = t->next;
+            if (t->next)
+                t->next->prev = t->prev;
+            pthread_mutex_unlock(&f->mu);
+            free(t);
+        }
     }
+}
+
+/* Shuts down the connections that have been reading one request (or waiting for the next one) for longer than
+ * client_timeout: MHD's connection timeout is an idle timeout that every received byte resets (slowloris). MHD
+ * then reads EOF and closes the connection itself. */
+static void *watchdog_main(void *arg)
+{
+    struct gw_front *f = arg;
+    while (!atomic_load(&f->stop)) {
+        struct timespec ts = {0, 200 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        uint64_t now = cm_now_ms();
+        pthread_mutex_lock(&f->mu);
+        for (struct conn_track *t = f->tracks; t; t = t->next) {
+            uint64_t since = atomic_load(&t->reading_since);
+            if (since && !t->shut && t->fd >= 0 && now - since > f->conf->client_timeout_ms) {
+                shutdown(t->fd, SHUT_RDWR);
+                t->shut = true;
+            }
+        }
+        pthread_mutex_unlock(&f->mu);
+    }
+    return NULL;
 }
 
 static enum MHD_Result collect_header(void *cls, enum MHD_ValueKind kind, const char *key, const char *value)
@@ -146,6 +219,9 @@ static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
         MHD_add_response_header(resp, "Idempotent-Replayed", "true");
     if (atomic_load(&r->front->shutting_down) || job->status == 431 || job->status == 413 || job->status == 400)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
+    struct conn_track *t = track_of(c);
+    if (t)
+        atomic_store(&t->reading_since, 0);
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)job->status, resp);
     MHD_destroy_response(resp);
     r->stage = STAGE_ANSWERED;
@@ -302,7 +378,7 @@ static size_t header_block_size(const struct req *r, const char *method)
 
 /* First call: headers are in. Returns MHD_YES to go on reading the body, or
  * the result of queueing an early answer (r->stage == STAGE_ANSWERED). */
-static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const char *method)
+static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const char *method, const char *version)
 {
     struct gw_front *f = r->front;
     const struct conf *conf = f->conf;
@@ -323,12 +399,19 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         job->route_index = CM_ROUTE_NONE;
     }
 
-    if (atomic_load(&f->connections) > (long)conf->max_connections)
+    struct conn_track *t = track_of(c);
+    if (t && t->over_limit)
         return reject(r, c, 503, "too-many-connections", "Too many connections",
                       "the gateway is at its connection limit; retry later", CM_OUT_ERROR);
     if (header_block_size(r, method) > conf->max_header_bytes)
         return reject(r, c, 431, "request-header-fields-too-large", "Request header fields too large",
                       "the request header block exceeds max_header_bytes", CM_OUT_TOO_LARGE);
+    size_t hosts = 0; /* RFC 9112 3.2 */
+    for (size_t i = 0; i < r->in_hdrs.n; i++)
+        hosts += strcasecmp(r->in_hdrs.v[i].name, "Host") == 0;
+    if (hosts > 1 || (hosts == 0 && version && strcmp(version, "HTTP/1.1") == 0))
+        return reject(r, c, 400, "bad-request", "Bad request", "an HTTP/1.1 request needs exactly one Host header",
+                      CM_OUT_ERROR);
     bool keyed = route && route->idem.key != CONF_KEY_OFF && (route->methods & conf_method_bit(method));
     if (!headers_well_formed(&r->in_hdrs, keyed ? route->idem.header : NULL) || framing_ambiguous(&r->in_hdrs))
         return reject(r, c, 400, "bad-request", "Bad request", "malformed header field or ambiguous message framing",
@@ -380,6 +463,9 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
         gw_hash_parts(im->scope, im->scope_n, &parts, job->scope);
     }
     cm_hdrs_free(&r->in_hdrs);
+    struct conn_track *t = track_of(c);
+    if (t)
+        atomic_store(&t->reading_since, 0);
     r->stage = STAGE_SUBMITTED;
     atomic_fetch_add(&r->front->suspended, 1);
     MHD_suspend_connection(c);
@@ -396,7 +482,7 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         return MHD_NO;
     switch (r->stage) {
     case STAGE_NEW: {
-        enum MHD_Result ret = on_headers(r, c, method);
+        enum MHD_Result ret = on_headers(r, c, method, version);
         if (r->stage == STAGE_ANSWERED || ret != MHD_YES)
             return ret;
         if (*upload_data_size == 0)
@@ -462,6 +548,7 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
 {
     struct gw_front *f = cm_calloc(1, sizeof *f);
     f->conf = conf;
+    pthread_mutex_init(&f->mu, NULL);
     f->loops = loops;
     struct sockaddr_storage ss;
     if (!make_addr(&conf->listen, &ss, err)) {
@@ -494,6 +581,13 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(f->d, MHD_DAEMON_INFO_BIND_PORT);
     f->port = di ? di->port : conf->listen.port;
+    if (pthread_create(&f->watchdog, NULL, watchdog_main, f) != 0) {
+        *err = cm_asprintf("cannot start the front watchdog thread");
+        MHD_stop_daemon(f->d);
+        pthread_mutex_destroy(&f->mu);
+        free(f);
+        return NULL;
+    }
     return f;
 }
 
@@ -519,6 +613,9 @@ void gw_front_stop(struct gw_front *f)
 {
     if (!f)
         return;
+    atomic_store(&f->stop, true);
+    pthread_join(f->watchdog, NULL);
     MHD_stop_daemon(f->d);
+    pthread_mutex_destroy(&f->mu);
     free(f);
 }
