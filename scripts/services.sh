@@ -126,13 +126,14 @@ write_pg_conf() {
     local tmp
     tmp=$(mktemp)
     cat >"$tmp" <<EOF
-# written by scripts/services.sh: throwaway cluster, durability traded for test speed
+# written by scripts/services.sh: throwaway cluster. fsync is off (the machine does not crash in tests), but
+# commits stay synchronous: fault tests crash Postgres (immediate shutdown), and a committed claim must survive that.
 port = $PG_PORT
 listen_addresses = '127.0.0.1'
 unix_socket_directories = '$PG_HOME'
 max_connections = 200
 fsync = off
-synchronous_commit = off
+synchronous_commit = on
 full_page_writes = off
 log_min_messages = warning
 log_line_prefix = '%m [%p] '

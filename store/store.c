@@ -238,6 +238,7 @@ struct owner_op {
     int attempts;
     bool encode_failed;
     struct event *timer;
+    long rows; /* complete: rows Postgres reported, while the cache write runs */
 };
 
 struct admin_op {
@@ -427,12 +428,14 @@ static void redis_pexpire(struct store *s, const char *rkey, uint64_t ms)
     redis_fire(s, 3, argv, lens);
 }
 
-/* Caches a completed answer: "C" + fingerprint + cm_resp_encode blob, for ttl_ms. */
-static void redis_cache(struct store *s, const char *rkey, const uint8_t fp[32], const void *blob, size_t blob_len,
-                        uint64_t ttl_ms)
+/* Caches a completed answer: "C" + fingerprint + cm_resp_encode blob, for
+ * ttl_ms, then calls cb (may be NULL) once. Returns false, without calling
+ * cb, when nothing was sent. */
+static bool redis_cache_then(struct store *s, const char *rkey, const uint8_t fp[32], const void *blob, size_t blob_len,
+                             uint64_t ttl_ms, store_rd_cb cb, void *arg)
 {
     if (!s->rd || ttl_ms == 0 || !store_rd_up(s->rd))
-        return;
+        return false;
     char *val = cm_malloc(1 + 32 + blob_len);
     val[0] = 'C';
     memcpy(val + 1, fp, 32);
@@ -441,8 +444,15 @@ static void redis_cache(struct store *s, const char *rkey, const uint8_t fp[32],
     snprintf(px, sizeof px, "%llu", (unsigned long long)ttl_ms);
     const char *argv[5] = {"SET", rkey, val, "PX", px};
     size_t lens[5] = {3, strlen(rkey), 1 + 32 + blob_len, 2, strlen(px)};
-    redis_fire(s, 5, argv, lens);
+    bool sent = store_rd_command(s->rd, cb, arg, 5, argv, lens);
     free(val);
+    return sent;
+}
+
+static void redis_cache(struct store *s, const char *rkey, const uint8_t fp[32], const void *blob, size_t blob_len,
+                        uint64_t ttl_ms)
+{
+    (void)redis_cache_then(s, rkey, fp, blob, blob_len, ttl_ms, NULL, NULL);
 }
 
 /* ---- claim */
@@ -691,19 +701,35 @@ static void owner_send(struct owner_op *w, enum stmt_id stmt, store_pg_cb cb);
 
 static void complete_timer_cb(evutil_socket_t fd, short what, void *arg);
 
+/* The completed answer's cache write is done (or failed: then the stale
+ * in-flight marker is dropped, best effort, so Postgres is asked next). */
+static void complete_cached_cb(void *arg, const struct redisReply *reply)
+{
+    struct owner_op *w = arg;
+    if (!reply)
+        redis_del(w->h.s, w->rkey);
+    owner_finish(w, true, w->rows);
+}
+
 static void complete_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
     struct owner_op *w = arg;
     struct store *s = w->h.s;
     if (st == STORE_PG_OK) {
         long rows = PQntuples(pr);
+        if (w->attempts > 1)
+            cm_log(CM_INFO, "store_complete_retried", "attempts=%d rows=%ld", w->attempts, rows);
         if (rows > 0 && !PQgetisnull(pr, 0, 0) && PQgetlength(pr, 0, 0) == 32) {
             uint64_t spent = cm_now_ms() - w->attempt_ms;
             uint64_t ttl = w->arg_ms > spent ? w->arg_ms - spent : 0;
-            redis_cache(s, w->rkey, (const uint8_t *)PQgetvalue(pr, 0, 0), w->blob, w->blob_len, ttl);
+            /* The answer waits for the cache write (bounded by redis_timeout):
+             * until it lands, the in-flight marker would make another
+             * instance answer 409 to a retry of an answered request. */
+            w->rows = rows;
+            if (redis_cache_then(s, w->rkey, (const uint8_t *)PQgetvalue(pr, 0, 0), w->blob, w->blob_len, ttl,
+                                 complete_cached_cb, w))
+                return;
         }
-        if (w->attempts > 1)
-            cm_log(CM_INFO, "store_complete_retried", "attempts=%d rows=%ld", w->attempts, rows);
         owner_finish(w, true, rows);
         return;
     }

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# run.sh - the chaos stage: 2 gateways, retrying clients and a fault schedule; ends with `N passed, N failed`.
+#
+#   tests/chaos/run.sh --short [CHAOS OPTIONS]            60 s of traffic (under 2 minutes in all)
+#   tests/chaos/run.sh --long [MINUTES] [CHAOS OPTIONS]   MINUTES of traffic (default 10)
+#
+# CHAOS OPTIONS go to the checker as they are (--seed S, --workers N, --instances 1|2, --keep, ...).
+# Environment: IDEMGATE_BUILD_DIR (default ./build; built when the checker is missing),
+# IDEMGATE_TEST_SERVICES_DIR (running Postgres+Redis from scripts/services.sh; else throwaway ones are started
+# here and stopped at exit), IDEMGATE_SERVICES_SH (default scripts/services.sh).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd -P)
+BUILD=${IDEMGATE_BUILD_DIR:-$ROOT/build}
+SERVICES_SH=${IDEMGATE_SERVICES_SH:-$ROOT/scripts/services.sh}
+SVC=
+OWN_SVC=0
+CHAOS_PID=
+
+say() { echo "chaos/run.sh: $*" >&2; }
+fail() {
+    say "$*"
+    echo "0 passed, 1 failed"
+    exit 1
+}
+
+usage() {
+    sed -n '4,10p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+
+# shellcheck disable=SC2317 # called from the EXIT trap
+cleanup() {
+    trap '' INT TERM HUP
+    if [ -n "$CHAOS_PID" ] && kill -0 "$CHAOS_PID" 2>/dev/null; then
+        # the checker's own TERM handler kills the gateways and the upstream it started
+        kill -TERM "$CHAOS_PID" 2>/dev/null
+        for _ in $(seq 1 50); do
+            kill -0 "$CHAOS_PID" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$CHAOS_PID" 2>/dev/null
+        wait "$CHAOS_PID" 2>/dev/null
+    fi
+    CHAOS_PID=
+    if [ "$OWN_SVC" = 1 ] && [ -n "$SVC" ]; then
+        bash "$SERVICES_SH" stop "$SVC" >/dev/null 2>&1 || bash "$SERVICES_SH" stop "$SVC"
+        rm -rf "$SVC"
+    fi
+    OWN_SVC=0
+}
+trap cleanup EXIT
+trap 'say interrupted; exit 130' INT TERM HUP
+
+[ $# -ge 1 ] || usage
+case "$1" in
+--short)
+    DURATION=60
+    shift
+    ;;
+--long)
+    shift
+    MINUTES=10
+    if [ $# -ge 1 ] && [[ "$1" =~ ^[0-9]+$ ]]; then
+        MINUTES=$1
+        shift
+    fi
+    if [ "$MINUTES" -lt 1 ] || [ "$MINUTES" -gt 1440 ]; then fail "--long MINUTES: 1..1440"; fi
+    DURATION=$((MINUTES * 60))
+    ;;
+-h | --help) usage ;;
+*) usage ;;
+esac
+
+CHAOS=$BUILD/tests/chaos/chaos
+if [ ! -x "$CHAOS" ] || [ ! -x "$BUILD/idemgate" ] || [ ! -x "$BUILD/tests/tools/testupstream" ]; then
+    say "building in $BUILD"
+    if [ ! -f "$BUILD/build.ninja" ]; then
+        meson setup "$BUILD" "$ROOT" >&2 || fail "meson setup failed"
+    fi
+    ninja -C "$BUILD" idemgate tests/tools/testupstream tests/chaos/chaos >&2 || fail "build failed"
+fi
+
+if [ -n "${IDEMGATE_TEST_SERVICES_DIR:-}" ] && bash "$SERVICES_SH" status "$IDEMGATE_TEST_SERVICES_DIR" >/dev/null 2>&1; then
+    SVC=$IDEMGATE_TEST_SERVICES_DIR
+    say "using the running services in $SVC"
+else
+    [ -n "${IDEMGATE_TEST_SERVICES_DIR:-}" ] && say "$IDEMGATE_TEST_SERVICES_DIR does not answer: starting our own"
+    SVC=$(mktemp -d /tmp/idemgate-chaos-svc.XXXXXX) || fail "mktemp failed"
+    chmod 755 "$SVC"
+    OWN_SVC=1
+    bash "$SERVICES_SH" start "$SVC" || fail "services did not start"
+fi
+
+# Bounded: traffic + drain (12 s) + quiet period + checks, with a generous margin.
+LIMIT=$((DURATION + 150))
+timeout -k 10 "$LIMIT" "$CHAOS" --build "$BUILD" --services-dir "$SVC" --services-sh "$SERVICES_SH" \
+    --duration "$DURATION" --workers 32 --instances 2 "$@" &
+CHAOS_PID=$!
+wait "$CHAOS_PID"
+rc=$?
+CHAOS_PID=
+if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    say "the checker did not finish within ${LIMIT}s"
+    echo "0 passed, 1 failed"
+fi
+exit "$rc"
