@@ -292,6 +292,7 @@ wrk_fig() {
 }
 
 vm() { awk -v k="$2:" '$1 == k {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
+GW_IDLE_KB=$(vm "$GW_PID" VmRSS) # before any load: shared libraries and start-up allocations
 
 echo "bench: ${DUR}s per figure after ${WARM}s warm-up, wrk -t$THREADS, $(nproc) CPUs, all on 127.0.0.1"
 echo "bench: upstream fast :$UP_FAST, slow :$UP_SLOW (+${DELAY_MS}ms), nginx :$NGX_PORT, idemgate :$GW_PORT"
@@ -369,8 +370,10 @@ for k in "$c64" "newkey-c$CONNS" "replay-c$CONNS"; do
     printf 'added latency over the upstream %-16s p50 %s ms  p99 %s ms\n' "$k" "$a50" "$a99"
     SUMMARY+=("bench name=added-latency-$k p50_ms=$a50 p99_ms=$a99")
 done
-printf 'idemgate peak RSS (VmHWM) after the %d-connection run: %s kB, %s threads\n' $CONNS_SLOW "$GW_HWM_KB" "$GW_THREADS"
-SUMMARY+=("bench name=idemgate-peak-rss-c$CONNS_SLOW vmhwm_kb=$GW_HWM_KB threads=$GW_THREADS")
+GW_PER_CONN_KB=$(awk -v h="$GW_HWM_KB" -v i="$GW_IDLE_KB" -v n=$CONNS_SLOW 'BEGIN { printf "%.1f", (h - i) / n }')
+printf 'idemgate peak RSS (VmHWM) after the %d-connection run: %s kB (idle %s kB: %s kB per connection), %s threads\n' \
+    $CONNS_SLOW "$GW_HWM_KB" "$GW_IDLE_KB" "$GW_PER_CONN_KB" "$GW_THREADS"
+SUMMARY+=("bench name=idemgate-peak-rss-c$CONNS_SLOW vmhwm_kb=$GW_HWM_KB idle_kb=$GW_IDLE_KB per_conn_kb=$GW_PER_CONN_KB threads=$GW_THREADS")
 printf 'replays counted by idemgate_dedup_hits_total: %s\n' "${replayed:-n/a}"
 echo
 printf '%s\n' "${SUMMARY[@]}"

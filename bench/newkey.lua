@@ -20,3 +20,11 @@ function request()
     headers["Idempotency-Key"] = prefix .. n
     return wrk.format("POST", wrk.path, headers, body)
 end
+
+-- BENCH_DELAY_MS (optional): pause between two requests of one connection, for a paced load (bench/soak.sh).
+local delay_ms = tonumber(os.getenv("BENCH_DELAY_MS") or "")
+if delay_ms then
+    function delay()
+        return delay_ms
+    end
+end

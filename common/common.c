@@ -149,7 +149,8 @@ char *cm_buf_take(struct cm_buf *b, size_t *len)
     return p;
 }
 
-/* ---- header lists */
+/* ---- header lists
+ * Each entry is one heap block "name\0value\0": v[i].name owns it, v[i].value points into it. */
 
 void cm_hdrs_init(struct cm_hdrs *h)
 {
@@ -160,10 +161,8 @@ void cm_hdrs_init(struct cm_hdrs *h)
 
 void cm_hdrs_free(struct cm_hdrs *h)
 {
-    for (size_t i = 0; i < h->n; i++) {
+    for (size_t i = 0; i < h->n; i++)
         free(h->v[i].name);
-        free(h->v[i].value);
-    }
     free(h->v);
     cm_hdrs_init(h);
 }
@@ -174,14 +173,38 @@ void cm_hdrs_addn(struct cm_hdrs *h, const char *name, size_t nlen, const char *
         h->cap = h->cap ? h->cap * 2 : 16;
         h->v = cm_realloc(h->v, h->cap * sizeof *h->v);
     }
-    h->v[h->n].name = cm_strndup(name, nlen);
-    h->v[h->n].value = cm_strndup(value, vlen);
+    if (nlen > SIZE_MAX - 2 || vlen > SIZE_MAX - 2 - nlen)
+        oom(SIZE_MAX);
+    char *blk = cm_malloc(nlen + vlen + 2);
+    memcpy(blk, name, nlen);
+    blk[nlen] = '\0';
+    memcpy(blk + nlen + 1, value, vlen);
+    blk[nlen + 1 + vlen] = '\0';
+    h->v[h->n].name = blk;
+    h->v[h->n].value = blk + nlen + 1;
     h->n++;
 }
 
 void cm_hdrs_add(struct cm_hdrs *h, const char *name, const char *value)
 {
     cm_hdrs_addn(h, name, strlen(name), value, strlen(value));
+}
+
+void cm_hdrs_fold(struct cm_hdrs *h, size_t i, const char *s, size_t n)
+{
+    if (i >= h->n)
+        return;
+    size_t nlen = (size_t)(h->v[i].value - h->v[i].name) - 1;
+    size_t vlen = strlen(h->v[i].value);
+    if (n > SIZE_MAX - 3 - nlen - vlen)
+        oom(SIZE_MAX);
+    char *blk = cm_realloc(h->v[i].name, nlen + 1 + vlen + 1 + n + 1);
+    char *v = blk + nlen + 1;
+    v[vlen] = ' ';
+    memcpy(v + vlen + 1, s, n);
+    v[vlen + 1 + n] = '\0';
+    h->v[i].name = blk;
+    h->v[i].value = v;
 }
 
 const char *cm_hdrs_get(const struct cm_hdrs *h, const char *name)
@@ -192,43 +215,75 @@ const char *cm_hdrs_get(const struct cm_hdrs *h, const char *name)
     return NULL;
 }
 
-static void hdrs_remove_at(struct cm_hdrs *h, size_t i)
-{
-    free(h->v[i].name);
-    free(h->v[i].value);
-    memmove(&h->v[i], &h->v[i + 1], (h->n - i - 1) * sizeof *h->v);
-    h->n--;
-}
-
 size_t cm_hdrs_remove(struct cm_hdrs *h, const char *name)
 {
-    size_t removed = 0;
-    for (size_t i = 0; i < h->n;) {
-        if (strcasecmp(h->v[i].name, name) == 0) {
-            hdrs_remove_at(h, i);
-            removed++;
-        } else {
-            i++;
-        }
+    size_t o = 0;
+    for (size_t i = 0; i < h->n; i++) {
+        if (strcasecmp(h->v[i].name, name) == 0)
+            free(h->v[i].name);
+        else
+            h->v[o++] = h->v[i];
     }
+    size_t removed = h->n - o;
+    h->n = o;
     return removed;
+}
+
+static int ascii_lower(int c)
+{
+    return c >= 'A' && c <= 'Z' ? c + ('a' - 'A') : c;
 }
 
 bool cm_is_hop_by_hop(const char *name)
 {
-    static const char *const hop[] = {
-        "Connection", "Keep-Alive",        "Proxy-Connection", "Proxy-Authenticate", "Proxy-Authorization", "TE",
-        "Trailer",    "Transfer-Encoding", "Upgrade"};
-    for (size_t i = 0; i < sizeof hop / sizeof hop[0]; i++)
-        if (strcasecmp(name, hop[i]) == 0)
-            return true;
-    return false;
+    /* Dispatch on the first letter: most names (X-..., Content-..., Date, Set-Cookie) are out after one compare. */
+    switch (ascii_lower((unsigned char)name[0])) {
+    case 'c':
+        return strcasecmp(name, "Connection") == 0;
+    case 'k':
+        return strcasecmp(name, "Keep-Alive") == 0;
+    case 'p':
+        return strncasecmp(name, "Proxy-", 6) == 0 &&
+               (strcasecmp(name + 6, "Connection") == 0 || strcasecmp(name + 6, "Authenticate") == 0 ||
+                strcasecmp(name + 6, "Authorization") == 0);
+    case 't':
+        return strcasecmp(name, "TE") == 0 || strcasecmp(name, "Trailer") == 0 ||
+               strcasecmp(name, "Transfer-Encoding") == 0;
+    case 'u':
+        return strcasecmp(name, "Upgrade") == 0;
+    default:
+        return false;
+    }
 }
 
-/* True when name appears as a token in a Connection header value list. */
-static bool named_in_connection(const char *list, const char *name)
+/* The items of the Connection header values: OWS-trimmed, empty ones skipped. A few fit on the stack. */
+struct conn_toks {
+    struct {
+        const char *p;
+        size_t n;
+    } small[8], *v;
+    size_t n, cap;
+};
+
+static void conn_toks_add(struct conn_toks *t, const char *p, size_t n)
 {
-    size_t nlen = strlen(name);
+    if (t->n == t->cap) {
+        size_t cap = t->cap * 2;
+        if (t->v == t->small) {
+            t->v = cm_malloc(cap * sizeof *t->v);
+            memcpy(t->v, t->small, t->n * sizeof *t->v);
+        } else {
+            t->v = cm_realloc(t->v, cap * sizeof *t->v);
+        }
+        t->cap = cap;
+    }
+    t->v[t->n].p = p;
+    t->v[t->n].n = n;
+    t->n++;
+}
+
+static void conn_toks_split(struct conn_toks *t, const char *list)
+{
     const char *p = list;
     while (*p) {
         while (*p == ' ' || *p == '\t' || *p == ',')
@@ -239,27 +294,42 @@ static bool named_in_connection(const char *list, const char *name)
         const char *end = p;
         while (end > start && (end[-1] == ' ' || end[-1] == '\t'))
             end--;
-        if (end > start && (size_t)(end - start) == nlen && strncasecmp(start, name, nlen) == 0)
-            return true;
+        if (end > start)
+            conn_toks_add(t, start, (size_t)(end - start));
     }
-    return false;
 }
 
 void cm_hdrs_strip_hop_by_hop(struct cm_hdrs *h)
 {
-    /* Collect the Connection values first, then drop what they name. */
-    for (size_t i = 0; i < h->n;) {
-        bool drop = cm_is_hop_by_hop(h->v[i].name);
-        for (size_t j = 0; !drop && j < h->n; j++)
-            if (strcasecmp(h->v[j].name, "Connection") == 0 && named_in_connection(h->v[j].value, h->v[i].name))
-                drop = true;
-        if (drop && strcasecmp(h->v[i].name, "Connection") != 0) {
-            hdrs_remove_at(h, i);
-        } else {
-            i++;
+    /* Pass 1: the items of every Connection header. They point into those values, which are freed last. */
+    struct conn_toks t;
+    t.v = t.small;
+    t.n = 0;
+    t.cap = sizeof t.small / sizeof t.small[0];
+    for (size_t i = 0; i < h->n; i++)
+        if ((h->v[i].name[0] | 0x20) == 'c' && strcasecmp(h->v[i].name, "Connection") == 0)
+            conn_toks_split(&t, h->v[i].value);
+    /* Pass 2: kept entries move to the front in order; dropped ones are swapped behind them. */
+    size_t o = 0;
+    for (size_t i = 0; i < h->n; i++) {
+        const char *name = h->v[i].name;
+        bool drop = cm_is_hop_by_hop(name);
+        if (!drop && t.n > 0) {
+            size_t nlen = strlen(name);
+            for (size_t k = 0; k < t.n && !drop; k++)
+                drop = t.v[k].n == nlen && strncasecmp(t.v[k].p, name, nlen) == 0;
+        }
+        if (!drop) {
+            struct cm_hdr keep = h->v[i];
+            h->v[i] = h->v[o];
+            h->v[o++] = keep;
         }
     }
-    cm_hdrs_remove(h, "Connection");
+    for (size_t i = o; i < h->n; i++)
+        free(h->v[i].name);
+    h->n = o;
+    if (t.v != t.small)
+        free(t.v);
 }
 
 /* ---- response codec: "IGR1" u16 status, u32 nhdrs, (u32 len, bytes) x 2 per header, u64 body len, body */

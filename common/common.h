@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define CM_MUST_CHECK __attribute__((warn_unused_result))
+#define CM_MUST_CHECK   __attribute__((warn_unused_result))
 #define CM_PRINTF(a, b) __attribute__((format(printf, a, b)))
 
 #define IDEMGATE_VERSION "0.1.0"
@@ -54,6 +54,9 @@ void cm_hdrs_init(struct cm_hdrs *h);
 void cm_hdrs_free(struct cm_hdrs *h);
 void cm_hdrs_add(struct cm_hdrs *h, const char *name, const char *value);
 void cm_hdrs_addn(struct cm_hdrs *h, const char *name, size_t nlen, const char *value, size_t vlen);
+/* Appends one space and s[0..n) to the value of entry i (obsolete line folding); no-op when i >= h->n. Entries
+ * are single blocks owned by the list: name and value are never freed or reassigned one by one. */
+void cm_hdrs_fold(struct cm_hdrs *h, size_t i, const char *s, size_t n);
 /* First value of a header (case-insensitive name), or NULL. */
 const char *cm_hdrs_get(const struct cm_hdrs *h, const char *name);
 /* Removes every header whose name matches (case-insensitive); returns count. */
