@@ -256,8 +256,9 @@ static const char *client_ip(struct MHD_Connection *c, char *buf, size_t n)
     if (!ci || !ci->client_addr)
         return buf;
     const struct sockaddr *sa = ci->client_addr;
-    socklen_t len = sa->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
-    if (getnameinfo(sa, len, buf, (socklen_t)n, NULL, 0, NI_NUMERICHOST) != 0)
+    const void *addr = sa->sa_family == AF_INET6 ? (const void *)&((const struct sockaddr_in6 *)sa)->sin6_addr
+                                                 : (const void *)&((const struct sockaddr_in *)sa)->sin_addr;
+    if ((sa->sa_family != AF_INET && sa->sa_family != AF_INET6) || !inet_ntop(sa->sa_family, addr, buf, (socklen_t)n))
         snprintf(buf, n, "unknown");
     return buf;
 }
@@ -560,9 +561,13 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         threads = n > 0 ? (unsigned)n : 1;
     }
-    size_t mem = (size_t)conf->max_header_bytes * 2 + 16 * 1024;
-    if (mem < 32 * 1024)
-        mem = 32 * 1024;
+    /* libmicrohttpd 0.9.75 clears the whole per-connection pool on every
+     * request, so each connection costs exactly this much resident memory:
+     * room for the header block plus its parsed records and the answer's
+     * header lines. Over it, libmicrohttpd answers 431 (or 414) itself. */
+    size_t mem = (size_t)conf->max_header_bytes + 8 * 1024;
+    if (mem < 16 * 1024)
+        mem = 16 * 1024;
     unsigned timeout_s = (unsigned)((conf->client_timeout_ms + 999) / 1000);
     f->d = MHD_start_daemon(MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG |
                                 MHD_USE_TURBO | mhd_family_flag(&ss),

@@ -121,6 +121,7 @@ Test(resp, encode_decode_round_trip_binary)
     }
     cm_buf_free(&out);
     cm_resp_free(&r);
+    cm_resp_free(&d);
     cr_assert_not(cm_resp_decode("", 0, &d), "empty accepted");
     cm_resp_free(&d);
 }
