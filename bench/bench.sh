@@ -296,7 +296,7 @@ GW_IDLE_KB=$(vm "$GW_PID" VmRSS) # before any load: shared libraries and start-u
 
 echo "bench: ${DUR}s per figure after ${WARM}s warm-up, wrk -t$THREADS, $(nproc) CPUs, all on 127.0.0.1"
 echo "bench: upstream fast :$UP_FAST, slow :$UP_SLOW (+${DELAY_MS}ms), nginx :$NGX_PORT, idemgate :$GW_PORT"
-echo "bench: Postgres :$PG_PORT (fsync=off, synchronous_commit=off: test cluster), Redis :$REDIS_PORT"
+echo "bench: Postgres :$PG_PORT (fsync=off: test cluster), Redis :$REDIS_PORT"
 
 echo "== proxy: GET, $CONNS connections, fast upstream"
 wrk_fig "get-c$CONNS-upstream" "$UP/" $CONNS
