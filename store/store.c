@@ -61,9 +61,8 @@ static const char schema_v1[] =
     " expires_at timestamptz NOT NULL,"
     " status int,"
     " response bytea,"
-    " PRIMARY KEY (route, scope, key));"
+    " PRIMARY KEY (route, key, scope));" /* the admin queries (route, key) use its prefix */
     "CREATE INDEX IF NOT EXISTS idemgate_keys_expires_at ON idemgate_keys (expires_at);"
-    "CREATE INDEX IF NOT EXISTS idemgate_keys_route_key ON idemgate_keys (route, key);"
     "CREATE INDEX IF NOT EXISTS idemgate_keys_in_flight ON idemgate_keys (created_at) WHERE state = 'in_flight';"
     "INSERT INTO idemgate_schema_version (version) VALUES (1) ON CONFLICT DO NOTHING;";
 
