@@ -470,9 +470,13 @@ Test(store, migrate_is_idempotent)
     migrate();
     migrate();
     cr_assert_eq(psql_long("SELECT max(version) FROM idemgate_schema_version"), 1);
+    /* primary key (route, key, scope), expires_at (cleaner), in-flight created_at (stuck gauge) */
     cr_assert_eq(psql_long("SELECT count(*) FROM pg_indexes WHERE tablename = 'idemgate_keys'"
                            " AND schemaname = current_schema()"),
-                 4);
+                 3);
+    cr_assert_eq(psql_long("SELECT count(*) FROM pg_indexes WHERE tablename = 'idemgate_keys'"
+                           " AND indexname = 'idemgate_keys_pkey' AND indexdef LIKE '%(route, key, scope)%'"),
+                 1);
 }
 
 Test(store, migrate_concurrently_from_three_processes)
