@@ -190,7 +190,7 @@ admin:
   listen: 127.0.0.1:$ADMIN_PORT
 shutdown_grace: 5s
 store:
-  pool: 64                     # the same concurrency as pgbench's 64 clients
+  pool: 8
   redis_timeout: 50ms
 upstreams:
   - name: fast
