@@ -475,7 +475,8 @@ Test(store, migrate_is_idempotent)
                            " AND schemaname = current_schema()"),
                  3);
     cr_assert_eq(psql_long("SELECT count(*) FROM pg_indexes WHERE tablename = 'idemgate_keys'"
-                           " AND indexname = 'idemgate_keys_pkey' AND indexdef LIKE '%(route, key, scope)%'"),
+                           " AND schemaname = current_schema() AND indexname = 'idemgate_keys_pkey'"
+                           " AND indexdef LIKE '%(route, key, scope)%'"),
                  1);
 }
 
