@@ -865,22 +865,35 @@ static bool fn_store(struct ctx *x, yaml_node_t *n, void *target)
 
 /* ---- upstreams */
 
-static bool fn_upstream_name(struct ctx *x, yaml_node_t *n, void *target)
+/* A name of its list (upstreams, routes): 1 to NAME_MAX_LEN characters of
+ * A-Z a-z 0-9 _ . -, not taken by an earlier entry. */
+static bool set_unique_name(struct ctx *x, yaml_node_t *n, char **out, const char *what,
+                            bool (*taken)(const struct conf *, const char *))
 {
-    char **out = target;
     const char *s = scalar(x, n, "a name");
     if (s == NULL)
         return false;
     char b[80];
     if (!is_name(s))
         return fail(x, n, "invalid name '%s' (1 to %d characters of A-Z a-z 0-9 _ . -)", shown(b, s), NAME_MAX_LEN);
-    for (size_t i = 0; i < x->c->upstreams_n; i++) {
-        if (x->c->upstreams[i].name != NULL && strcmp(x->c->upstreams[i].name, s) == 0)
-            return fail(x, n, "duplicate upstream name '%s'", s);
-    }
+    if (taken(x->c, s))
+        return fail(x, n, "duplicate %s name '%s'", what, s);
     free(*out);
     *out = cm_strdup(s);
     return true;
+}
+
+static bool upstream_name_taken(const struct conf *c, const char *s)
+{
+    for (size_t i = 0; i < c->upstreams_n; i++)
+        if (c->upstreams[i].name != NULL && strcmp(c->upstreams[i].name, s) == 0)
+            return true;
+    return false;
+}
+
+static bool fn_upstream_name(struct ctx *x, yaml_node_t *n, void *target)
+{
+    return set_unique_name(x, n, target, "upstream", upstream_name_taken);
 }
 
 static bool fn_upstream_url(struct ctx *x, yaml_node_t *n, void *target)
@@ -1035,22 +1048,17 @@ static bool resolve_refs(struct ctx *x)
 
 /* ---- routes */
 
+static bool route_name_taken(const struct conf *c, const char *s)
+{
+    for (size_t i = 0; i < c->routes_n; i++)
+        if (c->routes[i].name != NULL && strcmp(c->routes[i].name, s) == 0)
+            return true;
+    return false;
+}
+
 static bool fn_route_name(struct ctx *x, yaml_node_t *n, void *target)
 {
-    char **out = target;
-    const char *s = scalar(x, n, "a name");
-    if (s == NULL)
-        return false;
-    char b[80];
-    if (!is_name(s))
-        return fail(x, n, "invalid name '%s' (1 to %d characters of A-Z a-z 0-9 _ . -)", shown(b, s), NAME_MAX_LEN);
-    for (size_t i = 0; i < x->c->routes_n; i++) {
-        if (x->c->routes[i].name != NULL && strcmp(x->c->routes[i].name, s) == 0)
-            return fail(x, n, "duplicate route name '%s'", s);
-    }
-    free(*out);
-    *out = cm_strdup(s);
-    return true;
+    return set_unique_name(x, n, target, "route", route_name_taken);
 }
 
 static bool check_path(struct ctx *x, yaml_node_t *n, const char *s)
