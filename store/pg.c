@@ -1,6 +1,8 @@
 /* pg.c - non-blocking libpq connection pool on a libevent base: connect with
- * PQconnectPoll, prepare statements once per connection, run queries with
- * PQsendQueryPrepared, bounded FIFO, per-query timeouts, reconnect with backoff. */
+ * PQconnectPoll, prepare statements once per connection, run queries in
+ * pipeline mode (one query, or a batch of batchable ones sharing one implicit
+ * transaction and one commit), bounded FIFO, per-query timeouts, reconnect
+ * with backoff. */
 #include "store/pg.h"
 
 #include <errno.h>
@@ -14,6 +16,7 @@
 
 #define BACKOFF_MIN_MS 100
 #define BACKOFF_MAX_MS 2000
+#define PG_MAX_BATCH   64
 
 enum conn_state {
     C_DOWN,       /* no connection, none scheduled (opened on demand) */
@@ -58,8 +61,13 @@ struct pg_conn {
     uint64_t backoff_ms;
     size_t prep_next;
     bool flushing;
-    PGresult *res; /* first result of the command in progress */
-    struct pg_query *cur;
+    PGresult *res; /* first result of the setup command in progress */
+    /* The batch in flight (C_BUSY): queries in the order sent, the first
+     * result of each, and how many have ended (a NULL from PQgetResult). */
+    struct pg_query **batch;
+    PGresult **bres;
+    unsigned nbatch;
+    unsigned nread;
 };
 
 struct qlist {
@@ -283,6 +291,12 @@ static void conn_close(struct pg_conn *c)
         PQclear(c->res);
         c->res = NULL;
     }
+    for (unsigned i = 0; i < c->nbatch; i++) {
+        if (c->bres[i]) {
+            PQclear(c->bres[i]);
+            c->bres[i] = NULL;
+        }
+    }
     if (c->pg) {
         PQfinish(c->pg);
         c->pg = NULL;
@@ -316,19 +330,35 @@ static void conn_connect_failed(struct pg_conn *c, const char *why_in)
     update_up(p, why);
 }
 
-/* A connection that was up broke: its running query fails with a transport error. */
+/* Detaches the batch in flight from c and fails every query of it from the
+ * event loop. */
+static void batch_fail(struct pg_conn *c, enum store_pg_status st, const char *msg)
+{
+    struct store_pg *p = c->pool;
+    unsigned n = c->nbatch;
+    for (unsigned i = 0; i < n; i++) {
+        if (c->bres[i]) {
+            PQclear(c->bres[i]);
+            c->bres[i] = NULL;
+        }
+        struct pg_query *q = c->batch[i];
+        c->batch[i] = NULL;
+        q_defer_fail(p, q, st, msg);
+    }
+    c->nbatch = c->nread = 0;
+}
+
+/* A connection that was up broke: its running queries fail with a transport
+ * error (committed or not: the caller cannot know). */
 static void conn_dead(struct pg_conn *c, const char *why_in)
 {
     struct store_pg *p = c->pool;
-    struct pg_query *q = c->cur;
     char msg[256], why[256];
     snprintf(why, sizeof why, "%s", why_in ? why_in : "?");
     cm_log(CM_WARN, "postgres_connection_lost", "conn=%u error=%s", c->idx, cm_log_quote(msg, sizeof msg, why));
-    c->cur = NULL;
+    batch_fail(c, STORE_PG_TRANSPORT, "postgres connection lost");
     conn_close(c);
     conn_backoff(c);
-    if (q)
-        q_defer_fail(p, q, STORE_PG_TRANSPORT, "postgres connection lost");
     update_up(p, why);
 }
 
@@ -397,6 +427,12 @@ static void conn_prepare_next(struct pg_conn *c)
 static void conn_ready(struct pg_conn *c)
 {
     struct store_pg *p = c->pool;
+    /* From now on every query goes through the pipeline: a Sync after each
+     * batch ends its implicit transaction. */
+    if (!PQenterPipelineMode(c->pg)) {
+        conn_connect_failed(c, PQerrorMessage(c->pg));
+        return;
+    }
     evtimer_del(c->timer);
     set_state(c, C_READY);
     c->backoff_ms = BACKOFF_MIN_MS;
@@ -496,94 +532,143 @@ static enum store_pg_status classify(const PGresult *res, const char **msg)
     return STORE_PG_SQL_ERROR;
 }
 
-static void command_done(struct pg_conn *c)
+static void setup_done(struct pg_conn *c)
 {
     struct store_pg *p = c->pool;
     PGresult *res = c->res;
     c->res = NULL;
-    if (c->state == C_PREPARING) {
-        bool ok = res && PQresultStatus(res) == PGRES_COMMAND_OK;
-        if (!ok) {
-            char msg[512];
-            cm_log(CM_ERROR, "postgres_prepare_failed", "conn=%u stmt=%s error=%s", c->idx, setup_step_name(c),
-                   cm_log_quote(msg, sizeof msg, res ? PQresultErrorMessage(res) : PQerrorMessage(c->pg)));
-            if (res)
-                PQclear(res);
-            conn_connect_failed(c, "prepare failed");
-            return;
-        }
-        PQclear(res);
-        if (++c->prep_next < setup_steps(p))
-            conn_prepare_next(c);
-        else
-            conn_ready(c);
+    bool ok = res && PQresultStatus(res) == PGRES_COMMAND_OK;
+    if (!ok) {
+        char msg[512];
+        cm_log(CM_ERROR, "postgres_prepare_failed", "conn=%u stmt=%s error=%s", c->idx, setup_step_name(c),
+               cm_log_quote(msg, sizeof msg, res ? PQresultErrorMessage(res) : PQerrorMessage(c->pg)));
+        if (res)
+            PQclear(res);
+        conn_connect_failed(c, "prepare failed");
         return;
     }
-    struct pg_query *q = c->cur;
-    c->cur = NULL;
-    const char *msg = NULL;
-    enum store_pg_status st = classify(res, &msg);
+    PQclear(res);
+    if (++c->prep_next < setup_steps(p))
+        conn_prepare_next(c);
+    else
+        conn_ready(c);
+}
+
+/* The Sync of the batch arrived: its transaction has ended. If every query
+ * succeeded it committed and each gets its result; if one failed the whole
+ * transaction rolled back: that one gets its error, the others (rolled back,
+ * or skipped by the server) a transient failure that a retry may cure. */
+static void batch_done(struct pg_conn *c)
+{
+    struct store_pg *p = c->pool;
+    unsigned n = c->nbatch;
+    struct pg_query *qs[PG_MAX_BATCH];
+    PGresult *rs[PG_MAX_BATCH];
+    for (unsigned i = 0; i < n; i++) {
+        qs[i] = c->batch[i];
+        rs[i] = c->bres[i];
+        c->batch[i] = NULL;
+        c->bres[i] = NULL;
+    }
+    c->nbatch = c->nread = 0;
+    const char *fail_msg = NULL;
+    enum store_pg_status fail_st = STORE_PG_OK;
+    unsigned failed = n;
+    for (unsigned i = 0; i < n && failed == n; i++) {
+        const char *msg = NULL;
+        enum store_pg_status st = classify(rs[i], &msg);
+        if (st != STORE_PG_OK) {
+            failed = i;
+            fail_st = st;
+            fail_msg = msg;
+        }
+    }
+    char lost[256] = "";
     if (PQstatus(c->pg) == CONNECTION_BAD) {
-        if (st == STORE_PG_OK)
-            st = STORE_PG_TRANSPORT, msg = "postgres connection lost";
-        if (st == STORE_PG_SQL_ERROR || st == STORE_PG_TRANSIENT)
-            st = STORE_PG_TRANSPORT;
-        conn_dead(c, PQerrorMessage(c->pg));
+        snprintf(lost, sizeof lost, "%s", PQerrorMessage(c->pg));
+        fail_st = STORE_PG_TRANSPORT;
+        fail_msg = "postgres connection lost";
+        failed = 0;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        struct pg_query *q = qs[i];
+        q->where = Q_NEW;
+        q->conn = NULL;
+        if (failed == n)
+            q_finish(q, STORE_PG_OK, rs[i], NULL);
+        else if (i == failed || fail_st == STORE_PG_TRANSPORT)
+            q_finish(q, fail_st, NULL, fail_msg);
+        else
+            q_finish(q, STORE_PG_TRANSIENT, NULL, "postgres batch rolled back (another statement in it failed)");
+        if (rs[i])
+            PQclear(rs[i]);
+    }
+    if (lost[0] || PQstatus(c->pg) == CONNECTION_BAD) {
+        conn_dead(c, lost[0] ? lost : "postgres connection lost");
     } else {
         set_state(c, C_READY);
         conn_watch(c, EV_READ);
     }
-    if (q) {
-        q->where = Q_NEW;
-        q->conn = NULL;
-        q_finish(q, st, res, msg);
-    }
-    if (res)
-        PQclear(res);
     dispatch(p);
+}
+
+/* A failure while connecting or preparing retries the connection; one on a
+ * connection that was up fails its batch. */
+static void conn_fail(struct pg_conn *c, bool setup)
+{
+    if (setup)
+        conn_connect_failed(c, PQerrorMessage(c->pg));
+    else
+        conn_dead(c, PQerrorMessage(c->pg));
 }
 
 static void conn_io_busy(struct pg_conn *c, short what)
 {
-    if (what & EV_READ) {
-        if (!PQconsumeInput(c->pg)) {
-            if (c->state == C_PREPARING)
-                conn_connect_failed(c, PQerrorMessage(c->pg));
-            else
-                conn_dead(c, PQerrorMessage(c->pg));
-            return;
-        }
+    bool setup = c->state == C_PREPARING;
+    if ((what & EV_READ) && !PQconsumeInput(c->pg)) {
+        conn_fail(c, setup);
+        return;
     }
     if (c->flushing) {
         int r = PQflush(c->pg);
         if (r < 0) {
-            if (c->state == C_PREPARING)
-                conn_connect_failed(c, PQerrorMessage(c->pg));
-            else
-                conn_dead(c, PQerrorMessage(c->pg));
+            conn_fail(c, setup);
             return;
         }
         c->flushing = r == 1;
         conn_watch(c, c->flushing ? (EV_READ | EV_WRITE) : EV_READ);
     }
-    /* Bounded: a command yields a handful of results before NULL. */
-    for (int guard = 0; guard < 1000 && !PQisBusy(c->pg); guard++) {
+    /* Bounded: a batch yields a result and a NULL per query, then the Sync. */
+    for (int guard = 0; guard < 4 * PG_MAX_BATCH + 16 && !PQisBusy(c->pg); guard++) {
         PGresult *r = PQgetResult(c->pg);
-        if (!r) {
-            command_done(c);
+        if (setup) {
+            if (!r) {
+                setup_done(c);
+                return;
+            }
+            if (!c->res)
+                c->res = r;
+            else
+                PQclear(r);
+            continue;
+        }
+        if (!r) { /* the end of one query's results */
+            if (c->nread < c->nbatch)
+                c->nread++;
+            continue;
+        }
+        if (PQresultStatus(r) == PGRES_PIPELINE_SYNC) {
+            PQclear(r);
+            batch_done(c);
             return;
         }
-        if (!c->res)
-            c->res = r;
+        if (c->nread < c->nbatch && !c->bres[c->nread])
+            c->bres[c->nread] = r;
         else
             PQclear(r);
     }
-    if (PQstatus(c->pg) == CONNECTION_BAD) {
-        if (c->state == C_PREPARING)
-            conn_connect_failed(c, PQerrorMessage(c->pg));
-        else
-            conn_dead(c, PQerrorMessage(c->pg));
-    }
+    if (PQstatus(c->pg) == CONNECTION_BAD)
+        conn_fail(c, setup);
 }
 
 static void conn_io_cb(evutil_socket_t fd, short what, void *arg)
@@ -633,44 +718,101 @@ static void conn_timer_cb(evutil_socket_t fd, short what, void *arg)
         conn_connect_failed(c, "connect timeout");
 }
 
-static void conn_send(struct pg_conn *c, struct pg_query *q)
+/* Orders a batch by the rows its statements touch (their first batch_key
+ * parameters), so that two batches lock shared rows in the same order and do
+ * not deadlock each other; queries on the same row keep their order. */
+static int q_row_cmp(const struct store_pg *p, const struct pg_query *a, const struct pg_query *b)
+{
+    unsigned ka = p->opts.stmts[a->stmt].batch_key, kb = p->opts.stmts[b->stmt].batch_key;
+    unsigned k = ka < kb ? ka : kb;
+    for (unsigned i = 0; i < k && (int)i < a->nparams && (int)i < b->nparams; i++) {
+        size_t la = a->values[i] ? (size_t)a->lengths[i] : 0, lb = b->values[i] ? (size_t)b->lengths[i] : 0;
+        int r = memcmp(a->values[i] ? a->values[i] : "", b->values[i] ? b->values[i] : "", la < lb ? la : lb);
+        if (r != 0)
+            return r;
+        if (la != lb)
+            return la < lb ? -1 : 1;
+    }
+    return 0;
+}
+
+static void conn_send_batch(struct pg_conn *c, struct pg_query **qs, unsigned n)
 {
     struct store_pg *p = c->pool;
-    const struct store_pg_stmt *st = &p->opts.stmts[q->stmt];
-    if (!PQsendQueryPrepared(c->pg, st->name, q->nparams, (const char *const *)q->values, q->lengths, q->formats,
-                             q->result_format)) {
-        /* The connection is broken: the query was not sent, put it back. */
-        q->where = Q_QUEUED;
-        ql_push_head(&p->queue, q);
+    for (unsigned i = 1; i < n; i++) { /* insertion sort: stable, n <= max_batch */
+        struct pg_query *q = qs[i];
+        unsigned j = i;
+        for (; j > 0 && q_row_cmp(p, qs[j - 1], q) > 0; j--)
+            qs[j] = qs[j - 1];
+        qs[j] = q;
+    }
+    bool sent = true;
+    for (unsigned i = 0; i < n && sent; i++) {
+        const struct store_pg_stmt *st = &p->opts.stmts[qs[i]->stmt];
+        sent = PQsendQueryPrepared(c->pg, st->name, qs[i]->nparams, (const char *const *)qs[i]->values, qs[i]->lengths,
+                                   qs[i]->formats, qs[i]->result_format) == 1;
+    }
+    if (sent)
+        sent = PQpipelineSync(c->pg) == 1;
+    if (!sent) {
+        /* The connection is broken and no Sync went out: nothing of the batch
+         * committed. Put the queries back, first in line. */
+        for (unsigned i = n; i-- > 0;) {
+            qs[i]->where = Q_QUEUED;
+            ql_push_head(&p->queue, qs[i]);
+        }
         conn_dead(c, PQerrorMessage(c->pg));
         return;
     }
-    c->cur = q;
-    q->where = Q_RUNNING;
-    q->conn = c;
-    evtimer_add(q->timer, p->rtimeout);
+    for (unsigned i = 0; i < n; i++) {
+        c->batch[i] = qs[i];
+        c->bres[i] = NULL;
+        qs[i]->where = Q_RUNNING;
+        qs[i]->conn = c;
+        evtimer_add(qs[i]->timer, p->rtimeout);
+    }
+    c->nbatch = n;
+    c->nread = 0;
     set_state(c, C_BUSY);
     c->flushing = true;
     (void)conn_flush(c);
 }
 
+/* Takes the next batch from the head of the queue: one query that is not
+ * batchable, or up to want batchable ones. */
+static unsigned take_batch(struct store_pg *p, struct pg_query **qs, size_t want)
+{
+    unsigned n = 0;
+    while (p->queue.head && n < want) {
+        struct pg_query *q = p->queue.head;
+        bool batchable = p->opts.stmts[q->stmt].batch_key > 0;
+        if (n > 0 && !batchable)
+            break;
+        ql_remove(&p->queue, q);
+        qs[n++] = q;
+        if (!batchable)
+            break;
+    }
+    return n;
+}
+
 static void dispatch(struct store_pg *p)
 {
     unsigned size = p->opts.size;
-    unsigned next = 0;
-    while (p->queue.head) {
-        struct pg_conn *c = NULL;
-        for (; next < size; next++) {
-            if (p->conns[next].state == C_READY) {
-                c = &p->conns[next];
-                break;
-            }
-        }
-        if (!c)
-            break;
-        struct pg_query *q = p->queue.head;
-        ql_remove(&p->queue, q);
-        conn_send(c, q);
+    for (unsigned i = 0; i < size && p->queue.head; i++) {
+        struct pg_conn *c = &p->conns[i];
+        if (c->state != C_READY)
+            continue;
+        /* Share what waits between the idle connections. */
+        unsigned ready = 0;
+        for (unsigned j = i; j < size; j++)
+            ready += p->conns[j].state == C_READY;
+        size_t want = (p->queue.n + ready - 1) / ready;
+        if (want > p->opts.max_batch)
+            want = p->opts.max_batch;
+        struct pg_query *qs[PG_MAX_BATCH];
+        unsigned n = take_batch(p, qs, want);
+        conn_send_batch(c, qs, n);
     }
     if (!p->queue.head)
         return;
@@ -702,15 +844,14 @@ static void query_timer_cb(evutil_socket_t fd, short what, void *arg)
         q_finish(q, STORE_PG_TIMEOUT, NULL, "postgres query timeout (waiting for a connection)");
         return;
     case Q_RUNNING: {
+        /* The server may still be working on it: drop the connection (the
+         * whole batch with it) and open a new one. */
         struct pg_conn *c = q->conn;
-        cm_log(CM_WARN, "postgres_query_timeout", "conn=%u stmt=%s", c->idx, p->opts.stmts[q->stmt].name);
-        c->cur = NULL;
-        q->where = Q_NEW;
-        q->conn = NULL;
-        /* The server may still be working on it: drop the connection and open a new one. */
+        cm_log(CM_WARN, "postgres_query_timeout", "conn=%u stmt=%s batch=%u", c->idx, p->opts.stmts[q->stmt].name,
+               c->nbatch);
+        batch_fail(c, STORE_PG_TIMEOUT, "postgres query timeout");
         conn_close(c);
         conn_start(c);
-        q_finish(q, STORE_PG_TIMEOUT, NULL, "postgres query timeout");
         dispatch(p);
         return;
     }
@@ -739,6 +880,10 @@ struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_
     p->rtimeout = event_base_init_common_timeout(base, &p->rtv);
     if (!p->rtimeout)
         p->rtimeout = &p->rtv;
+    if (p->opts.max_batch == 0)
+        p->opts.max_batch = 1;
+    if (p->opts.max_batch > PG_MAX_BATCH)
+        p->opts.max_batch = PG_MAX_BATCH;
     p->conns = cm_calloc(p->opts.size, sizeof *p->conns);
     for (unsigned i = 0; i < p->opts.size; i++) {
         struct pg_conn *c = &p->conns[i];
@@ -746,6 +891,8 @@ struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_
         c->idx = i;
         c->state = C_DOWN;
         c->io = cm_calloc(1, event_get_struct_event_size());
+        c->batch = cm_calloc(p->opts.max_batch, sizeof *c->batch);
+        c->bres = cm_calloc(p->opts.max_batch, sizeof *c->bres);
         c->timer = evtimer_new(base, conn_timer_cb, c);
         if (!c->timer)
             abort();
@@ -762,13 +909,16 @@ void store_pg_destroy(struct store_pg *p)
         return;
     for (unsigned i = 0; i < p->opts.size; i++) {
         struct pg_conn *c = &p->conns[i];
-        if (c->cur) {
-            q_free(c->cur);
-            c->cur = NULL;
+        for (unsigned j = 0; j < c->nbatch; j++) {
+            q_free(c->batch[j]);
+            c->batch[j] = NULL;
         }
+        c->nbatch = 0;
         conn_close(c);
         event_free(c->timer);
         free(c->io);
+        free(c->batch);
+        free(c->bres);
     }
     struct pg_query *q;
     while ((q = p->queue.head) != NULL) {

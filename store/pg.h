@@ -15,19 +15,28 @@
 struct event_base;
 struct store_pg;
 
-/* A statement prepared once on every connection right after it connects. */
+/* A statement prepared once on every connection right after it connects.
+ * batch_key 0: it always runs alone (its own implicit transaction). N > 0: it
+ * touches the one row named by its first N parameters and may be batched:
+ * while every connection is busy, batchable queries wait together, and the
+ * next free connection sends up to max_batch of them in one pipeline with one
+ * Sync, so they share one implicit transaction (one commit, one round trip).
+ * A batch is ordered by those N parameters (the same row order in every
+ * batch: no deadlock between batches); it commits or rolls back as a whole. */
 struct store_pg_stmt {
     const char *name;
     const char *sql;
     int nparams;
     const Oid *types; /* nparams OIDs */
+    unsigned batch_key;
 };
 
 enum store_pg_status {
     STORE_PG_OK,          /* res is a PGRES_TUPLES_OK / PGRES_COMMAND_OK result */
     STORE_PG_SQL_ERROR,   /* the server refused the statement */
     STORE_PG_TRANSPORT,   /* the connection broke while the query was sent or running */
-    STORE_PG_TRANSIENT,   /* the server refused it for now (deadlock, serialization, resources): nothing done */
+    STORE_PG_TRANSIENT,   /* the server refused it for now (deadlock, serialization, resources), or another
+                           * statement of its batch failed: nothing done, another try may work */
     STORE_PG_TIMEOUT,     /* no answer within the query timeout (the connection is reset) */
     STORE_PG_UNAVAILABLE, /* no connection is up and connecting failed */
     STORE_PG_OVERLOAD,    /* the waiting queue is full */
@@ -46,6 +55,7 @@ struct store_pg_opts {
     uint64_t connect_timeout_ms; /* per connection attempt */
     const char *init_sql;        /* run once per connection before preparing (e.g. SET statement_timeout), or NULL */
     size_t max_queue;            /* waiting queries beyond this fail with STORE_PG_OVERLOAD */
+    unsigned max_batch;          /* most queries in one batch (0 or 1: none batched; at most 64) */
     const struct store_pg_stmt *stmts;
     size_t nstmts;
 };

@@ -23,7 +23,9 @@
 #define RUN_TIMEOUT_MS          5000
 #define CONNECT_TIMEOUT_MS      5000
 #define MAX_QUEUE               65536
+#define MAX_BATCH               16 /* queries sharing one transaction while the pool is busy (store/pg.h) */
 #define CLAIM_ATTEMPTS          5
+#define OWNER_ATTEMPTS          3 /* renew, release, mark_unknown: tries after a rollback */
 #define COMPLETE_BACKOFF_MIN_MS 50
 #define COMPLETE_BACKOFF_MAX_MS 1000
 #define CLEAN_FIRST_MS          1000
@@ -160,16 +162,16 @@ static const char sql_stuck[] = "SELECT route, count(*)::int8 FROM idemgate_keys
                                 " GROUP BY route";
 
 static const struct store_pg_stmt stmts[S__COUNT] = {
-    [S_CLAIM] = {"idg_claim", sql_claim, 8, claim_types},
-    [S_COMPLETE] = {"idg_complete", sql_complete, 7, complete_types},
-    [S_RENEW] = {"idg_renew", sql_renew, 5, fenced_types},
-    [S_RELEASE] = {"idg_release", sql_release, 4, release_types},
-    [S_MARK_UNKNOWN] = {"idg_mark_unknown", sql_mark_unknown, 5, fenced_types},
-    [S_ADMIN_LIST] = {"idg_admin_list", sql_admin_list, 2, admin_types},
-    [S_ADMIN_PURGE] = {"idg_admin_purge", sql_admin_purge, 2, admin_types},
-    [S_ADMIN_RELEASE] = {"idg_admin_release", sql_admin_release, 2, admin_types},
-    [S_CLEAN] = {"idg_clean", sql_clean, 0, NULL},
-    [S_STUCK] = {"idg_stuck", sql_stuck, 0, NULL},
+    [S_CLAIM] = {"idg_claim", sql_claim, 8, claim_types, 3},
+    [S_COMPLETE] = {"idg_complete", sql_complete, 7, complete_types, 3},
+    [S_RENEW] = {"idg_renew", sql_renew, 5, fenced_types, 3},
+    [S_RELEASE] = {"idg_release", sql_release, 4, release_types, 3},
+    [S_MARK_UNKNOWN] = {"idg_mark_unknown", sql_mark_unknown, 5, fenced_types, 3},
+    [S_ADMIN_LIST] = {"idg_admin_list", sql_admin_list, 2, admin_types, 0},
+    [S_ADMIN_PURGE] = {"idg_admin_purge", sql_admin_purge, 2, admin_types, 0},
+    [S_ADMIN_RELEASE] = {"idg_admin_release", sql_admin_release, 2, admin_types, 0},
+    [S_CLEAN] = {"idg_clean", sql_clean, 0, NULL, 0},
+    [S_STUCK] = {"idg_stuck", sql_stuck, 0, NULL, 0},
 };
 
 /* ---- the store */
@@ -808,6 +810,12 @@ static void owner_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
 {
     struct owner_op *w = arg;
     struct store *s = w->h.s;
+    if (st == STORE_PG_TRANSIENT && ++w->attempts < OWNER_ATTEMPTS) {
+        /* rolled back (a deadlock, or another statement of its batch failed): nothing was done */
+        enum stmt_id stmt = w->h.kind == OP_RENEW ? S_RENEW : w->h.kind == OP_RELEASE ? S_RELEASE : S_MARK_UNKNOWN;
+        owner_send(w, stmt, owner_pg_cb);
+        return;
+    }
     if (st != STORE_PG_OK) {
         log_pg_failure(w->h.kind == OP_RENEW ? "renew" : w->h.kind == OP_RELEASE ? "release" : "mark_unknown", st, msg);
         owner_finish(w, false, 0);
@@ -1117,9 +1125,11 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
     s->pg_opts.size = conf->pool ? conf->pool : 1;
     s->pg_opts.queue_timeout_ms = QUEUE_TIMEOUT_MS;
     s->pg_opts.run_timeout_ms = RUN_TIMEOUT_MS;
-    s->pg_opts.init_sql = "SET statement_timeout = " STATEMENT_TIMEOUT_MS;
+    /* Generic plans: every statement is a primary-key lookup, replanning it per call only costs CPU. */
+    s->pg_opts.init_sql = "SET statement_timeout = " STATEMENT_TIMEOUT_MS "; SET plan_cache_mode = force_generic_plan";
     s->pg_opts.connect_timeout_ms = CONNECT_TIMEOUT_MS;
     s->pg_opts.max_queue = MAX_QUEUE;
+    s->pg_opts.max_batch = MAX_BATCH;
     s->pg_opts.stmts = stmts;
     s->pg_opts.nstmts = S__COUNT;
     s->pg = store_pg_create(base, &s->pg_opts);

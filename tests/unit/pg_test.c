@@ -1,0 +1,266 @@
+/* pg_test.c - the Postgres pool's batches against a real Postgres: batchable queries that wait together share one
+ * transaction (one commit), run in row order, and roll back as a whole when one of them fails; the others get a
+ * transient failure. Needs IDEMGATE_TEST_PG_URL (scripts/services.sh). */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <event2/event.h>
+#include <libpq-fe.h>
+
+#include "common/common.h"
+#include "store/pg.h"
+
+#define OID_INT4 23
+
+/* One table per test (the tests run in parallel): t_<pid>_<name>. */
+static char table[64];
+
+static PGconn *admin_conn(void)
+{
+    const char *url = getenv("IDEMGATE_TEST_PG_URL");
+    cr_assert(url && *url, "IDEMGATE_TEST_PG_URL is not set: start the services with scripts/services.sh");
+    PGconn *c = PQconnectdb(url);
+    cr_assert_eq(PQstatus(c), CONNECTION_OK, "connect: %s", PQerrorMessage(c));
+    PGresult *r = PQexec(c, "SET client_min_messages = warning");
+    PQclear(r);
+    return c;
+}
+
+static void exec_ok(PGconn *c, const char *sql)
+{
+    PGresult *r = PQexec(c, sql);
+    ExecStatusType st = PQresultStatus(r);
+    cr_assert(st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK, "%s: %s", sql, PQresultErrorMessage(r));
+    PQclear(r);
+}
+
+static char *query_text(PGconn *c, const char *sql)
+{
+    PGresult *r = PQexec(c, sql);
+    cr_assert_eq(PQresultStatus(r), PGRES_TUPLES_OK, "%s: %s", sql, PQresultErrorMessage(r));
+    struct cm_buf b;
+    cm_buf_init(&b, 1 << 16);
+    for (int i = 0; i < PQntuples(r); i++) {
+        if (i > 0)
+            cr_assert(cm_buf_append(&b, ",", 1));
+        cr_assert(cm_buf_append(&b, PQgetvalue(r, i, 0), strlen(PQgetvalue(r, i, 0))));
+    }
+    PQclear(r);
+    size_t n;
+    char *s = cm_buf_take(&b, &n);
+    cm_buf_free(&b);
+    return s ? s : cm_strdup("");
+}
+
+/* ---- the pool under test */
+
+enum { S_INSERT, S_SLEEP, S_LONE, S__N };
+static char sql_insert[160], sql_lone[160];
+static const Oid int4_type[] = {OID_INT4};
+static struct store_pg_stmt stmts[S__N];
+
+struct result {
+    int done;
+    enum store_pg_status st;
+};
+
+struct fixture {
+    struct event_base *base;
+    struct store_pg *pool;
+    struct store_pg_opts opts;
+    PGconn *admin;
+    int pending;
+};
+
+static void query_cb(void *arg, enum store_pg_status st, const PGresult *res, const char *msg)
+{
+    struct result *r = arg;
+    (void)res;
+    (void)msg;
+    r->done++;
+    r->st = st;
+}
+
+static void setup_pool(struct fixture *f, const char *name, unsigned max_batch)
+{
+    memset(f, 0, sizeof *f);
+    snprintf(table, sizeof table, "t_%ld_%s", (long)getpid(), name);
+    f->admin = admin_conn();
+    char sql[512];
+    snprintf(sql, sizeof sql,
+             "DROP TABLE IF EXISTS %s; CREATE TABLE %s (id bigserial, k int PRIMARY KEY CHECK (k > 0))", table, table);
+    exec_ok(f->admin, sql);
+    snprintf(sql_insert, sizeof sql_insert, "INSERT INTO %s (k) VALUES ($1)", table);
+    snprintf(sql_lone, sizeof sql_lone, "INSERT INTO %s (k) VALUES ($1)", table);
+    stmts[S_INSERT] = (struct store_pg_stmt){"t_insert", sql_insert, 1, int4_type, 1};
+    stmts[S_SLEEP] = (struct store_pg_stmt){"t_sleep", "SELECT pg_sleep(0.3)", 0, NULL, 0};
+    stmts[S_LONE] = (struct store_pg_stmt){"t_lone", sql_lone, 1, int4_type, 0};
+    f->base = event_base_new();
+    cr_assert(f->base);
+    f->opts = (struct store_pg_opts){
+        .conninfo = getenv("IDEMGATE_TEST_PG_URL"),
+        .size = 1,
+        .queue_timeout_ms = 10000,
+        .run_timeout_ms = 10000,
+        .connect_timeout_ms = 5000,
+        .max_queue = 1000,
+        .max_batch = max_batch,
+        .stmts = stmts,
+        .nstmts = S__N,
+    };
+    f->pool = store_pg_create(f->base, &f->opts);
+}
+
+static void teardown_pool(struct fixture *f)
+{
+    store_pg_destroy(f->pool);
+    event_base_free(f->base);
+    char sql[128];
+    snprintf(sql, sizeof sql, "DROP TABLE IF EXISTS %s", table);
+    exec_ok(f->admin, sql);
+    PQfinish(f->admin);
+}
+
+static void run_until(struct fixture *f, const struct result *rs, size_t n)
+{
+    uint64_t deadline = cm_now_ms() + 15000;
+    for (;;) {
+        size_t done = 0;
+        for (size_t i = 0; i < n; i++)
+            done += rs[i].done > 0;
+        if (done == n)
+            break;
+        cr_assert(cm_now_ms() < deadline, "queries did not finish in 15 s (%zu of %zu)", done, n);
+        event_base_loop(f->base, EVLOOP_ONCE);
+    }
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(rs[i].done, 1, "query %zu called back %d times", i, rs[i].done);
+}
+
+static void wait_up(struct fixture *f)
+{
+    uint64_t deadline = cm_now_ms() + 15000;
+    while (!store_pg_up(f->pool)) {
+        cr_assert(cm_now_ms() < deadline, "postgres pool never came up");
+        event_base_loop(f->base, EVLOOP_ONCE);
+    }
+}
+
+static void insert(struct fixture *f, size_t stmt, int32_t k, struct result *r)
+{
+    char v[16];
+    int n = snprintf(v, sizeof v, "%d", k);
+    struct store_pg_param p = {v, (size_t)n, false};
+    store_pg_query(f->pool, stmt, &p, 1, 0, query_cb, r);
+}
+
+/* Occupies the only connection, so that what follows waits in the queue together. */
+static void occupy(struct fixture *f, struct result *r)
+{
+    store_pg_query(f->pool, S_SLEEP, NULL, 0, 0, query_cb, r);
+}
+
+Test(pg_batch, waiting_queries_share_one_transaction_in_row_order)
+{
+    struct fixture f;
+    setup_pool(&f, "order", 16);
+    wait_up(&f);
+    struct result rs[7] = {0};
+    occupy(&f, &rs[0]);
+    const int32_t keys[6] = {50, 30, 90, 10, 70, 20};
+    for (int i = 0; i < 6; i++)
+        insert(&f, S_INSERT, keys[i], &rs[i + 1]);
+    run_until(&f, rs, 7);
+    for (int i = 0; i < 7; i++)
+        cr_expect_eq(rs[i].st, STORE_PG_OK, "query %d: %s", i, store_pg_status_name(rs[i].st));
+    char sql[256];
+    snprintf(sql, sizeof sql, "SELECT count(DISTINCT xmin::text)::text FROM %s", table);
+    char *s = query_text(f.admin, sql);
+    cr_expect_str_eq(s, "1", "six waiting inserts committed in %s transactions, not one", s);
+    free(s);
+    snprintf(sql, sizeof sql, "SELECT k::text FROM %s ORDER BY id", table);
+    s = query_text(f.admin, sql);
+    cr_expect_str_eq(s, "10,20,30,50,70,90", "the batch ran in row order: %s", s);
+    free(s);
+    teardown_pool(&f);
+}
+
+Test(pg_batch, one_failure_rolls_back_the_batch_and_the_others_may_retry)
+{
+    struct fixture f;
+    setup_pool(&f, "fail", 16);
+    wait_up(&f);
+    struct result rs[5] = {0};
+    occupy(&f, &rs[0]);
+    insert(&f, S_INSERT, 5, &rs[1]);
+    insert(&f, S_INSERT, 6, &rs[2]);
+    insert(&f, S_INSERT, -1, &rs[3]); /* violates the CHECK */
+    insert(&f, S_INSERT, 7, &rs[4]);
+    run_until(&f, rs, 5);
+    cr_expect_eq(rs[0].st, STORE_PG_OK);
+    cr_expect_eq(rs[3].st, STORE_PG_SQL_ERROR, "the failing insert: %s", store_pg_status_name(rs[3].st));
+    cr_expect_eq(rs[1].st, STORE_PG_TRANSIENT, "rolled back before: %s", store_pg_status_name(rs[1].st));
+    cr_expect_eq(rs[2].st, STORE_PG_TRANSIENT, "rolled back before: %s", store_pg_status_name(rs[2].st));
+    cr_expect_eq(rs[4].st, STORE_PG_TRANSIENT, "skipped after: %s", store_pg_status_name(rs[4].st));
+    char sql[128];
+    snprintf(sql, sizeof sql, "SELECT count(*)::text FROM %s", table);
+    char *s = query_text(f.admin, sql);
+    cr_expect_str_eq(s, "0", "nothing of the failed batch committed (%s rows)", s);
+    free(s);
+    /* The connection stays usable, and a retry alone succeeds. */
+    struct result again[3] = {0};
+    insert(&f, S_INSERT, 5, &again[0]);
+    insert(&f, S_INSERT, 6, &again[1]);
+    insert(&f, S_INSERT, 7, &again[2]);
+    run_until(&f, again, 3);
+    for (int i = 0; i < 3; i++)
+        cr_expect_eq(again[i].st, STORE_PG_OK, "retry %d: %s", i, store_pg_status_name(again[i].st));
+    s = query_text(f.admin, sql);
+    cr_expect_str_eq(s, "3", "%s rows after the retries", s);
+    free(s);
+    teardown_pool(&f);
+}
+
+Test(pg_batch, statements_that_are_not_batchable_run_alone)
+{
+    struct fixture f;
+    setup_pool(&f, "lone", 16);
+    wait_up(&f);
+    struct result rs[5] = {0};
+    occupy(&f, &rs[0]);
+    insert(&f, S_INSERT, 1, &rs[1]);
+    insert(&f, S_LONE, 2, &rs[2]);
+    insert(&f, S_INSERT, 3, &rs[3]);
+    insert(&f, S_INSERT, 4, &rs[4]);
+    run_until(&f, rs, 5);
+    for (int i = 0; i < 5; i++)
+        cr_expect_eq(rs[i].st, STORE_PG_OK, "query %d: %s", i, store_pg_status_name(rs[i].st));
+    char sql[256];
+    snprintf(sql, sizeof sql, "SELECT string_agg(k::text, '+' ORDER BY k) FROM %s GROUP BY xmin::text ORDER BY min(id)",
+             table);
+    char *s = query_text(f.admin, sql);
+    cr_expect_str_eq(s, "1,2,3+4", "transactions (rows joined by +): %s", s);
+    free(s);
+    teardown_pool(&f);
+}
+
+Test(pg_batch, without_batching_each_query_commits_alone)
+{
+    struct fixture f;
+    setup_pool(&f, "nobatch", 1);
+    wait_up(&f);
+    struct result rs[4] = {0};
+    occupy(&f, &rs[0]);
+    for (int i = 0; i < 3; i++)
+        insert(&f, S_INSERT, i + 1, &rs[i + 1]);
+    run_until(&f, rs, 4);
+    char sql[128];
+    snprintf(sql, sizeof sql, "SELECT count(DISTINCT xmin::text)::text FROM %s", table);
+    char *s = query_text(f.admin, sql);
+    cr_expect_str_eq(s, "3", "max_batch 1: %s transactions for three inserts", s);
+    free(s);
+    teardown_pool(&f);
+}
