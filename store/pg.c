@@ -14,9 +14,12 @@
 
 #include "common/metrics.h"
 
-#define BACKOFF_MIN_MS 100
-#define BACKOFF_MAX_MS 2000
-#define PG_MAX_BATCH   64
+#define BACKOFF_MIN_MS      100
+#define BACKOFF_MAX_MS      2000
+#define PG_MAX_BATCH        64
+#define PG_MAX_REQUEUE      3 /* then a rolled-back query gets STORE_PG_TRANSIENT */
+#define PG_MULTI_MAX_PARAMS 16
+#define PG_MULTI_MAX_BYTES  (64u << 20) /* one array parameter of a multi-row statement */
 
 enum conn_state {
     C_DOWN,       /* no connection, none scheduled (opened on demand) */
@@ -46,6 +49,8 @@ struct pg_query {
     uint64_t start_ms;
     enum store_pg_status deferred_st;
     const char *deferred_msg;
+    bool no_multi;     /* its multi-row statement failed once: run it alone */
+    unsigned requeues; /* times put back after its batch rolled back */
 };
 
 struct pg_conn {
@@ -65,8 +70,12 @@ struct pg_conn {
     /* The batch in flight (C_BUSY): queries in the order sent, the first
      * result of each, and how many have ended (a NULL from PQgetResult). */
     struct pg_query **batch;
-    PGresult **bres;
     unsigned nbatch;
+    /* The statements sent for it: statement i covers batch[sfirst[i]] and
+     * the sn[i] - 1 queries after it (sn > 1: the multi-row form). */
+    unsigned *sfirst, *sn;
+    PGresult **bres; /* first result of each statement */
+    unsigned nsent;
     unsigned nread;
 };
 
@@ -79,6 +88,7 @@ struct store_pg {
     struct event_base *base;
     struct store_pg_opts opts;
     char *conninfo;
+    char **multi_names; /* per statement: name of its multi-row form, or NULL */
     struct pg_conn *conns;
     unsigned n_up;         /* READY or BUSY */
     unsigned n_connecting; /* CONNECTING or PREPARING */
@@ -291,7 +301,7 @@ static void conn_close(struct pg_conn *c)
         PQclear(c->res);
         c->res = NULL;
     }
-    for (unsigned i = 0; i < c->nbatch; i++) {
+    for (unsigned i = 0; i < c->nsent; i++) {
         if (c->bres[i]) {
             PQclear(c->bres[i]);
             c->bres[i] = NULL;
@@ -335,17 +345,18 @@ static void conn_connect_failed(struct pg_conn *c, const char *why_in)
 static void batch_fail(struct pg_conn *c, enum store_pg_status st, const char *msg)
 {
     struct store_pg *p = c->pool;
-    unsigned n = c->nbatch;
-    for (unsigned i = 0; i < n; i++) {
+    for (unsigned i = 0; i < c->nsent; i++) {
         if (c->bres[i]) {
             PQclear(c->bres[i]);
             c->bres[i] = NULL;
         }
+    }
+    for (unsigned i = 0; i < c->nbatch; i++) {
         struct pg_query *q = c->batch[i];
         c->batch[i] = NULL;
         q_defer_fail(p, q, st, msg);
     }
-    c->nbatch = c->nread = 0;
+    c->nbatch = c->nsent = c->nread = 0;
 }
 
 /* A connection that was up broke: its running queries fail with a transport
@@ -387,9 +398,35 @@ static bool conn_flush(struct pg_conn *c)
 }
 
 /* Setup steps of a new connection: init_sql (when set), then one PQsendPrepare per statement. */
+/* Setup steps: the init SQL, then every statement, then every multi-row form. */
 static size_t setup_steps(const struct store_pg *p)
 {
-    return (p->opts.init_sql ? 1 : 0) + p->opts.nstmts;
+    size_t n = (p->opts.init_sql ? 1 : 0) + p->opts.nstmts;
+    for (size_t i = 0; i < p->opts.nstmts; i++)
+        n += p->multi_names[i] != NULL;
+    return n;
+}
+
+/* Step k (after the init SQL): statement *stmt, in its multi-row form when *multi. */
+static void setup_step(const struct store_pg *p, size_t k, size_t *stmt, bool *multi)
+{
+    if (k < p->opts.nstmts) {
+        *stmt = k;
+        *multi = false;
+        return;
+    }
+    k -= p->opts.nstmts;
+    for (size_t i = 0; i < p->opts.nstmts; i++) {
+        if (!p->multi_names[i])
+            continue;
+        if (k-- == 0) {
+            *stmt = i;
+            *multi = true;
+            return;
+        }
+    }
+    *stmt = 0;
+    *multi = false;
 }
 
 static const char *setup_step_name(const struct pg_conn *c)
@@ -397,7 +434,10 @@ static const char *setup_step_name(const struct pg_conn *c)
     const struct store_pg *p = c->pool;
     if (p->opts.init_sql && c->prep_next == 0)
         return "init";
-    return p->opts.stmts[c->prep_next - (p->opts.init_sql ? 1 : 0)].name;
+    size_t stmt;
+    bool multi;
+    setup_step(p, c->prep_next - (p->opts.init_sql ? 1 : 0), &stmt, &multi);
+    return multi ? p->multi_names[stmt] : p->opts.stmts[stmt].name;
 }
 
 static void conn_prepare_next(struct pg_conn *c)
@@ -407,8 +447,14 @@ static void conn_prepare_next(struct pg_conn *c)
     if (p->opts.init_sql && c->prep_next == 0) {
         sent = PQsendQuery(c->pg, p->opts.init_sql);
     } else {
-        const struct store_pg_stmt *st = &p->opts.stmts[c->prep_next - (p->opts.init_sql ? 1 : 0)];
-        sent = PQsendPrepare(c->pg, st->name, st->sql, st->nparams, st->types);
+        size_t stmt;
+        bool multi;
+        setup_step(p, c->prep_next - (p->opts.init_sql ? 1 : 0), &stmt, &multi);
+        const struct store_pg_stmt *st = &p->opts.stmts[stmt];
+        if (multi)
+            sent = PQsendPrepare(c->pg, p->multi_names[stmt], st->multi_sql, st->nparams, st->multi_types);
+        else
+            sent = PQsendPrepare(c->pg, st->name, st->sql, st->nparams, st->types);
     }
     if (!sent) {
         conn_connect_failed(c, PQerrorMessage(c->pg));
@@ -554,27 +600,76 @@ static void setup_done(struct pg_conn *c)
         conn_ready(c);
 }
 
-/* The Sync of the batch arrived: its transaction has ended. If every query
- * succeeded it committed and each gets its result; if one failed the whole
- * transaction rolled back: that one gets its error, the others (rolled back,
- * or skipped by the server) a transient failure that a retry may cure. */
+/* The rows of a multi-row statement's result whose first column (the
+ * 1-based position in the group) is pos, without that column: the result the
+ * single form would have given. NULL when out of memory. */
+static PGresult *split_rows(const PGresult *res, long pos)
+{
+    int nf = PQnfields(res);
+    if (nf < 1)
+        return NULL;
+    PGresult *out = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
+    if (!out)
+        return NULL;
+    PGresAttDesc attrs[64];
+    int na = nf - 1 < 64 ? nf - 1 : 64;
+    for (int i = 0; i < na; i++) {
+        attrs[i] = (PGresAttDesc){.name = PQfname(res, i + 1),
+                                  .tableid = PQftable(res, i + 1),
+                                  .columnid = PQftablecol(res, i + 1),
+                                  .format = PQfformat(res, i + 1),
+                                  .typid = PQftype(res, i + 1),
+                                  .typlen = PQfsize(res, i + 1),
+                                  .atttypmod = PQfmod(res, i + 1)};
+    }
+    if (!PQsetResultAttrs(out, na, attrs))
+        goto fail;
+    for (int r = 0; r < PQntuples(res); r++) {
+        long n = PQfformat(res, 0) == 1 ? (long)store_pg_get_i64(res, r, 0) : strtol(PQgetvalue(res, r, 0), NULL, 10);
+        if (n != pos)
+            continue;
+        int row = PQntuples(out);
+        for (int f = 0; f < na; f++) {
+            bool null = PQgetisnull(res, r, f + 1);
+            if (!PQsetvalue(out, row, f, null ? NULL : PQgetvalue(res, r, f + 1),
+                            null ? -1 : PQgetlength(res, r, f + 1)))
+                goto fail;
+        }
+    }
+    return out;
+fail:
+    PQclear(out);
+    return NULL;
+}
+
+/* The Sync of the batch arrived: its transaction has ended. If every
+ * statement succeeded it committed and each query gets its result. If one
+ * failed the whole transaction rolled back: a single statement that failed
+ * gets its error; every other query did nothing and goes back to the head of
+ * the queue (after a failed multi-row statement, to run alone), up to
+ * PG_MAX_REQUEUE times, then gets a transient failure. */
 static void batch_done(struct pg_conn *c)
 {
     struct store_pg *p = c->pool;
-    unsigned n = c->nbatch;
+    unsigned n = c->nbatch, ns = c->nsent;
     struct pg_query *qs[PG_MAX_BATCH];
     PGresult *rs[PG_MAX_BATCH];
+    unsigned sfirst[PG_MAX_BATCH], sn[PG_MAX_BATCH];
     for (unsigned i = 0; i < n; i++) {
         qs[i] = c->batch[i];
-        rs[i] = c->bres[i];
         c->batch[i] = NULL;
+    }
+    for (unsigned i = 0; i < ns; i++) {
+        rs[i] = c->bres[i];
+        sfirst[i] = c->sfirst[i];
+        sn[i] = c->sn[i];
         c->bres[i] = NULL;
     }
-    c->nbatch = c->nread = 0;
+    c->nbatch = c->nsent = c->nread = 0;
     const char *fail_msg = NULL;
     enum store_pg_status fail_st = STORE_PG_OK;
-    unsigned failed = n;
-    for (unsigned i = 0; i < n && failed == n; i++) {
+    unsigned failed = ns; /* the failed statement */
+    for (unsigned i = 0; i < ns && failed == ns; i++) {
         const char *msg = NULL;
         enum store_pg_status st = classify(rs[i], &msg);
         if (st != STORE_PG_OK) {
@@ -590,18 +685,37 @@ static void batch_done(struct pg_conn *c)
         fail_msg = "postgres connection lost";
         failed = 0;
     }
-    for (unsigned i = 0; i < n; i++) {
-        struct pg_query *q = qs[i];
-        q->where = Q_NEW;
-        q->conn = NULL;
-        if (failed == n)
-            q_finish(q, STORE_PG_OK, rs[i], NULL);
-        else if (i == failed || fail_st == STORE_PG_TRANSPORT)
-            q_finish(q, fail_st, NULL, fail_msg);
-        else
-            q_finish(q, STORE_PG_TRANSIENT, NULL, "postgres batch rolled back (another statement in it failed)");
+    unsigned nback = 0; /* the queries to run again, in qs[0..nback) (a prefix already handled) */
+    for (unsigned i = 0; i < ns; i++) {
+        for (unsigned j = 0; j < sn[i]; j++) {
+            struct pg_query *q = qs[sfirst[i] + j];
+            q->where = Q_NEW;
+            q->conn = NULL;
+            if (failed == ns && sn[i] == 1) {
+                q_finish(q, STORE_PG_OK, rs[i], NULL);
+            } else if (failed == ns) {
+                PGresult *mine = split_rows(rs[i], (long)j + 1);
+                if (mine)
+                    q_finish(q, STORE_PG_OK, mine, NULL);
+                else
+                    q_finish(q, STORE_PG_TRANSIENT, NULL, "out of memory splitting a batch result");
+                PQclear(mine);
+            } else if (fail_st == STORE_PG_TRANSPORT || (i == failed && sn[i] == 1)) {
+                q_finish(q, fail_st, NULL, fail_msg);
+            } else if (++q->requeues > PG_MAX_REQUEUE) {
+                q_finish(q, STORE_PG_TRANSIENT, NULL, "postgres batch rolled back (another statement in it failed)");
+            } else {
+                q->no_multi = q->no_multi || i == failed;
+                qs[nback++] = q;
+            }
+        }
         if (rs[i])
             PQclear(rs[i]);
+    }
+    for (unsigned i = nback; i-- > 0;) {
+        qs[i]->where = Q_QUEUED;
+        ql_push_head(&p->queue, qs[i]);
+        evtimer_add(qs[i]->timer, p->qtimeout);
     }
     if (lost[0] || PQstatus(c->pg) == CONNECTION_BAD) {
         conn_dead(c, lost[0] ? lost : "postgres connection lost");
@@ -652,8 +766,8 @@ static void conn_io_busy(struct pg_conn *c, short what)
                 PQclear(r);
             continue;
         }
-        if (!r) { /* the end of one query's results */
-            if (c->nread < c->nbatch)
+        if (!r) { /* the end of one statement's results */
+            if (c->nread < c->nsent)
                 c->nread++;
             continue;
         }
@@ -662,7 +776,7 @@ static void conn_io_busy(struct pg_conn *c, short what)
             batch_done(c);
             return;
         }
-        if (c->nread < c->nbatch && !c->bres[c->nread])
+        if (c->nread < c->nsent && !c->bres[c->nread])
             c->bres[c->nread] = r;
         else
             PQclear(r);
@@ -718,9 +832,10 @@ static void conn_timer_cb(evutil_socket_t fd, short what, void *arg)
         conn_connect_failed(c, "connect timeout");
 }
 
-/* Orders a batch by the rows its statements touch (their first batch_key
- * parameters), so that two batches lock shared rows in the same order and do
- * not deadlock each other; queries on the same row keep their order. */
+/* Orders a batch by statement, then by the rows the statements touch (their
+ * first batch_key parameters): queries of one statement on distinct rows sit
+ * together (one multi-row statement), rows are locked in the same order by
+ * every batch, and queries on the same row keep their order. */
 static int q_row_cmp(const struct store_pg *p, const struct pg_query *a, const struct pg_query *b)
 {
     unsigned ka = p->opts.stmts[a->stmt].batch_key, kb = p->opts.stmts[b->stmt].batch_key;
@@ -736,21 +851,126 @@ static int q_row_cmp(const struct store_pg *p, const struct pg_query *a, const s
     return 0;
 }
 
+static int q_batch_cmp(const struct store_pg *p, const struct pg_query *a, const struct pg_query *b)
+{
+    if (a->stmt != b->stmt)
+        return a->stmt < b->stmt ? -1 : 1;
+    return q_row_cmp(p, a, b);
+}
+
+/* May q go into its statement's multi-row form? */
+static bool multi_ok(const struct store_pg *p, const struct pg_query *q)
+{
+    if (q->no_multi || !p->multi_names[q->stmt])
+        return false;
+    for (int i = 0; i < q->nparams; i++) {
+        if (q->formats[i] != 1)
+            return false;
+    }
+    return true;
+}
+
+static void put_be32(char *b, uint32_t v)
+{
+    b[0] = (char)(v >> 24);
+    b[1] = (char)(v >> 16);
+    b[2] = (char)(v >> 8);
+    b[3] = (char)v;
+}
+
+/* Bytes of parameter i of qs[0..n) as one binary array, or 0 when too large. */
+static size_t multi_param_len(struct pg_query **qs, unsigned n, int i)
+{
+    size_t len = 20;
+    for (unsigned j = 0; j < n; j++)
+        len += 4 + (qs[j]->values[i] ? (size_t)qs[j]->lengths[i] : 0);
+    return len <= PG_MULTI_MAX_BYTES ? len : 0;
+}
+
+/* Sends the multi-row form for qs[0..n) (same statement, distinct rows):
+ * each parameter a one-dimensional binary array of the queries' values. */
+static bool send_multi(struct pg_conn *c, struct pg_query **qs, unsigned n)
+{
+    const struct store_pg *p = c->pool;
+    const struct store_pg_stmt *st = &p->opts.stmts[qs[0]->stmt];
+    char *vals[PG_MULTI_MAX_PARAMS];
+    int lens[PG_MULTI_MAX_PARAMS], fmts[PG_MULTI_MAX_PARAMS];
+    int np = st->nparams;
+    for (int i = 0; i < np; i++) {
+        size_t len = multi_param_len(qs, n, i);
+        char *b = cm_malloc(len);
+        bool has_null = false;
+        for (unsigned j = 0; j < n; j++)
+            has_null = has_null || !qs[j]->values[i];
+        put_be32(b, 1); /* dimensions */
+        put_be32(b + 4, has_null ? 1 : 0);
+        put_be32(b + 8, (uint32_t)st->types[i]);
+        put_be32(b + 12, n);
+        put_be32(b + 16, 1); /* lower bound */
+        size_t off = 20;
+        for (unsigned j = 0; j < n; j++) {
+            if (!qs[j]->values[i]) {
+                put_be32(b + off, UINT32_MAX); /* -1: NULL */
+                off += 4;
+                continue;
+            }
+            put_be32(b + off, (uint32_t)qs[j]->lengths[i]);
+            memcpy(b + off + 4, qs[j]->values[i], (size_t)qs[j]->lengths[i]);
+            off += 4 + (size_t)qs[j]->lengths[i];
+        }
+        vals[i] = b;
+        lens[i] = (int)len;
+        fmts[i] = 1;
+    }
+    bool ok = PQsendQueryPrepared(c->pg, p->multi_names[qs[0]->stmt], np, (const char *const *)vals, lens, fmts,
+                                  qs[0]->result_format) == 1;
+    for (int i = 0; i < np; i++)
+        free(vals[i]);
+    return ok;
+}
+
+/* How many of qs[0..n) go into one multi-row statement with qs[0] (1: alone). */
+static unsigned multi_run(const struct store_pg *p, struct pg_query **qs, unsigned n)
+{
+    if (!multi_ok(p, qs[0]))
+        return 1;
+    unsigned k = 1;
+    while (k < n && qs[k]->stmt == qs[0]->stmt && qs[k]->result_format == qs[0]->result_format && multi_ok(p, qs[k]) &&
+           q_row_cmp(p, qs[k - 1], qs[k]) != 0)
+        k++;
+    for (int i = 0; k > 1 && i < qs[0]->nparams; i++) {
+        while (k > 1 && multi_param_len(qs, k, i) == 0)
+            k--;
+    }
+    return k;
+}
+
 static void conn_send_batch(struct pg_conn *c, struct pg_query **qs, unsigned n)
 {
     struct store_pg *p = c->pool;
     for (unsigned i = 1; i < n; i++) { /* insertion sort: stable, n <= max_batch */
         struct pg_query *q = qs[i];
         unsigned j = i;
-        for (; j > 0 && q_row_cmp(p, qs[j - 1], q) > 0; j--)
+        for (; j > 0 && q_batch_cmp(p, qs[j - 1], q) > 0; j--)
             qs[j] = qs[j - 1];
         qs[j] = q;
     }
     bool sent = true;
-    for (unsigned i = 0; i < n && sent; i++) {
-        const struct store_pg_stmt *st = &p->opts.stmts[qs[i]->stmt];
-        sent = PQsendQueryPrepared(c->pg, st->name, qs[i]->nparams, (const char *const *)qs[i]->values, qs[i]->lengths,
-                                   qs[i]->formats, qs[i]->result_format) == 1;
+    unsigned ns = 0;
+    for (unsigned i = 0; i < n && sent;) {
+        unsigned k = multi_run(p, qs + i, n - i);
+        if (k > 1) {
+            sent = send_multi(c, qs + i, k);
+        } else {
+            const struct store_pg_stmt *st = &p->opts.stmts[qs[i]->stmt];
+            sent = PQsendQueryPrepared(c->pg, st->name, qs[i]->nparams, (const char *const *)qs[i]->values,
+                                       qs[i]->lengths, qs[i]->formats, qs[i]->result_format) == 1;
+        }
+        c->sfirst[ns] = i;
+        c->sn[ns] = k;
+        c->bres[ns] = NULL;
+        ns++;
+        i += k;
     }
     if (sent)
         sent = PQpipelineSync(c->pg) == 1;
@@ -766,12 +986,12 @@ static void conn_send_batch(struct pg_conn *c, struct pg_query **qs, unsigned n)
     }
     for (unsigned i = 0; i < n; i++) {
         c->batch[i] = qs[i];
-        c->bres[i] = NULL;
         qs[i]->where = Q_RUNNING;
         qs[i]->conn = c;
         evtimer_add(qs[i]->timer, p->rtimeout);
     }
     c->nbatch = n;
+    c->nsent = ns;
     c->nread = 0;
     set_state(c, C_BUSY);
     c->flushing = true;
@@ -884,6 +1104,15 @@ struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_
         p->opts.max_batch = 1;
     if (p->opts.max_batch > PG_MAX_BATCH)
         p->opts.max_batch = PG_MAX_BATCH;
+    p->multi_names = cm_calloc(p->opts.nstmts ? p->opts.nstmts : 1, sizeof *p->multi_names);
+    for (size_t i = 0; i < p->opts.nstmts; i++) {
+        const struct store_pg_stmt *st = &p->opts.stmts[i];
+        if (st->multi_sql && st->batch_key > 0 && st->nparams <= PG_MULTI_MAX_PARAMS && p->opts.max_batch > 1) {
+            size_t len = strlen(st->name) + 3;
+            p->multi_names[i] = cm_malloc(len);
+            snprintf(p->multi_names[i], len, "%s_m", st->name);
+        }
+    }
     p->conns = cm_calloc(p->opts.size, sizeof *p->conns);
     for (unsigned i = 0; i < p->opts.size; i++) {
         struct pg_conn *c = &p->conns[i];
@@ -893,6 +1122,8 @@ struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_
         c->io = cm_calloc(1, event_get_struct_event_size());
         c->batch = cm_calloc(p->opts.max_batch, sizeof *c->batch);
         c->bres = cm_calloc(p->opts.max_batch, sizeof *c->bres);
+        c->sfirst = cm_calloc(p->opts.max_batch, sizeof *c->sfirst);
+        c->sn = cm_calloc(p->opts.max_batch, sizeof *c->sn);
         c->timer = evtimer_new(base, conn_timer_cb, c);
         if (!c->timer)
             abort();
@@ -919,6 +1150,8 @@ void store_pg_destroy(struct store_pg *p)
         free(c->io);
         free(c->batch);
         free(c->bres);
+        free(c->sfirst);
+        free(c->sn);
     }
     struct pg_query *q;
     while ((q = p->queue.head) != NULL) {
@@ -929,6 +1162,9 @@ void store_pg_destroy(struct store_pg *p)
         ql_remove(&p->deferred, q);
         q_free(q);
     }
+    for (size_t i = 0; i < p->opts.nstmts; i++)
+        free(p->multi_names[i]);
+    free(p->multi_names);
     free(p->conns);
     free(p->conninfo);
     free(p);

@@ -21,14 +21,21 @@ struct store_pg;
  * while every connection is busy, batchable queries wait together, and the
  * next free connection sends up to max_batch of them in one pipeline with one
  * Sync, so they share one implicit transaction (one commit, one round trip).
- * A batch is ordered by those N parameters (the same row order in every
- * batch: no deadlock between batches); it commits or rolls back as a whole. */
+ * A batch is ordered by statement, then by those N parameters (rows locked
+ * in one order); it commits or rolls back as a whole.
+ * multi_sql (optional, batchable statements with binary parameters): the same
+ * statement for several distinct rows at once, each parameter an array
+ * (multi_types) of the queries' values, each result row led by the 1-based
+ * position of its query: within a batch, queries of one statement run as one
+ * multi-row statement, and each query still gets the result sql would give. */
 struct store_pg_stmt {
     const char *name;
     const char *sql;
     int nparams;
     const Oid *types; /* nparams OIDs */
     unsigned batch_key;
+    const char *multi_sql;
+    const Oid *multi_types; /* nparams OIDs (array types) */
 };
 
 enum store_pg_status {

@@ -39,11 +39,16 @@
 #define MIGRATE_LOCK_ID         "7251983046512"
 #define SCHEMA_VERSION          1
 
-#define OID_BOOL  16
-#define OID_BYTEA 17
-#define OID_INT8  20
-#define OID_INT4  23
-#define OID_TEXT  25
+#define OID_BOOL        16
+#define OID_BYTEA       17
+#define OID_INT8        20
+#define OID_INT4        23
+#define OID_TEXT        25
+#define OID_BOOL_ARRAY  1000
+#define OID_BYTEA_ARRAY 1001
+#define OID_INT4_ARRAY  1007
+#define OID_TEXT_ARRAY  1009
+#define OID_INT8_ARRAY  1016
 
 #define PROBLEM_PREFIX "urn:idemgate:problem:"
 
@@ -88,7 +93,11 @@ enum stmt_id {
 };
 
 static const Oid claim_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_BYTEA, OID_INT8, OID_INT8, OID_INT8, OID_BOOL};
+static const Oid claim_multi_types[] = {OID_TEXT_ARRAY, OID_BYTEA_ARRAY, OID_TEXT_ARRAY, OID_BYTEA_ARRAY,
+                                        OID_INT8_ARRAY, OID_INT8_ARRAY,  OID_INT8_ARRAY, OID_BOOL_ARRAY};
 static const Oid complete_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT4, OID_BYTEA, OID_INT8};
+static const Oid complete_multi_types[] = {OID_TEXT_ARRAY, OID_BYTEA_ARRAY, OID_TEXT_ARRAY, OID_INT8_ARRAY,
+                                           OID_INT4_ARRAY, OID_BYTEA_ARRAY, OID_INT8_ARRAY};
 static const Oid fenced_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8};
 static const Oid release_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8};
 static const Oid admin_types[] = {OID_TEXT, OID_TEXT};
@@ -120,12 +129,53 @@ static const char sql_claim[] =
     " FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)";
 /* clang-format on */
 
+/* The claim for several keys at once (distinct rows; store/pg.h batches):
+ * the same parameters as arrays, one result row per key, first column its
+ * 1-based position. The takeover flag is per key: the conflict filter reads
+ * it back from u. */
+/* clang-format off */
+static const char sql_claim_multi[] =
+    "WITH u AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::int8[], $6::int8[],"
+    " $7::int8[], $8::bool[]) WITH ORDINALITY AS u(route, scope, key, fp, token, lease_ms, ret_ms, takeover, n)),"
+    " ins AS ("
+    " INSERT INTO idemgate_keys AS k (route, scope, key, fingerprint, state, token, lease_until, created_at,"
+    " expires_at)"
+    " SELECT route, scope, key, fp, 'in_flight', token, now() + lease_ms * interval '1 ms', now(),"
+    " now() + ret_ms * interval '1 ms' FROM u"
+    " ON CONFLICT (route, scope, key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',"
+    " token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,"
+    " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL"
+    " WHERE (k.expires_at < now() AND k.lease_until < now()) OR ((SELECT u.takeover FROM u WHERE u.route = k.route"
+    " AND u.scope = k.scope AND u.key = k.key) AND k.state IN ('in_flight', 'unknown') AND k.lease_until < now()"
+    " AND k.fingerprint = EXCLUDED.fingerprint)"
+    " RETURNING k.route, k.scope, k.key, k.token)"
+    " SELECT u.n, 'new'::text, ins.token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true"
+    " FROM u JOIN ins ON ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key"
+    " UNION ALL"
+    " SELECT u.n, t.state, t.token, t.fingerprint, t.status, t.response,"
+    " greatest(0, ceil(extract(epoch FROM t.lease_until - now()) * 1000))::int8,"
+    " greatest(0, floor(extract(epoch FROM t.expires_at - now()) * 1000))::int8,"
+    " (t.expires_at < now() AND t.lease_until < now()) OR (u.takeover AND t.state IN ('in_flight', 'unknown')"
+    " AND t.lease_until < now() AND t.fingerprint = u.fp),"
+    " t.lease_until >= now()"
+    " FROM u JOIN idemgate_keys t ON t.route = u.route AND t.scope = u.scope AND t.key = u.key"
+    " WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key)";
+/* clang-format on */
+
 /* Fenced by the claim's token alone: a token names one claim, so a retry of
  * a completion whose first attempt committed (lost reply) matches again. */
 static const char sql_complete[] =
     "UPDATE idemgate_keys SET state = 'completed', status = $5, response = $6, completed_at = now(),"
     " lease_until = now(), expires_at = now() + $7 * interval '1 ms'"
     " WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4 RETURNING fingerprint";
+
+static const char sql_complete_multi[] =
+    "UPDATE idemgate_keys AS k SET state = 'completed', status = u.status, response = u.response,"
+    " completed_at = now(), lease_until = now(), expires_at = now() + u.ret_ms * interval '1 ms'"
+    " FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int8[], $5::int4[], $6::bytea[], $7::int8[])"
+    " WITH ORDINALITY AS u(route, scope, key, token, status, response, ret_ms, n)"
+    " WHERE k.route = u.route AND k.scope = u.scope AND k.key = u.key AND k.token = u.token"
+    " RETURNING u.n, k.fingerprint";
 
 static const char sql_renew[] = "UPDATE idemgate_keys SET lease_until = now() + $5 * interval '1 ms'"
                                 " WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4 AND state = 'in_flight'";
@@ -162,16 +212,16 @@ static const char sql_stuck[] = "SELECT route, count(*)::int8 FROM idemgate_keys
                                 " GROUP BY route";
 
 static const struct store_pg_stmt stmts[S__COUNT] = {
-    [S_CLAIM] = {"idg_claim", sql_claim, 8, claim_types, 3},
-    [S_COMPLETE] = {"idg_complete", sql_complete, 7, complete_types, 3},
-    [S_RENEW] = {"idg_renew", sql_renew, 5, fenced_types, 3},
-    [S_RELEASE] = {"idg_release", sql_release, 4, release_types, 3},
-    [S_MARK_UNKNOWN] = {"idg_mark_unknown", sql_mark_unknown, 5, fenced_types, 3},
-    [S_ADMIN_LIST] = {"idg_admin_list", sql_admin_list, 2, admin_types, 0},
-    [S_ADMIN_PURGE] = {"idg_admin_purge", sql_admin_purge, 2, admin_types, 0},
-    [S_ADMIN_RELEASE] = {"idg_admin_release", sql_admin_release, 2, admin_types, 0},
-    [S_CLEAN] = {"idg_clean", sql_clean, 0, NULL, 0},
-    [S_STUCK] = {"idg_stuck", sql_stuck, 0, NULL, 0},
+    [S_CLAIM] = {"idg_claim", sql_claim, 8, claim_types, 3, sql_claim_multi, claim_multi_types},
+    [S_COMPLETE] = {"idg_complete", sql_complete, 7, complete_types, 3, sql_complete_multi, complete_multi_types},
+    [S_RENEW] = {"idg_renew", sql_renew, 5, fenced_types, 3, NULL, NULL},
+    [S_RELEASE] = {"idg_release", sql_release, 4, release_types, 3, NULL, NULL},
+    [S_MARK_UNKNOWN] = {"idg_mark_unknown", sql_mark_unknown, 5, fenced_types, 3, NULL, NULL},
+    [S_ADMIN_LIST] = {"idg_admin_list", sql_admin_list, 2, admin_types, 0, NULL, NULL},
+    [S_ADMIN_PURGE] = {"idg_admin_purge", sql_admin_purge, 2, admin_types, 0, NULL, NULL},
+    [S_ADMIN_RELEASE] = {"idg_admin_release", sql_admin_release, 2, admin_types, 0, NULL, NULL},
+    [S_CLEAN] = {"idg_clean", sql_clean, 0, NULL, 0, NULL, NULL},
+    [S_STUCK] = {"idg_stuck", sql_stuck, 0, NULL, 0, NULL, NULL},
 };
 
 /* ---- the store */
