@@ -3,13 +3,10 @@
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
 
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <sys/random.h>
-#include <unistd.h>
 
 #include "harness.h"
 
@@ -19,142 +16,21 @@ TestSuite(idem, .init = e2e_setup, .fini = e2e_teardown, .timeout = 60);
 
 /* ---- configuration */
 
-/* Builds a config with an idempotent route "pay" on /v1/pay (idem: the lines of its idempotency block, unindented,
- * each ending in \n) and a pass-through route "pass" on /v1/pass, both on the upstream "api" at up_url (a
- * template, e.g. "{{UPSTREAM_URL}}") with the given timeout. Heap; caller frees. */
-static char *conf_with(const char *idem, const char *up_url, const char *timeout)
-{
-    char block[4096];
-    size_t n = 0;
-    const char *p = idem;
-    while (*p != '\0') {
-        const char *nl = strchr(p, '\n');
-        size_t len = nl ? (size_t)(nl - p) : strlen(p);
-        int w = snprintf(block + n, sizeof block - n, "      %.*s\n", (int)len, p);
-        cr_assert(w > 0 && (size_t)w < sizeof block - n, "idempotency block too long");
-        n += (size_t)w;
-        p = nl ? nl + 1 : p + len;
-    }
-    block[n] = '\0';
-    char *out = NULL;
-    int w = asprintf(&out,
-                     "listen: 127.0.0.1:{{LISTEN_PORT}}\n"
-                     "admin:\n"
-                     "  listen: 127.0.0.1:{{ADMIN_PORT}}\n"
-                     "shutdown_grace: 5s\n"
-                     "store:\n"
-                     "  postgres: \"{{PG_URL}}\"\n"
-                     "  redis: \"{{REDIS_URL}}\"\n"
-                     "upstreams:\n"
-                     "  - name: api\n"
-                     "    url: %s\n"
-                     "    connect_timeout: 1s\n"
-                     "    timeout: %s\n"
-                     "routes:\n"
-                     "  - name: pay\n"
-                     "    match:\n"
-                     "      path_prefix: /v1/pay\n"
-                     "    upstream: api\n"
-                     "    idempotency:\n"
-                     "%s"
-                     "  - name: pass\n"
-                     "    match:\n"
-                     "      path_prefix: /v1/pass\n"
-                     "    upstream: api\n"
-                     "    idempotency:\n"
-                     "      key: off\n",
-                     up_url, timeout, block);
-    cr_assert(w > 0);
-    return out;
-}
-
-/* Starts a gateway from tmpl and waits (bounded) until GET /readyz answers 200: the harness waits for /healthz
- * only, and a gateway may answer 503 store-unavailable until its Postgres pool is up. */
-static struct e2e_gw *gw_start_tmpl(const struct e2e_upstream *up, const char *tmpl, const char *const *env)
-{
-    struct e2e_gw_opts o = {.up = up, .env = env};
-    struct e2e_gw *g = e2e_gw_start(tmpl, &o);
-    uint64_t deadline = e2e_now_ms() + 10000;
-    long status = 0;
-    for (;;) {
-        struct e2e_resp r;
-        struct e2e_req rq = {.path = "/readyz", .timeout_ms = 2000};
-        e2e_http(g->admin_port, &rq, &r);
-        status = r.status;
-        e2e_resp_free(&r);
-        if (status == 200 || e2e_now_ms() >= deadline)
-            break;
-        e2e_sleep_ms(20);
-    }
-    if (status != 200)
-        e2e_proc_dump_log(&g->proc, 4000);
-    cr_assert_eq(status, 200, "gateway not ready (/readyz %ld) 10 s after start", status);
-    return g;
-}
-
-/* Starts a gateway with conf_with(idem, "{{UPSTREAM_URL}}", "5s") on up; env may be NULL. */
+/* Starts a gateway with e2e_conf_pay (idem: pay's idempotency block; upstream up with a 5 s timeout) and waits
+ * until it is ready; env may be NULL. */
 static struct e2e_gw *gw_start(const struct e2e_upstream *up, const char *idem, const char *const *env)
 {
-    char *tmpl = conf_with(idem, "{{UPSTREAM_URL}}", "5s");
-    struct e2e_gw *g = gw_start_tmpl(up, tmpl, env);
-    free(tmpl);
-    return g;
+    struct e2e_pay_conf c = {.idem = idem};
+    return e2e_gw_start_pay(up, &c, env);
 }
 
 /* ---- helpers */
 
-/* A key nobody else uses, even across runs on the same database: tag-pid-random. */
-static void mkkey(char *buf, size_t n, const char *tag)
-{
-    unsigned long long r = 0;
-    cr_assert(getrandom(&r, sizeof r, 0) == (ssize_t)sizeof r, "getrandom: %s", strerror(errno));
-    snprintf(buf, n, "%s-%d-%016llx", tag, (int)getpid(), r);
-}
-
-/* Sends method path with the key header (raw value; NULL: no key header), body (NULL: none) and extra headers. */
-static void send_key(uint16_t port, const char *method, const char *path, const char *key, const char *body,
-                     const char *const *extra, long timeout_ms, struct e2e_resp *r)
-{
-    const char *h[16];
-    size_t n = 0;
-    char kh[600];
-    if (key != NULL) {
-        snprintf(kh, sizeof kh, "Idempotency-Key: %s", key);
-        h[n++] = kh;
-    }
-    for (size_t i = 0; extra != NULL && extra[i] != NULL; i++) {
-        cr_assert(n < 15);
-        h[n++] = extra[i];
-    }
-    h[n] = NULL;
-    struct e2e_req rq = {.method = method,
-                         .path = path,
-                         .headers = h,
-                         .body = body,
-                         .body_len = body ? strlen(body) : 0,
-                         .timeout_ms = timeout_ms};
-    e2e_http(port, &rq, r);
-}
-
+/* POST path with the key (raw value; NULL: no key header), body (NULL: none) and extra headers. */
 static void post(uint16_t port, const char *path, const char *key, const char *body, const char *const *extra,
                  struct e2e_resp *r)
 {
-    send_key(port, "POST", path, key, body, extra, 0, r);
-}
-
-static void expect_problem(const struct e2e_resp *r, long status, const char *name, const char *what)
-{
-    cr_expect_eq(r->status, status, "%s: expected %ld %s, got %ld (%s) body: %.300s", what, status, name, r->status,
-                 r->error, (const char *)r->body);
-    const char *ct = e2e_resp_header(r, "Content-Type");
-    cr_expect(e2e_resp_is_problem(r, name), "%s: expected problem %s, got Content-Type %s body %.300s", what, name,
-              ct ? ct : "(none)", (const char *)r->body);
-}
-
-static bool is_replay(const struct e2e_resp *r)
-{
-    const char *v = e2e_resp_header(r, "Idempotent-Replayed");
-    return v != NULL && strcmp(v, "true") == 0;
+    e2e_http_key(port, "POST", path, key, extra, body, 0, r);
 }
 
 static bool skip_in_compare(const char *name)
@@ -195,26 +71,6 @@ static void dump_headers(const struct e2e_resp *r, const char *what)
         cr_log_info("%s: %s: %s", what, r->hdrs[i].name, r->hdrs[i].value);
 }
 
-/* The test upstream's binary body: byte i is 0 when i % 64 == 1, else byte (i % 8) of splitmix64(i / 8). */
-static unsigned char upstream_body_byte(uint64_t i)
-{
-    if (i % 64 == 1)
-        return 0;
-    uint64_t x = i / 8 + 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    x ^= x >> 31;
-    return (unsigned char)(x >> (8 * (i % 8)));
-}
-
-static size_t pattern_mismatch(const unsigned char *p, size_t len)
-{
-    for (size_t i = 0; i < len; i++)
-        if (p[i] != upstream_body_byte(i))
-            return i;
-    return len;
-}
-
 /* Admin request with the token (tok NULL: no Authorization header). */
 static void admin(const struct e2e_gw *g, const char *method, const char *what, const char *key, const char *tok,
                   struct e2e_resp *r)
@@ -252,33 +108,6 @@ static bool json_has(const char *json, const char *name, const char *lit)
     return false;
 }
 
-/* Largest value of the samples of metric name whose labels contain every given label text (NULL-terminated),
- * or -1 when there is none. */
-static double metric_value(const char *text, const char *name, const char *const *labels)
-{
-    double best = -1;
-    size_t nl = strlen(name);
-    for (const char *line = text; line != NULL && *line != '\0';) {
-        const char *eol = strchr(line, '\n');
-        size_t len = eol ? (size_t)(eol - line) : strlen(line);
-        if (len > nl && strncmp(line, name, nl) == 0 && line[nl] == '{') {
-            const char *close = memchr(line, '}', len);
-            bool all = close != NULL;
-            for (size_t i = 0; all && labels[i] != NULL; i++) {
-                const char *hit = strstr(line, labels[i]);
-                all = hit != NULL && hit < close;
-            }
-            if (all) {
-                double v = strtod(close + 1, NULL);
-                if (v > best)
-                    best = v;
-            }
-        }
-        line = eol ? eol + 1 : NULL;
-    }
-    return best;
-}
-
 /* ---- replay */
 
 Test(idem, replay_is_byte_identical_and_marked)
@@ -286,7 +115,7 @@ Test(idem, replay_is_byte_identical_and_marked)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\n", NULL);
     char key[96];
-    mkkey(key, sizeof key, "replay");
+    e2e_mkkey(key, sizeof key, "replay");
     static const char *const extra[] = {"Content-Type: application/json", NULL};
     struct e2e_resp a, b;
     post(gw->port, "/v1/pay/charge?x=1", key, "{\"amount\":42}", extra, &a);
@@ -294,7 +123,7 @@ Test(idem, replay_is_byte_identical_and_marked)
     cr_expect_null(e2e_resp_header(&a, "Idempotent-Replayed"), "the first answer must not be marked as a replay");
     cr_expect_not_null(e2e_resp_header(&a, "X-Upstream-Exec"), "the first answer must be the upstream's");
     post(gw->port, "/v1/pay/charge?x=1", key, "{\"amount\":42}", extra, &b);
-    cr_expect(is_replay(&b), "the retry must carry Idempotent-Replayed: true (got %s)",
+    cr_expect(e2e_resp_is_replay(&b), "the retry must carry Idempotent-Replayed: true (got %s)",
               e2e_resp_header(&b, "Idempotent-Replayed") ? e2e_resp_header(&b, "Idempotent-Replayed") : "none");
     cr_expect_eq(e2e_resp_header_count(&b, "Idempotent-Replayed"), 1, "one Idempotent-Replayed header");
     expect_same_answer(&a, &b, "replay");
@@ -304,7 +133,7 @@ Test(idem, replay_is_byte_identical_and_marked)
     /* a third one, still the same */
     struct e2e_resp c;
     post(gw->port, "/v1/pay/charge?x=1", key, "{\"amount\":42}", extra, &c);
-    cr_expect(is_replay(&c));
+    cr_expect(e2e_resp_is_replay(&c));
     expect_same_answer(&a, &c, "second replay");
     if (a.nhdrs != b.nhdrs) {
         dump_headers(&a, "original");
@@ -323,7 +152,7 @@ Test(idem, binary_and_one_mib_responses_replay_byte_identical)
 
     /* a request body with NULs, echoed by the upstream */
     char key[96];
-    mkkey(key, sizeof key, "bin");
+    e2e_mkkey(key, sizeof key, "bin");
     size_t n = 5000;
     unsigned char *blob = malloc(n);
     cr_assert_not_null(blob);
@@ -338,7 +167,7 @@ Test(idem, binary_and_one_mib_responses_replay_byte_identical)
     cr_assert_eq(a.status, 200, "binary: %ld (%s)", a.status, a.error);
     cr_expect(a.body_len == n && memcmp(a.body, blob, n) == 0, "the first answer must echo the binary body");
     e2e_http(gw->port, &rq, &b);
-    cr_expect(is_replay(&b), "binary retry must be a replay");
+    cr_expect(e2e_resp_is_replay(&b), "binary retry must be a replay");
     expect_same_answer(&a, &b, "binary replay");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
@@ -347,18 +176,18 @@ Test(idem, binary_and_one_mib_responses_replay_byte_identical)
 
     /* a 1 MiB binary response */
     char key2[96];
-    mkkey(key2, sizeof key2, "mib");
+    e2e_mkkey(key2, sizeof key2, "mib");
     static const char *const big[] = {"X-Test-Body-Size: 1048576", NULL};
     post(gw->port, "/v1/pay/big", key2, "{}", big, &a);
     cr_assert_eq(a.status, 200, "1 MiB: %ld (%s) %.200s", a.status, a.error, (const char *)a.body);
     cr_expect_eq(a.body_len, 1048576u);
-    cr_expect_eq(pattern_mismatch(a.body, a.body_len), a.body_len, "1 MiB original differs at byte %zu",
-                 pattern_mismatch(a.body, a.body_len));
+    cr_expect_eq(e2e_upstream_body_mismatch(a.body, a.body_len), a.body_len, "1 MiB original differs at byte %zu",
+                 e2e_upstream_body_mismatch(a.body, a.body_len));
     post(gw->port, "/v1/pay/big", key2, "{}", big, &b);
-    cr_expect(is_replay(&b), "1 MiB retry must be a replay (status %ld)", b.status);
+    cr_expect(e2e_resp_is_replay(&b), "1 MiB retry must be a replay (status %ld)", b.status);
     cr_expect_eq(b.body_len, 1048576u, "1 MiB replay length %zu", b.body_len);
-    cr_expect_eq(pattern_mismatch(b.body, b.body_len), b.body_len, "1 MiB replay differs at byte %zu",
-                 pattern_mismatch(b.body, b.body_len));
+    cr_expect_eq(e2e_upstream_body_mismatch(b.body, b.body_len), b.body_len, "1 MiB replay differs at byte %zu",
+                 e2e_upstream_body_mismatch(b.body, b.body_len));
     expect_same_answer(&a, &b, "1 MiB replay");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
@@ -374,7 +203,7 @@ Test(idem, fifty_concurrent_duplicates_execute_once)
     struct e2e_gw *gw = gw_start(up, "key: required\non_in_flight: conflict\nlease: 10s\n", NULL);
     enum { N = 50 };
     char key[96], kh[160];
-    mkkey(key, sizeof key, "fifty");
+    e2e_mkkey(key, sizeof key, "fifty");
     snprintf(kh, sizeof kh, "Idempotency-Key: %s", key);
     const char *h[] = {kh, "X-Test-Delay-Ms: 300", NULL};
     struct e2e_req rq[N];
@@ -390,7 +219,7 @@ Test(idem, fifty_concurrent_duplicates_execute_once)
     int originals = 0, conflicts = 0, replays = 0, bad = 0;
     const struct e2e_resp *orig = NULL;
     for (int i = 0; i < N; i++) {
-        if (out[i].status == 200 && !is_replay(&out[i])) {
+        if (out[i].status == 200 && !e2e_resp_is_replay(&out[i])) {
             originals++;
             orig = &out[i];
         } else if (out[i].status == 200) {
@@ -408,7 +237,7 @@ Test(idem, fifty_concurrent_duplicates_execute_once)
                  conflicts);
     cr_expect_eq(bad, 0, "%d answers were neither the original, a replay nor a 409 in-use with Retry-After", bad);
     for (int i = 0; orig != NULL && i < N; i++)
-        if (is_replay(&out[i]))
+        if (e2e_resp_is_replay(&out[i]))
             expect_same_answer(orig, &out[i], "concurrent replay");
     for (int i = 0; i < N; i++)
         e2e_resp_free(&out[i]);
@@ -422,7 +251,7 @@ Test(idem, wait_mode_twenty_duplicates_get_the_same_answer)
     struct e2e_gw *gw = gw_start(up, "key: required\non_in_flight: wait\nwait: 5s\nlease: 10s\n", NULL);
     enum { N = 20 };
     char key[96], kh[160];
-    mkkey(key, sizeof key, "wait");
+    e2e_mkkey(key, sizeof key, "wait");
     snprintf(kh, sizeof kh, "Idempotency-Key: %s", key);
     const char *h[] = {kh, "X-Test-Delay-Ms: 500", NULL};
     struct e2e_req first = {
@@ -441,12 +270,12 @@ Test(idem, wait_mode_twenty_duplicates_get_the_same_answer)
     struct e2e_resp orig;
     e2e_http_join(fa, &orig);
     cr_assert_eq(orig.status, 200, "first: %ld (%s)", orig.status, orig.error);
-    cr_expect(!is_replay(&orig), "the first answer is not a replay");
+    cr_expect(!e2e_resp_is_replay(&orig), "the first answer is not a replay");
     int same = 0;
     for (int i = 0; i < N; i++) {
         cr_expect_eq(out[i].status, 200, "duplicate %d: %ld (%s) %.200s", i, out[i].status, out[i].error,
                      (const char *)out[i].body);
-        cr_expect(is_replay(&out[i]), "duplicate %d must be a replay", i);
+        cr_expect(e2e_resp_is_replay(&out[i]), "duplicate %d must be a replay", i);
         if (out[i].body_len == orig.body_len && memcmp(out[i].body, orig.body, orig.body_len) == 0)
             same++;
         else
@@ -464,7 +293,7 @@ Test(idem, wait_that_expires_answers_409)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\non_in_flight: wait\nwait: 300ms\nlease: 10s\n", NULL);
     char key[96], kh[160];
-    mkkey(key, sizeof key, "waitexp");
+    e2e_mkkey(key, sizeof key, "waitexp");
     snprintf(kh, sizeof kh, "Idempotency-Key: %s", key);
     const char *h[] = {kh, "X-Test-Delay-Ms: 2000", NULL};
     struct e2e_req rq = {
@@ -476,7 +305,7 @@ Test(idem, wait_that_expires_answers_409)
     cr_assert_eq(e2e_upstream_count(up, key), 1, "the first request did not reach the upstream");
     struct e2e_resp r;
     e2e_http(gw->port, &rq, &r);
-    expect_problem(&r, 409, "idempotency-key-in-use", "duplicate after wait: 300ms");
+    e2e_expect_problem(&r, 409, "idempotency-key-in-use", "duplicate after wait: 300ms");
     cr_expect_not_null(e2e_resp_header(&r, "Retry-After"), "409 in-use must carry Retry-After");
     cr_expect(r.seconds >= 0.25 && r.seconds < 1.5, "the 409 must come after about the wait (300 ms), came after %.2fs",
               r.seconds);
@@ -495,7 +324,7 @@ Test(idem, same_key_other_request_is_422)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\n", NULL);
     char key[96];
-    mkkey(key, sizeof key, "mismatch");
+    e2e_mkkey(key, sizeof key, "mismatch");
     struct e2e_resp r;
     post(gw->port, "/v1/pay/a?x=1", key, "one", NULL, &r);
     cr_assert_eq(r.status, 200, "first: %ld (%s)", r.status, r.error);
@@ -509,18 +338,18 @@ Test(idem, same_key_other_request_is_422)
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         post(gw->port, cases[i].path, key, cases[i].body, NULL, &r);
-        expect_problem(&r, 422, "idempotency-key-mismatch", cases[i].what);
-        cr_expect(!is_replay(&r), "%s: a 422 is not a replay", cases[i].what);
+        e2e_expect_problem(&r, 422, "idempotency-key-mismatch", cases[i].what);
+        cr_expect(!e2e_resp_is_replay(&r), "%s: a 422 is not a replay", cases[i].what);
         e2e_resp_free(&r);
     }
     /* PATCH (also idempotent by default) with the same path and body: the method is part of the fingerprint */
-    send_key(gw->port, "PATCH", "/v1/pay/a?x=1", key, "one", NULL, 0, &r);
-    expect_problem(&r, 422, "idempotency-key-mismatch", "other method");
+    e2e_http_key(gw->port, "PATCH", "/v1/pay/a?x=1", key, NULL, "one", 0, &r);
+    e2e_expect_problem(&r, 422, "idempotency-key-mismatch", "other method");
     e2e_resp_free(&r);
     /* the original request still replays */
     post(gw->port, "/v1/pay/a?x=1", key, "one", NULL, &r);
     cr_expect_eq(r.status, 200, "status %ld (%s) %.300s", r.status, r.error, (const char *)r.body);
-    cr_expect(is_replay(&r), "the original request must still replay after 422s");
+    cr_expect(e2e_resp_is_replay(&r), "the original request must still replay after 422s");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "mismatching retries must not execute");
     cr_expect_eq(e2e_upstream_count(up, NULL), 1);
@@ -534,7 +363,7 @@ Test(idem, key_required_missing_and_invalid_are_400)
     struct e2e_gw *gw = gw_start(up, "key: required\n", NULL);
     struct e2e_resp r;
     post(gw->port, "/v1/pay/k", NULL, "{}", NULL, &r);
-    expect_problem(&r, 400, "idempotency-key-missing", "no key");
+    e2e_expect_problem(&r, 400, "idempotency-key-missing", "no key");
     e2e_resp_free(&r);
 
     char k256[257], q255[258], qk256[259];
@@ -569,7 +398,7 @@ Test(idem, key_required_missing_and_invalid_are_400)
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         post(gw->port, "/v1/pay/k", bad[i].key, "{}", bad[i].extra, &r);
-        expect_problem(&r, 400, "idempotency-key-invalid", bad[i].what);
+        e2e_expect_problem(&r, 400, "idempotency-key-invalid", bad[i].what);
         e2e_resp_free(&r);
     }
     cr_expect_eq(e2e_upstream_count(up, NULL), 0, "rejected keys must not reach the upstream");
@@ -577,7 +406,7 @@ Test(idem, key_required_missing_and_invalid_are_400)
     /* the limits themselves pass: 255 bytes bare and quoted */
     char r255[300];
     char tag[40];
-    mkkey(tag, sizeof tag, "k");
+    e2e_mkkey(tag, sizeof tag, "k");
     memset(r255, 'x', 255);
     memcpy(r255, tag, strlen(tag));
     r255[255] = '\0';
@@ -592,26 +421,26 @@ Test(idem, key_required_missing_and_invalid_are_400)
 
     /* "abc" and abc are the same key */
     char bare[96], quoted[100];
-    mkkey(bare, sizeof bare, "quoted");
+    e2e_mkkey(bare, sizeof bare, "quoted");
     snprintf(quoted, sizeof quoted, "\"%s\"", bare);
     struct e2e_resp a, b;
     post(gw->port, "/v1/pay/q", quoted, "{\"q\":1}", NULL, &a);
     cr_expect_eq(a.status, 200, "quoted key: %ld %.200s", a.status, (const char *)a.body);
-    cr_expect(!is_replay(&a));
+    cr_expect(!e2e_resp_is_replay(&a));
     post(gw->port, "/v1/pay/q", bare, "{\"q\":1}", NULL, &b);
     cr_expect_eq(b.status, 200, "bare key: %ld %.200s", b.status, (const char *)b.body);
-    cr_expect(is_replay(&b), "\"K\" then K must replay: they are the same key");
+    cr_expect(e2e_resp_is_replay(&b), "\"K\" then K must replay: they are the same key");
     expect_same_answer(&a, &b, "quoted/bare");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     /* and the other way round, with surrounding spaces (OWS) */
     char bare2[96], quoted2[110];
-    mkkey(bare2, sizeof bare2, "quoted2");
+    e2e_mkkey(bare2, sizeof bare2, "quoted2");
     snprintf(quoted2, sizeof quoted2, "\"%s\"  ", bare2);
     post(gw->port, "/v1/pay/q", bare2, "{\"q\":2}", NULL, &a);
     cr_expect_eq(a.status, 200, "status %ld (%s) %.300s", a.status, a.error, (const char *)a.body);
     post(gw->port, "/v1/pay/q", quoted2, "{\"q\":2}", NULL, &b);
-    cr_expect(is_replay(&b), "K then \"K\" must replay");
+    cr_expect(e2e_resp_is_replay(&b), "K then \"K\" must replay");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     cr_expect_eq(e2e_upstream_count(up, NULL), 4, "each quoted/bare pair must execute once");
@@ -626,7 +455,7 @@ Test(idem, key_optional_without_key_is_plain_proxying)
     post(gw->port, "/v1/pay/nokey", NULL, "same", NULL, &b);
     cr_expect_eq(a.status, 200, "%ld (%s)", a.status, a.error);
     cr_expect_eq(b.status, 200, "%ld (%s)", b.status, b.error);
-    cr_expect(!is_replay(&a) && !is_replay(&b), "without a key nothing is replayed");
+    cr_expect(!e2e_resp_is_replay(&a) && !e2e_resp_is_replay(&b), "without a key nothing is replayed");
     const char *ea = e2e_resp_header(&a, "X-Upstream-Exec"), *eb = e2e_resp_header(&b, "X-Upstream-Exec");
     cr_expect(ea && eb && strcmp(ea, eb) != 0, "two executions expected (X-Upstream-Exec %s, %s)", ea ? ea : "-",
               eb ? eb : "-");
@@ -635,10 +464,10 @@ Test(idem, key_optional_without_key_is_plain_proxying)
     cr_expect_eq(e2e_upstream_count(up, NULL), 2, "without a key every request is forwarded");
     /* with a key on the same route it is deduplicated */
     char key[96];
-    mkkey(key, sizeof key, "opt");
+    e2e_mkkey(key, sizeof key, "opt");
     post(gw->port, "/v1/pay/nokey", key, "same", NULL, &a);
     post(gw->port, "/v1/pay/nokey", key, "same", NULL, &b);
-    cr_expect(!is_replay(&a) && is_replay(&b), "key: optional with a key must deduplicate");
+    cr_expect(!e2e_resp_is_replay(&a) && e2e_resp_is_replay(&b), "key: optional with a key must deduplicate");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
@@ -650,22 +479,22 @@ Test(idem, other_methods_pass_through_without_dedup)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\n", NULL); /* methods default: POST, PATCH */
     char key[96];
-    mkkey(key, sizeof key, "get");
+    e2e_mkkey(key, sizeof key, "get");
     struct e2e_resp a, b;
-    send_key(gw->port, "GET", "/v1/pay/get", key, NULL, NULL, 0, &a);
-    send_key(gw->port, "GET", "/v1/pay/get", key, NULL, NULL, 0, &b);
+    e2e_http_key(gw->port, "GET", "/v1/pay/get", key, NULL, NULL, 0, &a);
+    e2e_http_key(gw->port, "GET", "/v1/pay/get", key, NULL, NULL, 0, &b);
     cr_expect_eq(a.status, 200, "GET with a key: %ld %.200s", a.status, (const char *)a.body);
     cr_expect_eq(b.status, 200, "GET with a key: %ld %.200s", b.status, (const char *)b.body);
-    cr_expect(!is_replay(&a) && !is_replay(&b), "GET must not be replayed");
+    cr_expect(!e2e_resp_is_replay(&a) && !e2e_resp_is_replay(&b), "GET must not be replayed");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     /* GET without a key on a key: required route passes too (the key only applies to POST/PATCH) */
-    send_key(gw->port, "GET", "/v1/pay/get", NULL, NULL, NULL, 0, &a);
+    e2e_http_key(gw->port, "GET", "/v1/pay/get", NULL, NULL, NULL, 0, &a);
     cr_expect_eq(a.status, 200, "GET without a key: %ld %.200s", a.status, (const char *)a.body);
     e2e_resp_free(&a);
-    send_key(gw->port, "PUT", "/v1/pay/put", key, "p", NULL, 0, &a);
-    send_key(gw->port, "PUT", "/v1/pay/put", key, "p", NULL, 0, &b);
-    cr_expect(a.status == 200 && b.status == 200 && !is_replay(&b), "PUT is not in methods: passes through");
+    e2e_http_key(gw->port, "PUT", "/v1/pay/put", key, NULL, "p", 0, &a);
+    e2e_http_key(gw->port, "PUT", "/v1/pay/put", key, NULL, "p", 0, &b);
+    cr_expect(a.status == 200 && b.status == 200 && !e2e_resp_is_replay(&b), "PUT is not in methods: passes through");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     cr_expect_eq(e2e_upstream_count(up, key), 4, "GET and PUT with a key: every request executes");
@@ -690,17 +519,17 @@ Test(idem, lost_response_is_unknown_until_released)
     struct e2e_gw *gw = gw_start(up, "key: required\nlease: 1s\non_unknown: reject\n", env);
     warm(gw);
     char key[96];
-    mkkey(key, sizeof key, "lost");
+    e2e_mkkey(key, sizeof key, "lost");
     static const char *const drop[] = {"X-Test-Action: close", NULL};
     struct e2e_resp r;
     post(gw->port, "/v1/pay/lost", key, "{\"n\":1}", drop, &r);
-    expect_problem(&r, 502, "upstream-no-response", "upstream closed after executing");
+    e2e_expect_problem(&r, 502, "upstream-no-response", "upstream closed after executing");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "the dropped request executed once (no silent resend)");
 
     /* within the lease: in use */
     post(gw->port, "/v1/pay/lost", key, "{\"n\":1}", NULL, &r);
-    expect_problem(&r, 409, "idempotency-key-in-use", "retry of an unknown outcome within the lease");
+    e2e_expect_problem(&r, 409, "idempotency-key-in-use", "retry of an unknown outcome within the lease");
     cr_expect_not_null(e2e_resp_header(&r, "Retry-After"), "409 in-use must carry Retry-After");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
@@ -709,7 +538,7 @@ Test(idem, lost_response_is_unknown_until_released)
     e2e_sleep_ms(1400);
     for (int i = 0; i < 2; i++) {
         post(gw->port, "/v1/pay/lost", key, "{\"n\":1}", NULL, &r);
-        expect_problem(&r, 409, "idempotency-outcome-unknown", "retry of an unknown outcome after the lease");
+        e2e_expect_problem(&r, 409, "idempotency-outcome-unknown", "retry of an unknown outcome after the lease");
         e2e_resp_free(&r);
     }
     cr_expect_eq(e2e_upstream_count(up, key), 1, "an unknown outcome must not be executed again without an operator");
@@ -722,10 +551,10 @@ Test(idem, lost_response_is_unknown_until_released)
     struct e2e_resp a, b;
     post(gw->port, "/v1/pay/lost", key, "{\"n\":1}", NULL, &a);
     cr_expect_eq(a.status, 200, "after release the retry executes: %ld %.300s", a.status, (const char *)a.body);
-    cr_expect(!is_replay(&a));
+    cr_expect(!e2e_resp_is_replay(&a));
     cr_expect_eq(e2e_upstream_count(up, key), 2, "after release: exactly one more execution");
     post(gw->port, "/v1/pay/lost", key, "{\"n\":1}", NULL, &b);
-    cr_expect(is_replay(&b), "after the released retry completed, retries replay");
+    cr_expect(e2e_resp_is_replay(&b), "after the released retry completed, retries replay");
     expect_same_answer(&a, &b, "replay after release");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
@@ -738,15 +567,15 @@ Test(idem, on_unknown_retry_executes_again_after_the_lease)
     struct e2e_gw *gw = gw_start(up, "key: required\nlease: 1s\non_unknown: retry\n", NULL);
     warm(gw);
     char key[96];
-    mkkey(key, sizeof key, "retry");
+    e2e_mkkey(key, sizeof key, "retry");
     static const char *const drop[] = {"X-Test-Action: reset", NULL};
     struct e2e_resp r;
     post(gw->port, "/v1/pay/retry", key, "{\"n\":2}", drop, &r);
-    expect_problem(&r, 502, "upstream-no-response", "upstream reset after executing");
+    e2e_expect_problem(&r, 502, "upstream-no-response", "upstream reset after executing");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
     post(gw->port, "/v1/pay/retry", key, "{\"n\":2}", NULL, &r);
-    expect_problem(&r, 409, "idempotency-key-in-use", "retry within the lease");
+    e2e_expect_problem(&r, 409, "idempotency-key-in-use", "retry within the lease");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "no execution within the lease");
     e2e_sleep_ms(1400);
@@ -754,10 +583,10 @@ Test(idem, on_unknown_retry_executes_again_after_the_lease)
     post(gw->port, "/v1/pay/retry", key, "{\"n\":2}", NULL, &a);
     cr_expect_eq(a.status, 200, "retry after the lease (on_unknown: retry): %ld %.300s", a.status,
                  (const char *)a.body);
-    cr_expect(!is_replay(&a));
+    cr_expect(!e2e_resp_is_replay(&a));
     cr_expect_eq(e2e_upstream_count(up, key), 2, "on_unknown: retry executes once more");
     post(gw->port, "/v1/pay/retry", key, "{\"n\":2}", NULL, &b);
-    cr_expect(is_replay(&b), "a further retry replays the completed one (status %ld)", b.status);
+    cr_expect(e2e_resp_is_replay(&b), "a further retry replays the completed one (status %ld)", b.status);
     expect_same_answer(&a, &b, "replay after takeover");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
@@ -767,24 +596,23 @@ Test(idem, on_unknown_retry_executes_again_after_the_lease)
 Test(idem, upstream_timeout_keeps_the_record)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
-    char *tmpl = conf_with("key: required\nlease: 10s\n", "{{UPSTREAM_URL}}", "500ms");
-    struct e2e_gw *gw = gw_start_tmpl(up, tmpl, NULL);
-    free(tmpl);
+    struct e2e_pay_conf c = {.idem = "key: required\nlease: 10s\n", .timeout = "500ms"};
+    struct e2e_gw *gw = e2e_gw_start_pay(up, &c, NULL);
     char key[96];
-    mkkey(key, sizeof key, "timeout");
+    e2e_mkkey(key, sizeof key, "timeout");
     static const char *const slow[] = {"X-Test-Delay-Ms: 2000", NULL};
     struct e2e_resp r;
     post(gw->port, "/v1/pay/slow", key, "{\"t\":1}", slow, &r);
-    expect_problem(&r, 504, "upstream-timeout", "upstream slower than timeout");
+    e2e_expect_problem(&r, 504, "upstream-timeout", "upstream slower than timeout");
     cr_expect(r.seconds >= 0.4 && r.seconds < 1.9, "504 after about 500 ms, came after %.2fs", r.seconds);
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
     post(gw->port, "/v1/pay/slow", key, "{\"t\":1}", NULL, &r);
-    expect_problem(&r, 409, "idempotency-key-in-use", "retry after a timeout (unknown outcome, within the lease)");
+    e2e_expect_problem(&r, 409, "idempotency-key-in-use", "retry after a timeout (unknown outcome, within the lease)");
     e2e_resp_free(&r);
     e2e_sleep_ms(1800); /* the upstream has finished the first call by now */
     post(gw->port, "/v1/pay/slow", key, "{\"t\":1}", NULL, &r);
-    expect_problem(&r, 409, "idempotency-key-in-use", "retry after the upstream finished");
+    e2e_expect_problem(&r, 409, "idempotency-key-in-use", "retry after the upstream finished");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "a timeout after sending must not release the key");
 }
@@ -794,7 +622,7 @@ Test(idem, release_status_releases_the_key)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\nrelease_statuses: [503]\n", NULL);
     char key[96];
-    mkkey(key, sizeof key, "release");
+    e2e_mkkey(key, sizeof key, "release");
     static const char *const busy[] = {"X-Test-Status: 503", NULL};
     struct e2e_resp r;
     post(gw->port, "/v1/pay/rel", key, "{\"r\":1}", busy, &r);
@@ -806,10 +634,10 @@ Test(idem, release_status_releases_the_key)
     struct e2e_resp a, b;
     post(gw->port, "/v1/pay/rel", key, "{\"r\":1}", NULL, &a);
     cr_expect_eq(a.status, 200, "retry after a release status executes: %ld %.300s", a.status, (const char *)a.body);
-    cr_expect(!is_replay(&a), "the 503 must not have been stored");
+    cr_expect(!e2e_resp_is_replay(&a), "the 503 must not have been stored");
     cr_expect_eq(e2e_upstream_count(up, key), 2, "retry after a release status executes again");
     post(gw->port, "/v1/pay/rel", key, "{\"r\":1}", NULL, &b);
-    cr_expect(is_replay(&b));
+    cr_expect(e2e_resp_is_replay(&b));
     expect_same_answer(&a, &b, "replay after release status");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
@@ -817,12 +645,13 @@ Test(idem, release_status_releases_the_key)
 
     /* a status not listed (500) is stored and replayed */
     char key2[96];
-    mkkey(key2, sizeof key2, "norelease");
+    e2e_mkkey(key2, sizeof key2, "norelease");
     static const char *const err500[] = {"X-Test-Status: 500", NULL};
     post(gw->port, "/v1/pay/rel", key2, "{\"r\":2}", err500, &a);
     cr_expect_eq(a.status, 500);
     post(gw->port, "/v1/pay/rel", key2, "{\"r\":2}", NULL, &b);
-    cr_expect(b.status == 500 && is_replay(&b), "a 500 not in release_statuses is replayed (got %ld)", b.status);
+    cr_expect(b.status == 500 && e2e_resp_is_replay(&b), "a 500 not in release_statuses is replayed (got %ld)",
+              b.status);
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     cr_expect_eq(e2e_upstream_count(up, key2), 1);
@@ -832,29 +661,29 @@ Test(idem, connect_failure_releases_the_key)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     /* gateway A: the upstream's URL is a dead port */
-    char *tmpl = conf_with("key: required\nlease: 30s\n", "http://127.0.0.1:{{DEAD_PORT}}", "5s");
-    struct e2e_gw *dead = gw_start_tmpl(up, tmpl, NULL);
-    free(tmpl);
+    struct e2e_pay_conf c = {.idem = "key: required\nlease: 30s\n", .upstream_url = "http://127.0.0.1:{{DEAD_PORT}}"};
+    struct e2e_gw *dead = e2e_gw_start_pay(up, &c, NULL);
     char key[96];
-    mkkey(key, sizeof key, "connfail");
+    e2e_mkkey(key, sizeof key, "connfail");
     struct e2e_resp r;
     post(dead->port, "/v1/pay/c", key, "{\"c\":1}", NULL, &r);
-    expect_problem(&r, 502, "upstream-unavailable", "dead upstream");
+    e2e_expect_problem(&r, 502, "upstream-unavailable", "dead upstream");
     e2e_resp_free(&r);
     post(dead->port, "/v1/pay/c", key, "{\"c\":1}", NULL, &r);
-    expect_problem(&r, 502, "upstream-unavailable", "dead upstream, retry (the key was released, not in use)");
+    e2e_expect_problem(&r, 502, "upstream-unavailable", "dead upstream, retry (the key was released, not in use)");
     e2e_resp_free(&r);
     /* gateway B: same database, same route name, a live upstream */
     struct e2e_gw *live = gw_start(up, "key: required\nlease: 30s\n", NULL);
     post(live->port, "/v1/pay/c", key, "{\"c\":1}", NULL, &r);
     cr_expect_eq(r.status, 200, "after a connect failure the key must be free: %ld %.300s", r.status,
                  (const char *)r.body);
-    cr_expect(!is_replay(&r));
+    cr_expect(!e2e_resp_is_replay(&r));
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
     /* and gateway A now replays it from the shared store */
     post(dead->port, "/v1/pay/c", key, "{\"c\":1}", NULL, &r);
-    cr_expect(r.status == 200 && is_replay(&r), "the other instance replays the completed record (got %ld)", r.status);
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "the other instance replays the completed record (got %ld)",
+              r.status);
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
 }
@@ -864,20 +693,20 @@ Test(idem, record_older_than_retention_is_new)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\nretention: 1s\n", NULL);
     char key[96];
-    mkkey(key, sizeof key, "retention");
+    e2e_mkkey(key, sizeof key, "retention");
     struct e2e_resp r;
     post(gw->port, "/v1/pay/ret", key, "{\"e\":1}", NULL, &r);
     cr_expect_eq(r.status, 200, "status %ld (%s) %.300s", r.status, r.error, (const char *)r.body);
-    cr_expect(!is_replay(&r));
+    cr_expect(!e2e_resp_is_replay(&r));
     e2e_resp_free(&r);
     post(gw->port, "/v1/pay/ret", key, "{\"e\":1}", NULL, &r);
-    cr_expect(r.status == 200 && is_replay(&r), "within retention: replay");
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "within retention: replay");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
     e2e_sleep_ms(1500);
     post(gw->port, "/v1/pay/ret", key, "{\"e\":1}", NULL, &r);
     cr_expect_eq(r.status, 200, "status %ld (%s) %.300s", r.status, r.error, (const char *)r.body);
-    cr_expect(!is_replay(&r), "after retention the key is new");
+    cr_expect(!e2e_resp_is_replay(&r), "after retention the key is new");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 2, "after retention the request executes again");
     /* a request with another fingerprint after retention is new too, not a 422 */
@@ -895,7 +724,7 @@ Test(idem, tenants_are_isolated_by_scope)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\nscope: [header:Authorization]\n", NULL);
     char key[96];
-    mkkey(key, sizeof key, "tenant");
+    e2e_mkkey(key, sizeof key, "tenant");
     static const char *const ta[] = {"Authorization: Bearer tenant-a", NULL};
     static const char *const tb[] = {"Authorization: Bearer tenant-b", NULL};
     struct e2e_resp a1, b1, a2, b2;
@@ -903,14 +732,14 @@ Test(idem, tenants_are_isolated_by_scope)
     post(gw->port, "/v1/pay/t", key, "{\"same\":1}", tb, &b1);
     cr_expect_eq(a1.status, 200);
     cr_expect_eq(b1.status, 200);
-    cr_expect(!is_replay(&a1) && !is_replay(&b1), "a tenant must never get another tenant's replay");
+    cr_expect(!e2e_resp_is_replay(&a1) && !e2e_resp_is_replay(&b1), "a tenant must never get another tenant's replay");
     const char *ea = e2e_resp_header(&a1, "X-Upstream-Exec"), *eb = e2e_resp_header(&b1, "X-Upstream-Exec");
     cr_expect(ea && eb && strcmp(ea, eb) != 0, "each tenant executes (X-Upstream-Exec %s / %s)", ea ? ea : "-",
               eb ? eb : "-");
     cr_expect_eq(e2e_upstream_count(up, key), 2, "same key in two tenants: two executions");
     post(gw->port, "/v1/pay/t", key, "{\"same\":1}", tb, &b2);
     post(gw->port, "/v1/pay/t", key, "{\"same\":1}", ta, &a2);
-    cr_expect(is_replay(&a2) && is_replay(&b2), "each tenant's retry replays");
+    cr_expect(e2e_resp_is_replay(&a2) && e2e_resp_is_replay(&b2), "each tenant's retry replays");
     expect_same_answer(&a1, &a2, "tenant A replay");
     expect_same_answer(&b1, &b2, "tenant B replay");
     const char *ea2 = e2e_resp_header(&a2, "X-Upstream-Exec"), *eb2 = e2e_resp_header(&b2, "X-Upstream-Exec");
@@ -925,7 +754,7 @@ Test(idem, tenants_are_isolated_by_scope)
     /* no Authorization at all is a third scope */
     struct e2e_resp n1;
     post(gw->port, "/v1/pay/t", key, "{\"same\":1}", NULL, &n1);
-    cr_expect(n1.status == 200 && !is_replay(&n1), "no Authorization is its own scope");
+    cr_expect(n1.status == 200 && !e2e_resp_is_replay(&n1), "no Authorization is its own scope");
     e2e_resp_free(&n1);
     cr_expect_eq(e2e_upstream_count(up, key), 3);
 }
@@ -935,7 +764,7 @@ Test(idem, forward_key_false_hides_the_key_from_the_upstream)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\nforward_key: false\n", NULL);
     char key[96];
-    mkkey(key, sizeof key, "nofwd");
+    e2e_mkkey(key, sizeof key, "nofwd");
     struct e2e_resp r;
     post(gw->port, "/v1/pay/f", key, "{\"f\":1}", NULL, &r);
     cr_expect_eq(r.status, 200, "status %ld (%s) %.300s", r.status, r.error, (const char *)r.body);
@@ -948,7 +777,7 @@ Test(idem, forward_key_false_hides_the_key_from_the_upstream)
     e2e_hdrs_free(hd, n);
     free(text);
     post(gw->port, "/v1/pay/f", key, "{\"f\":1}", NULL, &r);
-    cr_expect(r.status == 200 && is_replay(&r), "deduplication still applies");
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "deduplication still applies");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, NULL), 1, "one execution");
     cr_expect_eq(e2e_upstream_count(up, key), 0, "the upstream never saw the key");
@@ -956,7 +785,7 @@ Test(idem, forward_key_false_hides_the_key_from_the_upstream)
     /* with the default (forward_key: true) the upstream sees it */
     struct e2e_gw *gw2 = gw_start(up, "key: required\n", NULL);
     char key2[96];
-    mkkey(key2, sizeof key2, "fwd");
+    e2e_mkkey(key2, sizeof key2, "fwd");
     post(gw2->port, "/v1/pay/f", key2, "{\"f\":1}", NULL, &r);
     cr_expect_eq(r.status, 200, "status %ld (%s) %.300s", r.status, r.error, (const char *)r.body);
     e2e_resp_free(&r);
@@ -977,7 +806,7 @@ Test(idem, admin_lists_purges_and_needs_the_token)
     static const char *const env[] = {"IDEMGATE_ADMIN_TOKEN=" ADMIN_TOKEN, NULL};
     struct e2e_gw *gw = gw_start(up, "key: required\n", env);
     char key[96];
-    mkkey(key, sizeof key, "admin");
+    e2e_mkkey(key, sizeof key, "admin");
     struct e2e_resp r;
     post(gw->port, "/v1/pay/adm", key, "secret-body-marker", NULL, &r);
     cr_assert_eq(r.status, 200, "status %ld (%s) %.300s", r.status, r.error, (const char *)r.body);
@@ -1011,7 +840,7 @@ Test(idem, admin_lists_purges_and_needs_the_token)
     cr_expect_eq(r.status, 401, "DELETE with a wrong token: %ld", r.status);
     e2e_resp_free(&r);
     post(gw->port, "/v1/pay/adm", key, "secret-body-marker", NULL, &r);
-    cr_expect(is_replay(&r), "an unauthorized DELETE must not purge");
+    cr_expect(e2e_resp_is_replay(&r), "an unauthorized DELETE must not purge");
     e2e_resp_free(&r);
 
     /* purge */
@@ -1024,7 +853,7 @@ Test(idem, admin_lists_purges_and_needs_the_token)
     e2e_resp_free(&r);
     post(gw->port, "/v1/pay/adm", key, "secret-body-marker", NULL, &r);
     cr_expect_eq(r.status, 200, "status %ld (%s) %.300s", r.status, r.error, (const char *)r.body);
-    cr_expect(!is_replay(&r), "after a purge the key is new");
+    cr_expect(!e2e_resp_is_replay(&r), "after a purge the key is new");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 2, "after a purge the request executes again");
 
@@ -1037,7 +866,7 @@ Test(idem, admin_lists_purges_and_needs_the_token)
     cr_expect_eq(r.status, 404, "DELETE without IDEMGATE_ADMIN_TOKEN: %ld", r.status);
     e2e_resp_free(&r);
     post(gw2->port, "/v1/pay/adm", key, "secret-body-marker", NULL, &r);
-    cr_expect(is_replay(&r), "the record is still there");
+    cr_expect(e2e_resp_is_replay(&r), "the record is still there");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 2);
 }
@@ -1047,16 +876,16 @@ Test(idem, metrics_count_replays_and_conflicts)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\n", NULL);
     char key[96];
-    mkkey(key, sizeof key, "metrics");
+    e2e_mkkey(key, sizeof key, "metrics");
     struct e2e_resp r;
     post(gw->port, "/v1/pay/m", key, "{\"m\":1}", NULL, &r);
     cr_expect_eq(r.status, 200, "status %ld (%s) %.300s", r.status, r.error, (const char *)r.body);
     e2e_resp_free(&r);
     post(gw->port, "/v1/pay/m", key, "{\"m\":1}", NULL, &r);
-    cr_expect(is_replay(&r));
+    cr_expect(e2e_resp_is_replay(&r));
     e2e_resp_free(&r);
     post(gw->port, "/v1/pay/m", key, "{\"m\":2}", NULL, &r);
-    expect_problem(&r, 422, "idempotency-key-mismatch", "other body");
+    e2e_expect_problem(&r, 422, "idempotency-key-mismatch", "other body");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
 
@@ -1066,13 +895,13 @@ Test(idem, metrics_count_replays_and_conflicts)
     static const char *const route[] = {"route=\"pay\"", NULL};
     static const char *const replayed[] = {"route=\"pay\"", "outcome=\"replayed\"", NULL};
     static const char *const forwarded[] = {"route=\"pay\"", "outcome=\"forwarded\"", NULL};
-    cr_expect(metric_value(m, "idemgate_dedup_hits_total", route) >= 1,
+    cr_expect(e2e_metric_value(m, "idemgate_dedup_hits_total", route) >= 1,
               "dedup_hits_total{route=\"pay\"} >= 1:\n%.3000s", m);
-    cr_expect(metric_value(m, "idemgate_parameter_conflicts_total", route) >= 1,
+    cr_expect(e2e_metric_value(m, "idemgate_parameter_conflicts_total", route) >= 1,
               "parameter_conflicts_total{route=\"pay\"} >= 1:\n%.3000s", m);
-    cr_expect(metric_value(m, "idemgate_requests_total", replayed) >= 1,
+    cr_expect(e2e_metric_value(m, "idemgate_requests_total", replayed) >= 1,
               "requests_total{route=\"pay\",outcome=\"replayed\"} >= 1:\n%.3000s", m);
-    cr_expect(metric_value(m, "idemgate_requests_total", forwarded) >= 1,
+    cr_expect(e2e_metric_value(m, "idemgate_requests_total", forwarded) >= 1,
               "requests_total{route=\"pay\",outcome=\"forwarded\"} >= 1:\n%.3000s", m);
     e2e_resp_free(&r);
 }

@@ -3,14 +3,11 @@
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
 
-#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <sys/random.h>
-#include <unistd.h>
 
 #include "harness.h"
 
@@ -39,63 +36,15 @@ static void restore_postgres(void)
 
 /* ---- configuration */
 
-/* An idempotent route "pay" on /v1/pay (idem: its idempotency block, unindented lines) and a pass-through route
- * "pass" on /v1/pass, both on the test upstream; redis is a template value such as "{{REDIS_URL}}". Heap. */
-static char *conf_with(const char *idem, const char *redis)
+/* Starts a gateway with e2e_conf_pay (idem: pay's idempotency block; redis: a template such as "{{REDIS_URL}}",
+ * with a 50 ms Redis timeout; the upstream with a 10 s timeout) and waits until it is ready. */
+static struct e2e_gw *gw_start(const struct e2e_upstream *up, const char *idem, const char *redis)
 {
-    char block[2048];
-    size_t n = 0;
-    const char *p = idem;
-    while (*p != '\0') {
-        const char *nl = strchr(p, '\n');
-        size_t len = nl ? (size_t)(nl - p) : strlen(p);
-        int w = snprintf(block + n, sizeof block - n, "      %.*s\n", (int)len, p);
-        cr_assert(w > 0 && (size_t)w < sizeof block - n, "idempotency block too long");
-        n += (size_t)w;
-        p = nl ? nl + 1 : p + len;
-    }
-    block[n] = '\0';
-    char *out = NULL;
-    int w = asprintf(&out,
-                     "listen: 127.0.0.1:{{LISTEN_PORT}}\n"
-                     "admin:\n"
-                     "  listen: 127.0.0.1:{{ADMIN_PORT}}\n"
-                     "shutdown_grace: 5s\n"
-                     "store:\n"
-                     "  postgres: \"{{PG_URL}}\"\n"
-                     "  redis: \"%s\"\n"
-                     "  redis_timeout: 50ms\n"
-                     "upstreams:\n"
-                     "  - name: api\n"
-                     "    url: {{UPSTREAM_URL}}\n"
-                     "    connect_timeout: 1s\n"
-                     "    timeout: 10s\n"
-                     "routes:\n"
-                     "  - name: pay\n"
-                     "    match:\n"
-                     "      path_prefix: /v1/pay\n"
-                     "    upstream: api\n"
-                     "    idempotency:\n"
-                     "%s"
-                     "  - name: pass\n"
-                     "    match:\n"
-                     "      path_prefix: /v1/pass\n"
-                     "    upstream: api\n"
-                     "    idempotency:\n"
-                     "      key: off\n",
-                     redis, block);
-    cr_assert(w > 0);
-    return out;
+    struct e2e_pay_conf c = {.idem = idem, .timeout = "10s", .redis = redis, .redis_timeout = "50ms"};
+    return e2e_gw_start_pay(up, &c, NULL);
 }
 
 /* ---- helpers */
-
-static void mkkey(char *buf, size_t n, const char *tag)
-{
-    unsigned long long r = 0;
-    cr_assert(getrandom(&r, sizeof r, 0) == (ssize_t)sizeof r, "getrandom: %s", strerror(errno));
-    snprintf(buf, n, "%s-%d-%016llx", tag, (int)getpid(), r);
-}
 
 /* Fills rq for a POST with the key (kh receives the header line; 160 bytes) and one optional extra header. */
 static void mkreq(struct e2e_req *rq, const char **h, char *kh, const char *path, const char *key, const char *body,
@@ -109,6 +58,21 @@ static void mkreq(struct e2e_req *rq, const char **h, char *kh, const char *path
         .method = "POST", .path = path, .headers = h, .body = body, .body_len = strlen(body), .timeout_ms = timeout_ms};
 }
 
+/* Starts a POST with the key and one extra header (e.g. a delay) in the background, and waits (bounded) until the
+ * upstream has counted it once: the request is then in flight there. */
+static struct e2e_async *post_in_flight(const struct e2e_gw *gw, const struct e2e_upstream *up, const char *path,
+                                        const char *key, const char *body, const char *extra)
+{
+    const char *h[3];
+    char kh[160];
+    struct e2e_req rq;
+    mkreq(&rq, h, kh, path, key, body, extra, 8000);
+    struct e2e_async *a = e2e_http_async(gw->port, &rq);
+    cr_assert_eq(e2e_upstream_wait_count(up, key, 1, 3000), 1,
+                 "the first request did not reach the upstream within 3000 ms");
+    return a;
+}
+
 static void post(uint16_t port, const char *path, const char *key, const char *body, const char *extra,
                  struct e2e_resp *r)
 {
@@ -119,106 +83,6 @@ static void post(uint16_t port, const char *path, const char *key, const char *b
     e2e_http(port, &rq, r);
 }
 
-static bool is_replay(const struct e2e_resp *r)
-{
-    const char *v = e2e_resp_header(r, "Idempotent-Replayed");
-    return v != NULL && strcmp(v, "true") == 0;
-}
-
-static void expect_problem(const struct e2e_resp *r, long status, const char *name, const char *what)
-{
-    cr_expect_eq(r->status, status, "%s: expected %ld %s, got %ld (%s) body: %.300s", what, status, name, r->status,
-                 r->error, (const char *)r->body);
-    const char *ct = e2e_resp_header(r, "Content-Type");
-    cr_expect(e2e_resp_is_problem(r, name), "%s: expected problem %s, got Content-Type %s body %.300s", what, name,
-              ct ? ct : "(none)", (const char *)r->body);
-}
-
-/* Polls until the upstream counted the key once (bounded). */
-static void wait_executed(const struct e2e_upstream *up, const char *key, int timeout_ms)
-{
-    uint64_t deadline = e2e_now_ms() + (uint64_t)timeout_ms;
-    while (e2e_upstream_count(up, key) == 0 && e2e_now_ms() < deadline)
-        e2e_sleep_ms(10);
-    cr_assert_eq(e2e_upstream_count(up, key), 1, "the first request did not reach the upstream within %d ms",
-                 timeout_ms);
-}
-
-/* Largest value of metric name over samples whose text contains every label (NULL-terminated), -1 when none. A
- * metric without labels matches with labels = {NULL}. */
-static double metric_value(const char *text, const char *name, const char *const *labels)
-{
-    double best = -1;
-    size_t nl = strlen(name);
-    for (const char *line = text; line != NULL && *line != '\0';) {
-        const char *eol = strchr(line, '\n');
-        size_t len = eol ? (size_t)(eol - line) : strlen(line);
-        if (len > nl && strncmp(line, name, nl) == 0 && (line[nl] == '{' || line[nl] == ' ')) {
-            const char *close = line[nl] == '{' ? memchr(line, '}', len) : line + nl;
-            bool all = close != NULL;
-            for (size_t i = 0; all && labels[i] != NULL; i++) {
-                const char *hit = strstr(line, labels[i]);
-                all = hit != NULL && hit < close;
-            }
-            if (all) {
-                double v = strtod(close + 1, NULL);
-                if (v > best)
-                    best = v;
-            }
-        }
-        line = eol ? eol + 1 : NULL;
-    }
-    return best;
-}
-
-/* Fails the test (with the gateway's log) when the gateway process is gone: a crash must not turn into a long
- * series of connection errors. */
-static void assert_alive(struct e2e_gw *gw, const char *when)
-{
-    if (e2e_proc_wait(&gw->proc, 0)) {
-        e2e_proc_dump_log(&gw->proc, 8000);
-        cr_assert_fail("the gateway died %s (exit %d): see its log above", when, e2e_proc_exit_code(&gw->proc));
-    }
-}
-
-static long readyz(const struct e2e_gw *gw)
-{
-    struct e2e_resp r;
-    struct e2e_req rq = {.path = "/readyz", .timeout_ms = 3000};
-    e2e_http(gw->admin_port, &rq, &r);
-    long s = r.status;
-    e2e_resp_free(&r);
-    return s;
-}
-
-/* Polls /readyz until it answers want (true) or timeout_ms passes (false). */
-static bool readyz_wait(const struct e2e_gw *gw, long want, int timeout_ms)
-{
-    uint64_t deadline = e2e_now_ms() + (uint64_t)timeout_ms;
-    for (;;) {
-        if (readyz(gw) == want)
-            return true;
-        if (e2e_now_ms() >= deadline)
-            return false;
-        e2e_sleep_ms(100);
-    }
-}
-
-/* Starts a gateway and waits (bounded) until GET /readyz answers 200: the harness waits for /healthz only, and a
- * gateway may answer 503 store-unavailable until its Postgres pool is up. */
-static struct e2e_gw *gw_start(const struct e2e_upstream *up, const char *idem, const char *redis)
-{
-    char *tmpl = conf_with(idem, redis);
-    struct e2e_gw_opts o = {.up = up};
-    struct e2e_gw *g = e2e_gw_start(tmpl, &o);
-    free(tmpl);
-    bool ready = readyz_wait(g, 200, 10000);
-    if (!ready)
-        e2e_proc_dump_log(&g->proc, 4000);
-    cr_assert(ready, "gateway not ready (/readyz %ld) 10 s after start", readyz(g));
-    return g;
-}
-
 /* ---- Redis */
 
 Test(faults, redis_flushed_mid_request_never_costs_a_second_execution, .fini = restore_redis)
@@ -226,29 +90,24 @@ Test(faults, redis_flushed_mid_request_never_costs_a_second_execution, .fini = r
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\nlease: 10s\n", "{{REDIS_URL}}");
     char key[96];
-    mkkey(key, sizeof key, "flush");
-    const char *h[3];
-    char kh[160];
-    struct e2e_req rq;
-    mkreq(&rq, h, kh, "/v1/pay/flush", key, "{\"f\":1}", "X-Test-Delay-Ms: 1500", 8000);
-    struct e2e_async *a = e2e_http_async(gw->port, &rq);
-    wait_executed(up, key, 3000);
+    e2e_mkkey(key, sizeof key, "flush");
+    struct e2e_async *a = post_in_flight(gw, up, "/v1/pay/flush", key, "{\"f\":1}", "X-Test-Delay-Ms: 1500");
     cr_assert_eq(e2e_services("redis-flush"), 0, "redis-flush failed");
     struct e2e_resp r;
     post(gw->port, "/v1/pay/flush", key, "{\"f\":1}", NULL, &r);
-    expect_problem(&r, 409, "idempotency-key-in-use", "retry after Redis lost the in-flight marker");
+    e2e_expect_problem(&r, 409, "idempotency-key-in-use", "retry after Redis lost the in-flight marker");
     cr_expect_not_null(e2e_resp_header(&r, "Retry-After"));
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "a flushed Redis must not cause a second execution");
     struct e2e_resp orig;
     e2e_http_join(a, &orig);
     cr_expect_eq(orig.status, 200, "first: %ld (%s)", orig.status, orig.error);
-    cr_expect(!is_replay(&orig));
+    cr_expect(!e2e_resp_is_replay(&orig));
     /* the answer is cached in Redis now; flush it: the replay must come from Postgres */
     cr_assert_eq(e2e_services("redis-flush"), 0, "redis-flush failed");
     post(gw->port, "/v1/pay/flush", key, "{\"f\":1}", NULL, &r);
     cr_expect_eq(r.status, 200, "replay after flush: %ld %.300s", r.status, (const char *)r.body);
-    cr_expect(is_replay(&r), "after a flush the retry replays from Postgres");
+    cr_expect(e2e_resp_is_replay(&r), "after a flush the retry replays from Postgres");
     cr_expect(r.body_len == orig.body_len && memcmp(r.body, orig.body, r.body_len) == 0, "replayed body differs");
     const char *e1 = e2e_resp_header(&orig, "X-Upstream-Exec"), *e2 = e2e_resp_header(&r, "X-Upstream-Exec");
     cr_expect(e1 && e2 && strcmp(e1, e2) == 0, "replay of another execution (%s vs %s)", e1 ? e1 : "-", e2 ? e2 : "-");
@@ -262,7 +121,7 @@ Test(faults, redis_stopped_still_deduplicates, .fini = restore_redis)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\n", "{{REDIS_URL}}");
     char key0[96];
-    mkkey(key0, sizeof key0, "redis-before");
+    e2e_mkkey(key0, sizeof key0, "redis-before");
     struct e2e_resp r;
     post(gw->port, "/v1/pay/r", key0, "{\"r\":0}", NULL, &r);
     cr_expect_eq(r.status, 200, "status %ld (%s) %.300s", r.status, r.error, (const char *)r.body);
@@ -270,34 +129,35 @@ Test(faults, redis_stopped_still_deduplicates, .fini = restore_redis)
 
     cr_assert_eq(e2e_services("redis-stop"), 0, "redis-stop failed");
     char key[96];
-    mkkey(key, sizeof key, "redis-down");
+    e2e_mkkey(key, sizeof key, "redis-down");
     post(gw->port, "/v1/pay/r", key, "{\"r\":1}", NULL, &r);
     cr_expect_eq(r.status, 200, "with Redis down: %ld (%s) %.300s", r.status, r.error, (const char *)r.body);
-    cr_expect(!is_replay(&r));
+    cr_expect(!e2e_resp_is_replay(&r));
     e2e_resp_free(&r);
     post(gw->port, "/v1/pay/r", key, "{\"r\":1}", NULL, &r);
-    cr_expect(r.status == 200 && is_replay(&r), "with Redis down the retry replays (got %ld %.200s)", r.status,
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "with Redis down the retry replays (got %ld %.200s)", r.status,
               (const char *)r.body);
     e2e_resp_free(&r);
     /* a record made while Redis was up replays too */
     post(gw->port, "/v1/pay/r", key0, "{\"r\":0}", NULL, &r);
-    cr_expect(r.status == 200 && is_replay(&r), "an older record replays with Redis down (got %ld)", r.status);
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "an older record replays with Redis down (got %ld)", r.status);
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "Redis down: one execution for two requests");
     cr_expect_eq(e2e_upstream_count(up, key0), 1);
 
     cr_assert_eq(e2e_services("redis-start"), 0, "redis-start failed");
     post(gw->port, "/v1/pay/r", key, "{\"r\":1}", NULL, &r);
-    cr_expect(r.status == 200 && is_replay(&r), "after Redis came back (empty) the retry replays (got %ld)", r.status);
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "after Redis came back (empty) the retry replays (got %ld)",
+              r.status);
     e2e_resp_free(&r);
     char key2[96];
-    mkkey(key2, sizeof key2, "redis-back");
+    e2e_mkkey(key2, sizeof key2, "redis-back");
     post(gw->port, "/v1/pay/r", key2, "{\"r\":2}", NULL, &r);
-    cr_expect(r.status == 200 && !is_replay(&r), "a new key after Redis came back (got %ld)", r.status);
+    cr_expect(r.status == 200 && !e2e_resp_is_replay(&r), "a new key after Redis came back (got %ld)", r.status);
     e2e_resp_free(&r);
     e2e_sleep_ms(300); /* the reconnect may lag: both paths must be correct */
     post(gw->port, "/v1/pay/r", key2, "{\"r\":2}", NULL, &r);
-    cr_expect(r.status == 200 && is_replay(&r), "its retry replays (got %ld)", r.status);
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "its retry replays (got %ld)", r.status);
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
     cr_expect_eq(e2e_upstream_count(up, key2), 1);
@@ -308,21 +168,21 @@ Test(faults, redis_on_a_dead_port_from_the_start)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\n", "redis://127.0.0.1:{{DEAD_PORT}}/0");
     char key[96];
-    mkkey(key, sizeof key, "noredis");
+    e2e_mkkey(key, sizeof key, "noredis");
     struct e2e_resp a, b;
     post(gw->port, "/v1/pay/d", key, "{\"d\":1}", NULL, &a);
     cr_expect_eq(a.status, 200, "Redis unreachable: %ld (%s) %.300s", a.status, a.error, (const char *)a.body);
-    cr_expect(!is_replay(&a));
+    cr_expect(!e2e_resp_is_replay(&a));
     post(gw->port, "/v1/pay/d", key, "{\"d\":1}", NULL, &b);
-    cr_expect(b.status == 200 && is_replay(&b), "Redis unreachable: the retry replays (got %ld)", b.status);
+    cr_expect(b.status == 200 && e2e_resp_is_replay(&b), "Redis unreachable: the retry replays (got %ld)", b.status);
     cr_expect(a.body_len == b.body_len && memcmp(a.body, b.body, a.body_len) == 0);
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     post(gw->port, "/v1/pay/d", key, "{\"d\":2}", NULL, &a);
-    expect_problem(&a, 422, "idempotency-key-mismatch", "Redis unreachable, other body");
+    e2e_expect_problem(&a, 422, "idempotency-key-mismatch", "Redis unreachable, other body");
     e2e_resp_free(&a);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
-    cr_expect(readyz_wait(gw, 200, 5000), "/readyz must be 200 with Postgres up, whatever Redis does");
+    cr_expect(e2e_gw_readyz_wait(gw, 200, 5000), "/readyz must be 200 with Postgres up, whatever Redis does");
 }
 
 /* ---- Postgres */
@@ -332,30 +192,30 @@ Test(faults, postgres_down_is_503_and_forwards_nothing, .fini = restore_postgres
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\n", "{{REDIS_URL}}");
     char key0[96];
-    mkkey(key0, sizeof key0, "pg-before");
+    e2e_mkkey(key0, sizeof key0, "pg-before");
     struct e2e_resp r;
     post(gw->port, "/v1/pay/p", key0, "{\"p\":0}", NULL, &r);
     cr_assert_eq(r.status, 200, "before: %ld %.200s", r.status, (const char *)r.body);
     e2e_resp_free(&r);
-    cr_assert(readyz_wait(gw, 200, 5000), "/readyz must be 200 before the fault");
+    cr_assert(e2e_gw_readyz_wait(gw, 200, 5000), "/readyz must be 200 before the fault");
     long before = e2e_upstream_count(up, NULL);
 
     cr_assert_eq(e2e_services("pg-stop"), 0, "pg-stop failed");
     char key[96];
-    mkkey(key, sizeof key, "pg-down");
+    e2e_mkkey(key, sizeof key, "pg-down");
     for (int i = 0; i < 3; i++) {
         post(gw->port, "/v1/pay/p", key, "{\"p\":1}", NULL, &r);
-        expect_problem(&r, 503, "store-unavailable", "idempotent request with Postgres down");
+        e2e_expect_problem(&r, 503, "store-unavailable", "idempotent request with Postgres down");
         cr_expect_not_null(e2e_resp_header(&r, "Retry-After"), "503 store-unavailable must carry Retry-After");
         cr_expect(r.seconds < 5.0, "the 503 took %.2fs", r.seconds);
         e2e_resp_free(&r);
-        assert_alive(gw, "while Postgres was down");
+        e2e_gw_assert_alive(gw, "while Postgres was down");
     }
     cr_expect_eq(e2e_upstream_count(up, key), 0, "nothing may be forwarded while Postgres is down");
     cr_expect_eq(e2e_upstream_count(up, NULL), before, "nothing may be forwarded while Postgres is down");
     /* a request whose answer sits in Redis must not be forwarded either */
     post(gw->port, "/v1/pay/p", key0, "{\"p\":0}", NULL, &r);
-    cr_expect(r.status == 503 || (r.status == 200 && is_replay(&r)),
+    cr_expect(r.status == 503 || (r.status == 200 && e2e_resp_is_replay(&r)),
               "a completed key with Postgres down: 503 or a replay, got %ld", r.status);
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key0), 1);
@@ -367,7 +227,8 @@ Test(faults, postgres_down_is_503_and_forwards_nothing, .fini = restore_postgres
                  (const char *)r.body);
     cr_expect(r.body_len == 7 && memcmp(r.body, "through", 7) == 0);
     e2e_resp_free(&r);
-    cr_expect(readyz_wait(gw, 503, 5000), "/readyz must be 503 while Postgres is down (last %ld)", readyz(gw));
+    cr_expect(e2e_gw_readyz_wait(gw, 503, 5000), "/readyz must be 503 while Postgres is down (last %ld)",
+              e2e_gw_readyz(gw));
 
     /* back up: within 20 s the same key executes, once */
     cr_assert_eq(e2e_services("pg-start"), 0, "pg-start failed");
@@ -378,14 +239,14 @@ Test(faults, postgres_down_is_503_and_forwards_nothing, .fini = restore_postgres
         post(gw->port, "/v1/pay/p", key, "{\"p\":1}", NULL, &r);
         status = r.status;
         tries++;
-        bool replay = is_replay(&r);
+        bool replay = e2e_resp_is_replay(&r);
         e2e_resp_free(&r);
         if (status == 200) {
             cr_expect(!replay || tries > 1, "the first success must be the execution");
             break;
         }
         if (status != 503) {
-            assert_alive(gw, "while Postgres came back");
+            e2e_gw_assert_alive(gw, "while Postgres came back");
             cr_expect_fail("while Postgres comes back: 503 or 200 expected, got %ld", status);
             break;
         }
@@ -397,12 +258,14 @@ Test(faults, postgres_down_is_503_and_forwards_nothing, .fini = restore_postgres
     cr_log_info("recovered after %llu ms", (unsigned long long)(e2e_now_ms() - t0));
     cr_expect_eq(e2e_upstream_count(up, key), 1, "after the restart the key executes once");
     post(gw->port, "/v1/pay/p", key, "{\"p\":1}", NULL, &r);
-    cr_expect(r.status == 200 && is_replay(&r), "then it replays (got %ld)", r.status);
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "then it replays (got %ld)", r.status);
     e2e_resp_free(&r);
     post(gw->port, "/v1/pay/p", key0, "{\"p\":0}", NULL, &r);
-    cr_expect(r.status == 200 && is_replay(&r), "the record made before the fault replays (got %ld)", r.status);
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "the record made before the fault replays (got %ld)",
+              r.status);
     e2e_resp_free(&r);
-    cr_expect(readyz_wait(gw, 200, 20000), "/readyz must be 200 again after Postgres' restart (last %ld)", readyz(gw));
+    cr_expect(e2e_gw_readyz_wait(gw, 200, 20000), "/readyz must be 200 again after Postgres' restart (last %ld)",
+              e2e_gw_readyz(gw));
     cr_expect_eq(e2e_upstream_count(up, key), 1);
     cr_expect_eq(e2e_upstream_count(up, key0), 1);
 }
@@ -411,15 +274,15 @@ Test(faults, postgres_down_is_visible_in_metrics, .fini = restore_postgres)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = gw_start(up, "key: required\n", "{{REDIS_URL}}");
-    cr_assert(readyz_wait(gw, 200, 5000), "/readyz must be 200 before the fault");
+    cr_assert(e2e_gw_readyz_wait(gw, 200, 5000), "/readyz must be 200 before the fault");
     cr_assert_eq(e2e_services("pg-stop"), 0, "pg-stop failed");
     char key[96];
-    mkkey(key, sizeof key, "pg-metrics");
+    e2e_mkkey(key, sizeof key, "pg-metrics");
     struct e2e_resp r;
     post(gw->port, "/v1/pay/m", key, "{}", NULL, &r);
-    expect_problem(&r, 503, "store-unavailable", "Postgres down");
+    e2e_expect_problem(&r, 503, "store-unavailable", "Postgres down");
     e2e_resp_free(&r);
-    assert_alive(gw, "while Postgres was down");
+    e2e_gw_assert_alive(gw, "while Postgres was down");
     static const char *const none[] = {NULL};
     static const char *const pg[] = {"store=\"postgres\"", NULL};
     double up_v = -1, err_v = -1;
@@ -427,8 +290,8 @@ Test(faults, postgres_down_is_visible_in_metrics, .fini = restore_postgres)
     for (;;) {
         e2e_get(gw->admin_port, "/metrics", &r);
         cr_assert_eq(r.status, 200, "/metrics with Postgres down: %ld", r.status);
-        up_v = metric_value((const char *)r.body, "idemgate_postgres_up", none);
-        err_v = metric_value((const char *)r.body, "idemgate_store_errors_total", pg);
+        up_v = e2e_metric_value((const char *)r.body, "idemgate_postgres_up", none);
+        err_v = e2e_metric_value((const char *)r.body, "idemgate_store_errors_total", pg);
         bool seen = up_v == 0 || err_v >= 1;
         if (seen || e2e_now_ms() >= deadline) {
             if (!seen)
@@ -449,7 +312,7 @@ Test(faults, postgres_down_is_visible_in_metrics, .fini = restore_postgres)
     deadline = e2e_now_ms() + 20000;
     for (;;) {
         e2e_get(gw->admin_port, "/metrics", &r);
-        up_v = metric_value((const char *)r.body, "idemgate_postgres_up", none);
+        up_v = e2e_metric_value((const char *)r.body, "idemgate_postgres_up", none);
         e2e_resp_free(&r);
         if (up_v == 1 || e2e_now_ms() >= deadline)
             break;
@@ -466,13 +329,8 @@ Test(faults, sigkill_mid_request_never_executes_twice)
     const char *idem = "key: required\nlease: 2s\n";
     struct e2e_gw *gw = gw_start(up, idem, "{{REDIS_URL}}");
     char key[96];
-    mkkey(key, sizeof key, "sigkill");
-    const char *h[3];
-    char kh[160];
-    struct e2e_req rq;
-    mkreq(&rq, h, kh, "/v1/pay/kill", key, "{\"k\":1}", "X-Test-Delay-Ms: 3000", 8000);
-    struct e2e_async *a = e2e_http_async(gw->port, &rq);
-    wait_executed(up, key, 3000);
+    e2e_mkkey(key, sizeof key, "sigkill");
+    struct e2e_async *a = post_in_flight(gw, up, "/v1/pay/kill", key, "{\"k\":1}", "X-Test-Delay-Ms: 3000");
     uint64_t t0 = e2e_now_ms(); /* the claim happened just before */
     cr_assert_eq(kill(gw->proc.pid, SIGKILL), 0);
     cr_assert(e2e_proc_wait(&gw->proc, 5000), "the gateway survived SIGKILL");
@@ -486,7 +344,7 @@ Test(faults, sigkill_mid_request_never_executes_twice)
     cr_log_info("restarted %llu ms after the kill", (unsigned long long)since);
     post(gw2->port, "/v1/pay/kill", key, "{\"k\":1}", NULL, &r);
     if (since < 1700) {
-        expect_problem(&r, 409, "idempotency-key-in-use", "retry within the orphaned claim's lease");
+        e2e_expect_problem(&r, 409, "idempotency-key-in-use", "retry within the orphaned claim's lease");
         cr_expect_not_null(e2e_resp_header(&r, "Retry-After"));
     } else { /* the restart took most of the lease: it may have lapsed already */
         cr_log_warn("the restart took %llu ms of the 2 s lease", (unsigned long long)since);
@@ -502,8 +360,8 @@ Test(faults, sigkill_mid_request_never_executes_twice)
     if (elapsed < 3300)
         e2e_sleep_ms((int)(3300 - elapsed));
     post(gw2->port, "/v1/pay/kill", key, "{\"k\":1}", NULL, &r);
-    expect_problem(&r, 409, "idempotency-outcome-unknown",
-                   "retry after the orphaned claim's lease (on_unknown reject)");
+    e2e_expect_problem(&r, 409, "idempotency-outcome-unknown",
+                       "retry after the orphaned claim's lease (on_unknown reject)");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "a crash mid-request must never lead to a second execution");
 }
@@ -517,7 +375,7 @@ Test(faults, two_instances_forty_duplicates_execute_once)
     g[1] = gw_start(up, idem, "{{REDIS_URL}}");
     enum { N = 40 };
     char key[96];
-    mkkey(key, sizeof key, "twogw");
+    e2e_mkkey(key, sizeof key, "twogw");
     const char *h[3];
     char kh[160];
     struct e2e_req rq;
@@ -529,7 +387,7 @@ Test(faults, two_instances_forty_duplicates_execute_once)
     for (int i = 0; i < N; i++) {
         struct e2e_resp r;
         e2e_http_join(as[i], &r);
-        if (r.status == 200 && !is_replay(&r)) {
+        if (r.status == 200 && !e2e_resp_is_replay(&r)) {
             originals++;
         } else if (r.status == 200) {
             replays++;
@@ -550,7 +408,7 @@ Test(faults, two_instances_forty_duplicates_execute_once)
     for (int i = 0; i < 2; i++) {
         struct e2e_resp r;
         e2e_http(g[i]->port, &rq, &r);
-        cr_expect(r.status == 200 && is_replay(&r), "gateway %d replays afterwards (got %ld)", i, r.status);
+        cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "gateway %d replays afterwards (got %ld)", i, r.status);
         e2e_resp_free(&r);
     }
     cr_expect_eq(e2e_upstream_count(up, key), 1);

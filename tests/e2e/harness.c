@@ -20,6 +20,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -587,6 +588,38 @@ char *e2e_upstream_last_headers(const struct e2e_upstream *u)
     return s ? s : xcalloc(1, 1);
 }
 
+long e2e_upstream_wait_count(const struct e2e_upstream *u, const char *key, long n, int timeout_ms)
+{
+    uint64_t deadline = e2e_now_ms() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0);
+    long got = 0;
+    for (int guard = 0; guard < 100000; guard++) {
+        got = e2e_upstream_count(u, key);
+        if (got >= n || e2e_now_ms() >= deadline)
+            break;
+        e2e_sleep_ms(10);
+    }
+    return got;
+}
+
+unsigned char e2e_upstream_body_byte(uint64_t i)
+{
+    if (i % 64 == 1)
+        return 0;
+    uint64_t x = i / 8 + 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return (unsigned char)(x >> (8 * (i % 8)));
+}
+
+size_t e2e_upstream_body_mismatch(const unsigned char *p, size_t len)
+{
+    for (size_t i = 0; i < len; i++)
+        if (p[i] != e2e_upstream_body_byte(i))
+            return i;
+    return len;
+}
+
 /* ---- config templates */
 
 struct var {
@@ -648,6 +681,41 @@ char *e2e_render(const char *tmpl, const char *const *vars)
         {"TMPDIR", st.tmpdir},
     };
     return render(tmpl, b, sizeof b / sizeof b[0], vars);
+}
+
+char *e2e_conf_pay(const struct e2e_pay_conf *c)
+{
+    cr_assert(c != NULL && c->idem != NULL, "e2e_conf_pay: no idempotency block");
+    char block[4096];
+    size_t n = 0;
+    const char *p = c->idem;
+    while (*p != '\0') {
+        const char *nl = strchr(p, '\n');
+        size_t len = nl ? (size_t)(nl - p) : strlen(p);
+        int w = snprintf(block + n, sizeof block - n, "      %.*s\n", (int)len, p);
+        cr_assert(w > 0 && (size_t)w < sizeof block - n, "idempotency block too long");
+        n += (size_t)w;
+        p = nl ? nl + 1 : p + len;
+    }
+    block[n] = '\0';
+    char *redis_timeout = c->redis_timeout ? xasprintf("  redis_timeout: %s\n", c->redis_timeout) : xstrdup("");
+    /* clang-format off */
+    char *out = xasprintf(E2E_CONF_PORTS
+                          E2E_CONF_STORE("%s")
+                          "%s" /* the redis_timeout line */
+                          "upstreams:\n"
+                          E2E_CONF_UPSTREAM("api", "%s", "%s")
+                          "routes:\n"
+                          E2E_CONF_ROUTE("pay", "/v1/pay", "api")
+                          "%s" /* pay's idempotency block */
+                          E2E_CONF_ROUTE("pass", "/v1/pass", "api")
+                          "      key: off\n",
+                          c->redis ? c->redis : "{{REDIS_URL}}", redis_timeout,
+                          c->upstream_url ? c->upstream_url : "{{UPSTREAM_URL}}", c->timeout ? c->timeout : "5s",
+                          block);
+    /* clang-format on */
+    free(redis_timeout);
+    return out;
 }
 
 /* ---- the gateway */
@@ -754,12 +822,81 @@ struct e2e_gw *e2e_gw_start(const char *tmpl, const struct e2e_gw_opts *opts)
     st.gws[st.ngw++] = g;
     keep(g);
     for (int attempt = 1; attempt <= E2E_START_TRIES; attempt++) {
-        if (gw_try_start(g, tmpl, o, attempt == E2E_START_TRIES) == 1)
+        if (gw_try_start(g, tmpl, o, attempt == E2E_START_TRIES) == 1) {
+            if (o->wait_ready && !o->no_wait)
+                e2e_gw_wait_ready(g);
             return g;
+        }
         fprintf(stderr, "e2e: gateway port taken, retrying with other ports\n");
     }
     cr_assert_fail("not reached");
     return NULL;
+}
+
+long e2e_gw_readyz(const struct e2e_gw *g)
+{
+    struct e2e_resp r;
+    struct e2e_req rq = {.path = "/readyz", .timeout_ms = 3000};
+    e2e_http(g->admin_port, &rq, &r);
+    long s = r.status;
+    e2e_resp_free(&r);
+    return s;
+}
+
+/* Polls /readyz every 20 ms until it answers want (true) or timeout_ms passes (false); *last gets the last status. */
+static bool readyz_poll(const struct e2e_gw *g, long want, int timeout_ms, long *last)
+{
+    uint64_t deadline = e2e_now_ms() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0);
+    for (int guard = 0; guard < 100000; guard++) {
+        *last = e2e_gw_readyz(g);
+        if (*last == want)
+            return true;
+        if (e2e_now_ms() >= deadline)
+            return false;
+        e2e_sleep_ms(20);
+    }
+    return false;
+}
+
+bool e2e_gw_readyz_wait(const struct e2e_gw *g, long want, int timeout_ms)
+{
+    long last = 0;
+    return readyz_poll(g, want, timeout_ms, &last);
+}
+
+void e2e_gw_wait_ready(const struct e2e_gw *g)
+{
+    long status = 0;
+    bool ready = readyz_poll(g, 200, E2E_READY_TIMEOUT_MS, &status);
+    if (!ready)
+        e2e_proc_dump_log(&g->proc, 4000);
+    cr_assert(ready, "gateway not ready (/readyz %ld) %d ms after start", status, E2E_READY_TIMEOUT_MS);
+}
+
+void e2e_gw_assert_alive(struct e2e_gw *g, const char *what)
+{
+    if (e2e_proc_wait(&g->proc, 0)) {
+        e2e_proc_dump_log(&g->proc, 8000);
+        cr_assert_fail("%s: the gateway process is gone (exit %d): see its log above", what,
+                       e2e_proc_exit_code(&g->proc));
+    }
+    cr_assert(kill(g->proc.pid, 0) == 0, "%s: the gateway process is gone: %s", what, strerror(errno));
+}
+
+struct e2e_gw *e2e_gw_start_pay(const struct e2e_upstream *up, const struct e2e_pay_conf *c, const char *const *env)
+{
+    char *tmpl = e2e_conf_pay(c);
+    struct e2e_gw_opts o = {.up = up, .env = env, .wait_ready = true};
+    struct e2e_gw *g = e2e_gw_start(tmpl, &o);
+    free(tmpl);
+    return g;
+}
+
+void e2e_start(const char *conf, struct e2e_upstream **up, struct e2e_gw **gw)
+{
+    *up = e2e_upstream_start(NULL);
+    struct e2e_gw_opts o = {.up = *up};
+    *gw = e2e_gw_start(conf, &o);
 }
 
 int e2e_gw_stop(struct e2e_gw *g, int grace_ms)
@@ -935,6 +1072,31 @@ void e2e_http(uint16_t port, const struct e2e_req *rq, struct e2e_resp *out)
     easy_done(c, rc, &x);
 }
 
+void e2e_http_key(uint16_t port, const char *method, const char *path, const char *key, const char *const *extra,
+                  const char *body, long timeout_ms, struct e2e_resp *out)
+{
+    const char *h[32];
+    size_t n = 0;
+    char kh[600];
+    if (key != NULL) {
+        int w = snprintf(kh, sizeof kh, "Idempotency-Key: %s", key);
+        cr_assert(w > 0 && (size_t)w < sizeof kh, "e2e_http_key: key too long");
+        h[n++] = kh;
+    }
+    for (size_t i = 0; extra != NULL && extra[i] != NULL; i++) {
+        cr_assert(n < 31, "e2e_http_key: too many headers");
+        h[n++] = extra[i];
+    }
+    h[n] = NULL;
+    struct e2e_req rq = {.method = method,
+                         .path = path,
+                         .headers = h,
+                         .body = body,
+                         .body_len = body ? strlen(body) : 0,
+                         .timeout_ms = timeout_ms};
+    e2e_http(port, &rq, out);
+}
+
 void e2e_get(uint16_t port, const char *path, struct e2e_resp *out)
 {
     struct e2e_req rq = {.path = path};
@@ -986,6 +1148,21 @@ bool e2e_resp_is_problem(const struct e2e_resp *r, const char *name)
     char want[256];
     snprintf(want, sizeof want, "\"urn:idemgate:problem:%s\"", name);
     return strncmp(p, want, strlen(want)) == 0;
+}
+
+void e2e_expect_problem(const struct e2e_resp *r, long status, const char *name, const char *what)
+{
+    cr_expect_eq(r->status, status, "%s: expected %ld %s, got %ld (%s) body: %.300s", what, status, name, r->status,
+                 r->error, (const char *)r->body);
+    const char *ct = e2e_resp_header(r, "Content-Type");
+    cr_expect(e2e_resp_is_problem(r, name), "%s: expected problem %s, got Content-Type %s body %.300s", what, name,
+              ct ? ct : "(none)", (const char *)r->body);
+}
+
+bool e2e_resp_is_replay(const struct e2e_resp *r)
+{
+    const char *v = e2e_resp_header(r, "Idempotent-Replayed");
+    return v != NULL && strcmp(v, "true") == 0;
 }
 
 void e2e_http_parallel(uint16_t port, const struct e2e_req *rq, struct e2e_resp *out, size_t n)
@@ -1169,8 +1346,7 @@ size_t e2e_hdrs_count(const struct e2e_hdr *h, size_t n, const char *name)
 
 /* ---- raw TCP */
 
-/* Case-insensitive search for a header's value inside a raw header block; NULL when absent. */
-static const char *raw_header(const char *blk, size_t blen, const char *name)
+const char *e2e_raw_header(const char *blk, size_t blen, const char *name)
 {
     size_t nl = strlen(name);
     for (const char *p = blk; p != NULL && p < blk + blen;) {
@@ -1203,17 +1379,26 @@ static bool raw_complete(const char *buf, size_t len, int *status)
         *status = code;
         if (code == 204 || code == 304)
             return true;
-        const char *cl = raw_header(buf + off, hdr_end - off, "Content-Length");
+        const char *cl = e2e_raw_header(buf + off, hdr_end - off, "Content-Length");
         if (cl != NULL) {
             unsigned long long n = strtoull(cl, NULL, 10);
             return len - hdr_end >= n;
         }
-        const char *te = raw_header(buf + off, hdr_end - off, "Transfer-Encoding");
+        const char *te = e2e_raw_header(buf + off, hdr_end - off, "Transfer-Encoding");
         if (te != NULL && strstr(te, "chunked") != NULL)
             return len >= hdr_end + 5 && memmem(buf + hdr_end, len - hdr_end, "0\r\n\r\n", 5) != NULL;
         return false; /* read until the peer closes */
     }
     return false;
+}
+
+void e2e_raw_send_some(int fd, const void *data, size_t len, size_t *sent)
+{
+    ssize_t w = send(fd, (const char *)data + *sent, len - *sent, MSG_NOSIGNAL);
+    if (w > 0)
+        *sent += (size_t)w;
+    else if (w < 0 && errno != EAGAIN && errno != EINTR)
+        *sent = len; /* the peer stopped reading: go on to read what it said */
 }
 
 void e2e_raw_send(uint16_t port, const void *data, size_t len, int timeout_ms, struct e2e_raw *out)
@@ -1243,13 +1428,8 @@ void e2e_raw_send(uint16_t port, const void *data, size_t len, int timeout_ms, s
             continue;
         if (pr <= 0)
             continue;
-        if ((pf.revents & POLLOUT) && sent < len) {
-            ssize_t w = send(fd, (const char *)data + sent, len - sent, MSG_NOSIGNAL);
-            if (w > 0)
-                sent += (size_t)w;
-            else if (w < 0 && errno != EAGAIN && errno != EINTR)
-                sent = len; /* the peer gave up on us: read what it said */
-        }
+        if ((pf.revents & POLLOUT) && sent < len)
+            e2e_raw_send_some(fd, data, len, &sent);
         if (pf.revents & (POLLIN | POLLHUP | POLLERR)) {
             if (got == cap) {
                 if (cap >= E2E_MAX_RESP_BODY)
@@ -1295,4 +1475,38 @@ int e2e_services(const char *cmd)
     free(err);
     free(fallback);
     return code;
+}
+
+/* ---- small helpers */
+
+void e2e_mkkey(char *buf, size_t n, const char *tag)
+{
+    unsigned long long r = 0;
+    cr_assert(getrandom(&r, sizeof r, 0) == (ssize_t)sizeof r, "getrandom: %s", strerror(errno));
+    snprintf(buf, n, "%s-%d-%016llx", tag, (int)getpid(), r);
+}
+
+double e2e_metric_value(const char *text, const char *name, const char *const *labels)
+{
+    double best = -1;
+    size_t nl = strlen(name);
+    for (const char *line = text; line != NULL && *line != '\0';) {
+        const char *eol = strchr(line, '\n');
+        size_t len = eol ? (size_t)(eol - line) : strlen(line);
+        if (len > nl && strncmp(line, name, nl) == 0 && (line[nl] == '{' || line[nl] == ' ')) {
+            const char *close = line[nl] == '{' ? memchr(line, '}', len) : line + nl;
+            bool all = close != NULL;
+            for (size_t i = 0; all && labels[i] != NULL; i++) {
+                const char *hit = strstr(line, labels[i]);
+                all = hit != NULL && hit < close;
+            }
+            if (all) {
+                double v = strtod(close + 1, NULL);
+                if (v > best)
+                    best = v;
+            }
+        }
+        line = eol ? eol + 1 : NULL;
+    }
+    return best;
 }

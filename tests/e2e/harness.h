@@ -98,6 +98,13 @@ long e2e_upstream_count(const struct e2e_upstream *u, const char *key);
 void e2e_upstream_reset(const struct e2e_upstream *u);
 /* Headers of the last execution ("Name: value\n" lines; heap, caller frees). */
 char *e2e_upstream_last_headers(const struct e2e_upstream *u);
+/* Polls e2e_upstream_count(u, key) every 10 ms until it reaches n or timeout_ms passes; returns the last count. */
+long e2e_upstream_wait_count(const struct e2e_upstream *u, const char *key, long n, int timeout_ms);
+/* The upstream's binary body (X-Test-Body-Size): byte i is 0 when i % 64 == 1, else byte (i % 8) of
+ * splitmix64(i / 8). */
+unsigned char e2e_upstream_body_byte(uint64_t i);
+/* Index of the first byte of p where that pattern differs, or len when all match. */
+size_t e2e_upstream_body_mismatch(const unsigned char *p, size_t len);
 
 /* ---- the gateway */
 struct e2e_gw {
@@ -118,6 +125,9 @@ struct e2e_gw_opts {
     const char *const *env;
     /* Do not wait for /healthz (the test checks start-up itself). */
     bool no_wait;
+    /* Also wait (bounded) until GET /readyz answers 200, as e2e_gw_wait_ready: the store is up (ignored with
+     * no_wait). */
+    bool wait_ready;
 };
 /* Renders the template and writes it as the gateway's config, then runs
  * `idemgate -c FILE` with stderr into a log, and waits (bounded) for
@@ -137,6 +147,61 @@ bool e2e_gw_log_contains(const struct e2e_gw *g, const char *needle);
 bool e2e_gw_log_wait(const struct e2e_gw *g, const char *needle, int timeout_ms);
 /* Renders a template with the same placeholders (for --check tests); heap. */
 char *e2e_render(const char *tmpl, const char *const *vars);
+/* Status of GET /readyz on the admin port (0 when the request failed). */
+long e2e_gw_readyz(const struct e2e_gw *g);
+/* Polls /readyz until it answers want (true) or timeout_ms passes (false). */
+bool e2e_gw_readyz_wait(const struct e2e_gw *g, long want, int timeout_ms);
+/* Waits until /readyz answers 200 (the harness start waits for /healthz only, and a gateway answers 503
+ * store-unavailable until its Postgres pool is up); fails the test with the gateway's log after
+ * E2E_READY_TIMEOUT_MS. */
+void e2e_gw_wait_ready(const struct e2e_gw *g);
+/* Fails the test (with the gateway's log) when the gateway process is gone; what says when. */
+void e2e_gw_assert_alive(struct e2e_gw *g, const char *what);
+/* Starts a test upstream (no extra arguments) and a gateway from conf in front of it. */
+void e2e_start(const char *conf, struct e2e_upstream **up, struct e2e_gw **gw);
+
+/* ---- config templates: pieces of YAML (string literals, with the placeholders above) to concatenate */
+/* The listen ports and shutdown_grace. */
+#define E2E_CONF_PORTS                                                                                                 \
+    "listen: 127.0.0.1:{{LISTEN_PORT}}\n"                                                                              \
+    "admin:\n"                                                                                                         \
+    "  listen: 127.0.0.1:{{ADMIN_PORT}}\n"                                                                             \
+    "shutdown_grace: 5s\n"
+/* The store block on the test Postgres and the given Redis URL (a literal). */
+#define E2E_CONF_STORE(redis)                                                                                          \
+    "store:\n"                                                                                                         \
+    "  postgres: \"{{PG_URL}}\"\n"                                                                                     \
+    "  redis: \"" redis "\"\n"
+/* Ports and store on the test Postgres and Redis. */
+#define E2E_CONF_HEAD E2E_CONF_PORTS E2E_CONF_STORE("{{REDIS_URL}}")
+/* One entry of the upstreams list (1 s connect timeout). */
+#define E2E_CONF_UPSTREAM(name, url, timeout)                                                                          \
+    "  - name: " name "\n"                                                                                             \
+    "    url: " url "\n"                                                                                               \
+    "    connect_timeout: 1s\n"                                                                                        \
+    "    timeout: " timeout "\n"
+/* One entry of the routes list, up to its "idempotency:" line (the block's lines, indented by six, follow). */
+#define E2E_CONF_ROUTE(name, prefix, upstream)                                                                         \
+    "  - name: " name "\n"                                                                                             \
+    "    match:\n"                                                                                                     \
+    "      path_prefix: " prefix "\n"                                                                                  \
+    "    upstream: " upstream "\n"                                                                                     \
+    "    idempotency:\n"
+
+/* The idempotency tests' config: an idempotent route "pay" on /v1/pay and a pass-through route "pass"
+ * (key: off) on /v1/pass, both on one upstream "api", the test Postgres and the given Redis. */
+struct e2e_pay_conf {
+    const char *idem;          /* the lines of pay's idempotency block, unindented, each ending in \n */
+    const char *upstream_url;  /* a template; NULL: "{{UPSTREAM_URL}}" */
+    const char *timeout;       /* the upstream's timeout; NULL: "5s" */
+    const char *redis;         /* a template; NULL: "{{REDIS_URL}}" */
+    const char *redis_timeout; /* store.redis_timeout; NULL: not set */
+};
+/* The template (heap; caller frees). */
+char *e2e_conf_pay(const struct e2e_pay_conf *c);
+/* Starts a gateway from e2e_conf_pay(c) in front of up (env as e2e_gw_opts.env, may be NULL) and waits until
+ * /readyz answers 200. */
+struct e2e_gw *e2e_gw_start_pay(const struct e2e_upstream *up, const struct e2e_pay_conf *c, const char *const *env);
 
 /* ---- HTTP client (libcurl easy, blocking, timeouts always set) */
 struct e2e_hdr {
@@ -162,6 +227,10 @@ struct e2e_resp {
     double seconds; /* total time */
 };
 void e2e_http(uint16_t port, const struct e2e_req *rq, struct e2e_resp *out);
+/* Sends method path with "Idempotency-Key: key" (the raw value; NULL: no such header) first, then the extra
+ * header lines (NULL-terminated, may be NULL) and body (a string; NULL: no body); timeout_ms 0: the default. */
+void e2e_http_key(uint16_t port, const char *method, const char *path, const char *key, const char *const *extra,
+                  const char *body, long timeout_ms, struct e2e_resp *out);
 /* GET path with no extra header. */
 void e2e_get(uint16_t port, const char *path, struct e2e_resp *out);
 void e2e_resp_free(struct e2e_resp *r);
@@ -173,6 +242,10 @@ size_t e2e_resp_header_count(const struct e2e_resp *r, const char *name);
 /* True when the response is application/problem+json whose "type" is
  * urn:idemgate:problem:NAME. */
 bool e2e_resp_is_problem(const struct e2e_resp *r, const char *name);
+/* Expects (cr_expect) that status and that problem; what names the case in the messages. */
+void e2e_expect_problem(const struct e2e_resp *r, long status, const char *name, const char *what);
+/* True when the response carries Idempotent-Replayed: true. */
+bool e2e_resp_is_replay(const struct e2e_resp *r);
 
 /* Runs n requests at once (curl multi) against port; out[i] answers rq[i].
  * Bounded by the largest timeout of the requests. */
@@ -199,6 +272,12 @@ struct e2e_raw {
     bool timed_out; /* the bound passed first */
     int status;     /* status code of the first response line, 0 when none */
 };
+/* Case-insensitive search for a header inside a raw header block ("Name: value\r\n" lines): the bytes after its
+ * colon, or NULL when absent. */
+const char *e2e_raw_header(const char *blk, size_t blen, const char *name);
+/* For a non-blocking socket that poll() found writable: sends what it takes of data[*sent..len) and advances
+ * *sent; on a hard error (the peer stopped reading) sets *sent = len, so that the caller goes on to read. */
+void e2e_raw_send_some(int fd, const void *data, size_t len, size_t *sent);
 /* Connects to 127.0.0.1:port, sends the bytes, then reads until the peer
  * closes, one full response has arrived (headers plus Content-Length body)
  * or timeout_ms passes. Fails the test when it cannot connect. */
@@ -208,6 +287,13 @@ void e2e_raw_send(uint16_t port, const void *data, size_t len, int timeout_ms, s
  * "pg-stop", "pg-start", "redis-stop", "redis-start", "redis-flush". Returns
  * the script's exit code (bounded by 60 s). */
 int e2e_services(const char *cmd);
+
+/* ---- small helpers */
+/* A key nobody else uses, even across runs on the same database: "TAG-PID-RANDOM". */
+void e2e_mkkey(char *buf, size_t n, const char *tag);
+/* Largest value of metric name (Prometheus text) over the samples whose labels contain every given label text
+ * (NULL-terminated), or -1 when there is none. A metric without labels matches with labels = {NULL}. */
+double e2e_metric_value(const char *text, const char *name, const char *const *labels);
 
 /* Monotonic milliseconds. */
 uint64_t e2e_now_ms(void);

@@ -16,7 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -35,81 +34,31 @@ TestSuite(hostile, .init = e2e_setup, .fini = e2e_teardown, .timeout = 150);
 #define CONV_MAX_BYTES (4u * 1024 * 1024)
 #define CONV_MAX_RESP  8
 
-#define CONF_HEAD                                                                                                      \
-    "listen: 127.0.0.1:{{LISTEN_PORT}}\n"                                                                              \
-    "admin:\n"                                                                                                         \
-    "  listen: 127.0.0.1:{{ADMIN_PORT}}\n"                                                                             \
-    "shutdown_grace: 5s\n"                                                                                             \
-    "store:\n"                                                                                                         \
-    "  postgres: \"{{PG_URL}}\"\n"                                                                                     \
-    "  redis: \"{{REDIS_URL}}\"\n"
-
+/* clang-format off */
 /* Upstream "api"; route "pay" on /v1/pay (idempotent, key optional, 1 KiB bodies); everything else goes to api. */
 #define CONF_REST(timeout)                                                                                             \
     "upstreams:\n"                                                                                                     \
-    "  - name: api\n"                                                                                                  \
-    "    url: {{UPSTREAM_URL}}\n"                                                                                      \
-    "    connect_timeout: 1s\n"                                                                                        \
-    "    timeout: " timeout "\n"                                                                                       \
+    E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", timeout)                                                              \
     "routes:\n"                                                                                                        \
-    "  - name: pay\n"                                                                                                  \
-    "    match:\n"                                                                                                     \
-    "      path_prefix: /v1/pay\n"                                                                                     \
-    "    upstream: api\n"                                                                                              \
-    "    idempotency:\n"                                                                                               \
+    E2E_CONF_ROUTE("pay", "/v1/pay", "api")                                                                            \
     "      key: optional\n"                                                                                            \
     "      max_body: 1KiB\n"                                                                                           \
     "default_upstream: api\n"
 
 /* client_timeout 2s, 4 KiB bodies on unrouted paths, default max_header_bytes (16 KiB). */
-static const char conf_main[] = CONF_HEAD "client_timeout: 2s\n"
-                                          "max_body: 4KiB\n" CONF_REST("5s");
+static const char conf_main[] = E2E_CONF_HEAD "client_timeout: 2s\n" "max_body: 4KiB\n" CONF_REST("5s");
 /* 50 connections; a long client_timeout so that idle sockets stay open during the test. */
-static const char conf_conns[] = CONF_HEAD "client_timeout: 20s\n"
-                                           "max_connections: 50\n" CONF_REST("5s");
+static const char conf_conns[] = E2E_CONF_HEAD "client_timeout: 20s\n" "max_connections: 50\n" CONF_REST("5s");
 /* Defaults (max_connections 4096), two HTTP worker threads whatever the CPU count. */
-static const char conf_load[] = CONF_HEAD "threads: 2\n" CONF_REST("15s");
+static const char conf_load[] = E2E_CONF_HEAD "threads: 2\n" CONF_REST("15s");
+/* clang-format on */
 
 /* ---- helpers: processes */
-
-static void start(const char *conf, struct e2e_upstream **up, struct e2e_gw **gw)
-{
-    *up = e2e_upstream_start(NULL);
-    struct e2e_gw_opts o = {.up = *up};
-    *gw = e2e_gw_start(conf, &o);
-}
-
-/* Waits (bounded) until /readyz answers 200, so that idempotent routes have their store. */
-static void wait_ready(const struct e2e_gw *gw)
-{
-    uint64_t deadline = e2e_now_ms() + 10000;
-    long status = 0;
-    for (int guard = 0; guard < 1000; guard++) {
-        struct e2e_resp r;
-        struct e2e_req rq = {.path = "/readyz", .timeout_ms = 2000};
-        e2e_http(gw->admin_port, &rq, &r);
-        status = r.status;
-        e2e_resp_free(&r);
-        if (status == 200 || e2e_now_ms() >= deadline)
-            break;
-        e2e_sleep_ms(20);
-    }
-    cr_assert_eq(status, 200, "gateway not ready (/readyz %ld)", status);
-}
-
-static void expect_alive(struct e2e_gw *gw, const char *what)
-{
-    bool gone = e2e_proc_wait(&gw->proc, 0);
-    if (gone)
-        e2e_proc_dump_log(&gw->proc, 6000);
-    cr_assert(!gone, "%s: the gateway process is gone (exit %d)", what, e2e_proc_exit_code(&gw->proc));
-    cr_assert(kill(gw->proc.pid, 0) == 0, "%s: the gateway process is gone: %s", what, strerror(errno));
-}
 
 /* The gateway is alive and a normal request through it answers 200 (it reaches the upstream: one execution). */
 static void expect_serving(struct e2e_gw *gw, const char *what)
 {
-    expect_alive(gw, what);
+    e2e_gw_assert_alive(gw, what);
     struct e2e_req rq = {.path = "/hostile/after", .timeout_ms = 5000};
     struct e2e_resp r;
     e2e_http(gw->port, &rq, &r);
@@ -154,13 +103,6 @@ static void raise_nofile(void)
               "the test needs 2200 file descriptors (RLIMIT_NOFILE %llu)", (unsigned long long)rl.rlim_cur);
 }
 
-static void mkrand(char *buf, size_t n, const char *tag)
-{
-    unsigned long long r = 0;
-    cr_assert(getrandom(&r, sizeof r, 0) == (ssize_t)sizeof r, "getrandom: %s", strerror(errno));
-    snprintf(buf, n, "%s-%d-%016llx", tag, (int)getpid(), r);
-}
-
 /* ---- helpers: raw conversations */
 
 /* Connects to 127.0.0.1:port (blocking connect), then makes the socket non-blocking. */
@@ -177,22 +119,6 @@ static int tcp_connect(uint16_t port)
     cr_assert(rc == 0, "connect to %u: %s", (unsigned)port, strerror(errno));
     (void)fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
     return fd;
-}
-
-/* Case-insensitive value of a header inside one raw header block, or NULL. */
-static const char *blk_header(const char *blk, size_t blen, const char *name)
-{
-    size_t nl = strlen(name);
-    const char *end = blk + blen;
-    for (const char *p = blk; p < end;) {
-        const char *eol = memmem(p, (size_t)(end - p), "\r\n", 2);
-        if (eol == NULL)
-            break;
-        if ((size_t)(eol - p) > nl && strncasecmp(p, name, nl) == 0 && p[nl] == ':')
-            return p + nl + 1;
-        p = eol + 2;
-    }
-    return NULL;
 }
 
 /* Responses in buf, in order: their status codes; *complete counts those fully received. Stops at the first one
@@ -213,8 +139,8 @@ static size_t parse_responses(const char *buf, size_t len, int *status, size_t m
             off = hdr_end;
             continue;
         }
-        const char *cl = blk_header(buf + off, hdr_end - off, "Content-Length");
-        const char *te = blk_header(buf + off, hdr_end - off, "Transfer-Encoding");
+        const char *cl = e2e_raw_header(buf + off, hdr_end - off, "Content-Length");
+        const char *te = e2e_raw_header(buf + off, hdr_end - off, "Transfer-Encoding");
         if (cl != NULL) {
             unsigned long long blen = strtoull(cl, NULL, 10);
             if (len - hdr_end < blen)
@@ -270,13 +196,8 @@ static void converse(uint16_t port, const void *data, size_t len, int watch_ms, 
         int pr = poll(&pf, 1, left < 100 ? left : 100);
         if (pr <= 0)
             continue;
-        if ((pf.revents & POLLOUT) && sent < len) {
-            ssize_t w = send(fd, (const char *)data + sent, len - sent, MSG_NOSIGNAL);
-            if (w > 0)
-                sent += (size_t)w;
-            else if (w < 0 && errno != EAGAIN && errno != EINTR)
-                sent = len; /* the gateway stopped reading: hear what it says */
-        }
+        if ((pf.revents & POLLOUT) && sent < len)
+            e2e_raw_send_some(fd, data, len, &sent);
         if (pf.revents & (POLLIN | POLLHUP | POLLERR)) {
             if (c->len == cap) {
                 if (cap >= CONV_MAX_BYTES)
@@ -375,7 +296,7 @@ Test(hostile, oversized_header_line_and_blocks_are_431)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
+    e2e_start(conf_main, &up, &gw);
     static const int ok_431[] = {431, 0};
     static const int ok_431_400[] = {431, 400, 0};
     struct conv c;
@@ -438,7 +359,7 @@ Test(hostile, very_long_request_target_is_refused)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
+    e2e_start(conf_main, &up, &gw);
     static const int ok[] = {414, 431, 400, 0};
     size_t n = 100 * 1024;
     static const char *const prefix[] = {"/v1/pay/", "/hostile?q="};
@@ -470,7 +391,7 @@ Test(hostile, slowloris_header_trickle_is_closed_and_others_are_served)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
+    e2e_start(conf_main, &up, &gw);
     long before = e2e_upstream_count(up, NULL);
     char trickle[512];
     int tl = snprintf(trickle, sizeof trickle, "GET /hostile/slowloris HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ");
@@ -533,7 +454,7 @@ Test(hostile, slow_body_trickle_is_closed)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
+    e2e_start(conf_main, &up, &gw);
     long before = e2e_upstream_count(up, NULL);
     static const char head[] = "POST /hostile/slow-body HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n";
     uint64_t t0 = e2e_now_ms();
@@ -575,7 +496,7 @@ Test(hostile, idle_connections_are_closed_after_client_timeout)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
+    e2e_start(conf_main, &up, &gw);
     /* connect, send nothing */
     struct conv c;
     converse(gw->port, "", 0, WATCH_MS, &c);
@@ -609,10 +530,10 @@ Test(hostile, lying_content_length_is_closed_and_not_forwarded)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
-    wait_ready(gw);
+    e2e_start(conf_main, &up, &gw);
+    e2e_gw_wait_ready(gw);
     char key[80];
-    mkrand(key, sizeof key, "lie");
+    e2e_mkkey(key, sizeof key, "lie");
     char keyed[512];
     snprintf(keyed, sizeof keyed,
              "POST /v1/pay/lie HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: %s\r\nContent-Length: 100\r\n\r\n"
@@ -659,7 +580,7 @@ Test(hostile, invalid_content_length_is_400_and_not_forwarded)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
+    e2e_start(conf_main, &up, &gw);
     static const struct {
         const char *what;
         const char *req;
@@ -699,7 +620,7 @@ Test(hostile, malformed_chunked_bodies_are_refused_and_not_forwarded)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
+    e2e_start(conf_main, &up, &gw);
     static const int ok_400[] = {400, 413, 0};
     static const int ok_te[] = {400, 501, 0};
 #define CHUNKED_HEAD "POST /hostile/chunked HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -767,8 +688,8 @@ Test(hostile, chunked_body_over_max_body_is_413_and_not_forwarded)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
-    wait_ready(gw);
+    e2e_start(conf_main, &up, &gw);
+    e2e_gw_wait_ready(gw);
     static const size_t two_k[] = {1024, 1024};
     static const size_t five_k[] = {1024, 1024, 1024, 1024, 1024};
     struct {
@@ -823,7 +744,7 @@ Test(hostile, stalled_chunked_body_over_max_body_is_bounded)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
+    e2e_start(conf_main, &up, &gw);
     size_t cap = 9000;
     char *req = malloc(cap);
     cr_assert_not_null(req);
@@ -849,7 +770,7 @@ Test(hostile, pipelined_garbage_after_a_valid_request)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
+    e2e_start(conf_main, &up, &gw);
     static const char valid[] = "GET /hostile/pipe HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
     static const struct {
         const char *what;
@@ -897,7 +818,7 @@ Test(hostile, garbage_and_tls_bytes_are_refused)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
+    e2e_start(conf_main, &up, &gw);
     static const int ok[] = {400, 505, 0};
 
     unsigned char noise[1024];
@@ -951,7 +872,7 @@ Test(hostile, garbage_and_tls_bytes_are_refused)
         converse(gw->port, cases[i].data, cases[i].len, WATCH_MS, &c);
         expect_refused(&c, ok, CLOSE_BOUND_MS, cases[i].what);
         conv_free(&c);
-        expect_alive(gw, cases[i].what);
+        e2e_gw_assert_alive(gw, cases[i].what);
     }
     cr_expect_eq(e2e_upstream_count(up, NULL), before, "garbage reached the upstream");
     expect_serving(gw, "after garbage bytes");
@@ -962,7 +883,7 @@ Test(hostile, http11_request_without_host_or_with_two_is_400)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_main, &up, &gw);
+    e2e_start(conf_main, &up, &gw);
     static const struct {
         const char *what;
         const char *req;
@@ -1037,7 +958,7 @@ Test(hostile, connections_over_max_connections_are_refused_and_memory_stays_boun
     raise_nofile();
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_conns, &up, &gw);
+    e2e_start(conf_conns, &up, &gw);
     expect_serving(gw, "warm-up");
     e2e_sleep_ms(200);
     long rss0 = proc_status(gw->proc.pid, "VmRSS");
@@ -1117,7 +1038,7 @@ Test(hostile, connections_over_max_connections_are_refused_and_memory_stays_boun
     for (size_t i = 0; i < M; i++)
         fds[i] = tcp_connect(gw->port);
     e2e_sleep_ms(1000);
-    expect_alive(gw, "with 150 idle sockets");
+    e2e_gw_assert_alive(gw, "with 150 idle sockets");
     for (size_t i = 0; i < M; i++)
         close(fds[i]);
     e2e_sleep_ms(300);
@@ -1155,7 +1076,7 @@ Test(hostile, thousand_concurrent_connections_are_served_by_a_few_threads)
     raise_nofile();
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_load, &up, &gw);
+    e2e_start(conf_load, &up, &gw);
     expect_serving(gw, "warm-up");
     long threads0 = proc_status(gw->proc.pid, "Threads");
     cr_assert(threads0 > 0, "cannot read the gateway's thread count");

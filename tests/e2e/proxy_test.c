@@ -12,74 +12,40 @@
 
 TestSuite(proxy, .init = e2e_setup, .fini = e2e_teardown, .timeout = 90);
 
-/* Common head of every config: ports, store, one upstream "api" (the test upstream). */
-#define CONF_HEAD                                                                                                      \
-    "listen: 127.0.0.1:{{LISTEN_PORT}}\n"                                                                              \
-    "admin:\n"                                                                                                         \
-    "  listen: 127.0.0.1:{{ADMIN_PORT}}\n"                                                                             \
-    "shutdown_grace: 5s\n"                                                                                             \
-    "store:\n"                                                                                                         \
-    "  postgres: \"{{PG_URL}}\"\n"                                                                                     \
-    "  redis: \"{{REDIS_URL}}\"\n"
+/* clang-format off */
+/* One upstream "api" (the test upstream). */
+#define CONF_UPSTREAM(url, timeout) "upstreams:\n" E2E_CONF_UPSTREAM("api", url, timeout)
 
-#define CONF_UPSTREAM(url, timeout)                                                                                    \
-    "upstreams:\n"                                                                                                     \
-    "  - name: api\n"                                                                                                  \
-    "    url: " url "\n"                                                                                               \
-    "    connect_timeout: 1s\n"                                                                                        \
-    "    timeout: " timeout "\n"
-
+/* A pass-through route on /v1/payments. */
 #define CONF_PASS_ROUTE(max_body)                                                                                      \
     "routes:\n"                                                                                                        \
-    "  - name: pass\n"                                                                                                 \
-    "    match:\n"                                                                                                     \
-    "      path_prefix: /v1/payments\n"                                                                                \
-    "    upstream: api\n"                                                                                              \
-    "    idempotency:\n"                                                                                               \
+    E2E_CONF_ROUTE("pass", "/v1/payments", "api")                                                                      \
     "      key: off\n"                                                                                                 \
     "      max_body: " max_body "\n"
 
 /* A pass-through route on /v1/payments, default_upstream for the rest, 2 MiB bodies. */
-static const char conf_pass[] = CONF_HEAD "max_body: 2MiB\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s")
-    CONF_PASS_ROUTE("2MiB") "default_upstream: api\n";
+static const char conf_pass[] =
+    E2E_CONF_HEAD "max_body: 2MiB\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") CONF_PASS_ROUTE("2MiB")
+    "default_upstream: api\n";
 
 /* Same, without default_upstream. */
-static const char conf_nodefault[] = CONF_HEAD CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") CONF_PASS_ROUTE("1MiB");
+static const char conf_nodefault[] = E2E_CONF_HEAD CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") CONF_PASS_ROUTE("1MiB");
 
 /* Small limits: 1 KiB bodies (route and top level), 4 KiB header blocks. */
-static const char conf_limits[] = CONF_HEAD "max_body: 1KiB\n"
-                                            "max_header_bytes: 4KiB\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s")
-                                                CONF_PASS_ROUTE("1KiB") "default_upstream: api\n";
+static const char conf_limits[] =
+    E2E_CONF_HEAD "max_body: 1KiB\n" "max_header_bytes: 4KiB\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s")
+    CONF_PASS_ROUTE("1KiB") "default_upstream: api\n";
 
 /* Nobody listens on the upstream's port. */
 static const char conf_dead[] =
-    CONF_HEAD CONF_UPSTREAM("http://127.0.0.1:{{DEAD_PORT}}", "5s") CONF_PASS_ROUTE("1MiB") "default_upstream: api\n";
+    E2E_CONF_HEAD CONF_UPSTREAM("http://127.0.0.1:{{DEAD_PORT}}", "5s") CONF_PASS_ROUTE("1MiB")
+    "default_upstream: api\n";
 
 /* A 500 ms upstream timeout. */
-static const char conf_slow[] = CONF_HEAD CONF_UPSTREAM("{{UPSTREAM_URL}}", "500ms") CONF_PASS_ROUTE("1MiB");
+static const char conf_slow[] = E2E_CONF_HEAD CONF_UPSTREAM("{{UPSTREAM_URL}}", "500ms") CONF_PASS_ROUTE("1MiB");
+/* clang-format on */
 
 /* ---- helpers */
-
-/* The test upstream's binary body: byte i is 0 when i % 64 == 1, else byte (i % 8) of splitmix64(i / 8). */
-static unsigned char upstream_body_byte(uint64_t i)
-{
-    if (i % 64 == 1)
-        return 0;
-    uint64_t x = i / 8 + 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    x ^= x >> 31;
-    return (unsigned char)(x >> (8 * (i % 8)));
-}
-
-/* Index of the first byte where the upstream pattern differs, or len when all match. */
-static size_t pattern_mismatch(const unsigned char *p, size_t len)
-{
-    for (size_t i = 0; i < len; i++)
-        if (p[i] != upstream_body_byte(i))
-            return i;
-    return len;
-}
 
 /* Bytes with every value, NULs included, in a non-periodic order. */
 static unsigned char *binary_blob(size_t n, unsigned seed)
@@ -94,29 +60,13 @@ static unsigned char *binary_blob(size_t n, unsigned seed)
     return b;
 }
 
-static void start(const char *conf, struct e2e_upstream **up, struct e2e_gw **gw)
-{
-    *up = e2e_upstream_start(NULL);
-    struct e2e_gw_opts o = {.up = *up};
-    *gw = e2e_gw_start(conf, &o);
-}
-
-static void expect_problem(const struct e2e_resp *r, long status, const char *name)
-{
-    cr_expect_eq(r->status, status, "expected %ld, got %ld (%s) body: %.300s", status, r->status, r->error,
-                 (const char *)r->body);
-    const char *ct = e2e_resp_header(r, "Content-Type");
-    cr_expect(e2e_resp_is_problem(r, name), "expected problem %s, got Content-Type %s body %.300s", name,
-              ct ? ct : "(none)", (const char *)r->body);
-}
-
 /* ---- methods, bodies, headers */
 
 Test(proxy, every_method_passes_through)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     static const char *const methods[] = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"};
     for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
         const char *m = methods[i];
@@ -146,7 +96,7 @@ Test(proxy, binary_bodies_with_nuls_are_byte_exact_both_ways)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
 
     /* request body with NULs, echoed back */
     size_t n = 70000;
@@ -167,8 +117,8 @@ Test(proxy, binary_bodies_with_nuls_are_byte_exact_both_ways)
     e2e_http(gw->port, &rq2, &r);
     cr_expect_eq(r.status, 200);
     cr_expect_eq(r.body_len, 100003);
-    cr_expect_eq(pattern_mismatch(r.body, r.body_len), r.body_len, "binary response differs at byte %zu",
-                 pattern_mismatch(r.body, r.body_len));
+    cr_expect_eq(e2e_upstream_body_mismatch(r.body, r.body_len), r.body_len, "binary response differs at byte %zu",
+                 e2e_upstream_body_mismatch(r.body, r.body_len));
     e2e_resp_free(&r);
 
     /* and chunked from the upstream */
@@ -177,8 +127,8 @@ Test(proxy, binary_bodies_with_nuls_are_byte_exact_both_ways)
     e2e_http(gw->port, &rq3, &r);
     cr_expect_eq(r.status, 200);
     cr_expect_eq(r.body_len, 50001);
-    cr_expect_eq(pattern_mismatch(r.body, r.body_len), r.body_len, "chunked binary response differs at byte %zu",
-                 pattern_mismatch(r.body, r.body_len));
+    cr_expect_eq(e2e_upstream_body_mismatch(r.body, r.body_len), r.body_len,
+                 "chunked binary response differs at byte %zu", e2e_upstream_body_mismatch(r.body, r.body_len));
     e2e_resp_free(&r);
 }
 
@@ -186,7 +136,7 @@ Test(proxy, one_mib_bodies_both_ways)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     size_t n = 1024 * 1024;
     unsigned char *blob = binary_blob(n, 7);
     struct e2e_req rq = {.method = "PUT", .path = "/v1/payments/big", .body = blob, .body_len = n};
@@ -203,8 +153,8 @@ Test(proxy, one_mib_bodies_both_ways)
     e2e_http(gw->port, &rq2, &r);
     cr_expect_eq(r.status, 200);
     cr_expect_eq(r.body_len, n);
-    cr_expect_eq(pattern_mismatch(r.body, r.body_len), r.body_len, "1 MiB download differs at byte %zu",
-                 pattern_mismatch(r.body, r.body_len));
+    cr_expect_eq(e2e_upstream_body_mismatch(r.body, r.body_len), r.body_len, "1 MiB download differs at byte %zu",
+                 e2e_upstream_body_mismatch(r.body, r.body_len));
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, NULL), 2);
 }
@@ -213,7 +163,7 @@ Test(proxy, repeated_response_headers_keep_values_and_order)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     struct e2e_resp r;
     e2e_get(gw->port, "/v1/payments/cookies", &r);
     cr_assert_eq(r.status, 200, "status %ld (%s)", r.status, r.error);
@@ -234,7 +184,7 @@ Test(proxy, hop_by_hop_request_headers_are_not_forwarded)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     static const char *const h[] = {
         "Connection: keep-alive, X-Hop",
         "X-Hop: v",
@@ -273,7 +223,7 @@ Test(proxy, hop_by_hop_response_headers_are_not_returned)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     struct e2e_resp r;
     e2e_get(gw->port, "/v1/payments/hop", &r);
     cr_assert_eq(r.status, 200, "status %ld (%s)", r.status, r.error);
@@ -291,7 +241,7 @@ Test(proxy, forwarding_headers_are_added)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     struct e2e_resp r;
     e2e_get(gw->port, "/v1/payments/fwd", &r);
     cr_assert_eq(r.status, 200, "status %ld (%s)", r.status, r.error);
@@ -333,7 +283,7 @@ Test(proxy, upstream_connection_is_reused)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     struct e2e_resp a, b;
     e2e_get(gw->port, "/v1/payments/ka1", &a);
     e2e_get(gw->port, "/v1/payments/ka2", &b);
@@ -351,7 +301,7 @@ Test(proxy, query_string_and_path_forwarded_unchanged)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     static const char *const paths[] = {
         "/v1/payments/a%20b?x=1&y=%2F&z=&x=2",
         "/v1/payments?q=%E2%82%AC&empty=&flag",
@@ -371,7 +321,7 @@ Test(proxy, upstream_status_and_body_pass_as_is)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     static const char *const h[] = {"X-Test-Status: 503", NULL};
     struct e2e_req rq = {.method = "POST", .path = "/v1/payments/s", .headers = h, .body = "payload", .body_len = 7};
     struct e2e_resp r;
@@ -395,20 +345,20 @@ Test(proxy, body_over_max_body_is_413_and_not_forwarded)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_limits, &up, &gw);
+    e2e_start(conf_limits, &up, &gw);
     unsigned char *blob = binary_blob(4096, 3);
 
     /* on a route (idempotency.max_body) */
     struct e2e_req rq = {.method = "POST", .path = "/v1/payments/big", .body = blob, .body_len = 4096};
     struct e2e_resp r;
     e2e_http(gw->port, &rq, &r);
-    expect_problem(&r, 413, "payload-too-large");
+    e2e_expect_problem(&r, 413, "payload-too-large", "body over the route's max_body");
     e2e_resp_free(&r);
 
     /* no route: the top-level max_body */
     struct e2e_req rq2 = {.method = "POST", .path = "/elsewhere", .body = blob, .body_len = 4096};
     e2e_http(gw->port, &rq2, &r);
-    expect_problem(&r, 413, "payload-too-large");
+    e2e_expect_problem(&r, 413, "payload-too-large", "body over the top-level max_body");
     e2e_resp_free(&r);
 
     /* chunked upload without Content-Length */
@@ -444,7 +394,7 @@ Test(proxy, header_block_over_max_header_bytes_is_431)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_limits, &up, &gw);
+    e2e_start(conf_limits, &up, &gw);
     char big[8100];
     memcpy(big, "X-Big: ", 7);
     memset(big + 7, 'a', 8000);
@@ -480,7 +430,7 @@ Test(proxy, malformed_request_is_400_and_gateway_survives)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     static const char *const bad[] = {
         "GET /v1/payments/x HTTP/1.1\r\nHost: a\r\nThis is not a header\r\n\r\n",
         "POST /v1/payments/x HTTP/1.1\r\nHost: a\r\nContent-Length: abc\r\n\r\n",
@@ -505,7 +455,7 @@ Test(proxy, conflicting_content_lengths_are_400_and_not_forwarded)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     static const char *const bad[] = {
         "POST /v1/payments/x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello..",
         "POST /v1/payments/x HTTP/1.1\r\nHost: a\r\nContent-Length: 5, 7\r\n\r\nhello..",
@@ -528,11 +478,11 @@ Test(proxy, closed_upstream_port_is_502_upstream_unavailable)
     struct e2e_req rq = {.method = "POST", .path = "/v1/payments/x", .body = "{}", .body_len = 2};
     struct e2e_resp r;
     e2e_http(gw->port, &rq, &r);
-    expect_problem(&r, 502, "upstream-unavailable");
+    e2e_expect_problem(&r, 502, "upstream-unavailable", "POST to a closed upstream port");
     cr_expect(r.seconds < 3.0, "a refused connection must fail fast (%.2fs)", r.seconds);
     e2e_resp_free(&r);
     e2e_get(gw->port, "/other", &r);
-    expect_problem(&r, 502, "upstream-unavailable");
+    e2e_expect_problem(&r, 502, "upstream-unavailable", "GET to a closed upstream port");
     e2e_resp_free(&r);
 }
 
@@ -540,12 +490,12 @@ Test(proxy, slow_upstream_is_504_upstream_timeout)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_slow, &up, &gw);
+    e2e_start(conf_slow, &up, &gw);
     static const char *const h[] = {"X-Test-Delay-Ms: 2000", NULL};
     struct e2e_req rq = {.method = "POST", .path = "/v1/payments/slow", .headers = h, .body = "{}", .body_len = 2};
     struct e2e_resp r;
     e2e_http(gw->port, &rq, &r);
-    expect_problem(&r, 504, "upstream-timeout");
+    e2e_expect_problem(&r, 504, "upstream-timeout", "upstream slower than its timeout");
     cr_expect(r.seconds >= 0.4 && r.seconds < 1.8, "504 should come after about 500 ms, came after %.2fs", r.seconds);
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, NULL), 1, "the request was sent once");
@@ -555,7 +505,7 @@ Test(proxy, upstream_close_without_answer_is_502_and_not_retried)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     static const char *const actions[] = {"X-Test-Action: close", "X-Test-Action: reset"};
     for (size_t i = 0; i < 2; i++) {
         /* warm a keep-alive connection so the failing request goes over a reused one (libcurl's silent retry) */
@@ -567,7 +517,7 @@ Test(proxy, upstream_close_without_answer_is_502_and_not_retried)
         const char *h[] = {actions[i], NULL};
         struct e2e_req rq = {.method = "POST", .path = "/v1/payments/drop", .headers = h, .body = "{}", .body_len = 2};
         e2e_http(gw->port, &rq, &r);
-        expect_problem(&r, 502, "upstream-no-response");
+        e2e_expect_problem(&r, 502, "upstream-no-response", actions[i]);
         e2e_resp_free(&r);
         cr_expect_eq(e2e_upstream_count(up, NULL), before + 1, "%s: the POST must be executed exactly once",
                      actions[i]);
@@ -580,14 +530,14 @@ Test(proxy, no_route_without_default_upstream_is_404)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_nodefault, &up, &gw);
+    e2e_start(conf_nodefault, &up, &gw);
     struct e2e_resp r;
     e2e_get(gw->port, "/nowhere", &r);
-    expect_problem(&r, 404, "route-not-found");
+    e2e_expect_problem(&r, 404, "route-not-found", "GET on no route");
     e2e_resp_free(&r);
     struct e2e_req rq = {.method = "POST", .path = "/nowhere", .body = "{}", .body_len = 2};
     e2e_http(gw->port, &rq, &r);
-    expect_problem(&r, 404, "route-not-found");
+    e2e_expect_problem(&r, 404, "route-not-found", "POST on no route");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, NULL), 0);
 }
@@ -596,7 +546,7 @@ Test(proxy, default_upstream_serves_unrouted_paths)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     struct e2e_req rq = {.method = "POST", .path = "/other/x?q=1", .body = "abc", .body_len = 3};
     struct e2e_resp r;
     e2e_http(gw->port, &rq, &r);
@@ -612,7 +562,7 @@ Test(proxy, path_prefix_matches_whole_segments)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_nodefault, &up, &gw);
+    e2e_start(conf_nodefault, &up, &gw);
     static const struct {
         const char *path;
         long status;
@@ -686,7 +636,7 @@ Test(proxy, sigterm_lets_in_flight_requests_finish_then_exits_0)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     static const char *const h[] = {"X-Test-Delay-Ms: 1000", NULL};
     struct e2e_req rq = {.method = "POST",
                          .path = "/v1/payments/slow",
@@ -717,7 +667,7 @@ Test(proxy, sigterm_when_idle_exits_0)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     struct e2e_resp r;
     e2e_get(gw->port, "/v1/payments/x", &r);
     cr_expect_eq(r.status, 200);
@@ -735,7 +685,7 @@ Test(proxy, admin_health_ready_and_metrics)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     struct e2e_resp r;
     e2e_get(gw->admin_port, "/healthz", &r);
     cr_expect_eq(r.status, 200);
@@ -784,7 +734,7 @@ Test(proxy, hundred_concurrent_requests_run_in_parallel)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    start(conf_pass, &up, &gw);
+    e2e_start(conf_pass, &up, &gw);
     enum { N = 100 };
     static const char *const h[] = {"X-Test-Delay-Ms: 200", NULL};
     struct e2e_req rq[N];

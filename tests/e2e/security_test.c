@@ -18,46 +18,26 @@ TestSuite(security, .init = e2e_setup, .fini = e2e_teardown, .timeout = 120);
 
 /* Routes: "pay" (/v1/pay, key required, scoped by Authorization, 1 KiB bodies, 1 s upstream timeout), "dead"
  * (/v1/dead, an upstream nobody listens on), "pair" (/v1/pair, scoped by Authorization and X-Tenant). */
-static const char conf_sec[] = "listen: 127.0.0.1:{{LISTEN_PORT}}\n"
-                               "admin:\n"
-                               "  listen: 127.0.0.1:{{ADMIN_PORT}}\n"
-                               "shutdown_grace: 5s\n"
-                               "client_timeout: 5s\n"
-                               "store:\n"
-                               "  postgres: \"{{PG_URL}}\"\n"
-                               "  redis: \"{{REDIS_URL}}\"\n"
-                               "upstreams:\n"
-                               "  - name: api\n"
-                               "    url: {{UPSTREAM_URL}}\n"
-                               "    connect_timeout: 1s\n"
-                               "    timeout: 1s\n"
-                               "  - name: dead\n"
-                               "    url: http://127.0.0.1:{{DEAD_PORT}}\n"
-                               "    connect_timeout: 1s\n"
-                               "    timeout: 1s\n"
-                               "routes:\n"
-                               "  - name: pay\n"
-                               "    match:\n"
-                               "      path_prefix: /v1/pay\n"
-                               "    upstream: api\n"
-                               "    idempotency:\n"
-                               "      key: required\n"
-                               "      scope: [header:Authorization]\n"
-                               "      max_body: 1KiB\n"
-                               "  - name: dead\n"
-                               "    match:\n"
-                               "      path_prefix: /v1/dead\n"
-                               "    upstream: dead\n"
-                               "    idempotency:\n"
-                               "      key: required\n"
-                               "      scope: [header:Authorization]\n"
-                               "  - name: pair\n"
-                               "    match:\n"
-                               "      path_prefix: /v1/pair\n"
-                               "    upstream: api\n"
-                               "    idempotency:\n"
-                               "      key: required\n"
-                               "      scope: [header:Authorization, header:X-Tenant]\n";
+/* clang-format off */
+static const char conf_sec[] =
+    E2E_CONF_PORTS
+    "client_timeout: 5s\n"
+    E2E_CONF_STORE("{{REDIS_URL}}")
+    "upstreams:\n"
+    E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "1s")
+    E2E_CONF_UPSTREAM("dead", "http://127.0.0.1:{{DEAD_PORT}}", "1s")
+    "routes:\n"
+    E2E_CONF_ROUTE("pay", "/v1/pay", "api")
+    "      key: required\n"
+    "      scope: [header:Authorization]\n"
+    "      max_body: 1KiB\n"
+    E2E_CONF_ROUTE("dead", "/v1/dead", "dead")
+    "      key: required\n"
+    "      scope: [header:Authorization]\n"
+    E2E_CONF_ROUTE("pair", "/v1/pair", "api")
+    "      key: required\n"
+    "      scope: [header:Authorization, header:X-Tenant]\n";
+/* clang-format on */
 
 /* ---- helpers */
 
@@ -68,33 +48,11 @@ static void mkrand(char *buf, size_t n, const char *tag)
     snprintf(buf, n, "%s-%016llx", tag, r);
 }
 
-/* Waits (bounded) until /readyz answers 200. */
-static void wait_ready(const struct e2e_gw *gw)
-{
-    uint64_t deadline = e2e_now_ms() + 10000;
-    long status = 0;
-    for (int guard = 0; guard < 1000; guard++) {
-        struct e2e_resp r;
-        struct e2e_req rq = {.path = "/readyz", .timeout_ms = 2000};
-        e2e_http(gw->admin_port, &rq, &r);
-        status = r.status;
-        e2e_resp_free(&r);
-        if (status == 200 || e2e_now_ms() >= deadline)
-            break;
-        e2e_sleep_ms(20);
-    }
-    if (status != 200)
-        e2e_proc_dump_log(&gw->proc, 4000);
-    cr_assert_eq(status, 200, "gateway not ready (/readyz %ld)", status);
-}
-
+/* ready: also wait until /readyz answers 200. */
 static struct e2e_gw *start_gw(const struct e2e_upstream *up, const char *const *env, bool ready)
 {
-    struct e2e_gw_opts o = {.up = up, .env = env};
-    struct e2e_gw *gw = e2e_gw_start(conf_sec, &o);
-    if (ready)
-        wait_ready(gw);
-    return gw;
+    struct e2e_gw_opts o = {.up = up, .env = env, .wait_ready = ready};
+    return e2e_gw_start(conf_sec, &o);
 }
 
 /* POST path with "Idempotency-Key: key" (raw header value; NULL: none), an optional Authorization value, extra
@@ -104,11 +62,7 @@ static void post(uint16_t port, const char *path, const char *key, const char *a
 {
     const char *h[16];
     size_t n = 0;
-    char kh[600], ah[600];
-    if (key != NULL) {
-        snprintf(kh, sizeof kh, "Idempotency-Key: %s", key);
-        h[n++] = kh;
-    }
+    char ah[600];
     if (auth != NULL) {
         snprintf(ah, sizeof ah, "Authorization: %s", auth);
         h[n++] = ah;
@@ -116,46 +70,13 @@ static void post(uint16_t port, const char *path, const char *key, const char *a
     for (size_t i = 0; extra != NULL && extra[i] != NULL && n < 15; i++)
         h[n++] = extra[i];
     h[n] = NULL;
-    struct e2e_req rq = {.method = "POST",
-                         .path = path,
-                         .headers = h,
-                         .body = body,
-                         .body_len = body ? strlen(body) : 0,
-                         .timeout_ms = timeout_ms};
-    e2e_http(port, &rq, r);
-}
-
-/* Waits (bounded) until the upstream has counted n executions of key: the request is then in flight there. */
-static void wait_executions(const struct e2e_upstream *up, const char *key, long n)
-{
-    uint64_t deadline = e2e_now_ms() + 3000;
-    long got = 0;
-    for (int guard = 0; guard < 1000; guard++) {
-        got = e2e_upstream_count(up, key);
-        if (got >= n || e2e_now_ms() >= deadline)
-            break;
-        e2e_sleep_ms(10);
-    }
-    cr_assert_geq(got, n, "the upstream did not see %ld execution(s) of %s within 3 s", n, key);
-}
-
-static bool is_replay(const struct e2e_resp *r)
-{
-    const char *v = e2e_resp_header(r, "Idempotent-Replayed");
-    return v != NULL && strcmp(v, "true") == 0;
+    e2e_http_key(port, "POST", path, key, h, body, timeout_ms, r);
 }
 
 static const char *exec_id(const struct e2e_resp *r)
 {
     const char *v = e2e_resp_header(r, "X-Upstream-Exec");
     return v ? v : "(none)";
-}
-
-static void expect_problem(const struct e2e_resp *r, long status, const char *name, const char *what)
-{
-    cr_expect_eq(r->status, status, "%s: expected %ld %s, got %ld (%s): %.300s", what, status, name, r->status,
-                 r->error, (const char *)r->body);
-    cr_expect(e2e_resp_is_problem(r, name), "%s: expected problem %s: %.300s", what, name, (const char *)r->body);
 }
 
 /* Percent-encodes every byte but [A-Za-z0-9-._~]. */
@@ -408,11 +329,12 @@ Test(security, no_secrets_or_bodies_in_logs_and_every_line_is_key_value)
     cr_expect_eq(r.status, 200, "first request: %ld (%s) %.200s", r.status, r.error, (const char *)r.body);
     e2e_resp_free(&r);
     post(gw->port, "/v1/pay/s", k[0], auth, NULL, body, 0, &r);
-    cr_expect(r.status == 200 && is_replay(&r), "retry: %ld, replayed %d", r.status, (int)is_replay(&r));
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "retry: %ld, replayed %d", r.status,
+              (int)e2e_resp_is_replay(&r));
     e2e_resp_free(&r);
     /* 422: same key, other body */
     post(gw->port, "/v1/pay/s", k[0], auth, NULL, body2, 0, &r);
-    expect_problem(&r, 422, "idempotency-key-mismatch", "other body");
+    e2e_expect_problem(&r, 422, "idempotency-key-mismatch", "other body");
     e2e_resp_free(&r);
     /* 409: while the first is in flight */
     {
@@ -427,9 +349,10 @@ Test(security, no_secrets_or_bodies_in_logs_and_every_line_is_key_value)
                              .body_len = strlen(body),
                              .timeout_ms = 5000};
         struct e2e_async *a = e2e_http_async(gw->port, &rq);
-        wait_executions(up, k[1], 1);
+        cr_assert_geq(e2e_upstream_wait_count(up, k[1], 1, 3000), 1,
+                      "the upstream did not see %ld execution(s) of %s within 3 s", 1L, k[1]);
         post(gw->port, "/v1/pay/s", k[1], auth, NULL, body, 0, &r2);
-        expect_problem(&r2, 409, "idempotency-key-in-use", "in flight");
+        e2e_expect_problem(&r2, 409, "idempotency-key-in-use", "in flight");
         e2e_resp_free(&r2);
         e2e_http_join(a, &r);
         cr_expect_eq(r.status, 200, "the slow first request: %ld (%s)", r.status, r.error);
@@ -437,17 +360,17 @@ Test(security, no_secrets_or_bodies_in_logs_and_every_line_is_key_value)
     }
     /* 502: nobody listens on the upstream */
     post(gw->port, "/v1/dead/s", k[2], auth, NULL, body, 0, &r);
-    expect_problem(&r, 502, "upstream-unavailable", "dead upstream");
+    e2e_expect_problem(&r, 502, "upstream-unavailable", "dead upstream");
     e2e_resp_free(&r);
     /* 502: the upstream closes without answering */
     static const char *const close_h[] = {"X-Test-Action: close", NULL};
     post(gw->port, "/v1/pay/s", k[3], auth, close_h, body, 0, &r);
-    expect_problem(&r, 502, "upstream-no-response", "upstream closed");
+    e2e_expect_problem(&r, 502, "upstream-no-response", "upstream closed");
     e2e_resp_free(&r);
     /* 504: the upstream is slower than its 1 s timeout */
     static const char *const slow_h[] = {"X-Test-Delay-Ms: 2500", NULL};
     post(gw->port, "/v1/pay/s", k[4], auth, slow_h, body, 5000, &r);
-    expect_problem(&r, 504, "upstream-timeout", "slow upstream");
+    e2e_expect_problem(&r, 504, "upstream-timeout", "slow upstream");
     e2e_resp_free(&r);
     /* 413: a body over 1 KiB full of the secret */
     {
@@ -460,15 +383,15 @@ Test(security, no_secrets_or_bodies_in_logs_and_every_line_is_key_value)
         }
         big[o] = '\0';
         post(gw->port, "/v1/pay/s", k[5], auth, NULL, big, 0, &r);
-        expect_problem(&r, 413, "payload-too-large", "big body");
+        e2e_expect_problem(&r, 413, "payload-too-large", "big body");
         e2e_resp_free(&r);
     }
     /* 400: invalid key, missing key, and a malformed header next to the Authorization */
     post(gw->port, "/v1/pay/s", "two words", auth, NULL, body, 0, &r);
-    expect_problem(&r, 400, "idempotency-key-invalid", "invalid key");
+    e2e_expect_problem(&r, 400, "idempotency-key-invalid", "invalid key");
     e2e_resp_free(&r);
     post(gw->port, "/v1/pay/s", NULL, auth, NULL, body, 0, &r);
-    expect_problem(&r, 400, "idempotency-key-missing", "missing key");
+    e2e_expect_problem(&r, 400, "idempotency-key-missing", "missing key");
     e2e_resp_free(&r);
     {
         char raw[512];
@@ -505,7 +428,7 @@ Test(security, no_secrets_or_bodies_in_logs_and_every_line_is_key_value)
     cr_expect(r.status == 200 || r.status == 400, "odd path and key: %ld %.200s", r.status, (const char *)r.body);
     e2e_resp_free(&r);
     post(gw->port, "/nowhere\"x\\y%0aevent=fake", k[6], auth, NULL, body, 0, &r);
-    expect_problem(&r, 404, "route-not-found", "unrouted odd path");
+    e2e_expect_problem(&r, 404, "route-not-found", "unrouted odd path");
     e2e_resp_free(&r);
     /* admin: right token, wrong token */
     admin_list(gw, "pay", k[0], NULL, &r);
@@ -538,7 +461,7 @@ Test(security, no_secrets_or_bodies_in_logs_and_every_line_is_key_value)
     struct e2e_gw *gw2 = start_gw(up, env2, false);
     e2e_sleep_ms(500);
     post(gw2->port, "/v1/pay/s", k[7], auth, NULL, body, 5000, &r);
-    expect_problem(&r, 503, "store-unavailable", "dead Postgres");
+    e2e_expect_problem(&r, 503, "store-unavailable", "dead Postgres");
     e2e_resp_free(&r);
     {
         char a1[128];
@@ -639,18 +562,18 @@ Test(security, tenant_keys_are_isolated_by_scope)
     post(gw->port, "/v1/pay/t", key, ta, NULL, body, 0, &a1);
     post(gw->port, "/v1/pay/t", key, tb, NULL, body, 0, &b1);
     post(gw->port, "/v1/pay/t", key, ta_upper, NULL, body, 0, &u1);
-    cr_expect(a1.status == 200 && !is_replay(&a1), "tenant A: %ld", a1.status);
-    cr_expect(b1.status == 200 && !is_replay(&b1), "tenant B got %ld, replayed %d: another tenant's record", b1.status,
-              (int)is_replay(&b1));
-    cr_expect(u1.status == 200 && !is_replay(&u1), "tenant A in other letter case got %ld, replayed %d", u1.status,
-              (int)is_replay(&u1));
+    cr_expect(a1.status == 200 && !e2e_resp_is_replay(&a1), "tenant A: %ld", a1.status);
+    cr_expect(b1.status == 200 && !e2e_resp_is_replay(&b1), "tenant B got %ld, replayed %d: another tenant's record",
+              b1.status, (int)e2e_resp_is_replay(&b1));
+    cr_expect(u1.status == 200 && !e2e_resp_is_replay(&u1), "tenant A in other letter case got %ld, replayed %d",
+              u1.status, (int)e2e_resp_is_replay(&u1));
     cr_expect(strcmp(exec_id(&a1), exec_id(&b1)) != 0 && strcmp(exec_id(&a1), exec_id(&u1)) != 0,
               "executions A %s, B %s, A-upper %s must differ", exec_id(&a1), exec_id(&b1), exec_id(&u1));
     post(gw->port, "/v1/pay/t", key, ta, NULL, body, 0, &a2);
     post(gw->port, "/v1/pay/t", key, tb, NULL, body, 0, &b2);
-    cr_expect(is_replay(&a2) && strcmp(exec_id(&a2), exec_id(&a1)) == 0,
+    cr_expect(e2e_resp_is_replay(&a2) && strcmp(exec_id(&a2), exec_id(&a1)) == 0,
               "A's retry must replay A's execution %s, got %s", exec_id(&a1), exec_id(&a2));
-    cr_expect(is_replay(&b2) && strcmp(exec_id(&b2), exec_id(&b1)) == 0,
+    cr_expect(e2e_resp_is_replay(&b2) && strcmp(exec_id(&b2), exec_id(&b1)) == 0,
               "B's retry must replay B's execution %s, got %s", exec_id(&b1), exec_id(&b2));
     e2e_resp_free(&a1);
     e2e_resp_free(&b1);
@@ -673,13 +596,14 @@ Test(security, tenant_keys_are_isolated_by_scope)
                          .body_len = strlen(body),
                          .timeout_ms = 5000};
     struct e2e_async *as = e2e_http_async(gw->port, &rq);
-    wait_executions(up, key2, 1);
+    cr_assert_geq(e2e_upstream_wait_count(up, key2, 1, 3000), 1,
+                  "the upstream did not see %ld execution(s) of %s within 3 s", 1L, key2);
     post(gw->port, "/v1/pay/t", key2, tb, NULL, body, 0, &b1);
-    cr_expect(b1.status == 200 && !is_replay(&b1), "tenant B while A is in flight: %ld (%.200s)", b1.status,
+    cr_expect(b1.status == 200 && !e2e_resp_is_replay(&b1), "tenant B while A is in flight: %ld (%.200s)", b1.status,
               (const char *)b1.body);
     e2e_resp_free(&b1);
     e2e_http_join(as, &a1);
-    cr_expect(a1.status == 200 && !is_replay(&a1), "tenant A in flight: %ld", a1.status);
+    cr_expect(a1.status == 200 && !e2e_resp_is_replay(&a1), "tenant A in flight: %ld", a1.status);
     e2e_resp_free(&a1);
     cr_expect_eq(e2e_upstream_count(up, key2), 2);
 
@@ -696,8 +620,8 @@ Test(security, tenant_keys_are_isolated_by_scope)
     post(gw->port, "/v1/pair/t", key3, NULL, t_x, body, 0, &p[3]);
     static const char *const names[] = {"(ab, c)", "(a, bc)", "(x, -)", "(-, x)"};
     for (int i = 0; i < 4; i++) {
-        cr_expect(p[i].status == 200 && !is_replay(&p[i]), "scope %s: %ld, replayed %d: scopes collided", names[i],
-                  p[i].status, (int)is_replay(&p[i]));
+        cr_expect(p[i].status == 200 && !e2e_resp_is_replay(&p[i]), "scope %s: %ld, replayed %d: scopes collided",
+                  names[i], p[i].status, (int)e2e_resp_is_replay(&p[i]));
         e2e_resp_free(&p[i]);
     }
     cr_expect_eq(e2e_upstream_count(up, key3), 4, "four distinct scopes, four executions");
@@ -834,12 +758,12 @@ Test(security, sql_stays_in_parameters)
         long before = e2e_upstream_count(up, NULL);
         struct e2e_resp r1, r2;
         post(gw->port, "/v1/pay/sql", ks[i].raw, auth[0], NULL, body, 0, &r1);
-        cr_expect(r1.status == 200 && !is_replay(&r1), "key %s: first request %ld (%s) %.200s", ks[i].raw, r1.status,
-                  r1.error, (const char *)r1.body);
+        cr_expect(r1.status == 200 && !e2e_resp_is_replay(&r1), "key %s: first request %ld (%s) %.200s", ks[i].raw,
+                  r1.status, r1.error, (const char *)r1.body);
         post(gw->port, "/v1/pay/sql", ks[i].raw, auth[0], NULL, body, 0, &r2);
-        cr_expect(r2.status == 200 && is_replay(&r2) && strcmp(exec_id(&r1), exec_id(&r2)) == 0,
+        cr_expect(r2.status == 200 && e2e_resp_is_replay(&r2) && strcmp(exec_id(&r1), exec_id(&r2)) == 0,
                   "key %s: the retry must replay execution %s, got %ld replayed=%d exec %s", ks[i].raw, exec_id(&r1),
-                  r2.status, (int)is_replay(&r2), exec_id(&r2));
+                  r2.status, (int)e2e_resp_is_replay(&r2), exec_id(&r2));
         cr_expect(r1.seconds < 2.0 && r2.seconds < 2.0, "key %s: the requests took %.2f s and %.2f s", ks[i].raw,
                   r1.seconds, r2.seconds);
         e2e_resp_free(&r1);
@@ -869,8 +793,8 @@ Test(security, sql_stays_in_parameters)
     for (size_t i = 0; i < 8; i++) {
         struct e2e_resp r;
         post(gw->port, "/v1/pay/sql", ks[i].raw, auth[0], NULL, body, 0, &r);
-        cr_expect(r.status == 200 && is_replay(&r), "after the attempts, key %s: %ld replayed=%d", ks[i].raw, r.status,
-                  (int)is_replay(&r));
+        cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "after the attempts, key %s: %ld replayed=%d", ks[i].raw,
+                  r.status, (int)e2e_resp_is_replay(&r));
         e2e_resp_free(&r);
     }
     admin_list(gw, "pay", ks[0].raw, bearer, &a);
@@ -881,7 +805,7 @@ Test(security, sql_stays_in_parameters)
     long before = e2e_upstream_count(up, NULL);
     struct e2e_resp r;
     post(gw->port, "/v1/pay/sql", fresh, auth[0], NULL, body, 0, &r);
-    cr_expect(r.status == 200 && !is_replay(&r), "a fresh key after the attempts: %ld", r.status);
+    cr_expect(r.status == 200 && !e2e_resp_is_replay(&r), "a fresh key after the attempts: %ld", r.status);
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, NULL), before + 1);
 }
@@ -901,7 +825,8 @@ Test(security, redis_holds_no_raw_key_or_authorization)
     cr_expect_eq(r.status, 200, "first: %ld (%s)", r.status, r.error);
     e2e_resp_free(&r);
     post(gw->port, "/v1/pay/redis", key, auth, NULL, "{\"r\":1}", 0, &r);
-    cr_expect(r.status == 200 && is_replay(&r), "retry: %ld replayed=%d", r.status, (int)is_replay(&r));
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "retry: %ld replayed=%d", r.status,
+              (int)e2e_resp_is_replay(&r));
     e2e_resp_free(&r);
 
     char *cli = which("redis-cli");
