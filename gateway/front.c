@@ -1,7 +1,10 @@
-/* front.c - the HTTP front on libmicrohttpd: epoll worker threads read a
- * request, check route, key and limits, then suspend the connection while the
- * loop thread runs the pipeline, and answer when it resumes it. */
+/* front.c - the HTTP front on libmicrohttpd: one daemon per I/O loop, driven
+ * by that loop's thread (MHD's epoll fd in the loop's libevent base), reads a
+ * request, checks route, key and limits, then suspends the connection while
+ * the same thread runs the pipeline, and answers when it resumes it. No
+ * request crosses a thread. */
 #include <arpa/inet.h>
+#include <event2/event.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -27,6 +30,17 @@ struct conn_track {
     _Atomic uint64_t reading_since; /* ms; 0 while its request is in the pipeline or being answered */
 };
 
+/* One daemon and the loop thread that runs it. */
+struct shard {
+    struct gw_front *f;
+    struct gw_loop *loop;
+    struct MHD_Daemon *d;
+    struct event *io;   /* MHD's epoll fd is readable */
+    struct event *tick; /* MHD's next timeout, or work left over */
+    struct event *kick; /* a connection was resumed */
+    bool quiesced;
+};
+
 struct gw_front {
     pthread_mutex_t mu; /* guards tracks */
     struct conn_track *tracks;
@@ -34,7 +48,10 @@ struct gw_front {
     atomic_bool stop;
     const struct conf *conf;
     struct gw_loops *loops;
-    struct MHD_Daemon *d;
+    struct shard *shards;
+    size_t nshards;
+    MHD_socket lsock; /* the listening socket, shared by every daemon */
+    bool lsock_closed;
     uint16_t port;
     atomic_long connections;
     atomic_long suspended; /* requests handed to the loop and not answered yet */
@@ -43,8 +60,9 @@ struct gw_front {
 
 /* Front-side state of one request; the job is what travels to the loop. */
 struct req {
-    struct gw_job job;
+    struct gw_job job; /* first: a job is its req */
     struct gw_front *front;
+    struct shard *shard;
     enum stage stage;
     bool body_too_large;
     struct cm_hdrs in_hdrs; /* as received, in order */
@@ -64,9 +82,11 @@ void gw_mhd_log(void *cls, const char *fmt, va_list ap)
 
 static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
 {
-    struct gw_front *f = cls;
+    struct shard *sh = cls;
+    struct gw_front *f = sh->f;
     struct req *r = cm_calloc(1, sizeof *r);
     r->front = f;
+    r->shard = sh;
     r->job.conf = f->conf;
     r->job.uri = cm_strdup(uri ? uri : "/");
     const char *q = strchr(r->job.uri, '?');
@@ -131,7 +151,7 @@ static struct conn_track *track_of(struct MHD_Connection *c)
 
 static void conn_notify(void *cls, struct MHD_Connection *c, void **socket_ctx, enum MHD_ConnectionNotificationCode toe)
 {
-    struct gw_front *f = cls;
+    struct gw_front *f = ((struct shard *)cls)->f;
     if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
         long prev = atomic_fetch_add(&f->connections, 1);
         cm_metric_connections(1);
@@ -237,11 +257,14 @@ static enum MHD_Result reject(struct req *r, struct MHD_Connection *c, int statu
     return queue_answer(r, c);
 }
 
-/* Loop thread: the pipeline finished; wake the connection. */
+/* Loop thread: the pipeline finished; wake the connection (its daemon runs
+ * on this thread: the resumed connection is served at the kick). */
 static void job_finish(struct gw_job *job)
 {
+    struct shard *sh = ((struct req *)job)->shard;
     atomic_store(&job->done, true);
     MHD_resume_connection(job->conn);
+    event_active(sh->kick, EV_TIMEOUT, 0);
 }
 
 void gw_job_done(struct gw_job *job)
@@ -470,7 +493,7 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     r->stage = STAGE_SUBMITTED;
     atomic_fetch_add(&r->front->suspended, 1);
     MHD_suspend_connection(c);
-    job->loop = gw_loops_pick(r->front->loops);
+    job->loop = r->shard->loop;
     gw_loop_submit(job->loop, gw_pipeline_run, job);
     return MHD_YES;
 }
@@ -545,21 +568,163 @@ static unsigned mhd_family_flag(const struct sockaddr_storage *ss)
     return ss->ss_family == AF_INET6 ? MHD_USE_IPv6 : 0;
 }
 
+/* ---- each daemon on its loop thread */
+
+/* Runs the daemon and arms the timer for what it has to do next. */
+static void shard_run(struct shard *sh)
+{
+    if (!sh->d)
+        return;
+    MHD_run(sh->d);
+    MHD_UNSIGNED_LONG_LONG ms = 0;
+    if (MHD_get_timeout(sh->d, &ms) == MHD_YES) {
+        struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+        evtimer_add(sh->tick, &tv);
+    } else {
+        evtimer_del(sh->tick);
+    }
+}
+
+static void shard_cb(evutil_socket_t fd, short what, void *arg)
+{
+    shard_run(arg);
+}
+
+/* A call run on a loop thread while the caller waits (bounded). */
+struct sync_call {
+    void (*fn)(struct shard *);
+    struct shard *sh;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+};
+
+static void sync_call_run(void *arg)
+{
+    struct sync_call *c = arg;
+    c->fn(c->sh);
+    pthread_mutex_lock(&c->mu);
+    c->done = true;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Runs fn(sh) on sh's loop thread and waits up to 10 s. Returns false on a
+ * timeout (the call is then leaked: it may still run). */
+static bool on_loop(struct shard *sh, void (*fn)(struct shard *))
+{
+    struct sync_call *c = cm_calloc(1, sizeof *c);
+    c->fn = fn;
+    c->sh = sh;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    gw_loop_submit(sh->loop, sync_call_run, c);
+    uint64_t deadline = cm_now_ms() + 10000;
+    pthread_mutex_lock(&c->mu);
+    while (!c->done && cm_now_ms() < deadline) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 50 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+    }
+    bool done = c->done;
+    pthread_mutex_unlock(&c->mu);
+    if (!done) {
+        cm_log(CM_ERROR, "front_loop_call_timeout", NULL);
+        return false;
+    }
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    free(c);
+    return true;
+}
+
+static void shard_attach(struct shard *sh)
+{
+    struct event_base *base = gw_loop_base(sh->loop);
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(sh->d, MHD_DAEMON_INFO_EPOLL_FD);
+    sh->tick = evtimer_new(base, shard_cb, sh);
+    sh->kick = evtimer_new(base, shard_cb, sh);
+    if (di && sh->tick && sh->kick) {
+        sh->io = event_new(base, di->epoll_fd, EV_READ | EV_PERSIST, shard_cb, sh);
+        if (sh->io)
+            event_add(sh->io, NULL);
+    }
+    if (!sh->io || !sh->tick || !sh->kick)
+        abort(); /* out of memory */
+    shard_run(sh);
+}
+
+static void shard_detach(struct shard *sh)
+{
+    if (sh->io)
+        event_free(sh->io);
+    if (sh->tick)
+        event_free(sh->tick);
+    if (sh->kick)
+        event_free(sh->kick);
+    sh->io = sh->tick = sh->kick = NULL;
+}
+
+static void shard_quiesce(struct shard *sh)
+{
+    if (sh->d && !sh->quiesced) {
+        (void)MHD_quiesce_daemon(sh->d); /* the shared socket is closed once, by the front */
+        sh->quiesced = true;
+    }
+}
+
+static struct MHD_Daemon *start_daemon(struct shard *sh, const struct sockaddr_storage *ss, MHD_socket lsock,
+                                       size_t mem, unsigned timeout_s)
+{
+    const struct conf *conf = sh->f->conf;
+    unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG | MHD_USE_TURBO | mhd_family_flag(ss);
+    /* The first daemon binds; the others accept on its socket. */
+    return MHD_start_daemon(flags, 0, NULL, NULL, handler, sh, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "front",
+                            lsock == MHD_INVALID_SOCKET ? MHD_OPTION_SOCK_ADDR : MHD_OPTION_LISTEN_SOCKET,
+                            lsock == MHD_INVALID_SOCKET ? (intptr_t)ss : (intptr_t)lsock, MHD_OPTION_CONNECTION_LIMIT,
+                            (unsigned)(conf->max_connections + 64), MHD_OPTION_CONNECTION_TIMEOUT, timeout_s,
+                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, mem, MHD_OPTION_LISTEN_BACKLOG_SIZE, 4096,
+                            MHD_OPTION_URI_LOG_CALLBACK, uri_log, sh, MHD_OPTION_NOTIFY_COMPLETED, completed, sh,
+                            MHD_OPTION_NOTIFY_CONNECTION, conn_notify, sh, MHD_OPTION_UNESCAPE_CALLBACK, no_unescape,
+                            sh, MHD_OPTION_END);
+}
+
+/* Main thread, with no loop running a daemon any more: every daemon stops
+ * listening first (none may close the shared socket), then stops; the socket
+ * is closed once, here or at quiesce. */
+static void front_free(struct gw_front *f)
+{
+    for (size_t i = 0; i < f->nshards; i++)
+        shard_quiesce(&f->shards[i]);
+    for (size_t i = 0; i < f->nshards; i++) {
+        if (f->shards[i].d)
+            MHD_stop_daemon(f->shards[i].d);
+        f->shards[i].d = NULL;
+    }
+    if (f->lsock != MHD_INVALID_SOCKET && !f->lsock_closed)
+        close(f->lsock);
+    free(f->shards);
+    pthread_mutex_destroy(&f->mu);
+    free(f);
+}
+
 struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops, char **err)
 {
     struct gw_front *f = cm_calloc(1, sizeof *f);
     f->conf = conf;
     pthread_mutex_init(&f->mu, NULL);
     f->loops = loops;
+    f->lsock = MHD_INVALID_SOCKET;
     struct sockaddr_storage ss;
     if (!make_addr(&conf->listen, &ss, err)) {
+        pthread_mutex_destroy(&f->mu);
         free(f);
         return NULL;
-    }
-    unsigned threads = conf->threads;
-    if (!threads) {
-        long n = sysconf(_SC_NPROCESSORS_ONLN);
-        threads = n > 0 ? (unsigned)n : 1;
     }
     /* libmicrohttpd 0.9.75 clears the whole per-connection pool on every
      * request, so each connection costs exactly this much resident memory:
@@ -569,28 +734,38 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
     if (mem < 16 * 1024)
         mem = 16 * 1024;
     unsigned timeout_s = (unsigned)((conf->client_timeout_ms + 999) / 1000);
-    f->d = MHD_start_daemon(MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG |
-                                MHD_USE_TURBO | mhd_family_flag(&ss),
-                            0, NULL, NULL, handler, f, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "front",
-                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_THREAD_POOL_SIZE, threads,
-                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)(conf->max_connections + 64),
-                            MHD_OPTION_CONNECTION_TIMEOUT, timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT, mem,
-                            MHD_OPTION_LISTEN_BACKLOG_SIZE, 4096, MHD_OPTION_URI_LOG_CALLBACK, uri_log, f,
-                            MHD_OPTION_NOTIFY_COMPLETED, completed, f, MHD_OPTION_NOTIFY_CONNECTION, conn_notify, f,
-                            MHD_OPTION_UNESCAPE_CALLBACK, no_unescape, f, MHD_OPTION_END);
-    if (!f->d) {
-        *err = cm_asprintf("cannot listen on %s:%u (address in use or not permitted)", conf->listen.host,
-                           conf->listen.port);
-        free(f);
-        return NULL;
+    f->shards = cm_calloc(loops->n, sizeof *f->shards);
+    for (size_t i = 0; i < loops->n; i++) {
+        struct shard *sh = &f->shards[i];
+        sh->f = f;
+        sh->loop = loops->v[i];
+        sh->d = start_daemon(sh, &ss, f->lsock, mem, timeout_s);
+        f->nshards = i + 1;
+        if (!sh->d) {
+            *err = i == 0 ? cm_asprintf("cannot listen on %s:%u (address in use or not permitted)", conf->listen.host,
+                                        conf->listen.port)
+                          : cm_asprintf("cannot start the HTTP daemon of loop %zu", i);
+            front_free(f);
+            return NULL;
+        }
+        if (i == 0) {
+            const union MHD_DaemonInfo *li = MHD_get_daemon_info(sh->d, MHD_DAEMON_INFO_LISTEN_FD);
+            f->lsock = li ? li->listen_fd : MHD_INVALID_SOCKET;
+            const union MHD_DaemonInfo *di = MHD_get_daemon_info(sh->d, MHD_DAEMON_INFO_BIND_PORT);
+            f->port = di ? di->port : conf->listen.port;
+        }
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(f->d, MHD_DAEMON_INFO_BIND_PORT);
-    f->port = di ? di->port : conf->listen.port;
+    for (size_t i = 0; i < f->nshards; i++) {
+        if (!on_loop(&f->shards[i], shard_attach)) {
+            *err = cm_asprintf("the I/O loop did not take its HTTP daemon");
+            return NULL; /* a loop is stuck: leak rather than race it */
+        }
+    }
     if (pthread_create(&f->watchdog, NULL, watchdog_main, f) != 0) {
         *err = cm_asprintf("cannot start the front watchdog thread");
-        MHD_stop_daemon(f->d);
-        pthread_mutex_destroy(&f->mu);
-        free(f);
+        for (size_t i = 0; i < f->nshards; i++)
+            (void)on_loop(&f->shards[i], shard_detach);
+        front_free(f);
         return NULL;
     }
     return f;
@@ -609,9 +784,13 @@ long gw_front_suspended(struct gw_front *f)
 void gw_front_quiesce(struct gw_front *f)
 {
     atomic_store(&f->shutting_down, true);
-    MHD_socket s = MHD_quiesce_daemon(f->d);
-    if (s != MHD_INVALID_SOCKET)
-        close(s);
+    bool all = true;
+    for (size_t i = 0; i < f->nshards; i++)
+        all = on_loop(&f->shards[i], shard_quiesce) && all;
+    if (all && f->lsock != MHD_INVALID_SOCKET && !f->lsock_closed) {
+        close(f->lsock);
+        f->lsock_closed = true;
+    }
 }
 
 void gw_front_stop(struct gw_front *f)
@@ -620,7 +799,7 @@ void gw_front_stop(struct gw_front *f)
         return;
     atomic_store(&f->stop, true);
     pthread_join(f->watchdog, NULL);
-    MHD_stop_daemon(f->d);
-    pthread_mutex_destroy(&f->mu);
-    free(f);
+    for (size_t i = 0; i < f->nshards; i++)
+        (void)on_loop(&f->shards[i], shard_detach);
+    front_free(f);
 }

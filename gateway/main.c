@@ -141,11 +141,9 @@ static int run(const struct conf *conf)
     free(merr);
 
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    /* One I/O loop per two CPUs (at least one): the loops do the heavy work
-     * (curl, Postgres, Redis); measured on 2 cores, a second loop bought
-     * nothing because the CPUs were already busy. */
-    size_t cpus = conf->threads ? conf->threads : (ncpu > 0 ? (size_t)ncpu : 1);
-    size_t nloops = cpus / 2 ? cpus / 2 : 1;
+    /* One I/O loop per CPU (threads: N sets it): each loop thread runs its
+     * own HTTP daemon, curl multi, Redis context and share of the pool. */
+    size_t nloops = conf->threads ? conf->threads : (ncpu > 0 ? (size_t)ncpu : 1);
     loops = gw_loops_create(conf, nloops, &err);
     if (!loops) {
         cm_log(CM_ERROR, "start_failed", "error=%s", cm_log_quote(q, sizeof q, err ? err : "?"));
@@ -182,11 +180,11 @@ static int run(const struct conf *conf)
         cm_log(CM_INFO, "admin_listening", "addr=%s:%u", conf->admin_listen.host, gw_admin_port(admin));
     }
     char pg[512], rd[512];
-    cm_log(CM_INFO, "started", "version=%s routes=%zu upstreams=%zu postgres=%s redis=%s pool=%u", IDEMGATE_VERSION,
-           conf->routes_n, conf->upstreams_n,
+    cm_log(CM_INFO, "started", "version=%s routes=%zu upstreams=%zu postgres=%s redis=%s pool=%u allocator=%s",
+           IDEMGATE_VERSION, conf->routes_n, conf->upstreams_n,
            cm_log_quote(pg, sizeof pg, cm_redact_url(q, sizeof q, conf->postgres_url)),
            conf->redis_url ? cm_log_quote(rd, sizeof rd, cm_redact_url(q, sizeof q, conf->redis_url)) : "none",
-           conf->pool);
+           conf->pool, IDEMGATE_ALLOCATOR);
 
     sigset_t set;
     sigemptyset(&set);

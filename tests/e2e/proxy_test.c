@@ -28,6 +28,14 @@ static const char conf_pass[] =
     E2E_CONF_HEAD "max_body: 2MiB\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") CONF_PASS_ROUTE("2MiB")
     "default_upstream: api\n";
 
+/* The same with one I/O loop, and with two (each loop keeps its own upstream connections). */
+static const char conf_one_loop[] =
+    E2E_CONF_HEAD "max_body: 2MiB\n" "threads: 1\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") CONF_PASS_ROUTE("2MiB")
+    "default_upstream: api\n";
+static const char conf_two_loops[] =
+    E2E_CONF_HEAD "max_body: 2MiB\n" "threads: 2\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") CONF_PASS_ROUTE("2MiB")
+    "default_upstream: api\n";
+
 /* Same, without default_upstream. */
 static const char conf_nodefault[] = E2E_CONF_HEAD CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") CONF_PASS_ROUTE("1MiB");
 
@@ -283,7 +291,7 @@ Test(proxy, upstream_connection_is_reused)
 {
     struct e2e_upstream *up;
     struct e2e_gw *gw;
-    e2e_start(conf_pass, &up, &gw);
+    e2e_start(conf_one_loop, &up, &gw);
     struct e2e_resp a, b;
     e2e_get(gw->port, "/v1/payments/ka1", &a);
     e2e_get(gw->port, "/v1/payments/ka2", &b);
@@ -295,6 +303,31 @@ Test(proxy, upstream_connection_is_reused)
     cr_expect_str_eq(ca, cb, "two sequential requests used two upstream connections (%s, %s)", ca, cb);
     e2e_resp_free(&a);
     e2e_resp_free(&b);
+}
+
+Test(proxy, each_loop_reuses_its_upstream_connections)
+{
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(conf_two_loops, &up, &gw);
+    char seen[8][32];
+    size_t distinct = 0;
+    for (int i = 0; i < 8; i++) { /* eight client connections, spread over the two loops */
+        struct e2e_resp r;
+        char path[64];
+        snprintf(path, sizeof path, "/v1/payments/loop%d", i);
+        e2e_get(gw->port, path, &r);
+        cr_assert_eq(r.status, 200);
+        const char *id = e2e_resp_header(&r, "X-Conn-Id");
+        cr_assert(id != NULL, "X-Conn-Id missing");
+        bool known = false;
+        for (size_t j = 0; j < distinct; j++)
+            known = known || strcmp(seen[j], id) == 0;
+        if (!known)
+            snprintf(seen[distinct++], sizeof seen[0], "%s", id);
+        e2e_resp_free(&r);
+    }
+    cr_expect(distinct <= 2, "8 sequential requests on 2 loops used %zu upstream connections", distinct);
 }
 
 Test(proxy, query_string_and_path_forwarded_unchanged)
