@@ -180,11 +180,11 @@ static int run(const struct conf *conf)
         cm_log(CM_INFO, "admin_listening", "addr=%s:%u", conf->admin_listen.host, gw_admin_port(admin));
     }
     char pg[512], rd[512];
-    cm_log(CM_INFO, "started", "version=%s routes=%zu upstreams=%zu postgres=%s redis=%s pool=%u allocator=%s",
+    cm_log(CM_INFO, "started", "version=%s routes=%zu upstreams=%zu postgres=%s redis=%s pool=%u loops=%zu",
            IDEMGATE_VERSION, conf->routes_n, conf->upstreams_n,
            cm_log_quote(pg, sizeof pg, cm_redact_url(q, sizeof q, conf->postgres_url)),
            conf->redis_url ? cm_log_quote(rd, sizeof rd, cm_redact_url(q, sizeof q, conf->redis_url)) : "none",
-           conf->pool, IDEMGATE_ALLOCATOR);
+           conf->pool, loops->n);
 
     sigset_t set;
     sigemptyset(&set);

@@ -203,8 +203,9 @@ static const char sql_admin_release[] =
     " SELECT 'd'::text, scope FROM d"
     " UNION ALL SELECT 't'::text, NULL::bytea FROM idemgate_keys WHERE route = $1 AND key = $2";
 
-static const char sql_clean[] = "DELETE FROM idemgate_keys WHERE ctid IN (SELECT ctid FROM idemgate_keys"
-                                " WHERE expires_at < now() AND lease_until < now() LIMIT 1000)"
+/* A TID scan over at most 1000 rows found through the expires_at index. */
+static const char sql_clean[] = "DELETE FROM idemgate_keys WHERE ctid = ANY (ARRAY(SELECT ctid FROM idemgate_keys"
+                                " WHERE expires_at < now() AND lease_until < now() LIMIT 1000))"
                                 " AND expires_at < now() AND lease_until < now()";
 
 static const char sql_stuck[] = "SELECT route, count(*)::int8 FROM idemgate_keys"
@@ -1175,8 +1176,12 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
     s->pg_opts.size = conf->pool ? conf->pool : 1;
     s->pg_opts.queue_timeout_ms = QUEUE_TIMEOUT_MS;
     s->pg_opts.run_timeout_ms = RUN_TIMEOUT_MS;
-    /* Generic plans: every statement is a primary-key lookup, replanning it per call only costs CPU. */
-    s->pg_opts.init_sql = "SET statement_timeout = " STATEMENT_TIMEOUT_MS "; SET plan_cache_mode = force_generic_plan";
+    /* Every statement finds its rows through an index (primary key, expires_at, the in-flight index). Plans are
+     * made once per connection (generic plans: replanning per call only costs CPU), possibly while the table is
+     * still empty: without the enable_* settings the planner would then choose sequential scans and hash joins
+     * (the multi-row statements) and keep them while the table grows. */
+    s->pg_opts.init_sql = "SET statement_timeout = " STATEMENT_TIMEOUT_MS "; SET plan_cache_mode = force_generic_plan;"
+                          " SET enable_seqscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off";
     s->pg_opts.connect_timeout_ms = CONNECT_TIMEOUT_MS;
     s->pg_opts.max_queue = MAX_QUEUE;
     s->pg_opts.max_batch = MAX_BATCH;

@@ -100,7 +100,7 @@ static void pct(char *out, size_t n, const char *s)
 static void admin_list(const struct e2e_gw *gw, const char *route, const char *key, const char *authz,
                        struct e2e_resp *r)
 {
-    char rq_route[512], rq_key[1600], path[2300], ah[512];
+    char rq_route[512], rq_key[1600], path[2300], ah[1536];
     pct(rq_route, sizeof rq_route, route);
     pct(rq_key, sizeof rq_key, key);
     snprintf(path, sizeof path, "/admin/keys?route=%s&key=%s", rq_route, rq_key);
