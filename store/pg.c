@@ -17,6 +17,8 @@
 #define BACKOFF_MIN_MS      100
 #define BACKOFF_MAX_MS      2000
 #define PG_MAX_BATCH        64
+#define PG_HOLD_MS          5 /* the longest a batchable query waits for a busy connection rather than an idle one */
+#define PG_SPREAD_MIN       8 /* waiting queries that take another connection at once */
 #define PG_MAX_REQUEUE      3 /* then a rolled-back query gets STORE_PG_TRANSIENT */
 #define PG_MULTI_MAX_PARAMS 16
 #define PG_MULTI_MAX_BYTES  (64u << 20) /* one array parameter of a multi-row statement */
@@ -77,6 +79,7 @@ struct pg_conn {
     PGresult **bres; /* first result of each statement */
     unsigned nsent;
     unsigned nread;
+    uint64_t busy_since_ms; /* when the batch was sent */
 };
 
 struct qlist {
@@ -99,6 +102,7 @@ struct store_pg {
     atomic_bool up;
     struct qlist queue;
     struct qlist deferred;
+    struct event *hold;             /* dispatch again once the held queries have waited PG_HOLD_MS */
     struct timeval qtv, rtv;        /* queue and run timeouts */
     const struct timeval *qtimeout; /* libevent common timeouts (or &qtv, &rtv) */
     const struct timeval *rtimeout;
@@ -993,6 +997,7 @@ static void conn_send_batch(struct pg_conn *c, struct pg_query **qs, unsigned n)
     c->nbatch = n;
     c->nsent = ns;
     c->nread = 0;
+    c->busy_since_ms = cm_now_ms();
     set_state(c, C_BUSY);
     c->flushing = true;
     (void)conn_flush(c);
@@ -1016,25 +1021,50 @@ static unsigned take_batch(struct store_pg *p, struct pg_query **qs, size_t want
     return n;
 }
 
+/* Should the waiting queries rather wait for a connection busy with a batch
+ * that was sent less than PG_HOLD_MS ago (and go together when it is back)
+ * than take an idle one? Only while few wait: under load every connection
+ * works. One round trip and one commit for many queries is what keeps
+ * Postgres' CPU per request low when it is the bottleneck. */
+static bool hold_back(const struct store_pg *p, uint64_t now)
+{
+    if (p->opts.max_batch <= 1 || !p->queue.head || p->queue.n >= PG_SPREAD_MIN ||
+        p->opts.stmts[p->queue.head->stmt].batch_key == 0)
+        return false;
+    for (unsigned i = 0; i < p->opts.size; i++) {
+        const struct pg_conn *c = &p->conns[i];
+        if (c->state == C_BUSY && c->nbatch > 0 && now - c->busy_since_ms < PG_HOLD_MS)
+            return true;
+    }
+    return false;
+}
+
 static void dispatch(struct store_pg *p)
 {
+    static const struct timeval hold_tv = {0, PG_HOLD_MS * 1000};
     unsigned size = p->opts.size;
+    uint64_t now = cm_now_ms();
     for (unsigned i = 0; i < size && p->queue.head; i++) {
         struct pg_conn *c = &p->conns[i];
         if (c->state != C_READY)
             continue;
-        /* Share what waits between the idle connections. */
+        if (hold_back(p, now)) {
+            if (!evtimer_pending(p->hold, NULL))
+                evtimer_add(p->hold, &hold_tv);
+            return;
+        }
+        /* Few waiting: one batch. Many: shared between the idle connections. */
         unsigned ready = 0;
         for (unsigned j = i; j < size; j++)
             ready += p->conns[j].state == C_READY;
-        size_t want = (p->queue.n + ready - 1) / ready;
+        size_t want = p->queue.n < PG_SPREAD_MIN ? p->queue.n : (p->queue.n + ready - 1) / ready;
         if (want > p->opts.max_batch)
             want = p->opts.max_batch;
         struct pg_query *qs[PG_MAX_BATCH];
         unsigned n = take_batch(p, qs, want);
         conn_send_batch(c, qs, n);
     }
-    if (!p->queue.head)
+    if (!p->queue.head || hold_back(p, now))
         return;
     /* Open more connections on demand, one per waiting query beyond those connecting. */
     size_t need = p->queue.n > p->n_connecting ? p->queue.n - p->n_connecting : 0;
@@ -1044,6 +1074,11 @@ static void dispatch(struct store_pg *p)
             need--;
         }
     }
+}
+
+static void hold_cb(evutil_socket_t fd, short what, void *arg)
+{
+    dispatch(arg);
 }
 
 static void query_timer_cb(evutil_socket_t fd, short what, void *arg)
@@ -1113,6 +1148,9 @@ struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_
             snprintf(p->multi_names[i], len, "%s_m", st->name);
         }
     }
+    p->hold = evtimer_new(base, hold_cb, p);
+    if (!p->hold)
+        abort();
     p->conns = cm_calloc(p->opts.size, sizeof *p->conns);
     for (unsigned i = 0; i < p->opts.size; i++) {
         struct pg_conn *c = &p->conns[i];
@@ -1165,6 +1203,7 @@ void store_pg_destroy(struct store_pg *p)
     for (size_t i = 0; i < p->opts.nstmts; i++)
         free(p->multi_names[i]);
     free(p->multi_names);
+    event_free(p->hold);
     free(p->conns);
     free(p->conninfo);
     free(p);
