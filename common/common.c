@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <openssl/evp.h>
 #include <openssl/rand.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -568,10 +569,21 @@ const char *cm_redact_url(char *out, size_t n, const char *url)
 
 /* ---- hashing */
 
+/* OpenSSL 3 looks an algorithm up in its provider store (a locked table)
+ * at every EVP_DigestInit_ex(ctx, EVP_sha256()): fetch it once instead. */
+static EVP_MD *sha256_md;
+static pthread_once_t sha256_once = PTHREAD_ONCE_INIT;
+
+static void sha256_fetch(void)
+{
+    sha256_md = EVP_MD_fetch(NULL, "SHA2-256", NULL);
+}
+
 void cm_sha256_init(struct cm_sha256 *h)
 {
+    pthread_once(&sha256_once, sha256_fetch);
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
-    if (!ctx || EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) != 1)
+    if (!ctx || EVP_DigestInit_ex(ctx, sha256_md ? sha256_md : EVP_sha256(), NULL) != 1)
         oom(sizeof *h);
     h->ctx = ctx;
 }
