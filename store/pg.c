@@ -1044,15 +1044,15 @@ static void dispatch(struct store_pg *p)
     static const struct timeval hold_tv = {0, PG_HOLD_MS * 1000};
     unsigned size = p->opts.size;
     uint64_t now = cm_now_ms();
+    if (hold_back(p, now)) { /* neither an idle connection nor a new one yet */
+        if (!evtimer_pending(p->hold, NULL))
+            evtimer_add(p->hold, &hold_tv);
+        return;
+    }
     for (unsigned i = 0; i < size && p->queue.head; i++) {
         struct pg_conn *c = &p->conns[i];
         if (c->state != C_READY)
             continue;
-        if (hold_back(p, now)) {
-            if (!evtimer_pending(p->hold, NULL))
-                evtimer_add(p->hold, &hold_tv);
-            return;
-        }
         /* Few waiting: one batch. Many: shared between the idle connections. */
         unsigned ready = 0;
         for (unsigned j = i; j < size; j++)
@@ -1064,7 +1064,7 @@ static void dispatch(struct store_pg *p)
         unsigned n = take_batch(p, qs, want);
         conn_send_batch(c, qs, n);
     }
-    if (!p->queue.head || hold_back(p, now))
+    if (!p->queue.head)
         return;
     /* Open more connections on demand, one per waiting query beyond those connecting. */
     size_t need = p->queue.n > p->n_connecting ? p->queue.n - p->n_connecting : 0;

@@ -67,6 +67,15 @@ struct store_pg_opts {
     size_t nstmts;
 };
 
+/* Session settings for a pool whose statements all reach their rows through
+ * an index (use in init_sql): plans are made once per connection (generic),
+ * maybe while a table is still empty, when the planner would otherwise pick
+ * sequential scans and hash joins for multi-row statements and keep them as
+ * the table grows. */
+#define STORE_PG_INDEX_PLANS_SQL                                                                                       \
+    "SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off; SET enable_hashjoin = off;"                   \
+    " SET enable_mergejoin = off"
+
 /* A query parameter: data == NULL is SQL NULL; binary selects format 1. */
 struct store_pg_param {
     const void *data;

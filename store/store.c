@@ -1176,12 +1176,8 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
     s->pg_opts.size = conf->pool ? conf->pool : 1;
     s->pg_opts.queue_timeout_ms = QUEUE_TIMEOUT_MS;
     s->pg_opts.run_timeout_ms = RUN_TIMEOUT_MS;
-    /* Every statement finds its rows through an index (primary key, expires_at, the in-flight index). Plans are
-     * made once per connection (generic plans: replanning per call only costs CPU), possibly while the table is
-     * still empty: without the enable_* settings the planner would then choose sequential scans and hash joins
-     * (the multi-row statements) and keep them while the table grows. */
-    s->pg_opts.init_sql = "SET statement_timeout = " STATEMENT_TIMEOUT_MS "; SET plan_cache_mode = force_generic_plan;"
-                          " SET enable_seqscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off";
+    /* Every statement finds its rows through an index (primary key, expires_at, the in-flight index). */
+    s->pg_opts.init_sql = "SET statement_timeout = " STATEMENT_TIMEOUT_MS "; " STORE_PG_INDEX_PLANS_SQL;
     s->pg_opts.connect_timeout_ms = CONNECT_TIMEOUT_MS;
     s->pg_opts.max_queue = MAX_QUEUE;
     s->pg_opts.max_batch = MAX_BATCH;

@@ -289,3 +289,72 @@ Test(pg_batch, without_batching_each_query_commits_alone)
     free(s);
     teardown_pool(&f);
 }
+
+/* While few queries wait, the pool holds them up to 5 ms for a busy connection (to batch them); behind a query
+ * that takes longer, they must go to another connection (opened on demand) instead of waiting for it. */
+Test(pg_batch, held_queries_never_wait_behind_a_long_query)
+{
+    struct fixture f;
+    setup_pool(&f, "hold", 16);
+    f.opts.size = 2; /* the pool reads its options at creation: make a second one with two connections */
+    store_pg_destroy(f.pool);
+    f.pool = store_pg_create(f.base, &f.opts);
+    wait_up(&f);
+    struct result rs[4] = {0};
+    uint64_t t0 = cm_now_ms();
+    occupy(&f, &rs[0]); /* 300 ms on the first connection */
+    insert(&f, S_INSERT, 1, &rs[1]);
+    insert(&f, S_INSERT, 2, &rs[2]);
+    insert(&f, S_INSERT, 3, &rs[3]);
+    run_until(&f, rs + 1, 3);
+    uint64_t inserts_ms = cm_now_ms() - t0;
+    cr_expect_eq(rs[0].done, 0, "the inserts waited behind the 300 ms query (done after %llu ms)",
+                 (unsigned long long)inserts_ms);
+    run_until(&f, rs, 1);
+    for (int i = 0; i < 4; i++)
+        cr_expect_eq(rs[i].st, STORE_PG_OK, "query %d: %s", i, store_pg_status_name(rs[i].st));
+    char sql[160];
+    snprintf(sql, sizeof sql, "SELECT count(DISTINCT xmin::text)::text FROM %s", table);
+    char *s = query_text(f.admin, sql);
+    cr_expect_str_eq(s, "1", "the three held inserts went together: %s transactions", s);
+    free(s);
+    teardown_pool(&f);
+}
+
+/* The multi-row completion's shape on an empty, never analysed table: with the pool's session settings the plan
+ * made now (and kept by the connection while the table grows) reaches rows through the primary key. */
+Test(pg_batch, index_plans_on_an_empty_table)
+{
+    struct fixture f;
+    setup_pool(&f, "plan", 1);
+    char sql[1024];
+    snprintf(sql, sizeof sql,
+             "DROP TABLE IF EXISTS %s_k; CREATE TABLE %s_k (route text, scope bytea, key text, token int8,"
+             " status int, PRIMARY KEY (route, key, scope))",
+             table, table);
+    exec_ok(f.admin, sql);
+    const char *explain =
+        "EXPLAIN UPDATE %s_k AS k SET status = u.status FROM unnest($1::text[], $2::bytea[],"
+        " $3::text[], $4::int8[], $5::int4[]) WITH ORDINALITY AS u(route, scope, key, token, status, n)"
+        " WHERE k.route = u.route AND k.scope = u.scope AND k.key = u.key AND k.token = u.token";
+    char q[1024];
+    snprintf(q, sizeof q, explain, table);
+    snprintf(sql, sizeof sql, "PREPARE plan_default (text[], bytea[], text[], int8[], int4[]) AS %s",
+             strstr(q, "UPDATE"));
+    exec_ok(f.admin, "SET plan_cache_mode = force_generic_plan");
+    exec_ok(f.admin, sql);
+    char *plain = query_text(f.admin, "EXPLAIN EXECUTE plan_default ('{}', '{}', '{}', '{}', '{}')");
+    cr_expect(strstr(plain, "Seq Scan") != NULL,
+              "without the settings the generic plan scans the whole table (so this test can tell): %s", plain);
+    free(plain);
+    exec_ok(f.admin, "DEALLOCATE plan_default");
+    exec_ok(f.admin, STORE_PG_INDEX_PLANS_SQL);
+    exec_ok(f.admin, sql);
+    char *pinned = query_text(f.admin, "EXPLAIN EXECUTE plan_default ('{}', '{}', '{}', '{}', '{}')");
+    cr_expect(strstr(pinned, "Index Scan") != NULL && strstr(pinned, "Seq Scan") == NULL,
+              "with STORE_PG_INDEX_PLANS_SQL the plan uses the primary key: %s", pinned);
+    free(pinned);
+    snprintf(sql, sizeof sql, "DROP TABLE IF EXISTS %s_k", table);
+    exec_ok(f.admin, sql);
+    teardown_pool(&f);
+}
