@@ -3,6 +3,9 @@
  * queue woken with event_active. */
 #include <event2/event.h>
 #include <event2/thread.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -23,6 +26,7 @@ struct gw_loop {
     struct conf *conf_share; /* shallow copy with this loop's share of the pool, or NULL */
     struct event_base *base;
     struct event *wake;
+    struct event *trim; /* gives freed heap memory back to the system, once a second */
     struct up_client *up;
     struct store *store;
     pthread_t thread;
@@ -52,6 +56,18 @@ static void drain(evutil_socket_t fd, short what, void *arg)
     }
     if (stop)
         event_base_loopbreak(l->base);
+}
+
+/* glibc keeps what a thread frees in that thread's arena; after a burst (a
+ * thousand connections, large bodies) the RSS would stay at the burst's
+ * peak. malloc_trim returns the free pages of every arena (a few µs when
+ * there is little to do). */
+static void trim_cb(evutil_socket_t fd, short what, void *arg)
+{
+    (void)arg;
+#ifdef __GLIBC__
+    malloc_trim(0);
+#endif
 }
 
 static void *loop_main(void *arg)
@@ -86,6 +102,10 @@ struct gw_loop *gw_loop_create(const struct conf *conf, char **err)
     }
     l->wake = event_new(l->base, -1, EV_PERSIST, drain, l);
     event_add(l->wake, NULL);
+    l->trim = event_new(l->base, -1, EV_PERSIST, trim_cb, l);
+    static const struct timeval every_s = {1, 0};
+    if (l->trim)
+        event_add(l->trim, &every_s);
     long max_host = 0;
     for (size_t i = 0; i < conf->upstreams_n; i++)
         if ((long)conf->upstreams[i].max_connections > max_host)
@@ -149,6 +169,8 @@ void gw_loop_destroy(struct gw_loop *l)
     free(l->conf_share); /* shallow: the strings belong to the real conf */
     if (l->wake)
         event_free(l->wake);
+    if (l->trim)
+        event_free(l->trim);
     if (l->base)
         event_base_free(l->base);
     pthread_mutex_destroy(&l->mu);
