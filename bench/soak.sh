@@ -199,22 +199,9 @@ max_connections: 1024
 client_timeout: 30s
 EOF
 export IDEMGATE_POSTGRES_URL=$IDEMGATE_TEST_PG_URL IDEMGATE_REDIS_URL=$IDEMGATE_TEST_REDIS_URL
-"$IDEMGATE" -c "$T/idemgate.yaml" >"$T/idemgate.log" 2>&1 </dev/null &
-GW_PID=$!
-PIDS+=("$GW_PID")
-ready=0
-for _ in $(seq 1 300); do
-    kill -0 "$GW_PID" 2>/dev/null || break
-    if curl -fsS -m 1 -o /dev/null "http://127.0.0.1:$ADMIN_PORT/readyz" 2>/dev/null; then
-        ready=1
-        break
-    fi
-    sleep 0.1
-done
-[ $ready = 1 ] || {
-    tail -n 20 "$T/idemgate.log" >&2
-    die "idemgate did not become ready"
-}
+# shellcheck source=bench/lib.sh
+. "$ROOT/bench/lib.sh"
+start_gateway "$T/idemgate.yaml" "$T/idemgate.log"
 GW=http://127.0.0.1:$GW_PORT
 
 body='{"amount":4200,"currency":"EUR","note":"bench"}'

@@ -13,25 +13,25 @@
 /* Route index for requests no route matched: default_upstream (label
  * route="_default") or nothing (route="_none"). */
 #define CM_ROUTE_DEFAULT ((size_t)-1)
-#define CM_ROUTE_NONE ((size_t)-2)
+#define CM_ROUTE_NONE    ((size_t)-2)
 
 /* outcome label of idemgate_requests_total. */
 enum cm_outcome {
-    CM_OUT_FORWARDED,        /* answered by the upstream (first execution or passthrough) */
-    CM_OUT_REPLAYED,         /* stored answer replayed */
-    CM_OUT_MISMATCH,         /* 422 */
-    CM_OUT_IN_FLIGHT,        /* 409 idempotency-key-in-use */
-    CM_OUT_UNKNOWN,          /* 409 idempotency-outcome-unknown */
-    CM_OUT_KEY_MISSING,      /* 400 */
-    CM_OUT_KEY_INVALID,      /* 400 */
-    CM_OUT_TOO_LARGE,        /* 413 / 431 */
-    CM_OUT_STORE_UNAVAILABLE,/* 503 */
+    CM_OUT_FORWARDED,            /* answered by the upstream (first execution or passthrough) */
+    CM_OUT_REPLAYED,             /* stored answer replayed */
+    CM_OUT_MISMATCH,             /* 422 */
+    CM_OUT_IN_FLIGHT,            /* 409 idempotency-key-in-use */
+    CM_OUT_UNKNOWN,              /* 409 idempotency-outcome-unknown */
+    CM_OUT_KEY_MISSING,          /* 400 */
+    CM_OUT_KEY_INVALID,          /* 400 */
+    CM_OUT_TOO_LARGE,            /* 413 / 431 */
+    CM_OUT_STORE_UNAVAILABLE,    /* 503 */
     CM_OUT_UPSTREAM_UNAVAILABLE, /* 502 nothing sent */
-    CM_OUT_UPSTREAM_TIMEOUT, /* 504 */
+    CM_OUT_UPSTREAM_TIMEOUT,     /* 504 */
     CM_OUT_UPSTREAM_NO_RESPONSE, /* 502 after sending */
-    CM_OUT_RELEASED,         /* upstream answered a release status */
-    CM_OUT_NOT_FOUND,        /* 404 no route */
-    CM_OUT_ERROR,            /* anything else (500, 503 overload) */
+    CM_OUT_RELEASED,             /* upstream answered a release status */
+    CM_OUT_NOT_FOUND,            /* 404 no route */
+    CM_OUT_ERROR,                /* anything else (500, 503 overload) */
     CM_OUT__COUNT
 };
 const char *cm_outcome_name(enum cm_outcome o);
