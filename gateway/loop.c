@@ -3,7 +3,17 @@
  * queue woken with event_active. */
 #include <event2/event.h>
 #include <event2/thread.h>
-#ifdef __GLIBC__
+/* Under AddressSanitizer malloc is ASan's: glibc's malloc_trim would set up a glibc arena for the thread, and
+ * glibc then aborts at thread exit (__malloc_arena_thread_freeres: attached_threads). */
+#if defined(__SANITIZE_ADDRESS__)
+#define LOOP_NO_TRIM 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LOOP_NO_TRIM 1
+#endif
+#endif
+#if defined(__GLIBC__) && !defined(LOOP_NO_TRIM)
+#define LOOP_TRIM 1
 #include <malloc.h>
 #endif
 #include <pthread.h>
@@ -65,7 +75,7 @@ static void drain(evutil_socket_t fd, short what, void *arg)
 static void trim_cb(evutil_socket_t fd, short what, void *arg)
 {
     (void)arg;
-#ifdef __GLIBC__
+#ifdef LOOP_TRIM
     malloc_trim(0);
 #endif
 }
