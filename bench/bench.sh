@@ -112,27 +112,13 @@ chmod 755 "$T"
 RUN_ID=$(date +%s)-$$
 export BENCH_RUN=$RUN_ID BENCH_KEYS=$REPLAY_KEYS
 
-# ---- Postgres + Redis
-bash "$SVC" start "$T/svc" >/dev/null
-SERVICES_UP=1
-# shellcheck disable=SC1091
-. "$T/svc/env"
+# shellcheck source=bench/lib.sh
+. "$ROOT/bench/lib.sh"
 
-wait_port() { # port seconds
-    local deadline=$((SECONDS + $2))
-    while ((SECONDS < deadline)); do
-        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-        sleep 0.1
-    done
-    return 1
-}
+# ---- Postgres + Redis
+start_services
 
 # ---- upstreams: one fast, one answering after DELAY_MS
-start_upstream() { # name delay port (not in $(...): PIDS must be recorded in this shell)
-    "$UPSTREAM" --host 127.0.0.1 --port "$3" --delay-ms "$2" --quiet >"$T/$1.log" 2>&1 </dev/null &
-    PIDS+=($!)
-    wait_port "$3" 10 || die "testupstream $1 did not start (see $T/$1.log)"
-}
 UP_FAST=$(bash "$SVC" free-port)
 start_upstream up-fast 0 "$UP_FAST"
 UP_SLOW=$(bash "$SVC" free-port)
@@ -230,8 +216,6 @@ export IDEMGATE_POSTGRES_URL=$IDEMGATE_TEST_PG_URL IDEMGATE_REDIS_URL=$IDEMGATE_
     "$IDEMGATE" --check -c "$T/idemgate.yaml" || true
     die "idemgate rejected the bench config"
 }
-# shellcheck source=bench/lib.sh
-. "$ROOT/bench/lib.sh"
 start_gateway "$T/idemgate.yaml" "$T/idemgate.log"
 
 UP=http://127.0.0.1:$UP_FAST

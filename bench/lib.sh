@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# lib.sh - sourced by bench.sh and soak.sh: the gateway start-up they share. Expects IDEMGATE (the binary),
-# ADMIN_PORT, the PIDS array (processes stopped on exit) and die() from the sourcing script.
+# lib.sh - sourced by bench.sh and soak.sh: the start-up they share (services, test upstreams, the gateway).
+# Expects from the sourcing script: SVC (scripts/services.sh), T (the run's temp dir), IDEMGATE and UPSTREAM (the
+# binaries), ADMIN_PORT, the PIDS array (processes stopped on exit) and die().
 
 # start_gateway CONF LOG: runs "$IDEMGATE -c CONF" in the background (output to LOG), records its pid in GW_PID and
 # PIDS, and waits at most 30 s for /readyz on 127.0.0.1:$ADMIN_PORT; dies with the log's tail otherwise.
@@ -21,4 +22,31 @@ start_gateway() {
         tail -n 20 "$2" >&2
         die "idemgate did not become ready"
     }
+}
+
+# start_services: Postgres and Redis for this run in $T/svc (scripts/services.sh), their env sourced.
+start_services() {
+    bash "$SVC" start "$T/svc" >/dev/null
+    # shellcheck disable=SC2034 # read by the sourcing script's cleanup
+    SERVICES_UP=1
+    # shellcheck disable=SC1091
+    . "$T/svc/env"
+}
+
+# wait_port PORT SECONDS: true once something accepts on 127.0.0.1:PORT.
+wait_port() {
+    local deadline=$((SECONDS + $2))
+    while ((SECONDS < deadline)); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
+# start_upstream NAME DELAY_MS PORT: a testupstream ($UPSTREAM) on 127.0.0.1:PORT, log in $T/NAME.log, pid in PIDS.
+# Not in $(...): PIDS must be recorded in the calling shell.
+start_upstream() {
+    "$UPSTREAM" --host 127.0.0.1 --port "$3" --delay-ms "$2" --quiet >"$T/$1.log" 2>&1 </dev/null &
+    PIDS+=($!)
+    wait_port "$3" 10 || die "testupstream $1 did not start (see $T/$1.log)"
 }

@@ -149,24 +149,12 @@ T=$(mktemp -d /tmp/idemgate-soak.XXXXXX)
 chmod 755 "$T"
 RUN_ID=$(date +%s)-$$
 
-bash "$SVC" start "$T/svc" >/dev/null
-SERVICES_UP=1
-# shellcheck disable=SC1091
-. "$T/svc/env"
-
-wait_port() { # port seconds
-    local deadline=$((SECONDS + $2))
-    while ((SECONDS < deadline)); do
-        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-        sleep 0.1
-    done
-    return 1
-}
+# shellcheck source=bench/lib.sh
+. "$ROOT/bench/lib.sh"
+start_services
 
 UP_PORT=$(bash "$SVC" free-port)
-"$UPSTREAM" --host 127.0.0.1 --port "$UP_PORT" --quiet >"$T/upstream.log" 2>&1 </dev/null &
-PIDS+=($!)
-wait_port "$UP_PORT" 10 || die "testupstream did not start"
+start_upstream upstream 0 "$UP_PORT"
 
 GW_PORT=$(bash "$SVC" free-port)
 ADMIN_PORT=$(bash "$SVC" free-port)
@@ -199,8 +187,6 @@ max_connections: 1024
 client_timeout: 30s
 EOF
 export IDEMGATE_POSTGRES_URL=$IDEMGATE_TEST_PG_URL IDEMGATE_REDIS_URL=$IDEMGATE_TEST_REDIS_URL
-# shellcheck source=bench/lib.sh
-. "$ROOT/bench/lib.sh"
 start_gateway "$T/idemgate.yaml" "$T/idemgate.log"
 GW=http://127.0.0.1:$GW_PORT
 
