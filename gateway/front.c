@@ -248,7 +248,7 @@ static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
     return ret;
 }
 
-/* Answers at once from the HTTP thread (validation errors, limits). */
+/* Answers at once, without the pipeline (validation errors, limits). */
 static enum MHD_Result reject(struct req *r, struct MHD_Connection *c, int status, const char *name, const char *title,
                               const char *detail, enum cm_outcome outcome)
 {

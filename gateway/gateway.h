@@ -20,8 +20,9 @@ struct store;
 struct gw_loop;
 struct renew_ticket;
 
-/* ---- the I/O loop: one thread running libevent, owning the curl multi
- * handle, the Postgres pool and the Redis context. */
+/* ---- the I/O loop: one thread running libevent, owning its HTTP daemon
+ * (gateway/front.c), the curl multi handle, its share of the Postgres pool
+ * and the Redis context. */
 
 /* Creates the loop (event base, upstream client, store). NULL + *err on failure. */
 struct gw_loop *gw_loop_create(const struct conf *conf, char **err);
@@ -54,26 +55,25 @@ struct gw_job *gw_loop_first_job(struct gw_loop *l);
  * lease), the clients get 503 shutting-down. */
 void gw_pipeline_abort_all(void *loop);
 
-/* A set of loops (one per CPU by default): requests are spread round-robin;
- * each loop has its own upstream client, Redis context and pool share. */
+/* A set of loops (one per CPU by default): each serves the connections its
+ * HTTP daemon accepted, with its own upstream client, Redis context and pool
+ * share. */
 struct gw_loops {
     struct gw_loop **v;
     size_t n;
-    atomic_uint next;
 };
 /* Creates n loops (at most conf->pool). NULL + *err on failure. */
 struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err);
 bool gw_loops_start(struct gw_loops *ls) CM_MUST_CHECK;
 void gw_loops_destroy(struct gw_loops *ls); /* NULL is a no-op */
-struct gw_loop *gw_loops_pick(struct gw_loops *ls);
 size_t gw_loops_jobs(struct gw_loops *ls);
 void gw_loops_set_schema_ready(struct gw_loops *ls, bool ready);
 /* Submits gw_pipeline_abort_all to every loop. */
 void gw_loops_abort_all(struct gw_loops *ls);
 
-/* ---- a job: one client request in the pipeline. Built by the front on an
- * HTTP thread, run by the pipeline on the loop thread, answered by the front
- * after resume. */
+/* ---- a job: one client request in the pipeline. Built by the front, run by
+ * the pipeline and answered by the front after resume, all on the loop thread
+ * whose HTTP daemon accepted the connection. */
 struct gw_job {
     /* request (immutable once submitted) */
     const struct conf *conf;

@@ -1,6 +1,6 @@
-/* loop.c - the I/O thread: one libevent base driving upstream transfers,
- * the Postgres pool and Redis; other threads hand it work through a locked
- * queue woken with event_active. */
+/* loop.c - the I/O thread: one libevent base driving its HTTP daemon
+ * (front.c), upstream transfers, its share of the Postgres pool and Redis;
+ * other threads hand it work through a locked queue woken with event_active. */
 #include <event2/event.h>
 #include <event2/thread.h>
 /* Under AddressSanitizer malloc is ASan's: glibc's malloc_trim would set up a glibc arena for the thread, and
@@ -261,8 +261,8 @@ bool gw_loop_closing(struct gw_loop *l)
     return atomic_load(&l->closing);
 }
 
-/* ---- several loops: each owns its curl multi handle, its Redis context and
- * its share of the Postgres pool; requests are spread round-robin. */
+/* ---- several loops: each owns its HTTP daemon, curl multi handle, Redis context
+ * and share of the Postgres pool. */
 
 struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
 {
@@ -304,14 +304,6 @@ void gw_loops_destroy(struct gw_loops *ls)
         gw_loop_destroy(ls->v[i]);
     free(ls->v);
     free(ls);
-}
-
-struct gw_loop *gw_loops_pick(struct gw_loops *ls)
-{
-    if (ls->n == 1)
-        return ls->v[0];
-    unsigned i = atomic_fetch_add_explicit(&ls->next, 1, memory_order_relaxed);
-    return ls->v[i % ls->n];
 }
 
 size_t gw_loops_jobs(struct gw_loops *ls)
