@@ -47,7 +47,6 @@ struct gw_front {
     pthread_t watchdog;
     atomic_bool stop;
     const struct conf *conf;
-    struct gw_loops *loops;
     struct shard *shards;
     size_t nshards;
     MHD_socket lsock; /* the listening socket, shared by every daemon */
@@ -60,9 +59,8 @@ struct gw_front {
 
 /* Front-side state of one request; the job is what travels to the loop. */
 struct req {
-    struct gw_job job; /* first: a job is its req */
-    struct gw_front *front;
-    struct shard *shard;
+    struct gw_job job;   /* first: a job is its req */
+    struct shard *shard; /* its daemon and loop; shard->f the front */
     enum stage stage;
     bool body_too_large;
     struct cm_hdrs in_hdrs; /* as received, in order */
@@ -83,11 +81,9 @@ void gw_mhd_log(void *cls, const char *fmt, va_list ap)
 static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
 {
     struct shard *sh = cls;
-    struct gw_front *f = sh->f;
     struct req *r = cm_calloc(1, sizeof *r);
-    r->front = f;
     r->shard = sh;
-    r->job.conf = f->conf;
+    r->job.conf = sh->f->conf;
     r->job.uri = cm_strdup(uri ? uri : "/");
     const char *q = strchr(r->job.uri, '?');
     if (q) {
@@ -139,7 +135,7 @@ static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum 
     }
     /* Resumed, but the client had gone: the answer was never queued. */
     if (r && r->stage == STAGE_SUBMITTED)
-        atomic_fetch_sub(&r->front->suspended, 1);
+        atomic_fetch_sub(&r->shard->f->suspended, 1);
     req_free(r);
 }
 
@@ -237,7 +233,7 @@ static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
     }
     if (job->replayed)
         MHD_add_response_header(resp, "Idempotent-Replayed", "true");
-    if (atomic_load(&r->front->shutting_down) || job->status == 431 || job->status == 413 || job->status == 400)
+    if (atomic_load(&r->shard->f->shutting_down) || job->status == 431 || job->status == 413 || job->status == 400)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     struct conn_track *t = track_of(c);
     if (t)
@@ -404,7 +400,7 @@ static size_t header_block_size(const struct req *r, const char *method)
  * the result of queueing an early answer (r->stage == STAGE_ANSWERED). */
 static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const char *method, const char *version)
 {
-    struct gw_front *f = r->front;
+    struct gw_front *f = r->shard->f;
     const struct conf *conf = f->conf;
     struct gw_job *job = &r->job;
     job->method = cm_strdup(method);
@@ -491,7 +487,7 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     if (t)
         atomic_store(&t->reading_since, 0);
     r->stage = STAGE_SUBMITTED;
-    atomic_fetch_add(&r->front->suspended, 1);
+    atomic_fetch_add(&r->shard->f->suspended, 1);
     MHD_suspend_connection(c);
     job->loop = r->shard->loop;
     gw_loop_submit(job->loop, gw_pipeline_run, job);
@@ -527,7 +523,7 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     case STAGE_SUBMITTED:
         if (!atomic_load(&r->job.done))
             return MHD_YES; /* spurious call; still suspended work */
-        atomic_fetch_sub(&r->front->suspended, 1);
+        atomic_fetch_sub(&r->shard->f->suspended, 1);
         return queue_answer(r, c);
     case STAGE_ANSWERED:
     default:
@@ -718,7 +714,6 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
     struct gw_front *f = cm_calloc(1, sizeof *f);
     f->conf = conf;
     pthread_mutex_init(&f->mu, NULL);
-    f->loops = loops;
     f->lsock = MHD_INVALID_SOCKET;
     struct sockaddr_storage ss;
     if (!make_addr(&conf->listen, &ss, err)) {
