@@ -13,6 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd -P)
 SVC=$ROOT/scripts/services.sh
+# shellcheck source=bench/lib.sh
+. "$ROOT/bench/lib.sh"
 
 DUR=10
 WARM=2
@@ -52,7 +54,6 @@ PIDS=()
 NGINX_PID=
 SERVICES_UP=0
 cleanup() {
-    local pid
     trap - EXIT INT TERM HUP
     trap '' PIPE
     set +e
@@ -65,16 +66,7 @@ cleanup() {
         # nginx (daemon) leads its own process group: master and workers.
         kill -KILL -- "-$NGINX_PID" 2>/dev/null || true
     fi
-    for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for pid in "${PIDS[@]}"; do
-        for _ in $(seq 1 100); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -KILL "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
-    if [ "$SERVICES_UP" = 1 ]; then bash "$SVC" stop "$T/svc" >/dev/null 2>&1 || true; fi
+    stop_started
     if [ -n "$T" ] && [ -d "$T" ]; then rm -rf "$T"; fi
 }
 trap cleanup EXIT
@@ -111,9 +103,6 @@ T=$(mktemp -d /tmp/idemgate-bench.XXXXXX)
 chmod 755 "$T"
 RUN_ID=$(date +%s)-$$
 export BENCH_RUN=$RUN_ID BENCH_KEYS=$REPLAY_KEYS
-
-# shellcheck source=bench/lib.sh
-. "$ROOT/bench/lib.sh"
 
 # ---- Postgres + Redis
 start_services

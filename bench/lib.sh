@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# lib.sh - sourced by bench.sh and soak.sh: the start-up they share (services, test upstreams, the gateway).
+# lib.sh - sourced by bench.sh and soak.sh: the start-up they share (services, test upstreams, the gateway) and
+# the stop of what was started.
 # Expects from the sourcing script: SVC (scripts/services.sh), T (the run's temp dir), IDEMGATE and UPSTREAM (the
 # binaries), ADMIN_PORT, the PIDS array (processes stopped on exit) and die().
 
@@ -49,4 +50,20 @@ start_upstream() {
     "$UPSTREAM" --host 127.0.0.1 --port "$3" --delay-ms "$2" --quiet >"$T/$1.log" 2>&1 </dev/null &
     PIDS+=($!)
     wait_port "$3" 10 || die "testupstream $1 did not start (see $T/$1.log)"
+}
+
+# stop_started: stops every process in PIDS (TERM, then KILL after 10 s each) and the services when they were
+# started; for the sourcing script's exit trap.
+stop_started() {
+    local pid
+    for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in "${PIDS[@]}"; do
+        for _ in $(seq 1 100); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    if [ "$SERVICES_UP" = 1 ]; then bash "$SVC" stop "$T/svc" >/dev/null 2>&1 || true; fi
 }

@@ -18,6 +18,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd -P)
 SVC=$ROOT/scripts/services.sh
+# shellcheck source=bench/lib.sh
+. "$ROOT/bench/lib.sh"
 
 MINUTES=5
 BUILD=
@@ -91,19 +93,9 @@ PIDS=()
 SERVICES_UP=0
 KEEP=0
 cleanup() {
-    local pid
     trap - EXIT INT TERM HUP
     set +e
-    for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for pid in "${PIDS[@]}"; do
-        for _ in $(seq 1 100); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -KILL "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
-    if [ "$SERVICES_UP" = 1 ]; then bash "$SVC" stop "$T/svc" >/dev/null 2>&1 || true; fi
+    stop_started
     if [ -n "$T" ] && [ -d "$T" ]; then
         if [ "$KEEP" = 1 ]; then
             note "logs kept in $T"
@@ -149,8 +141,6 @@ T=$(mktemp -d /tmp/idemgate-soak.XXXXXX)
 chmod 755 "$T"
 RUN_ID=$(date +%s)-$$
 
-# shellcheck source=bench/lib.sh
-. "$ROOT/bench/lib.sh"
 start_services
 
 UP_PORT=$(bash "$SVC" free-port)
