@@ -301,6 +301,8 @@ struct admin_op {
     size_t key_len;
     store_admin_cb cb;
     void *arg;
+    int status; /* the answer, while the Redis markers are being removed */
+    char *json;
 };
 
 const char *store_verdict_name(enum store_verdict v)
@@ -370,6 +372,7 @@ static void op_free(struct op *o)
         struct admin_op *a = (struct admin_op *)o;
         free(a->route);
         free(a->key);
+        free(a->json);
         break;
     }
     }
@@ -857,6 +860,12 @@ void store_complete(struct store *s, const struct store_id *id, uint64_t token, 
     complete_send(w);
 }
 
+static void released_cb(void *arg, const struct redisReply *reply)
+{
+    struct owner_op *w = arg;
+    owner_finish(w, true, w->rows);
+}
+
 static void owner_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
     struct owner_op *w = arg;
@@ -873,8 +882,15 @@ static void owner_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         return;
     }
     long rows = cmd_rows(pr);
-    if (w->h.kind == OP_RELEASE && rows > 0)
-        redis_del(s, w->rkey);
+    if (w->h.kind == OP_RELEASE && rows > 0) {
+        /* The answer waits for the marker's removal (bounded by redis_timeout): until it lands, a retry on
+         * another loop or instance would find the in-flight marker and get 409 for a key that is free. */
+        const char *argv[2] = {"DEL", w->rkey};
+        size_t lens[2] = {3, strlen(w->rkey)};
+        w->rows = rows;
+        if (s->rd && store_rd_command(s->rd, released_cb, w, 2, argv, lens))
+            return;
+    }
     owner_finish(w, true, rows);
 }
 
@@ -965,17 +981,46 @@ static void admin_finish(struct admin_op *a, int status, char *json)
     op_free(&a->h);
 }
 
-static void admin_del_scopes(struct admin_op *a, const PGresult *pr, int col, bool only_d)
+static void admin_deleted_cb(void *arg, const struct redisReply *reply)
 {
-    for (int i = 0; i < PQntuples(pr); i++) {
+    struct admin_op *a = arg;
+    char *json = a->json;
+    a->json = NULL;
+    admin_finish(a, a->status, json);
+}
+
+/* Removes the Redis markers of the scopes in column col (only rows marked 'd' when only_d), then answers
+ * status/json: the answer waits for the DEL (bounded by redis_timeout), so that a retry sent right after it
+ * does not find an in-flight marker of a key that is gone. */
+static void admin_del_then_finish(struct admin_op *a, const PGresult *pr, int col, bool only_d, int status, char *json)
+{
+    struct store *s = a->h.s;
+    int n = PQntuples(pr), k = 0;
+    const char **argv = cm_malloc(((size_t)n + 1) * sizeof *argv);
+    size_t *lens = cm_malloc(((size_t)n + 1) * sizeof *lens);
+    char(*rks)[RKEY_LEN + 1] = cm_malloc(((size_t)n + 1) * sizeof *rks);
+    argv[0] = "DEL";
+    lens[0] = 3;
+    for (int i = 0; i < n; i++) {
         if (only_d && PQgetvalue(pr, i, 0)[0] != 'd')
             continue;
         if (PQgetisnull(pr, i, col) || PQgetlength(pr, i, col) != 32)
             continue;
-        char rk[RKEY_LEN + 1];
-        redis_key(a->route, (const uint8_t *)PQgetvalue(pr, i, col), a->key, a->key_len, rk);
-        redis_del(a->h.s, rk);
+        redis_key(a->route, (const uint8_t *)PQgetvalue(pr, i, col), a->key, a->key_len, rks[k]);
+        argv[k + 1] = rks[k];
+        lens[k + 1] = strlen(rks[k]);
+        k++;
     }
+    bool sent = k > 0 && s->rd && store_rd_command(s->rd, admin_deleted_cb, a, k + 1, argv, lens);
+    free(argv);
+    free(lens);
+    free(rks);
+    if (sent) {
+        a->status = status;
+        a->json = json;
+        return;
+    }
+    admin_finish(a, status, json);
 }
 
 static char *admin_list_json(const PGresult *pr)
@@ -1032,8 +1077,7 @@ static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         return;
     }
     case S_ADMIN_PURGE: {
-        admin_del_scopes(a, pr, 0, false);
-        admin_finish(a, 200, cm_asprintf("{\"deleted\":%d}", PQntuples(pr)));
+        admin_del_then_finish(a, pr, 0, false, 200, cm_asprintf("{\"deleted\":%d}", PQntuples(pr)));
         return;
     }
     case S_ADMIN_RELEASE: {
@@ -1044,9 +1088,8 @@ static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
             else
                 total++;
         }
-        admin_del_scopes(a, pr, 1, true);
         if (released > 0)
-            admin_finish(a, 200, cm_asprintf("{\"released\":%d}", released));
+            admin_del_then_finish(a, pr, 1, true, 200, cm_asprintf("{\"released\":%d}", released));
         else if (total == 0)
             admin_finish(a, 404, problem_json(404, "not-found", "Not found", "no record with this route and key"));
         else

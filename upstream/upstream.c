@@ -1,8 +1,8 @@
 /* upstream.c - forwarding with one libcurl multi handle driven by libevent; classifies every failure by whether
  * the request may have reached the upstream, and stops libcurl's silent re-send on a dead reused connection. */
 #include "upstream/upstream.h"
+#include "upstream/internal.h"
 
-#include <curl/curl.h>
 #include <event2/event.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -11,21 +11,6 @@
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
-
-/* Cap on the response header block (status line excluded); going over is UP_TOO_LARGE. */
-#define UP_MAX_HEADER_BYTES (256 * 1024)
-/* An idle kept-alive connection older than this is not reused: many servers close idle connections after 5 s
- * (node, Apache), and a request sent on a connection the server is closing at that moment ends as an unknown
- * outcome. Under load connections are reused long before this. */
-#define UP_MAX_IDLE_REUSE_S 2L
-/* Idle transfers (each with its configured easy handle) kept for reuse after a burst. */
-#define UP_POOL_MAX 64
-/* libcurl's receive buffer, allocated for each running transfer (default 16 KiB). Measured at 1000 concurrent
- * transfers x 100 ms: VmHWM 79.2 MB with 4 KiB against 81.8-85.7 MB with 16 KiB (8 KiB: no gain). A response
- * over 4 KiB costs more recv calls (64 KiB: 16 instead of 4; +2% loop-thread instructions). */
-#define UP_RECV_BUFFER 4096L
-/* A pooled transfer keeps its request header buffer up to this size. */
-#define UP_HDR_MEM_KEEP (8 * 1024)
 
 /* One socket of curl's, watched by libevent. Sockets that curl opened through up_open_socket ("ours") are
  * closed through up_close_socket, so when curl stops watching one (its connection goes idle in the cache) its
@@ -37,45 +22,6 @@ struct up_sock {
     short kind;   /* events registered with libevent; 0: none */
     bool watched; /* curl waits on this socket; false: parked (idle in curl's connection cache) */
     bool ours;    /* opened by up_open_socket; its close goes through up_close_socket */
-};
-
-/* A transfer and its easy handle stay paired: after the callback both go back to the pool, and the options
- * that never change (callbacks, their data pointers, protocol settings) are set once, when the pair is made. */
-struct up_transfer {
-    struct up_client *c;
-    CURL *easy;
-    up_done_cb cb;
-    void *arg;
-    struct up_transfer *prev, *next; /* running list; next also links the pool */
-    struct curl_slist *hdr_list;     /* nodes and text in hdr_mem (libcurl only reads the list) */
-    char *hdr_mem;
-    size_t hdr_cap;
-    void *body; /* our copy of the request body (CURLOPT_POSTFIELDS does not copy) */
-    struct cm_resp resp;
-    size_t hdr_bytes;
-    bool hdrs_final;       /* the blank line after a final (>= 200) status line was seen: later lines are trailers */
-    bool too_large;        /* body or headers went over their cap */
-    bool no_resend;        /* from the request */
-    bool refused_resend;   /* our prereq callback refused libcurl's second send */
-    bool done;             /* completed: the callback runs or ran, up_cancel is a no-op */
-    bool had_postfields;   /* the easy handle holds a CURLOPT_POSTFIELDS pointer from an earlier request */
-    unsigned prereq_calls; /* times libcurl was about to send the request */
-    struct timespec start;
-    char errbuf[CURL_ERROR_SIZE];
-};
-
-struct up_client {
-    struct event_base *base;
-    CURLM *multi;
-    struct event *timer;
-    struct up_transfer *transfers; /* running, in a doubly linked list */
-    size_t active;
-    struct up_sock **socks; /* indexed by fd */
-    size_t socks_n;
-    struct up_transfer *pool; /* idle transfers, linked by next */
-    size_t pool_n;
-    int dispatching;       /* > 0 while done callbacks run */
-    bool destroy_deferred; /* up_client_destroy was called from a done callback */
 };
 
 const char *up_result_name(enum up_result r)
@@ -107,7 +53,7 @@ static void up_global_init(void)
     up_global_rc = curl_global_init(CURL_GLOBAL_DEFAULT);
 }
 
-static double up_elapsed(const struct timespec *start)
+double up_elapsed(const struct timespec *start)
 {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
@@ -302,41 +248,36 @@ static bool up_is_ws(char ch)
     return ch == ' ' || ch == '\t';
 }
 
-/* One header line per call (CRLF included), status lines and the blank line ending each block included. */
-static size_t up_header_cb(char *p, size_t size, size_t nitems, void *userdata)
+void up_status_line(struct up_transfer *t, const char *p, size_t len)
 {
-    struct up_transfer *t = userdata;
-    size_t n = size * nitems;
-    size_t len = n;
-    while (len > 0 && (p[len - 1] == '\n' || p[len - 1] == '\r'))
-        len--;
-    if (len >= 5 && memcmp(p, "HTTP/", 5) == 0) {
-        /* a new response head (after 100 Continue, or a retried send): start over */
-        cm_hdrs_free(&t->resp.hdrs);
-        cm_hdrs_init(&t->resp.hdrs);
-        t->hdr_bytes = 0;
-        t->hdrs_final = false;
-        const char *sp = memchr(p, ' ', len);
-        t->resp.status = 0;
-        if (sp != NULL && (size_t)(sp - p) + 4 <= len) {
-            int st = 0;
-            for (int i = 1; i <= 3 && sp[i] >= '0' && sp[i] <= '9'; i++)
-                st = st * 10 + (sp[i] - '0');
-            t->resp.status = st;
-        }
-        return n;
+    /* a new response head (after 100 Continue, or a retried send): start over */
+    cm_hdrs_free(&t->resp.hdrs);
+    cm_hdrs_init(&t->resp.hdrs);
+    t->hdr_bytes = 0;
+    t->hdrs_final = false;
+    const char *sp = memchr(p, ' ', len);
+    t->resp.status = 0;
+    if (sp != NULL && (size_t)(sp - p) + 4 <= len) {
+        int st = 0;
+        for (int i = 1; i <= 3 && sp[i] >= '0' && sp[i] <= '9'; i++)
+            st = st * 10 + (sp[i] - '0');
+        t->resp.status = st;
     }
+}
+
+bool up_header_line(struct up_transfer *t, const char *p, size_t len)
+{
     if (len == 0) {
         if (t->resp.status >= 200)
             t->hdrs_final = true;
-        return n;
+        return true;
     }
     if (t->hdrs_final)
-        return n; /* a trailer after a chunked body: not part of the stored head */
+        return true; /* a trailer after a chunked body: not part of the stored head */
     t->hdr_bytes += len;
     if (t->hdr_bytes > UP_MAX_HEADER_BYTES) {
         t->too_large = true;
-        return 0;
+        return false;
     }
     if (up_is_ws(p[0])) {
         /* obsolete line folding: join to the previous value with one space */
@@ -345,11 +286,11 @@ static size_t up_header_cb(char *p, size_t size, size_t nitems, void *userdata)
             i++;
         if (t->resp.hdrs.n > 0 && i < len)
             cm_hdrs_fold(&t->resp.hdrs, t->resp.hdrs.n - 1, p + i, len - i);
-        return n;
+        return true;
     }
     const char *colon = memchr(p, ':', len);
     if (colon == NULL || colon == p)
-        return n; /* not a header line: ignore rather than fail the whole response */
+        return true; /* not a header line: ignore rather than fail the whole response */
     size_t nlen = (size_t)(colon - p);
     while (nlen > 0 && up_is_ws(p[nlen - 1]))
         nlen--;
@@ -363,7 +304,22 @@ static size_t up_header_cb(char *p, size_t size, size_t nitems, void *userdata)
         vlen--;
     if (nlen > 0)
         cm_hdrs_addn(&t->resp.hdrs, p, nlen, v, vlen);
-    return n;
+    return true;
+}
+
+/* One header line per call (CRLF included), status lines and the blank line ending each block included. */
+static size_t up_header_cb(char *p, size_t size, size_t nitems, void *userdata)
+{
+    struct up_transfer *t = userdata;
+    size_t n = size * nitems;
+    size_t len = n;
+    while (len > 0 && (p[len - 1] == '\n' || p[len - 1] == '\r'))
+        len--;
+    if (len >= 5 && memcmp(p, "HTTP/", 5) == 0) {
+        up_status_line(t, p, len);
+        return n;
+    }
+    return up_header_line(t, p, len) ? n : 0;
 }
 
 static size_t up_write_cb(char *p, size_t size, size_t nmemb, void *userdata)
@@ -379,7 +335,7 @@ static size_t up_write_cb(char *p, size_t size, size_t nmemb, void *userdata)
 
 /* ---- transfers */
 
-static void up_link(struct up_client *c, struct up_transfer *t)
+void up_link(struct up_client *c, struct up_transfer *t)
 {
     t->prev = NULL;
     t->next = c->transfers;
@@ -389,7 +345,7 @@ static void up_link(struct up_client *c, struct up_transfer *t)
     c->active++;
 }
 
-static void up_unlink(struct up_client *c, struct up_transfer *t)
+void up_unlink(struct up_client *c, struct up_transfer *t)
 {
     if (t->prev != NULL)
         t->prev->next = t->next;
@@ -401,25 +357,36 @@ static void up_unlink(struct up_client *c, struct up_transfer *t)
     c->active--;
 }
 
+bool up_pool_put(struct up_client *c, struct up_transfer **pool, size_t *n, struct up_transfer *t)
+{
+    if (*n >= UP_POOL_MAX || c->destroy_deferred)
+        return false;
+    if (t->hdr_cap > UP_HDR_MEM_KEEP) {
+        free(t->hdr_mem);
+        t->hdr_mem = NULL;
+        t->hdr_cap = 0;
+    }
+    t->cb = NULL;
+    t->arg = NULL;
+    t->prev = NULL;
+    t->next = *pool;
+    *pool = t;
+    (*n)++;
+    return true;
+}
+
 /* Releases a transfer that is no longer in the multi handle: back to the pool with its easy handle, or freed. */
 static void up_transfer_free(struct up_client *c, struct up_transfer *t)
 {
+    if (t->h1) {
+        h1_transfer_free(c, t);
+        return;
+    }
     free(t->body);
     t->body = NULL;
     cm_resp_free(&t->resp);
-    if (c != NULL && c->pool_n < UP_POOL_MAX && !c->destroy_deferred && t->easy != NULL) {
-        if (t->hdr_cap > UP_HDR_MEM_KEEP) {
-            free(t->hdr_mem);
-            t->hdr_mem = NULL;
-            t->hdr_cap = 0;
-        }
+    if (c != NULL && t->easy != NULL && up_pool_put(c, &c->pool, &c->pool_n, t)) {
         t->hdr_list = NULL;
-        t->cb = NULL;
-        t->arg = NULL;
-        t->prev = NULL;
-        t->next = c->pool;
-        c->pool = t;
-        c->pool_n++;
         return;
     }
     if (t->easy != NULL)
@@ -457,6 +424,25 @@ static enum up_result up_classify(const struct up_transfer *t, CURLcode rc)
 
 static void up_destroy_now(struct up_client *c);
 
+bool up_deliver(struct up_client *c, struct up_transfer *t, enum up_result r, const char *err)
+{
+    up_unlink(c, t);
+    t->done = true;
+    if (r == UP_OK)
+        cm_hdrs_strip_hop_by_hop(&t->resp.hdrs);
+    else if (r == UP_TOO_LARGE)
+        err = "response over its cap";
+    c->dispatching++;
+    t->cb(t->arg, r, &t->resp, err, up_elapsed(&t->start));
+    c->dispatching--;
+    up_transfer_free(c, t);
+    if (c->destroy_deferred && c->dispatching == 0) {
+        up_destroy_now(c);
+        return true;
+    }
+    return false;
+}
+
 /* Drains finished transfers and runs their callbacks. Returns true when the client was destroyed meanwhile. */
 static bool up_check_done(struct up_client *c)
 {
@@ -474,24 +460,18 @@ static bool up_check_done(struct up_client *c)
         curl_multi_remove_handle(c->multi, easy);
         if (t == NULL)
             continue;
-        up_unlink(c, t);
-        t->done = true;
         enum up_result r = up_classify(t, rc);
         if (r == UP_OK) {
             long status = 0;
             if (curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status) == CURLE_OK && status > 0)
                 t->resp.status = (int)status;
-            cm_hdrs_strip_hop_by_hop(&t->resp.hdrs);
         }
         const char *err = "ok";
         if (rc != CURLE_OK)
             err = t->errbuf[0] ? t->errbuf : curl_easy_strerror(rc);
         if (r == UP_NO_RESPONSE && t->refused_resend)
             err = "connection closed without a response; libcurl's re-send was refused";
-        else if (r == UP_TOO_LARGE)
-            err = "response over its cap";
-        t->cb(t->arg, r, &t->resp, err, up_elapsed(&t->start));
-        up_transfer_free(c, t);
+        up_deliver(c, t, r, err);
     }
     c->dispatching--;
     if (c->destroy_deferred && c->dispatching == 0) {
@@ -512,6 +492,7 @@ struct up_client *up_client_create(struct event_base *base, long max_host_connec
         return NULL;
     struct up_client *c = cm_calloc(1, sizeof *c);
     c->base = base;
+    c->max_host = max_host_connections;
     c->multi = curl_multi_init();
     c->timer = evtimer_new(base, up_on_timer, c);
     if (c->multi == NULL || c->timer == NULL)
@@ -537,14 +518,22 @@ fail:
     return NULL;
 }
 
+/* Stops a running transfer without calling back; c == NULL: free it rather than pool it. */
+static void up_stop(struct up_client *c, struct up_transfer *t, bool pool)
+{
+    if (t->h1)
+        h1_abort(c, t);
+    else
+        curl_multi_remove_handle(c->multi, t->easy);
+    up_unlink(c, t);
+    up_transfer_free(pool ? c : NULL, t);
+}
+
 static void up_destroy_now(struct up_client *c)
 {
-    while (c->transfers != NULL) {
-        struct up_transfer *t = c->transfers;
-        curl_multi_remove_handle(c->multi, t->easy);
-        up_unlink(c, t);
-        up_transfer_free(NULL, t);
-    }
+    while (c->transfers != NULL)
+        up_stop(c, c->transfers, false);
+    h1_destroy(c);
     while (c->pool != NULL) {
         struct up_transfer *t = c->pool;
         c->pool = t->next;
@@ -568,12 +557,8 @@ void up_client_destroy(struct up_client *c)
     if (c->dispatching > 0) {
         /* called from a done callback: cancel the rest now, free when the dispatch loop unwinds */
         c->destroy_deferred = true;
-        while (c->transfers != NULL) {
-            struct up_transfer *t = c->transfers;
-            curl_multi_remove_handle(c->multi, t->easy);
-            up_unlink(c, t);
-            up_transfer_free(NULL, t);
-        }
+        while (c->transfers != NULL)
+            up_stop(c, c->transfers, false);
         return;
     }
     up_destroy_now(c);
@@ -587,7 +572,7 @@ static bool up_has_body(const struct up_request *req)
            strcasecmp(req->method, "PATCH") == 0;
 }
 
-static bool up_token_ok(const char *s, size_t *len)
+bool up_token_ok(const char *s, size_t *len)
 {
     const char *p = s;
     for (; *p; p++)
@@ -597,7 +582,7 @@ static bool up_token_ok(const char *s, size_t *len)
     return *len > 0;
 }
 
-static bool up_value_ok(const char *s, size_t *len)
+bool up_value_ok(const char *s, size_t *len)
 {
     const char *p = s;
     for (; *p; p++)
@@ -628,6 +613,11 @@ static enum up_hdr_kind up_hdr_kind(const char *name)
         break;
     }
     return cm_is_hop_by_hop(name) ? UP_HDR_SKIP : UP_HDR_SEND;
+}
+
+bool up_hdr_skipped(const char *name)
+{
+    return up_hdr_kind(name) == UP_HDR_SKIP;
 }
 
 /* Builds the header list in t->hdr_mem (one block: list nodes, then their text; reused by the next request on
@@ -761,7 +751,13 @@ struct up_transfer *up_send(struct up_client *c, const struct up_request *req, u
     if (c == NULL || req == NULL || cb == NULL || req->method == NULL || req->url == NULL ||
         (req->body == NULL && req->body_len > 0) || c->destroy_deferred)
         return NULL;
-    struct up_transfer *t = up_transfer_get(c);
+    bool head = strcasecmp(req->method, "HEAD") == 0 && req->body_len == 0;
+    bool with_body = !head && up_has_body(req);
+    bool taken = false;
+    struct up_transfer *t = h1_send(c, req, head, with_body, cb, arg, &taken);
+    if (taken)
+        return t;
+    t = up_transfer_get(c);
     if (t == NULL)
         return NULL;
     CURL *e = t->easy;
@@ -775,8 +771,6 @@ struct up_transfer *up_send(struct up_client *c, const struct up_request *req, u
     cm_resp_init(&t->resp, req->max_response);
     clock_gettime(CLOCK_MONOTONIC, &t->start);
 
-    bool head = strcasecmp(req->method, "HEAD") == 0 && req->body_len == 0;
-    bool with_body = !head && up_has_body(req);
     if (!up_build_headers(t, req->hdrs, with_body)) {
         what = "headers";
         goto fail;
@@ -826,9 +820,7 @@ void up_cancel(struct up_client *c, struct up_transfer *t)
 {
     if (c == NULL || t == NULL || t->done)
         return;
-    curl_multi_remove_handle(c->multi, t->easy);
-    up_unlink(c, t);
-    up_transfer_free(c, t);
+    up_stop(c, t, true);
 }
 
 size_t up_active(const struct up_client *c)

@@ -1,6 +1,6 @@
 /* upstream_test.c - the curl-multi forwarder against the real testupstream binary (and a tiny raw server for
- * malformed-ish heads): methods, binary bodies, header order, hop-by-hop, keep-alive, failure classification and
- * the no-resend guarantee on a dead reused connection. */
+ * malformed-ish heads), once through each client (UP_TEST_HOST): methods, binary bodies, header order, hop-by-hop,
+ * keep-alive, failure classification and the no-resend guarantee on a dead reused connection. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -23,6 +23,15 @@
 
 #include "common/common.h"
 #include "upstream/upstream.h"
+
+/* The host in the URLs: an IP address takes the built-in HTTP/1.1 client (upstream/h1.c); upstream_curl_test
+ * builds this file with UP_TEST_HOST "localhost", which takes libcurl: both paths pass the same tests. */
+#ifndef UP_TEST_HOST
+#define UP_TEST_HOST "127.0.0.1"
+#define UP_TEST_H1   1
+#else
+#define UP_TEST_H1 0
+#endif
 
 static pid_t g_pid = -1;
 static int g_port;
@@ -214,7 +223,7 @@ static void spec_init(struct reqspec *s, const char *method, const char *path)
 
 static const struct up_request *spec_req(struct reqspec *s)
 {
-    snprintf(s->url, sizeof s->url, "http://127.0.0.1:%d%s", s->port ? s->port : g_port, s->path);
+    snprintf(s->url, sizeof s->url, "http://" UP_TEST_HOST ":%d%s", s->port ? s->port : g_port, s->path);
     s->req = (struct up_request){
         .method = s->method,
         .url = s->url,
@@ -743,7 +752,8 @@ static void raw_accept(struct evconnlistener *l, evutil_socket_t fd, struct sock
     bufferevent_enable(bev, EV_READ | EV_WRITE);
 }
 
-Test(upstream, interim_response_and_folded_header)
+/* The raw server on a loopback port of its own (in this process, on g_base). */
+static struct evconnlistener *raw_listen(int *port)
 {
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     struct evconnlistener *l = evconnlistener_new_bind(
@@ -751,13 +761,21 @@ Test(upstream, interim_response_and_folded_header)
     cr_assert_not_null(l);
     socklen_t sl = sizeof sa;
     getsockname(evconnlistener_get_fd(l), (struct sockaddr *)&sa, &sl);
+    *port = ntohs(sa.sin_port);
+    return l;
+}
+
+Test(upstream, interim_response_and_folded_header)
+{
+    int raw_port;
+    struct evconnlistener *l = raw_listen(&raw_port);
     g_canned = "HTTP/1.1 100 Continue\r\nX-Interim: yes\r\n\r\n"
                "HTTP/1.1 202 Accepted\r\nX-A: 1\r\nX-Fold: first\r\n  second\r\nContent-Length: 2\r\n"
                "Connection: close\r\n\r\nhi";
     struct reqspec s;
     struct result res;
     spec_init(&s, "POST", "/raw");
-    s.port = ntohs(sa.sin_port);
+    s.port = raw_port;
     s.body = "b";
     s.body_len = 1;
     do_request(g_cli, &s, &res);
@@ -769,5 +787,80 @@ Test(upstream, interim_response_and_folded_header)
     cr_assert_null(cm_hdrs_get(&res.hdrs, "Connection"));
     cr_assert(res.body_len == 2 && memcmp(res.body, "hi", 2) == 0);
     result_free(&res);
+    evconnlistener_free(l);
+}
+
+/* Framings and malformed answers, each from a server that answers and closes: both clients agree on them. */
+Test(upstream, framings_and_malformed_answers)
+{
+    int raw_port;
+    struct evconnlistener *l = raw_listen(&raw_port);
+    struct {
+        const char *method, *canned;
+        enum up_result want;
+        int status;
+        const char *body; /* NULL: not checked */
+    } cases[] = {
+        {"GET", "HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\nread to the close", UP_OK, 200, "read to the close"},
+        {"GET",
+         "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3;ext=1\r\nabc\r\n2\r\nde\r\n0\r\n"
+         "X-Trailer: t\r\n\r\n",
+         UP_OK, 200, "abcde"},
+        {"GET", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\n\r\n1\r\nz\r\n0\r\n\r\n", UP_OK,
+         200, "z"},
+        {"GET", "HTTP/1.0 201 Created\nContent-Length: 4\n\nbare", UP_OK, 201, "bare"},
+        {"POST", "HTTP/1.1 204 No Content\r\nX-B: 2\r\n\r\n", UP_OK, 204, ""},
+        {"HEAD", "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", UP_OK, 200, ""},
+        {"GET", "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", UP_NO_RESPONSE, 0, NULL},
+        {"GET", "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc", UP_ERROR, 0, NULL},
+        /* two different lengths: an error for h1 (RFC 9112 6.3); libcurl 7.88 takes the last one */
+        {"GET", "HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", UP_TEST_H1 ? UP_ERROR : UP_OK,
+         200, "ab"},
+        {"GET", "SMTP ready\r\n\r\n", UP_ERROR, 0, NULL},
+        {"GET", "HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n", UP_ERROR, 0, NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        g_canned = cases[i].canned;
+        struct reqspec s;
+        struct result res;
+        spec_init(&s, cases[i].method, "/raw");
+        s.port = raw_port;
+        do_request(g_cli, &s, &res);
+        enum up_result got = res.r == UP_NO_RESPONSE && cases[i].want == UP_ERROR ? UP_ERROR : res.r;
+        cr_assert_eq(got, cases[i].want, "case %zu: got %s (%s)", i, up_result_name(res.r), res.err);
+        if (cases[i].want == UP_OK) {
+            cr_assert_eq(res.status, cases[i].status, "case %zu: status %d", i, res.status);
+            cr_assert(res.body_len == strlen(cases[i].body) &&
+                          memcmp(res.body ? res.body : "", cases[i].body, res.body_len) == 0,
+                      "case %zu: body %zu bytes", i, res.body_len);
+            cr_assert_null(cm_hdrs_get(&res.hdrs, "X-Trailer"), "case %zu: a trailer is not a header", i);
+            cr_assert_null(cm_hdrs_get(&res.hdrs, "Transfer-Encoding"), "case %zu", i);
+        }
+        result_free(&res);
+    }
+    evconnlistener_free(l);
+}
+
+/* A kept-alive connection the upstream closed while idle is not used again, even when the loop has not seen the
+ * close yet: a request that may not be sent twice gets a new connection and its answer. (The raw server answers
+ * with a keep-alive head, then closes.) */
+Test(upstream, idle_connection_closed_by_the_upstream_is_not_reused)
+{
+    int raw_port;
+    struct evconnlistener *l = raw_listen(&raw_port);
+    g_canned = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+    for (int i = 0; i < 3; i++) {
+        struct reqspec s;
+        struct result res;
+        spec_init(&s, i == 0 ? "GET" : "POST", "/raw");
+        s.port = raw_port;
+        s.body = i == 0 ? NULL : "x";
+        s.body_len = i == 0 ? 0 : 1;
+        do_request(g_cli, &s, &res);
+        cr_assert_eq(res.r, UP_OK, "request %d: got %s (%s)", i, up_result_name(res.r), res.err);
+        cr_assert(res.body_len == 2 && memcmp(res.body, "ok", 2) == 0);
+        result_free(&res);
+        usleep(30000); /* the close reaches this side; the loop does not run */
+    }
     evconnlistener_free(l);
 }

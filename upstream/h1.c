@@ -1,0 +1,1019 @@
+/* h1.c - the built-in HTTP/1.1 client for upstreams at http://<IP address>: keep-alive connections per address
+ * on the loop's libevent base, one request at a time on each (no pipelining), the response framed by RFC 9112
+ * section 6.3 (Content-Length, chunked, or read to close). It classifies failures exactly as the libcurl path
+ * does (upstream.h): nothing sent, sent with no full answer, timeout after sending, too large, malformed.
+ *
+ * Why it exists: on the proxy's fast path libcurl cost about a quarter of the gateway's CPU (a connection struct
+ * and a URL parse per transfer, ~18 allocations, two poll() calls per request); a request here costs one send()
+ * and one recv(). Anything it does not take (https, host names, user info, odd targets) goes to libcurl. */
+#include <errno.h>
+#include <event2/event.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <arpa/inet.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+#include "upstream/internal.h"
+
+/* A chunk-size line (with extensions) longer than this is a malformed response. */
+#define H1_MAX_CHUNK_LINE 1024
+/* Without max_host_connections, idle connections kept per client at most (libcurl's cache: 1024 here too). */
+#define H1_MAX_IDLE 1024
+/* Connect timeout when the request gives none (libcurl's default). */
+#define H1_DEFAULT_CONNECT_MS 300000
+
+enum h1_body {
+    B_HEAD,     /* reading the response head */
+    B_LENGTH,   /* Content-Length bytes left in left */
+    B_CHUNK,    /* at a chunk-size line */
+    B_DATA,     /* inside a chunk: left bytes */
+    B_DATA_END, /* the CR LF after a chunk's data */
+    B_TRAILER,  /* trailer lines up to the blank line */
+    B_CLOSE,    /* everything up to the connection's close */
+};
+
+struct h1_conn {
+    struct up_client *c;
+    struct h1_origin *o;
+    int fd;
+    struct event *rev, *wev;     /* read: persistent once connected; write: while connecting or send would block */
+    struct up_transfer *t;       /* running on it; NULL: idle */
+    struct h1_conn *prev, *next; /* the origin's idle list */
+    uint64_t idle_since_ms;
+    unsigned requests; /* responses completed on it: > 0 means a request on it reuses the connection */
+    char *buf;         /* received bytes not parsed yet: buf[pos..len) */
+    size_t cap, len, pos;
+    /* response framing */
+    enum h1_body body;
+    uint64_t left;
+    bool want_status; /* the next line starts a head: the status line */
+    bool http10, keep_alive, close_after, have_length, have_te, chunked;
+};
+
+struct h1_origin {
+    char *auth; /* as written in the URL: "127.0.0.1:8080", "[::1]:80" */
+    char *host_hdr;
+    struct sockaddr_storage sa;
+    socklen_t sa_len;
+    size_t conns;              /* open: connecting, busy or idle */
+    struct h1_conn *idle;      /* most recently used first */
+    struct up_transfer *waitq; /* waiting for a connection slot, first in first out (wnext/wprev) */
+    struct up_transfer *waitq_tail;
+};
+
+static uint64_t h1_now_ms(void)
+{
+    return cm_now_ms();
+}
+
+/* ---- the URL: which ones are ours */
+
+/* http://<IPv4 literal or [IPv6 literal]>[:port]<target>, no user info, a target of printable ASCII only. */
+static bool h1_parse_url(const char *url, const char **auth, size_t *auth_len, const char **target,
+                         struct sockaddr_storage *sa, socklen_t *sa_len)
+{
+    if (strncmp(url, "http://", 7) != 0)
+        return false;
+    const char *a = url + 7, *e = a;
+    while (*e && *e != '/' && *e != '?' && *e != '#')
+        e++;
+    size_t n = (size_t)(e - a);
+    if (n == 0 || n > 64 || memchr(a, '@', n) != NULL)
+        return false;
+    for (const char *p = e; *p; p++)
+        if ((unsigned char)*p <= 0x20 || (unsigned char)*p >= 0x7f || *p == '#')
+            return false;
+    char host[64];
+    const char *port = NULL;
+    size_t hl;
+    int family;
+    if (a[0] == '[') {
+        const char *rb = memchr(a, ']', n);
+        if (rb == NULL)
+            return false;
+        hl = (size_t)(rb - a - 1);
+        memcpy(host, a + 1, hl);
+        if (rb + 1 < e) {
+            if (rb[1] != ':')
+                return false;
+            port = rb + 2;
+        }
+        family = AF_INET6;
+    } else {
+        const char *colon = memchr(a, ':', n);
+        hl = colon ? (size_t)(colon - a) : n;
+        memcpy(host, a, hl);
+        port = colon ? colon + 1 : NULL;
+        family = AF_INET;
+    }
+    host[hl] = '\0';
+    long pn = 80;
+    if (port != NULL) {
+        if (port == e || e - port > 5)
+            return false;
+        pn = 0;
+        for (const char *p = port; p < e; p++) {
+            if (*p < '0' || *p > '9')
+                return false;
+            pn = pn * 10 + (*p - '0');
+        }
+        if (pn < 1 || pn > 65535)
+            return false;
+    }
+    memset(sa, 0, sizeof *sa);
+    if (family == AF_INET) {
+        struct sockaddr_in *s4 = (struct sockaddr_in *)sa;
+        if (inet_pton(AF_INET, host, &s4->sin_addr) != 1)
+            return false;
+        s4->sin_family = AF_INET;
+        s4->sin_port = htons((uint16_t)pn);
+        *sa_len = sizeof *s4;
+    } else {
+        struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)sa;
+        if (inet_pton(AF_INET6, host, &s6->sin6_addr) != 1)
+            return false;
+        s6->sin6_family = AF_INET6;
+        s6->sin6_port = htons((uint16_t)pn);
+        *sa_len = sizeof *s6;
+    }
+    *auth = a;
+    *auth_len = n;
+    *target = e;
+    return true;
+}
+
+static struct h1_origin *h1_origin_get(struct up_client *c, const char *auth, size_t auth_len,
+                                       const struct sockaddr_storage *sa, socklen_t sa_len)
+{
+    for (size_t i = 0; i < c->origins_n; i++) {
+        struct h1_origin *o = c->origins[i];
+        if (strncmp(o->auth, auth, auth_len) == 0 && o->auth[auth_len] == '\0')
+            return o;
+    }
+    struct h1_origin *o = cm_calloc(1, sizeof *o);
+    o->auth = cm_strndup(auth, auth_len);
+    /* like libcurl: the port is left out of Host when it is the scheme's default */
+    size_t hl = auth_len;
+    if (hl > 3 && memcmp(auth + hl - 3, ":80", 3) == 0 && auth[hl - 4] != ':')
+        hl -= 3;
+    o->host_hdr = cm_strndup(auth, hl);
+    o->sa = *sa;
+    o->sa_len = sa_len;
+    c->origins = cm_realloc(c->origins, (c->origins_n + 1) * sizeof *c->origins);
+    c->origins[c->origins_n++] = o;
+    return o;
+}
+
+/* ---- the request on the wire */
+
+static bool h1_put(struct up_transfer *t, const void *p, size_t n)
+{
+    if (n > t->hdr_cap - t->wlen)
+        return false;
+    memcpy(t->hdr_mem + t->wlen, p, n);
+    t->wlen += n;
+    return true;
+}
+
+/* Request line, Host (unless given), the caller's headers in order (framing, Expect and hop-by-hop ones left
+ * out), Content-Length when there is a body, the blank line, the body: one buffer, one send() most times. */
+static bool h1_build(struct up_transfer *t, const struct up_request *req, const struct h1_origin *o, const char *target,
+                     bool with_body)
+{
+    size_t ml, tl = strlen(target);
+    if (!up_token_ok(req->method, &ml))
+        return false;
+    const struct cm_hdrs *h = req->hdrs;
+    size_t n = h ? h->n : 0;
+    size_t need = ml + tl + 16 + strlen(o->host_hdr) + 8 + 40 + 2 + (with_body ? req->body_len : 0);
+    bool have_host = false;
+    for (size_t i = 0; i < n; i++) {
+        size_t nl, vl;
+        if (!up_token_ok(h->v[i].name, &nl) || !up_value_ok(h->v[i].value, &vl))
+            return false;
+        have_host = have_host || strcasecmp(h->v[i].name, "Host") == 0;
+        need += nl + vl + 4;
+    }
+    if (need > t->hdr_cap) {
+        free(t->hdr_mem);
+        t->hdr_mem = cm_malloc(need);
+        t->hdr_cap = need;
+    }
+    t->wlen = t->wpos = 0;
+    bool ok = h1_put(t, req->method, ml) && h1_put(t, " ", 1);
+    if (tl == 0 || target[0] == '?')
+        ok = ok && h1_put(t, "/", 1);
+    ok = ok && h1_put(t, target, tl) && h1_put(t, " HTTP/1.1\r\n", 11);
+    if (!have_host)
+        ok = ok && h1_put(t, "Host: ", 6) && h1_put(t, o->host_hdr, strlen(o->host_hdr)) && h1_put(t, "\r\n", 2);
+    for (size_t i = 0; ok && i < n; i++) {
+        const char *name = h->v[i].name, *value = h->v[i].value;
+        if (up_hdr_skipped(name))
+            continue;
+        size_t vl = strlen(value);
+        ok = h1_put(t, name, strlen(name)) && h1_put(t, vl ? ": " : ":", vl ? 2 : 1) && h1_put(t, value, vl) &&
+             h1_put(t, "\r\n", 2);
+    }
+    if (ok && with_body) {
+        char cl[40];
+        int w = snprintf(cl, sizeof cl, "Content-Length: %zu\r\n", req->body_len);
+        ok = w > 0 && (size_t)w < sizeof cl && h1_put(t, cl, (size_t)w);
+    }
+    ok = ok && h1_put(t, "\r\n", 2);
+    if (ok && with_body && req->body_len > 0)
+        ok = h1_put(t, req->body, req->body_len);
+    return ok;
+}
+
+/* ---- connections */
+
+static void h1_on_read(evutil_socket_t fd, short what, void *arg);
+static void h1_on_write(evutil_socket_t fd, short what, void *arg);
+static void h1_dispatch(struct up_client *c, struct up_transfer *t);
+static void h1_set_timer(struct up_transfer *t);
+
+static void h1_idle_unlink(struct up_client *c, struct h1_conn *k)
+{
+    if (k->prev != NULL)
+        k->prev->next = k->next;
+    else
+        k->o->idle = k->next;
+    if (k->next != NULL)
+        k->next->prev = k->prev;
+    k->prev = k->next = NULL;
+    c->h1_idle_n--;
+}
+
+/* Closes k (idle, or its transfer already detached). */
+static void h1_conn_close(struct up_client *c, struct h1_conn *k)
+{
+    if (k->t == NULL && (k->prev != NULL || k->o->idle == k))
+        h1_idle_unlink(c, k);
+    if (k->rev != NULL)
+        event_free(k->rev);
+    if (k->wev != NULL)
+        event_free(k->wev);
+    close(k->fd);
+    k->o->conns--;
+    free(k->buf);
+    free(k);
+}
+
+static void h1_waitq_remove(struct h1_origin *o, struct up_transfer *t)
+{
+    if (t->wprev != NULL)
+        t->wprev->wnext = t->wnext;
+    else
+        o->waitq = t->wnext;
+    if (t->wnext != NULL)
+        t->wnext->wprev = t->wprev;
+    else
+        o->waitq_tail = t->wprev;
+    t->wprev = t->wnext = NULL;
+}
+
+/* Starts transfers waiting for a slot while one is free (after a connection closed or went idle). */
+static void h1_pump(struct up_client *c, struct h1_origin *o)
+{
+    c->h1_sync++;
+    while (o->waitq != NULL && (o->idle != NULL || c->max_host == 0 || o->conns < (size_t)c->max_host)) {
+        struct up_transfer *t = o->waitq;
+        h1_waitq_remove(o, t);
+        h1_dispatch(c, t);
+    }
+    c->h1_sync--;
+}
+
+/* The result is delivered from the transfer's timer, in a loop callback of its own. */
+static void h1_defer(struct up_transfer *t, enum up_result r, const char *err)
+{
+    t->phase = H1_DEFERRED;
+    t->deferred_r = r;
+    t->deferred_err = err;
+    struct timeval tv = {0, 0};
+    event_add(t->timer, &tv);
+}
+
+/* Detaches t from its connection and closes the connection. */
+static void h1_drop_conn(struct up_client *c, struct up_transfer *t)
+{
+    struct h1_conn *k = t->conn;
+    if (k == NULL)
+        return;
+    k->t = NULL;
+    t->conn = NULL;
+    struct h1_origin *o = k->o;
+    h1_conn_close(c, k);
+    h1_pump(c, o);
+}
+
+/* Ends t with r, its connection closed first: now when t's own loop callback got here, from the timer when
+ * the failure came up inside up_send, up_cancel or while starting waiting transfers (a callback there could
+ * free what the caller still uses). */
+static void h1_fail(struct up_client *c, struct up_transfer *t, enum up_result r, const char *err)
+{
+    h1_drop_conn(c, t);
+    if (c->h1_sync > 0) {
+        h1_defer(t, r, err);
+        return;
+    }
+    event_del(t->timer);
+    up_deliver(c, t, r, err);
+}
+
+static void h1_send_more(struct up_client *c, struct h1_conn *k);
+
+/* The transfer starts on a connected k: a fresh response state, then the request goes out. */
+static void h1_attach(struct up_client *c, struct h1_conn *k, struct up_transfer *t)
+{
+    k->t = t;
+    t->conn = k;
+    t->phase = H1_ACTIVE;
+    t->sends++;
+    t->wpos = 0;
+    k->body = B_HEAD;
+    k->left = 0;
+    k->want_status = true;
+    k->http10 = k->keep_alive = k->close_after = k->have_length = k->have_te = k->chunked = false;
+    h1_set_timer(t);
+    h1_send_more(c, k);
+}
+
+static struct h1_conn *h1_conn_new(struct up_client *c, struct h1_origin *o, int fd)
+{
+    struct h1_conn *k = cm_calloc(1, sizeof *k);
+    k->c = c;
+    k->o = o;
+    k->fd = fd;
+    k->rev = event_new(c->base, fd, EV_READ | EV_PERSIST, h1_on_read, k);
+    k->wev = event_new(c->base, fd, EV_WRITE, h1_on_write, k);
+    o->conns++;
+    if (k->rev == NULL || k->wev == NULL) {
+        h1_conn_close(c, k);
+        return NULL;
+    }
+    return k;
+}
+
+/* A connection for t could not be had: nothing was sent, unless an earlier send (before a re-send) was. */
+static enum up_result h1_unsent(const struct up_transfer *t)
+{
+    return t->sent_any ? UP_NO_RESPONSE : UP_CONNECT_FAILED;
+}
+
+/* A new connection for t; a failure is deferred to t's timer (never a callback from here). */
+static void h1_connect(struct up_client *c, struct h1_origin *o, struct up_transfer *t)
+{
+    int fd = socket(o->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        h1_defer(t, h1_unsent(t), "socket() failed");
+        return;
+    }
+    int one = 1;
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* libcurl's default too */
+    (void)setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+    struct h1_conn *k = h1_conn_new(c, o, fd);
+    if (k == NULL) {
+        h1_defer(t, h1_unsent(t), "out of event slots");
+        return;
+    }
+    int rc;
+    do
+        rc = connect(fd, (const struct sockaddr *)&o->sa, o->sa_len);
+    while (rc != 0 && errno == EINTR);
+    if (rc != 0 && errno != EINPROGRESS) {
+        int e = errno;
+        h1_conn_close(c, k);
+        h1_defer(t, h1_unsent(t), e == ECONNREFUSED ? "connection refused" : "connect failed");
+        return;
+    }
+    if (event_add(k->wev, NULL) != 0) {
+        h1_conn_close(c, k);
+        h1_defer(t, h1_unsent(t), "event_add failed");
+        return;
+    }
+    k->t = t;
+    t->conn = k;
+    t->phase = H1_CONNECT;
+    t->connect_deadline_ms = h1_now_ms() + t->connect_timeout_ms;
+    h1_set_timer(t);
+}
+
+/* Is an idle connection still usable? Data or EOF waiting on it means the server closed it or broke the
+ * protocol; a request sent there would die unanswered. One recv(MSG_PEEK), like libcurl's check before reuse. */
+static bool h1_conn_alive(const struct h1_conn *k)
+{
+    char b;
+    ssize_t r = recv(k->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+}
+
+/* Gives t a connection: an idle one, a new one under the per-address bound, or a place in the queue. */
+static void h1_dispatch(struct up_client *c, struct up_transfer *t)
+{
+    struct h1_origin *o = t->origin;
+    uint64_t now = h1_now_ms();
+    while (o->idle != NULL) {
+        struct h1_conn *k = o->idle;
+        h1_idle_unlink(c, k);
+        if (now - k->idle_since_ms > (uint64_t)UP_MAX_IDLE_REUSE_S * 1000 ||
+            ((t->no_resend || t->sends > 0) && !h1_conn_alive(k))) {
+            h1_conn_close(c, k);
+            continue;
+        }
+        h1_attach(c, k, t);
+        return;
+    }
+    if (c->max_host == 0 || o->conns < (size_t)c->max_host) {
+        h1_connect(c, o, t);
+        return;
+    }
+    t->phase = H1_QUEUED;
+    t->wnext = NULL;
+    t->wprev = o->waitq_tail;
+    if (o->waitq_tail != NULL)
+        o->waitq_tail->wnext = t;
+    else
+        o->waitq = t;
+    o->waitq_tail = t;
+    h1_set_timer(t);
+}
+
+/* ---- timers */
+
+static void h1_set_timer(struct up_transfer *t)
+{
+    uint64_t at = t->deadline_ms;
+    if (t->phase == H1_CONNECT && (at == 0 || t->connect_deadline_ms < at))
+        at = t->connect_deadline_ms;
+    if (at == 0) {
+        event_del(t->timer);
+        return;
+    }
+    uint64_t now = h1_now_ms();
+    uint64_t ms = at > now ? at - now : 0;
+    struct timeval tv = {.tv_sec = (time_t)(ms / 1000), .tv_usec = (suseconds_t)(ms % 1000) * 1000};
+    event_add(t->timer, &tv);
+}
+
+static void h1_on_timer(evutil_socket_t fd, short what, void *arg)
+{
+    struct up_transfer *t = arg;
+    struct up_client *c = t->c;
+    uint64_t now = h1_now_ms();
+    switch (t->phase) {
+    case H1_DEFERRED:
+        h1_drop_conn(c, t);
+        up_deliver(c, t, t->deferred_r, t->deferred_err);
+        return;
+    case H1_QUEUED:
+        h1_waitq_remove(t->origin, t);
+        up_deliver(c, t, UP_CONNECT_FAILED, "timed out waiting for a connection slot");
+        return;
+    case H1_CONNECT:
+        if (now < t->connect_deadline_ms && (t->deadline_ms == 0 || now < t->deadline_ms)) {
+            h1_set_timer(t); /* early wake-up */
+            return;
+        }
+        h1_fail(c, t, h1_unsent(t), "connect timed out");
+        return;
+    case H1_ACTIVE:
+        if (t->deadline_ms != 0 && now < t->deadline_ms) {
+            h1_set_timer(t);
+            return;
+        }
+        if (!t->sent_any)
+            h1_fail(c, t, UP_CONNECT_FAILED, "timed out before the request was sent");
+        else
+            h1_fail(c, t, UP_TIMEOUT, "timed out waiting for the response");
+        return;
+    }
+}
+
+/* ---- sending */
+
+/* The connection died under t before any response byte. On a reused connection the server may have closed it
+ * just as the request left: like libcurl, the request goes once more on a new connection, unless it may not be
+ * sent twice (no_resend) and some of it did leave. */
+static void h1_conn_lost(struct up_client *c, struct up_transfer *t, const char *err)
+{
+    struct h1_conn *k = t->conn;
+    bool reused = k != NULL && k->requests > 0;
+    if (!t->got_any && reused && t->sends == 1 && (!t->no_resend || !t->sent_any)) {
+        h1_drop_conn(c, t);
+        h1_dispatch(c, t);
+        return;
+    }
+    if (!t->sent_any) {
+        h1_fail(c, t, UP_CONNECT_FAILED, err); /* the kernel took no byte of it, on any connection */
+        return;
+    }
+    if (!t->got_any && reused && t->no_resend)
+        err = "connection closed without a response; re-sending on a new connection was refused";
+    h1_fail(c, t, UP_NO_RESPONSE, err);
+}
+
+static void h1_send_more(struct up_client *c, struct h1_conn *k)
+{
+    struct up_transfer *t = k->t;
+    while (t->wpos < t->wlen) {
+        ssize_t n = send(k->fd, t->hdr_mem + t->wpos, t->wlen - t->wpos, MSG_NOSIGNAL);
+        if (n > 0) {
+            t->wpos += (size_t)n;
+            t->sent_any = true;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            event_add(k->wev, NULL);
+            return;
+        }
+        h1_conn_lost(c, t, "sending the request failed");
+        return;
+    }
+}
+
+static void h1_on_write(evutil_socket_t fd, short what, void *arg)
+{
+    struct h1_conn *k = arg;
+    struct up_client *c = k->c;
+    struct up_transfer *t = k->t;
+    if (t == NULL)
+        return;
+    if (t->phase == H1_CONNECT) {
+        int err = 0;
+        socklen_t len = sizeof err;
+        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0)
+            err = errno;
+        if (err != 0) {
+            h1_fail(c, t, h1_unsent(t), err == ECONNREFUSED ? "connection refused" : "connect failed");
+            return;
+        }
+        if (event_add(k->rev, NULL) != 0) {
+            h1_fail(c, t, h1_unsent(t), "event_add failed");
+            return;
+        }
+        h1_attach(c, k, t);
+        return;
+    }
+    h1_send_more(c, k);
+}
+
+/* ---- receiving */
+
+/* Framing from a finished final head (RFC 9112 section 6.3). */
+static void h1_frame(struct h1_conn *k, struct up_transfer *t)
+{
+    int st = t->resp.status;
+    if (k->http10 && !k->keep_alive)
+        k->close_after = true;
+    if (t->is_head || st == 204 || st == 304) {
+        k->body = B_LENGTH; /* no body, whatever the head says */
+        k->left = 0;
+        return;
+    }
+    if (k->have_te) {
+        /* Transfer-Encoding wins over Content-Length; both at once is suspect: that connection is not reused */
+        if (k->have_length)
+            k->close_after = true;
+        k->left = 0;
+        if (k->chunked) {
+            k->body = B_CHUNK;
+            return;
+        }
+        k->body = B_CLOSE; /* another last coding: the body runs to the close */
+        k->close_after = true;
+        return;
+    }
+    if (k->have_length) {
+        k->body = B_LENGTH;
+        return;
+    }
+    k->body = B_CLOSE;
+    k->close_after = true;
+}
+
+static bool h1_list_has(const char *v, size_t n, const char *token)
+{
+    size_t tl = strlen(token);
+    size_t i = 0;
+    while (i < n) {
+        while (i < n && (v[i] == ' ' || v[i] == '\t' || v[i] == ','))
+            i++;
+        size_t s = i;
+        while (i < n && v[i] != ',')
+            i++;
+        size_t e = i;
+        while (e > s && (v[e - 1] == ' ' || v[e - 1] == '\t'))
+            e--;
+        if (e - s == tl && strncasecmp(v + s, token, tl) == 0)
+            return true;
+    }
+    return false;
+}
+
+/* The framing headers of the head being read. false: malformed (a bad or conflicting Content-Length). */
+static bool h1_framing_header(struct h1_conn *k, const char *p, size_t len)
+{
+    const char *colon = memchr(p, ':', len);
+    if (colon == NULL)
+        return true;
+    size_t nl = (size_t)(colon - p);
+    const char *v = colon + 1;
+    size_t vl = len - nl - 1;
+    while (vl > 0 && (*v == ' ' || *v == '\t')) {
+        v++;
+        vl--;
+    }
+    while (vl > 0 && (v[vl - 1] == ' ' || v[vl - 1] == '\t'))
+        vl--;
+    if (nl == 14 && strncasecmp(p, "Content-Length", 14) == 0) {
+        uint64_t x = 0;
+        if (vl == 0 || vl > 19)
+            return false;
+        for (size_t i = 0; i < vl; i++) {
+            if (v[i] < '0' || v[i] > '9')
+                return false;
+            x = x * 10 + (uint64_t)(v[i] - '0');
+        }
+        if (k->have_length && k->left != x)
+            return false;
+        k->have_length = true;
+        k->left = x;
+    } else if (nl == 17 && strncasecmp(p, "Transfer-Encoding", 17) == 0) {
+        /* chunked when it is the last coding (of the last such line) */
+        size_t e = vl;
+        while (e > 0 && v[e - 1] != ',')
+            e--;
+        const char *last = v + e;
+        size_t ll = vl - e;
+        while (ll > 0 && (*last == ' ' || *last == '\t')) {
+            last++;
+            ll--;
+        }
+        k->have_te = true;
+        k->chunked = ll == 7 && strncasecmp(last, "chunked", 7) == 0;
+    } else if (nl == 10 && strncasecmp(p, "Connection", 10) == 0) {
+        if (h1_list_has(v, vl, "close"))
+            k->close_after = true;
+        if (h1_list_has(v, vl, "keep-alive"))
+            k->keep_alive = true;
+    }
+    return true;
+}
+
+/* Finds the next line in buf[pos..len): its start and length without CR LF (a bare LF ends a line too).
+ * false: no full line yet. */
+static bool h1_line(struct h1_conn *k, const char **line, size_t *n)
+{
+    const char *s = k->buf + k->pos;
+    const char *nl = memchr(s, '\n', k->len - k->pos);
+    if (nl == NULL)
+        return false;
+    size_t l = (size_t)(nl - s);
+    k->pos += l + 1;
+    if (l > 0 && s[l - 1] == '\r')
+        l--;
+    *line = s;
+    *n = l;
+    return true;
+}
+
+enum h1_step { STEP_MORE, STEP_DONE, STEP_ERROR, STEP_TOO_LARGE };
+
+/* Moves buffered body bytes to the response: up to k->left of them (counted), or all. false: over the cap. */
+static bool h1_take(struct h1_conn *k, struct up_transfer *t, bool counted)
+{
+    size_t take = k->len - k->pos;
+    if (counted && take > k->left)
+        take = (size_t)k->left;
+    if (take > 0 && !cm_buf_append(&t->resp.body, k->buf + k->pos, take))
+        return false;
+    k->pos += take;
+    if (counted)
+        k->left -= take;
+    return true;
+}
+
+/* Parses what is buffered. STEP_MORE: needs more bytes (or the close, for B_CLOSE). */
+static enum h1_step h1_parse(struct h1_conn *k, struct up_transfer *t, const char **err)
+{
+    const char *line;
+    size_t n;
+    for (;;) {
+        switch (k->body) {
+        case B_HEAD:
+            if (!h1_line(k, &line, &n)) {
+                if (k->len - k->pos > UP_MAX_HEADER_BYTES)
+                    return STEP_TOO_LARGE;
+                return STEP_MORE;
+            }
+            if (k->want_status) {
+                if (n < 12 || memcmp(line, "HTTP/1.", 7) != 0 || (line[7] != '0' && line[7] != '1') || line[8] != ' ' ||
+                    line[9] < '1' || line[9] > '5' || line[10] < '0' || line[10] > '9' || line[11] < '0' ||
+                    line[11] > '9' || (n > 12 && line[12] != ' ')) {
+                    *err = "malformed status line";
+                    return STEP_ERROR;
+                }
+                k->want_status = false;
+                k->http10 = line[7] == '0';
+                up_status_line(t, line, n);
+                continue;
+            }
+            if (n == 0) {
+                int st = t->resp.status;
+                if (st >= 100 && st < 200) {
+                    if (st == 101) {
+                        *err = "unexpected 101 Switching Protocols";
+                        return STEP_ERROR;
+                    }
+                    /* an interim response: the final head follows (its status line starts the head over) */
+                    k->want_status = true;
+                    k->http10 = k->keep_alive = k->have_length = k->have_te = k->chunked = k->close_after = false;
+                    k->left = 0;
+                    continue;
+                }
+                (void)up_header_line(t, line, 0);
+                h1_frame(k, t);
+                continue;
+            }
+            if (line[0] != ' ' && line[0] != '\t' && !h1_framing_header(k, line, n)) {
+                *err = "malformed Content-Length";
+                return STEP_ERROR;
+            }
+            if (!up_header_line(t, line, n))
+                return STEP_TOO_LARGE;
+            break;
+        case B_LENGTH:
+            if (!h1_take(k, t, true))
+                return STEP_TOO_LARGE;
+            return k->left == 0 ? STEP_DONE : STEP_MORE;
+        case B_CLOSE:
+            return h1_take(k, t, false) ? STEP_MORE : STEP_TOO_LARGE;
+        case B_CHUNK: {
+            if (!h1_line(k, &line, &n)) {
+                if (k->len - k->pos > H1_MAX_CHUNK_LINE) {
+                    *err = "malformed chunk size";
+                    return STEP_ERROR;
+                }
+                return STEP_MORE;
+            }
+            uint64_t x = 0;
+            size_t i = 0;
+            for (; i < n; i++) {
+                char ch = line[i];
+                int lc = ch | 0x20;
+                int d = ch >= '0' && ch <= '9' ? ch - '0' : lc >= 'a' && lc <= 'f' ? lc - 'a' + 10 : -1;
+                if (d < 0)
+                    break;
+                if (i >= 15) {
+                    *err = "chunk size too large";
+                    return STEP_ERROR;
+                }
+                x = x * 16 + (uint64_t)d;
+            }
+            if (i == 0 || (i < n && line[i] != ';' && line[i] != ' ' && line[i] != '\t')) {
+                *err = "malformed chunk size";
+                return STEP_ERROR;
+            }
+            if (x == 0) {
+                k->body = B_TRAILER;
+                k->left = 0;
+            } else {
+                k->body = B_DATA;
+                k->left = x;
+            }
+            break;
+        }
+        case B_DATA:
+            if (!h1_take(k, t, true))
+                return STEP_TOO_LARGE;
+            if (k->left > 0)
+                return STEP_MORE;
+            k->body = B_DATA_END;
+            break;
+        case B_DATA_END:
+            if (!h1_line(k, &line, &n))
+                return k->len - k->pos > 2 ? (*err = "malformed chunk end", STEP_ERROR) : STEP_MORE;
+            if (n != 0) {
+                *err = "malformed chunk end";
+                return STEP_ERROR;
+            }
+            k->body = B_CHUNK;
+            break;
+        case B_TRAILER:
+            if (!h1_line(k, &line, &n)) {
+                if (k->len - k->pos > UP_MAX_HEADER_BYTES)
+                    return STEP_TOO_LARGE;
+                return STEP_MORE;
+            }
+            k->left += n;
+            if (k->left > UP_MAX_HEADER_BYTES)
+                return STEP_TOO_LARGE;
+            if (n == 0)
+                return STEP_DONE;
+            break;
+        }
+    }
+}
+
+/* The response on k is complete: the connection goes idle (or to a waiting transfer) or closes; then t's
+ * callback runs. */
+static void h1_complete(struct up_client *c, struct h1_conn *k, struct up_transfer *t)
+{
+    bool reuse = !k->close_after && k->pos == k->len && t->wpos == t->wlen;
+    k->t = NULL;
+    t->conn = NULL;
+    event_del(t->timer);
+    struct h1_origin *o = k->o;
+    if (reuse && c->h1_idle_n < (c->max_host > 0 ? (size_t)c->max_host * 4 : H1_MAX_IDLE)) {
+        k->requests++;
+        k->pos = k->len = 0;
+        k->idle_since_ms = h1_now_ms();
+        k->prev = NULL;
+        k->next = o->idle;
+        if (o->idle != NULL)
+            o->idle->prev = k;
+        o->idle = k;
+        c->h1_idle_n++;
+    } else {
+        h1_conn_close(c, k);
+    }
+    h1_pump(c, o);
+    up_deliver(c, t, UP_OK, "ok");
+}
+
+static void h1_on_read(evutil_socket_t fd, short what, void *arg)
+{
+    struct h1_conn *k = arg;
+    struct up_client *c = k->c;
+    struct up_transfer *t = k->t;
+    if (t == NULL) {
+        /* an idle connection became readable: the server closed it (or sent what nobody asked for) */
+        h1_conn_close(c, k);
+        return;
+    }
+    if (k->pos > 0 && k->pos == k->len)
+        k->pos = k->len = 0;
+    if (k->len == k->cap) {
+        if (k->pos > 0) {
+            memmove(k->buf, k->buf + k->pos, k->len - k->pos);
+            k->len -= k->pos;
+            k->pos = 0;
+        }
+        if (k->len == k->cap) {
+            size_t ncap = k->cap ? k->cap * 2 : (size_t)UP_RECV_BUFFER;
+            k->buf = cm_realloc(k->buf, ncap);
+            k->cap = ncap;
+        }
+    }
+    ssize_t r = recv(fd, k->buf + k->len, k->cap - k->len, 0);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+        return;
+    if (r <= 0) {
+        if (r == 0 && k->body == B_CLOSE) {
+            h1_drop_conn(c, t);
+            event_del(t->timer);
+            up_deliver(c, t, UP_OK, "ok");
+            return;
+        }
+        if (t->got_any) {
+            h1_fail(c, t, UP_NO_RESPONSE,
+                    r == 0 ? "connection closed before the response was complete"
+                           : "connection reset before the response was complete");
+            return;
+        }
+        h1_conn_lost(c, t, r == 0 ? "connection closed without a response" : "connection reset without a response");
+        return;
+    }
+    k->len += (size_t)r;
+    t->got_any = true;
+    const char *err = "malformed response";
+    switch (h1_parse(k, t, &err)) {
+    case STEP_MORE:
+        if (k->pos == k->len)
+            k->pos = k->len = 0;
+        return;
+    case STEP_DONE:
+        h1_complete(c, k, t);
+        return;
+    case STEP_TOO_LARGE:
+        t->too_large = true;
+        h1_fail(c, t, UP_TOO_LARGE, "response over its cap");
+        return;
+    case STEP_ERROR:
+        h1_fail(c, t, UP_ERROR, err);
+        return;
+    }
+}
+
+/* ---- the interface to upstream.c */
+
+static struct up_transfer *h1_transfer_get(struct up_client *c)
+{
+    struct up_transfer *t = c->h1_pool;
+    if (t != NULL) {
+        c->h1_pool = t->next;
+        c->h1_pool_n--;
+        t->next = NULL;
+        return t;
+    }
+    t = cm_calloc(1, sizeof *t);
+    t->c = c;
+    t->h1 = true;
+    t->timer = evtimer_new(c->base, h1_on_timer, t);
+    if (t->timer == NULL) {
+        free(t);
+        return NULL;
+    }
+    return t;
+}
+
+void h1_transfer_free(struct up_client *c, struct up_transfer *t)
+{
+    cm_resp_free(&t->resp);
+    event_del(t->timer);
+    if (c != NULL && up_pool_put(c, &c->h1_pool, &c->h1_pool_n, t))
+        return;
+    event_free(t->timer);
+    free(t->hdr_mem);
+    free(t);
+}
+
+struct up_transfer *h1_send(struct up_client *c, const struct up_request *req, bool head, bool with_body, up_done_cb cb,
+                            void *arg, bool *taken)
+{
+    const char *auth, *target;
+    size_t auth_len;
+    struct sockaddr_storage sa;
+    socklen_t sa_len;
+    *taken = false;
+    if (!h1_parse_url(req->url, &auth, &auth_len, &target, &sa, &sa_len))
+        return NULL;
+    *taken = true;
+    struct h1_origin *o = h1_origin_get(c, auth, auth_len, &sa, sa_len);
+    struct up_transfer *t = h1_transfer_get(c);
+    if (t == NULL)
+        return NULL;
+    if (!h1_build(t, req, o, target, with_body)) {
+        cm_log(CM_WARN, "upstream_send_failed", "step=headers");
+        h1_transfer_free(c, t);
+        return NULL;
+    }
+    t->cb = cb;
+    t->arg = arg;
+    t->origin = o;
+    t->conn = NULL;
+    t->no_resend = req->no_resend;
+    t->is_head = head;
+    t->hdr_bytes = 0;
+    t->hdrs_final = t->too_large = t->done = t->sent_any = t->got_any = false;
+    t->sends = 0;
+    cm_resp_init(&t->resp, req->max_response);
+    clock_gettime(CLOCK_MONOTONIC, &t->start);
+    uint64_t now = h1_now_ms();
+    t->deadline_ms = req->timeout_ms > 0 ? now + req->timeout_ms : 0;
+    t->connect_timeout_ms = req->connect_timeout_ms > 0 ? req->connect_timeout_ms : H1_DEFAULT_CONNECT_MS;
+    up_link(c, t);
+    c->h1_sync++;
+    h1_dispatch(c, t);
+    c->h1_sync--;
+    return t;
+}
+
+void h1_abort(struct up_client *c, struct up_transfer *t)
+{
+    event_del(t->timer);
+    if (t->phase == H1_QUEUED && t->conn == NULL) {
+        h1_waitq_remove(t->origin, t);
+        return;
+    }
+    c->h1_sync++;
+    h1_drop_conn(c, t);
+    c->h1_sync--;
+}
+
+void h1_destroy(struct up_client *c)
+{
+    for (size_t i = 0; i < c->origins_n; i++) {
+        struct h1_origin *o = c->origins[i];
+        while (o->idle != NULL)
+            h1_conn_close(c, o->idle);
+        free(o->auth);
+        free(o->host_hdr);
+        free(o);
+    }
+    free(c->origins);
+    c->origins = NULL;
+    c->origins_n = 0;
+    while (c->h1_pool != NULL) {
+        struct up_transfer *t = c->h1_pool;
+        c->h1_pool = t->next;
+        h1_transfer_free(NULL, t);
+    }
+    c->h1_pool_n = 0;
+}
