@@ -278,6 +278,8 @@ static void h1_waitq_remove(struct h1_origin *o, struct up_transfer *t)
 /* Starts transfers waiting for a slot while one is free (after a connection closed or went idle). */
 static void h1_pump(struct up_client *c, struct h1_origin *o)
 {
+    if (c->closing)
+        return; /* the client is going away: nothing new leaves */
     c->h1_sync++;
     while (o->waitq != NULL && (o->idle != NULL || c->max_host == 0 || o->conns < (size_t)c->max_host)) {
         struct up_transfer *t = o->waitq;
@@ -833,6 +835,12 @@ static void h1_complete(struct up_client *c, struct h1_conn *k, struct up_transf
     if (reuse && c->h1_idle_n < (c->max_host > 0 ? (size_t)c->max_host * 4 : H1_MAX_IDLE)) {
         k->requests++;
         k->pos = k->len = 0;
+        if (k->cap > (size_t)UP_RECV_BUFFER) {
+            /* grown for a large head: an idle connection keeps no more than the usual buffer */
+            free(k->buf);
+            k->buf = NULL;
+            k->cap = 0;
+        }
         k->idle_since_ms = h1_now_ms();
         k->prev = NULL;
         k->next = o->idle;

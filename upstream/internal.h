@@ -91,6 +91,7 @@ struct up_client {
     size_t pool_n;
     int dispatching;       /* > 0 while done callbacks run */
     bool destroy_deferred; /* up_client_destroy was called from a done callback */
+    bool closing;          /* up_client_destroy runs: transfers are stopped, none is started */
     long max_host;         /* max_host_connections (0: unbounded) */
 
     /* ---- h1 */

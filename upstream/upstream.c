@@ -531,6 +531,7 @@ static void up_stop(struct up_client *c, struct up_transfer *t, bool pool)
 
 static void up_destroy_now(struct up_client *c)
 {
+    c->closing = true;
     while (c->transfers != NULL)
         up_stop(c, c->transfers, false);
     h1_destroy(c);
@@ -557,6 +558,7 @@ void up_client_destroy(struct up_client *c)
     if (c->dispatching > 0) {
         /* called from a done callback: cancel the rest now, free when the dispatch loop unwinds */
         c->destroy_deferred = true;
+        c->closing = true;
         while (c->transfers != NULL)
             up_stop(c, c->transfers, false);
         return;

@@ -718,6 +718,28 @@ Test(upstream, cancel_and_destroy_never_call_back)
     result_free(&res);
 }
 
+/* Destroying a client with a transfer waiting for a connection slot never sends that one: the slot freed by
+ * stopping the running transfer is not handed on. */
+Test(upstream, destroy_sends_nothing_that_waits)
+{
+    struct up_client *c = up_client_create(g_base, 1);
+    struct reqspec s1, s2;
+    struct result r1 = {0}, r2 = {0};
+    spec_init(&s1, "POST", "/running");
+    cm_hdrs_add(&s1.hdrs, "X-Test-Delay-Ms", "300");
+    spec_init(&s2, "POST", "/waiting");
+    cm_hdrs_add(&s2.hdrs, "Idempotency-Key", "waiting-1");
+    cr_assert_not_null(up_send(c, spec_req(&s1), on_done, &r1));
+    cr_assert_not_null(up_send(c, spec_req(&s2), on_done, &r2));
+    run_for(100);
+    up_client_destroy(c);
+    run_for(500);
+    cr_assert_eq(r1.calls + r2.calls, 0);
+    cm_hdrs_free(&s1.hdrs);
+    cm_hdrs_free(&s2.hdrs);
+    cr_assert_eq(upstream_count("waiting-1"), 0, "the waiting request was sent");
+}
+
 /* ---- a raw server for heads testupstream cannot produce (interim 1xx, folded lines) */
 
 static const char *g_canned;
