@@ -534,6 +534,12 @@ static void h1_send_more(struct up_client *c, struct h1_conn *k)
             event_add(k->wev, NULL);
             return;
         }
+        if (n < 0 && (errno == EPIPE || errno == ECONNRESET)) {
+            /* The upstream closed or reset: it may have answered first (an early 413, say), and that answer is
+             * in the socket. The read side (readable now) takes the answer or classifies the loss; the request
+             * stops here, so the connection is not reused. */
+            return;
+        }
         h1_conn_lost(c, t, "sending the request failed");
         return;
     }

@@ -886,3 +886,28 @@ Test(upstream, idle_connection_closed_by_the_upstream_is_not_reused)
     }
     evconnlistener_free(l);
 }
+
+/* The upstream answers before it has read the whole request (an early 413) and closes: the answer is taken,
+ * not lost behind the failed send. */
+Test(upstream, early_answer_while_the_body_is_still_sent)
+{
+    int raw_port;
+    struct evconnlistener *l = raw_listen(&raw_port);
+    g_canned = "HTTP/1.1 413 Payload Too Large\r\nContent-Length: 4\r\nConnection: close\r\n\r\nbig!";
+    size_t n = 8 * 1024 * 1024;
+    char *body = cm_malloc(n);
+    memset(body, 'b', n);
+    struct reqspec s;
+    struct result res;
+    spec_init(&s, "POST", "/raw");
+    s.port = raw_port;
+    s.body = body;
+    s.body_len = n;
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_OK, "got %s (%s)", up_result_name(res.r), res.err);
+    cr_assert_eq(res.status, 413);
+    cr_assert(res.body_len == 4 && memcmp(res.body, "big!", 4) == 0);
+    result_free(&res);
+    free(body);
+    evconnlistener_free(l);
+}
