@@ -911,3 +911,41 @@ Test(upstream, early_answer_while_the_body_is_still_sent)
     free(body);
     evconnlistener_free(l);
 }
+
+/* A long head: a 20 KiB header line arrives whole (the receive buffer grows); a head over 256 KiB is too large. */
+Test(upstream, long_heads)
+{
+    int raw_port;
+    struct evconnlistener *l = raw_listen(&raw_port);
+    struct cm_buf b;
+    cm_buf_init(&b, 1024 * 1024);
+    const int sizes[][2] = {{1, 20 * 1024}, {6, 50 * 1024}}; /* lines x bytes per value */
+    for (size_t c = 0; c < 2; c++) {
+        cm_buf_reset(&b);
+        cr_assert(cm_buf_append(&b, "HTTP/1.1 200 OK\r\n", 17));
+        for (int i = 0; i < sizes[c][0]; i++) {
+            cr_assert(cm_buf_appendf(&b, "X-Long-%d: ", i));
+            for (int j = 0; j < sizes[c][1]; j++)
+                cr_assert(cm_buf_append(&b, "v", 1));
+            cr_assert(cm_buf_append(&b, "\r\n", 2));
+        }
+        cr_assert(cm_buf_append(&b, "Content-Length: 2\r\n\r\nok", 25));
+        g_canned = b.data;
+        struct reqspec s;
+        struct result res;
+        spec_init(&s, "GET", "/raw");
+        s.port = raw_port;
+        do_request(g_cli, &s, &res);
+        if (c == 0) {
+            cr_assert_eq(res.r, UP_OK, "got %s (%s)", up_result_name(res.r), res.err);
+            const char *v = cm_hdrs_get(&res.hdrs, "X-Long-0");
+            cr_assert(v != NULL && strlen(v) == 20 * 1024);
+            cr_assert(res.body_len == 2 && memcmp(res.body, "ok", 2) == 0);
+        } else {
+            cr_assert_eq(res.r, UP_TOO_LARGE, "got %s (%s)", up_result_name(res.r), res.err);
+        }
+        result_free(&res);
+    }
+    cm_buf_free(&b);
+    evconnlistener_free(l);
+}
