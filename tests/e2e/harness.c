@@ -27,6 +27,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tests/tools/body_pattern.h"
+
 extern char **environ;
 
 #define E2E_MAX_PROCS     32
@@ -603,13 +605,7 @@ long e2e_upstream_wait_count(const struct e2e_upstream *u, const char *key, long
 
 unsigned char e2e_upstream_body_byte(uint64_t i)
 {
-    if (i % 64 == 1)
-        return 0;
-    uint64_t x = i / 8 + 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    x ^= x >> 31;
-    return (unsigned char)(x >> (8 * (i % 8)));
+    return test_body_byte(i);
 }
 
 size_t e2e_upstream_body_mismatch(const unsigned char *p, size_t len)

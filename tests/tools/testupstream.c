@@ -26,13 +26,15 @@
 #include <event2/keyvalq_struct.h>
 #include <event2/util.h>
 
+#include "tests/tools/body_pattern.h"
+
 /*
  * Request headers understood (on every path not under /_test/, each one an "execution"):
  *   X-Test-Delay-Ms: N     answer after N ms (overrides --delay-ms)
  *   X-Test-Status: N       status code (default 200)
  *   X-Test-Action: close   count, then close the connection without answering (FIN)
  *   X-Test-Action: reset   count, then reset the connection without answering (RST)
- *   X-Test-Body-Size: N    answer N bytes of tu_body_byte() instead of the echo
+ *   X-Test-Body-Size: N    answer N bytes of test_body_byte() (body_pattern.h) instead of the echo
  *   X-Test-Chunked: 1      answer with Transfer-Encoding: chunked
  * Default body: the request body echoed, or {"ok":true,"exec":N} when it is empty.
  *
@@ -161,21 +163,6 @@ static bool tu_parse_u64(const char *s, uint64_t max, uint64_t *out)
     return true;
 }
 
-static uint64_t tu_splitmix64(uint64_t x)
-{
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
-
-static uint8_t tu_body_byte(uint64_t i)
-{
-    if (i % 64 == 1)
-        return 0;
-    return (uint8_t)(tu_splitmix64(i / 8) >> (8 * (i % 8)));
-}
-
 static uint64_t tu_hash(const char *p, size_t n)
 {
     uint64_t h = 1469598103934665603ull; /* FNV-1a */
@@ -269,7 +256,7 @@ static uint64_t tu_key_get(struct tu_server *s, const char *k)
 
 static size_t tu_conn_bucket(const struct evhttp_connection *evcon)
 {
-    return (size_t)(tu_splitmix64((uint64_t)(uintptr_t)evcon) & (TU_CONN_BUCKETS - 1));
+    return (size_t)(test_splitmix64((uint64_t)(uintptr_t)evcon) & (TU_CONN_BUCKETS - 1));
 }
 
 static void tu_conn_closed(struct evhttp_connection *evcon, void *arg)
@@ -393,7 +380,7 @@ static void tu_reply_exec(struct evhttp_request *req)
         for (uint64_t off = 0; off < size;) {
             size_t n = (size - off) < TU_CHUNK ? (size_t)(size - off) : TU_CHUNK;
             for (size_t i = 0; i < n; i++)
-                chunk[i] = tu_body_byte(off + i);
+                chunk[i] = test_body_byte(off + i);
             evbuffer_add(body, chunk, n);
             off += n;
         }

@@ -22,6 +22,7 @@
 #include <event2/listener.h>
 
 #include "common/common.h"
+#include "tests/tools/body_pattern.h"
 #include "upstream/upstream.h"
 
 /* The host in the URLs: an IP address takes the built-in HTTP/1.1 client (upstream/h1.c); upstream_curl_test
@@ -290,18 +291,6 @@ static size_t hdr_index(const struct cm_hdrs *h, const char *name, const char *v
     return (size_t)-1;
 }
 
-/* Same generator as testupstream's X-Test-Body-Size body. */
-static uint8_t body_byte(uint64_t i)
-{
-    if (i % 64 == 1)
-        return 0;
-    uint64_t x = i / 8 + 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    x ^= x >> 31;
-    return (uint8_t)(x >> (8 * (i % 8)));
-}
-
 static char *random_binary(size_t n)
 {
     char *p = cm_malloc(n);
@@ -417,7 +406,7 @@ Test(upstream, one_mib_binary_both_ways)
         cr_assert_eq(res.body_len, n);
         size_t zeros = 0;
         for (size_t i = 0; i < n; i++) {
-            cr_assert_eq((uint8_t)res.body[i], body_byte(i), "byte %zu differs (chunked=%d)", i, chunked);
+            cr_assert_eq((uint8_t)res.body[i], test_body_byte(i), "byte %zu differs (chunked=%d)", i, chunked);
             zeros += res.body[i] == 0;
         }
         cr_assert(zeros > 1000);
@@ -922,14 +911,14 @@ Test(upstream, long_heads)
     const int sizes[][2] = {{1, 20 * 1024}, {6, 50 * 1024}}; /* lines x bytes per value */
     for (size_t c = 0; c < 2; c++) {
         cm_buf_reset(&b);
-        cr_assert(cm_buf_append(&b, "HTTP/1.1 200 OK\r\n", 17));
+        cr_assert(cm_buf_appendf(&b, "HTTP/1.1 200 OK\r\n"));
         for (int i = 0; i < sizes[c][0]; i++) {
             cr_assert(cm_buf_appendf(&b, "X-Long-%d: ", i));
             for (int j = 0; j < sizes[c][1]; j++)
                 cr_assert(cm_buf_append(&b, "v", 1));
             cr_assert(cm_buf_append(&b, "\r\n", 2));
         }
-        cr_assert(cm_buf_append(&b, "Content-Length: 2\r\n\r\nok", 25));
+        cr_assert(cm_buf_appendf(&b, "Content-Length: 2\r\n\r\nok"));
         g_canned = b.data;
         struct reqspec s;
         struct result res;
