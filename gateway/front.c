@@ -388,6 +388,22 @@ static bool framing_ambiguous(const struct cm_hdrs *h)
     return first && cm_hdrs_get(h, "Transfer-Encoding") != NULL;
 }
 
+/* A request Transfer-Encoding other than exactly one "chunked" (RFC 9112 6.1: 501 for a coding the server does
+ * not understand). libmicrohttpd reads only chunked bodies; with any other coding it waited for the body until
+ * client_timeout. */
+static bool transfer_coding_unsupported(const struct cm_hdrs *h)
+{
+    size_t n = 0;
+    bool other = false;
+    for (size_t i = 0; i < h->n; i++) {
+        if (strcasecmp(h->v[i].name, "Transfer-Encoding") != 0)
+            continue;
+        n++;
+        other = other || strcasecmp(h->v[i].value, "chunked") != 0;
+    }
+    return n > 1 || other;
+}
+
 static size_t header_block_size(const struct req *r, const char *method)
 {
     size_t n = strlen(method) + 1 + strlen(r->job.uri) + 11; /* request line */
@@ -436,6 +452,9 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     if (!headers_well_formed(&r->in_hdrs, keyed ? route->idem.header : NULL) || framing_ambiguous(&r->in_hdrs))
         return reject(r, c, 400, "bad-request", "Bad request", "malformed header field or ambiguous message framing",
                       CM_OUT_ERROR);
+    if (transfer_coding_unsupported(&r->in_hdrs))
+        return reject(r, c, 501, "not-implemented", "Not implemented",
+                      "the only transfer coding accepted on a request body is chunked", CM_OUT_ERROR);
     if (!job->upstream)
         return reject(r, c, 404, "route-not-found", "No route", "no route matches this path", CM_OUT_NOT_FOUND);
 

@@ -622,7 +622,7 @@ Test(hostile, malformed_chunked_bodies_are_refused_and_not_forwarded)
     struct e2e_gw *gw;
     e2e_start(conf_main, &up, &gw);
     static const int ok_400[] = {400, 413, 0};
-    static const int ok_te[] = {400, 501, 0};
+    static const int ok_te[] = {501, 0}; /* a coding other than chunked: 501 at once (it used to hang) */
 #define CHUNKED_HEAD "POST /hostile/chunked HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
     static const struct {
         const char *what;
@@ -641,6 +641,15 @@ Test(hostile, malformed_chunked_bodies_are_refused_and_not_forwarded)
          ok_te},
         {"Transfer-Encoding: identity",
          "POST /hostile/chunked HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: identity\r\n\r\nhello", ok_te},
+        {"Transfer-Encoding: gzip", "POST /hostile/chunked HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\nabc",
+         ok_te},
+        {"keyed, Transfer-Encoding: gzip",
+         "POST /v1/pay/chunked HTTP/1.1\r\nHost: a\r\nIdempotency-Key: te-gzip\r\nTransfer-Encoding: gzip\r\n\r\nabc",
+         ok_te},
+        {"two Transfer-Encoding: chunked",
+         "POST /hostile/chunked HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
+         "5\r\nhello\r\n0\r\n\r\n",
+         ok_te},
         {"keyed, bad hex chunk size",
          "POST /v1/pay/chunked HTTP/1.1\r\nHost: a\r\nIdempotency-Key: bad-chunk\r\nTransfer-Encoding: chunked\r\n\r\n"
          "zz\r\nhello\r\n0\r\n\r\n",
