@@ -938,3 +938,34 @@ Test(upstream, long_heads)
     cm_buf_free(&b);
     evconnlistener_free(l);
 }
+
+/* An IPv6 literal upstream ("http://[::1]:port") through the built-in client. On a machine without an IPv6
+ * loopback the same URL must fail as "nothing sent". */
+Test(upstream, ipv6_literal_upstream)
+{
+    struct sockaddr_in6 sa = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_LOOPBACK_INIT};
+    struct evconnlistener *l = evconnlistener_new_bind(
+        g_base, raw_accept, NULL, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE, 16, (struct sockaddr *)&sa, sizeof sa);
+    socklen_t sl = sizeof sa;
+    if (l != NULL)
+        getsockname(evconnlistener_get_fd(l), (struct sockaddr *)&sa, &sl);
+    g_canned = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nv6";
+    char url[64];
+    snprintf(url, sizeof url, "http://[::1]:%d/raw?q=1", l != NULL ? ntohs(sa.sin6_port) : 1);
+    struct up_request req = {
+        .method = "GET", .url = url, .connect_timeout_ms = 2000, .timeout_ms = 5000, .max_response = 1024};
+    struct result res = {0};
+    cm_hdrs_init(&res.hdrs);
+    cr_assert_not_null(up_send(g_cli, &req, on_done, &res));
+    run_until(&res.calls, 1, 5000);
+    cr_assert_eq(res.calls, 1);
+    if (l == NULL) {
+        cr_assert_eq(res.r, UP_CONNECT_FAILED, "no IPv6 loopback: got %s (%s)", up_result_name(res.r), res.err);
+        result_free(&res);
+        return;
+    }
+    cr_assert_eq(res.r, UP_OK, "got %s (%s)", up_result_name(res.r), res.err);
+    cr_assert(res.body_len == 2 && memcmp(res.body, "v6", 2) == 0);
+    result_free(&res);
+    evconnlistener_free(l);
+}
