@@ -25,7 +25,7 @@ struct renew_ticket;
  * and the Redis context. */
 
 /* Creates the loop (event base, upstream client, store). NULL + *err on failure. */
-struct gw_loop *gw_loop_create(const struct conf *conf, char **err);
+struct gw_loop *gw_loop_create(const struct conf *conf, size_t nloops, char **err);
 /* Starts the loop thread. Returns false on failure. */
 bool gw_loop_start(struct gw_loop *l) CM_MUST_CHECK;
 /* Runs fn(arg) on the loop thread soon. Safe from any thread. */
@@ -35,6 +35,8 @@ void gw_loop_submit(struct gw_loop *l, void (*fn)(void *), void *arg);
 void gw_loop_destroy(struct gw_loop *l);
 struct event_base *gw_loop_base(struct gw_loop *l);
 struct up_client *gw_loop_upstream(struct gw_loop *l);
+/* This loop's share of an upstream's max_connections (the bound holds over all loops together). */
+size_t gw_loop_upstream_max(const struct gw_loop *l, const struct conf_upstream *u);
 struct store *gw_loop_store(struct gw_loop *l);
 const struct conf *gw_loop_conf(struct gw_loop *l);
 /* Set once the schema exists; idempotent requests get 503 until then. */

@@ -34,6 +34,7 @@ struct work {
 struct gw_loop {
     const struct conf *conf;
     struct conf *conf_share; /* shallow copy with this loop's share of the pool, or NULL */
+    size_t nloops;           /* loops sharing the upstreams' max_connections (1 alone) */
     struct event_base *base;
     struct event *wake;
     struct event *trim; /* gives freed heap memory back to the system, once a second */
@@ -96,7 +97,7 @@ static void ev_log(int severity, const char *msg)
     cm_log(severity >= EVENT_LOG_ERR ? CM_ERROR : CM_WARN, "libevent", "msg=%s", cm_log_quote(q, sizeof q, msg));
 }
 
-struct gw_loop *gw_loop_create(const struct conf *conf, char **err)
+struct gw_loop *gw_loop_create(const struct conf *conf, size_t nloops, char **err)
 {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, (void (*)(void))evthread_use_pthreads);
@@ -116,10 +117,11 @@ struct gw_loop *gw_loop_create(const struct conf *conf, char **err)
     static const struct timeval every_s = {1, 0};
     if (l->trim)
         event_add(l->trim, &every_s);
-    long max_host = 0;
+    l->nloops = nloops > 0 ? nloops : 1;
+    long max_host = 0; /* for requests that bring no bound (the libcurl path): the largest, shared too */
     for (size_t i = 0; i < conf->upstreams_n; i++)
-        if ((long)conf->upstreams[i].max_connections > max_host)
-            max_host = (long)conf->upstreams[i].max_connections;
+        if ((long)gw_loop_upstream_max(l, &conf->upstreams[i]) > max_host)
+            max_host = (long)gw_loop_upstream_max(l, &conf->upstreams[i]);
     l->up = up_client_create(l->base, max_host);
     if (!l->up) {
         *err = cm_strdup("cannot create the upstream client");
@@ -190,6 +192,12 @@ void gw_loop_destroy(struct gw_loop *l)
 struct event_base *gw_loop_base(struct gw_loop *l)
 {
     return l->base;
+}
+
+size_t gw_loop_upstream_max(const struct gw_loop *l, const struct conf_upstream *u)
+{
+    size_t n = l->nloops > 0 ? l->nloops : 1;
+    return (u->max_connections + n - 1) / n;
 }
 
 struct up_client *gw_loop_upstream(struct gw_loop *l)
@@ -276,7 +284,7 @@ struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
         struct conf *share = cm_malloc(sizeof *share);
         *share = *conf;
         share->pool = conf->pool / (uint32_t)n + (i < conf->pool % n ? 1 : 0);
-        ls->v[i] = gw_loop_create(share, err);
+        ls->v[i] = gw_loop_create(share, n, err);
         if (!ls->v[i]) {
             free(share);
             gw_loops_destroy(ls);

@@ -167,6 +167,7 @@ static bool forward(struct gw_job *job, up_done_cb cb)
         .timeout_ms = job->upstream->timeout_ms,
         .max_response = max_response(job),
         .no_resend = job->idempotent || !method_is_idempotent(job->method),
+        .max_connections = gw_loop_upstream_max(job->loop, job->upstream),
     };
     job->transfer = up_send(gw_loop_upstream(job->loop), &req, cb, job);
     cm_buf_free(&url);

@@ -59,6 +59,7 @@ struct h1_origin {
     struct sockaddr_storage sa;
     socklen_t sa_len;
     size_t conns;              /* open: connecting, busy or idle */
+    size_t max;                /* bound on conns (0: none), from the latest request */
     struct h1_conn *idle;      /* most recently used first */
     struct up_transfer *waitq; /* waiting for a connection slot, first in first out (wnext/wprev) */
     struct up_transfer *waitq_tail;
@@ -281,7 +282,7 @@ static void h1_pump(struct up_client *c, struct h1_origin *o)
     if (c->closing)
         return; /* the client is going away: nothing new leaves */
     c->h1_sync++;
-    while (o->waitq != NULL && (o->idle != NULL || c->max_host == 0 || o->conns < (size_t)c->max_host)) {
+    while (o->waitq != NULL && (o->idle != NULL || o->max == 0 || o->conns < o->max)) {
         struct up_transfer *t = o->waitq;
         h1_waitq_remove(o, t);
         h1_dispatch(c, t);
@@ -429,7 +430,7 @@ static void h1_dispatch(struct up_client *c, struct up_transfer *t)
         h1_attach(c, k, t);
         return;
     }
-    if (c->max_host == 0 || o->conns < (size_t)c->max_host) {
+    if (o->max == 0 || o->conns < o->max) {
         h1_connect(c, o, t);
         return;
     }
@@ -970,6 +971,7 @@ struct up_transfer *h1_send(struct up_client *c, const struct up_request *req, b
         return NULL;
     *taken = true;
     struct h1_origin *o = h1_origin_get(c, auth, auth_len, &sa, sa_len);
+    o->max = req->max_connections > 0 ? req->max_connections : (size_t)c->max_host;
     struct up_transfer *t = h1_transfer_get(c);
     if (t == NULL)
         return NULL;

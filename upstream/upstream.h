@@ -34,6 +34,9 @@ struct up_request {
     uint64_t connect_timeout_ms;
     uint64_t timeout_ms;
     size_t max_response; /* cap on the response body */
+    /* Sockets to this request's host:port at most (0: the client's max_host_connections). Honoured by the built-in
+     * client; through libcurl the client's bound applies. */
+    size_t max_connections;
     /* true: libcurl must never send this request twice on its own (its
      * silent retry on a dead reused connection becomes UP_NO_RESPONSE). */
     bool no_resend;
@@ -51,7 +54,7 @@ typedef void (*up_done_cb)(void *arg, enum up_result r, struct cm_resp *resp, co
                            double upstream_seconds);
 
 /* Creates the client bound to base. max_host_connections bounds sockets per
- * upstream host (0: unbounded); transfers beyond it wait for a free
+ * upstream host unless a request says otherwise (0: unbounded); transfers beyond it wait for a free
  * connection, and a transfer whose timeout ends while it waits is
  * UP_CONNECT_FAILED (nothing was sent). Returns NULL on failure. */
 struct up_client *up_client_create(struct event_base *base, long max_host_connections);

@@ -36,6 +36,10 @@ static const char conf_two_loops[] =
     E2E_CONF_HEAD "max_body: 2MiB\n" "threads: 2\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") CONF_PASS_ROUTE("2MiB")
     "default_upstream: api\n";
 
+/* Two loops, an upstream with max_connections: 2 (a bound over both loops together). */
+static const char conf_two_conns[] = E2E_CONF_HEAD "max_body: 2MiB\n" "threads: 2\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s")
+    "    max_connections: 2\n" CONF_PASS_ROUTE("2MiB") "default_upstream: api\n";
+
 /* Same, without default_upstream. */
 static const char conf_nodefault[] = E2E_CONF_HEAD CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") CONF_PASS_ROUTE("1MiB");
 
@@ -797,4 +801,42 @@ Test(proxy, hundred_concurrent_requests_run_in_parallel)
     cr_expect_eq(ok, N, "%d of %d answered 200 with their own body", ok, N);
     cr_expect(took < 3000, "100 x 200 ms took %llu ms: not parallel", (unsigned long long)took);
     cr_expect_eq(e2e_upstream_count(up, NULL), N);
+}
+
+/* An upstream's max_connections bounds its sockets over all I/O loops together: 12 parallel requests of 300 ms
+ * through two loops to an upstream allowing 2 connections use at most 2 of them and take at least 6 rounds. */
+Test(proxy, upstream_max_connections_holds_over_all_loops)
+{
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(conf_two_conns, &up, &gw);
+    enum { N = 12 };
+    static const char *const h[] = {"X-Test-Delay-Ms: 300", NULL};
+    struct e2e_req rq[N];
+    struct e2e_resp out[N];
+    for (int i = 0; i < N; i++)
+        rq[i] = (struct e2e_req){.method = "GET", .path = "/v1/payments/bounded", .headers = h, .timeout_ms = 10000};
+    uint64_t t0 = e2e_now_ms();
+    e2e_http_parallel(gw->port, rq, out, N);
+    uint64_t took = e2e_now_ms() - t0;
+    char ids[N][32];
+    size_t nids = 0;
+    int ok = 0;
+    for (int i = 0; i < N; i++) {
+        const char *id = out[i].status == 200 ? e2e_resp_header(&out[i], "X-Conn-Id") : NULL;
+        if (id != NULL) {
+            ok++;
+            size_t j = 0;
+            while (j < nids && strcmp(ids[j], id) != 0)
+                j++;
+            if (j == nids)
+                snprintf(ids[nids++], sizeof ids[0], "%s", id);
+        } else {
+            cr_log_error("request %d: status %ld (%s)", i, out[i].status, out[i].error);
+        }
+        e2e_resp_free(&out[i]);
+    }
+    cr_expect_eq(ok, N, "%d of %d answered 200", ok, N);
+    cr_expect(nids >= 1 && nids <= 2, "the upstream saw %zu connections (max_connections: 2)", nids);
+    cr_expect(took >= 5 * 300, "12 x 300 ms over 2 connections took only %llu ms", (unsigned long long)took);
 }
