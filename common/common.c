@@ -652,6 +652,20 @@ uint64_t cm_random_token(void)
 
 /* ---- time */
 
+bool cm_parse_digits(const char *s, size_t n, size_t max_digits, uint64_t *out)
+{
+    if (n == 0 || n > max_digits || n > 19)
+        return false;
+    uint64_t v = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return false;
+        v = v * 10 + (uint64_t)(s[i] - '0');
+    }
+    *out = v;
+    return true;
+}
+
 uint64_t cm_now_ms(void)
 {
     struct timespec ts;

@@ -115,7 +115,9 @@ bool cm_consttime_eq(const void *a, size_t alen, const void *b, size_t blen);
 uint64_t cm_random_token(void);
 
 /* ---- time */
-uint64_t cm_now_ms(void);  /* monotonic */
+uint64_t cm_now_ms(void); /* monotonic */
+/* 1 to max_digits (at most 19) ASCII decimal digits, nothing else, into *out. */
+bool cm_parse_digits(const char *s, size_t n, size_t max_digits, uint64_t *out);
 uint64_t cm_wall_ms(void); /* unix epoch */
 
 #endif

@@ -407,15 +407,8 @@ static bool is_ipv6ish(const char *s, size_t n)
 /* A port: 1..65535 (0 too when allow_zero). */
 static bool parse_port(const char *s, size_t n, bool allow_zero, uint16_t *port)
 {
-    uint64_t v = 0;
-    if (n == 0 || n > 5)
-        return false;
-    for (size_t i = 0; i < n; i++) {
-        if (s[i] < '0' || s[i] > '9')
-            return false;
-        v = v * 10 + (uint64_t)(s[i] - '0');
-    }
-    if (v > 65535 || (v == 0 && !allow_zero))
+    uint64_t v;
+    if (!cm_parse_digits(s, n, 5, &v) || v > 65535 || (v == 0 && !allow_zero))
         return false;
     *port = (uint16_t)v;
     return true;

@@ -119,9 +119,10 @@ struct gw_loop *gw_loop_create(const struct conf *conf, size_t nloops, char **er
         event_add(l->trim, &every_s);
     l->nloops = nloops > 0 ? nloops : 1;
     long max_host = 0; /* for requests that bring no bound (the libcurl path): the largest, shared too */
-    for (size_t i = 0; i < conf->upstreams_n; i++)
-        if ((long)gw_loop_upstream_max(l, &conf->upstreams[i]) > max_host)
-            max_host = (long)gw_loop_upstream_max(l, &conf->upstreams[i]);
+    for (size_t i = 0; i < conf->upstreams_n; i++) {
+        long share = (long)gw_loop_upstream_max(l, &conf->upstreams[i]);
+        max_host = share > max_host ? share : max_host;
+    }
     l->up = up_client_create(l->base, max_host);
     if (!l->up) {
         *err = cm_strdup("cannot create the upstream client");

@@ -65,11 +65,6 @@ struct h1_origin {
     struct up_transfer *waitq_tail;
 };
 
-static uint64_t h1_now_ms(void)
-{
-    return cm_now_ms();
-}
-
 /* ---- the URL: which ones are ours */
 
 /* http://<IPv4 literal or [IPv6 literal]>[:port]<target>, no user info, a target of printable ASCII only. */
@@ -82,7 +77,7 @@ static bool h1_parse_url(const char *url, const char **auth, size_t *auth_len, c
     while (*e && *e != '/' && *e != '?' && *e != '#')
         e++;
     size_t n = (size_t)(e - a);
-    if (n == 0 || n > 64 || memchr(a, '@', n) != NULL)
+    if (n == 0 || n > 63 || memchr(a, '@', n) != NULL) /* host[] below holds it and its NUL */
         return false;
     for (const char *p = e; *p; p++)
         if ((unsigned char)*p <= 0x20 || (unsigned char)*p >= 0x7f || *p == '#')
@@ -111,19 +106,9 @@ static bool h1_parse_url(const char *url, const char **auth, size_t *auth_len, c
         family = AF_INET;
     }
     host[hl] = '\0';
-    long pn = 80;
-    if (port != NULL) {
-        if (port == e || e - port > 5)
-            return false;
-        pn = 0;
-        for (const char *p = port; p < e; p++) {
-            if (*p < '0' || *p > '9')
-                return false;
-            pn = pn * 10 + (*p - '0');
-        }
-        if (pn < 1 || pn > 65535)
-            return false;
-    }
+    uint64_t pn = 80;
+    if (port != NULL && (!cm_parse_digits(port, (size_t)(e - port), 5, &pn) || pn < 1 || pn > 65535))
+        return false;
     memset(sa, 0, sizeof *sa);
     if (family == AF_INET) {
         struct sockaddr_in *s4 = (struct sockaddr_in *)sa;
@@ -329,6 +314,15 @@ static void h1_fail(struct up_client *c, struct up_transfer *t, enum up_result r
 
 static void h1_send_more(struct up_client *c, struct h1_conn *k);
 
+/* k waits for a response head: its status line first, no framing known yet. */
+static void h1_head_reset(struct h1_conn *k)
+{
+    k->body = B_HEAD;
+    k->left = 0;
+    k->want_status = true;
+    k->http10 = k->keep_alive = k->close_after = k->have_length = k->have_te = k->chunked = false;
+}
+
 /* The transfer starts on a connected k: a fresh response state, then the request goes out. */
 static void h1_attach(struct up_client *c, struct h1_conn *k, struct up_transfer *t)
 {
@@ -337,10 +331,7 @@ static void h1_attach(struct up_client *c, struct h1_conn *k, struct up_transfer
     t->phase = H1_ACTIVE;
     t->sends++;
     t->wpos = 0;
-    k->body = B_HEAD;
-    k->left = 0;
-    k->want_status = true;
-    k->http10 = k->keep_alive = k->close_after = k->have_length = k->have_te = k->chunked = false;
+    h1_head_reset(k);
     h1_set_timer(t);
     h1_send_more(c, k);
 }
@@ -401,7 +392,7 @@ static void h1_connect(struct up_client *c, struct h1_origin *o, struct up_trans
     k->t = t;
     t->conn = k;
     t->phase = H1_CONNECT;
-    t->connect_deadline_ms = h1_now_ms() + t->connect_timeout_ms;
+    t->connect_deadline_ms = cm_now_ms() + t->connect_timeout_ms;
     h1_set_timer(t);
 }
 
@@ -418,7 +409,7 @@ static bool h1_conn_alive(const struct h1_conn *k)
 static void h1_dispatch(struct up_client *c, struct up_transfer *t)
 {
     struct h1_origin *o = t->origin;
-    uint64_t now = h1_now_ms();
+    uint64_t now = cm_now_ms();
     while (o->idle != NULL) {
         struct h1_conn *k = o->idle;
         h1_idle_unlink(c, k);
@@ -456,7 +447,7 @@ static void h1_set_timer(struct up_transfer *t)
         event_del(t->timer);
         return;
     }
-    uint64_t now = h1_now_ms();
+    uint64_t now = cm_now_ms();
     uint64_t ms = at > now ? at - now : 0;
     struct timeval tv = {.tv_sec = (time_t)(ms / 1000), .tv_usec = (suseconds_t)(ms % 1000) * 1000};
     event_add(t->timer, &tv);
@@ -466,7 +457,7 @@ static void h1_on_timer(evutil_socket_t fd, short what, void *arg)
 {
     struct up_transfer *t = arg;
     struct up_client *c = t->c;
-    uint64_t now = h1_now_ms();
+    uint64_t now = cm_now_ms();
     switch (t->phase) {
     case H1_DEFERRED:
         h1_drop_conn(c, t);
@@ -641,15 +632,8 @@ static bool h1_framing_header(struct h1_conn *k, const char *p, size_t len)
     while (vl > 0 && (v[vl - 1] == ' ' || v[vl - 1] == '\t'))
         vl--;
     if (nl == 14 && strncasecmp(p, "Content-Length", 14) == 0) {
-        uint64_t x = 0;
-        if (vl == 0 || vl > 19)
-            return false;
-        for (size_t i = 0; i < vl; i++) {
-            if (v[i] < '0' || v[i] > '9')
-                return false;
-            x = x * 10 + (uint64_t)(v[i] - '0');
-        }
-        if (k->have_length && k->left != x)
+        uint64_t x;
+        if (!cm_parse_digits(v, vl, 19, &x) || (k->have_length && k->left != x))
             return false;
         k->have_length = true;
         k->left = x;
@@ -741,9 +725,7 @@ static enum h1_step h1_parse(struct h1_conn *k, struct up_transfer *t, const cha
                         return STEP_ERROR;
                     }
                     /* an interim response: the final head follows (its status line starts the head over) */
-                    k->want_status = true;
-                    k->http10 = k->keep_alive = k->have_length = k->have_te = k->chunked = k->close_after = false;
-                    k->left = 0;
+                    h1_head_reset(k);
                     continue;
                 }
                 (void)up_header_line(t, line, 0);
@@ -848,7 +830,7 @@ static void h1_complete(struct up_client *c, struct h1_conn *k, struct up_transf
             k->buf = NULL;
             k->cap = 0;
         }
-        k->idle_since_ms = h1_now_ms();
+        k->idle_since_ms = cm_now_ms();
         k->prev = NULL;
         k->next = o->idle;
         if (o->idle != NULL)
@@ -872,8 +854,6 @@ static void h1_on_read(evutil_socket_t fd, short what, void *arg)
         h1_conn_close(c, k);
         return;
     }
-    if (k->pos > 0 && k->pos == k->len)
-        k->pos = k->len = 0;
     if (k->len == k->cap) {
         if (k->pos > 0) {
             memmove(k->buf, k->buf + k->pos, k->len - k->pos);
@@ -991,7 +971,7 @@ struct up_transfer *h1_send(struct up_client *c, const struct up_request *req, b
     t->sends = 0;
     cm_resp_init(&t->resp, req->max_response);
     clock_gettime(CLOCK_MONOTONIC, &t->start);
-    uint64_t now = h1_now_ms();
+    uint64_t now = cm_now_ms();
     t->deadline_ms = req->timeout_ms > 0 ? now + req->timeout_ms : 0;
     t->connect_timeout_ms = req->connect_timeout_ms > 0 ? req->connect_timeout_ms : H1_DEFAULT_CONNECT_MS;
     up_link(c, t);

@@ -189,3 +189,19 @@ Test(misc, consttime_eq_and_token)
     cr_assert_neq(t1, t2);
     cr_assert_leq(t1, (uint64_t)INT64_MAX);
 }
+
+Test(common, parse_digits)
+{
+    uint64_t v = 7;
+    cr_assert(cm_parse_digits("8080", 4, 5, &v) && v == 8080);
+    cr_assert(cm_parse_digits("00080", 5, 5, &v) && v == 80);
+    cr_assert(cm_parse_digits("9999999999999999999", 19, 19, &v) && v == 9999999999999999999ull);
+    v = 7;
+    cr_assert(!cm_parse_digits("000080", 6, 5, &v), "more digits than allowed");
+    cr_assert(!cm_parse_digits("", 0, 5, &v), "empty");
+    cr_assert(!cm_parse_digits("12a", 3, 5, &v), "not a digit");
+    cr_assert(!cm_parse_digits("+12", 3, 5, &v), "a sign");
+    cr_assert(!cm_parse_digits(" 12", 3, 5, &v), "a space");
+    cr_assert(!cm_parse_digits("12345678901234567890", 20, 20, &v), "over 19 digits");
+    cr_assert_eq(v, 7, "a refused input leaves *out alone");
+}

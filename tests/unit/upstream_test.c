@@ -969,3 +969,21 @@ Test(upstream, ipv6_literal_upstream)
     result_free(&res);
     evconnlistener_free(l);
 }
+
+/* A 64-byte authority that is no IP address (it is not the built-in client's, and libcurl cannot resolve it):
+ * nothing sent, no crash (the address buffer is bounded). */
+Test(upstream, overlong_authority_is_connect_failed)
+{
+    char url[128] = "http://";
+    memset(url + 7, 'a', 64); /* one DNS label of 64 bytes: over the limit of 63, so no resolver answers it */
+    memcpy(url + 71, "/x", 3);
+    struct up_request req = {
+        .method = "GET", .url = url, .connect_timeout_ms = 2000, .timeout_ms = 5000, .max_response = 1024};
+    struct result res = {0};
+    cm_hdrs_init(&res.hdrs);
+    cr_assert_not_null(up_send(g_cli, &req, on_done, &res));
+    run_until(&res.calls, 1, 10000);
+    cr_assert_eq(res.calls, 1);
+    cr_assert_eq(res.r, UP_CONNECT_FAILED, "got %s (%s)", up_result_name(res.r), res.err);
+    result_free(&res);
+}
