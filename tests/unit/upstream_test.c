@@ -939,6 +939,18 @@ Test(upstream, long_heads)
     evconnlistener_free(l);
 }
 
+/* GET url (a whole URL, not one of reqspec's) on the shared client and wait for its callback (at most 10 s). */
+static void get_url(const char *url, struct result *res)
+{
+    struct up_request req = {
+        .method = "GET", .url = url, .connect_timeout_ms = 2000, .timeout_ms = 5000, .max_response = 1024};
+    memset(res, 0, sizeof *res);
+    cm_hdrs_init(&res->hdrs);
+    cr_assert_not_null(up_send(g_cli, &req, on_done, res));
+    run_until(&res->calls, 1, 10000);
+    cr_assert_eq(res->calls, 1);
+}
+
 /* An IPv6 literal upstream ("http://[::1]:port") through the built-in client. On a machine without an IPv6
  * loopback the same URL must fail as "nothing sent". */
 Test(upstream, ipv6_literal_upstream)
@@ -952,13 +964,8 @@ Test(upstream, ipv6_literal_upstream)
     g_canned = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nv6";
     char url[64];
     snprintf(url, sizeof url, "http://[::1]:%d/raw?q=1", l != NULL ? ntohs(sa.sin6_port) : 1);
-    struct up_request req = {
-        .method = "GET", .url = url, .connect_timeout_ms = 2000, .timeout_ms = 5000, .max_response = 1024};
-    struct result res = {0};
-    cm_hdrs_init(&res.hdrs);
-    cr_assert_not_null(up_send(g_cli, &req, on_done, &res));
-    run_until(&res.calls, 1, 5000);
-    cr_assert_eq(res.calls, 1);
+    struct result res;
+    get_url(url, &res);
     if (l == NULL) {
         cr_assert_eq(res.r, UP_CONNECT_FAILED, "no IPv6 loopback: got %s (%s)", up_result_name(res.r), res.err);
         result_free(&res);
@@ -977,13 +984,8 @@ Test(upstream, overlong_authority_is_connect_failed)
     char url[128] = "http://";
     memset(url + 7, 'a', 64); /* one DNS label of 64 bytes: over the limit of 63, so no resolver answers it */
     memcpy(url + 71, "/x", 3);
-    struct up_request req = {
-        .method = "GET", .url = url, .connect_timeout_ms = 2000, .timeout_ms = 5000, .max_response = 1024};
-    struct result res = {0};
-    cm_hdrs_init(&res.hdrs);
-    cr_assert_not_null(up_send(g_cli, &req, on_done, &res));
-    run_until(&res.calls, 1, 10000);
-    cr_assert_eq(res.calls, 1);
+    struct result res;
+    get_url(url, &res);
     cr_assert_eq(res.r, UP_CONNECT_FAILED, "got %s (%s)", up_result_name(res.r), res.err);
     result_free(&res);
 }
