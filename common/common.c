@@ -652,6 +652,32 @@ uint64_t cm_random_token(void)
 
 /* ---- time */
 
+bool cm_is_tchar(unsigned char ch)
+{
+    return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+           (ch && strchr("!#$%&'*+-.^_`|~", ch) != NULL);
+}
+
+bool cm_token_ok(const char *s, size_t n)
+{
+    if (n == 0)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!cm_is_tchar((unsigned char)s[i]))
+            return false;
+    return true;
+}
+
+bool cm_field_value_ok(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        if ((ch < 0x20 && ch != '\t') || ch == 0x7f)
+            return false;
+    }
+    return true;
+}
+
 bool cm_parse_digits(const char *s, size_t n, size_t max_digits, uint64_t *out)
 {
     if (n == 0 || n > max_digits || n > 19)

@@ -114,6 +114,14 @@ bool cm_consttime_eq(const void *a, size_t alen, const void *b, size_t blen);
 /* 63-bit random token from the OS CSPRNG (never 0). */
 uint64_t cm_random_token(void);
 
+/* ---- HTTP syntax, one rule set for every room (RFC 9110 5.1, 5.5) */
+/* tchar: ALPHA / DIGIT / one of !#$%&'*+-.^_`|~ */
+bool cm_is_tchar(unsigned char ch);
+/* s[0..n) is a token: 1*tchar. */
+bool cm_token_ok(const char *s, size_t n);
+/* s[0..n) may be a field value: no control byte but HTAB, no DEL (obs-text 0x80-0xff is allowed). */
+bool cm_field_value_ok(const char *s, size_t n);
+
 /* ---- time */
 uint64_t cm_now_ms(void); /* monotonic */
 /* 1 to max_digits (at most 19) ASCII decimal digits, nothing else, into *out. */

@@ -358,19 +358,9 @@ static bool expect_type(struct ctx *x, const yaml_node_t *n, yaml_node_type_t t)
 
 /* ---------------------------------------------------------------- value checks */
 
-static bool is_tchar(unsigned char ch)
-{
-    return isalnum(ch) || (ch != '\0' && strchr("!#$%&'*+-.^_`|~", ch) != NULL);
-}
-
 static bool is_token(const char *s)
 {
-    if (*s == '\0')
-        return false;
-    for (; *s; s++)
-        if (!is_tchar((unsigned char)*s))
-            return false;
-    return true;
+    return cm_token_ok(s, strlen(s));
 }
 
 static bool is_name(const char *s)
@@ -1354,6 +1344,7 @@ static const struct field top_fields[] = {
     FIELD_BASE("routes", fn_routes, false),
     FIELD_BASE("default_upstream", fn_default_upstream, false),
     FIELD("max_header_bytes", F_SIZE, struct conf, max_header_bytes, 1, MIB),
+    FIELD("max_response_header_bytes", F_SIZE, struct conf, max_response_header_bytes, 1, MIB),
     FIELD("max_body", F_SIZE, struct conf, max_body, 1, SIZE_MAX_BODY),
     FIELD("max_response", F_SIZE, struct conf, max_response, 1, SIZE_MAX_BODY),
     FIELD("max_connections", F_U32, struct conf, max_connections, 1, 100000),
@@ -1372,6 +1363,7 @@ static void conf_defaults(struct conf *c)
     c->pool = 8;
     c->redis_timeout_ms = 50;
     c->max_header_bytes = 16 * KIB;
+    c->max_response_header_bytes = 16 * KIB;
     c->max_body = MIB;
     c->max_response = 8 * MIB;
     c->max_connections = 4096;

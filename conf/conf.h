@@ -97,6 +97,9 @@ struct conf {
 
     /* Front limits (top-level keys; extensions to SPEC section 3). */
     uint64_t max_header_bytes;  /* default 16KiB -> 431 */
+    /* default 16KiB: an upstream head (status line and header lines) larger than this is an invalid answer (502
+     * upstream-invalid-response), as nginx refuses "upstream sent too big header" */
+    uint64_t max_response_header_bytes;
     uint64_t max_body;          /* default 1MiB, requests no route matches -> 413 */
     uint64_t max_response;      /* default 8MiB, responses of non-idempotent requests */
     uint32_t max_connections;   /* default 4096; beyond: 503 and close */

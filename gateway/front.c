@@ -342,29 +342,18 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     }
 }
 
-static bool is_tchar(unsigned char ch)
-{
-    return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-           (ch && strchr("!#$%&'*+-.^_`|~", ch) != NULL);
-}
-
 /* RFC 9110 field names are tokens; values carry no control byte but HTAB.
  * The value of skip (the idempotency key header, when the key is checked) is
  * left to the key parser, which answers idempotency-key-invalid. */
 static bool headers_well_formed(const struct cm_hdrs *h, const char *skip)
 {
     for (size_t i = 0; i < h->n; i++) {
-        const unsigned char *p = (const unsigned char *)h->v[i].name;
-        if (!*p)
+        if (!cm_token_ok(h->v[i].name, strlen(h->v[i].name)))
             return false;
-        for (; *p; p++)
-            if (!is_tchar(*p))
-                return false;
         if (skip && strcasecmp(h->v[i].name, skip) == 0)
             continue;
-        for (p = (const unsigned char *)h->v[i].value; *p; p++)
-            if ((*p < 0x20 && *p != '\t') || *p == 0x7f)
-                return false;
+        if (!cm_field_value_ok(h->v[i].value, strlen(h->v[i].value)))
+            return false;
     }
     return true;
 }

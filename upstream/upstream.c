@@ -576,22 +576,14 @@ static bool up_has_body(const struct up_request *req)
 
 bool up_token_ok(const char *s, size_t *len)
 {
-    const char *p = s;
-    for (; *p; p++)
-        if ((unsigned char)*p <= 0x20 || (unsigned char)*p >= 0x7f || *p == ':' || *p == ';')
-            return false;
-    *len = (size_t)(p - s);
-    return *len > 0;
+    *len = strlen(s);
+    return cm_token_ok(s, *len);
 }
 
 bool up_value_ok(const char *s, size_t *len)
 {
-    const char *p = s;
-    for (; *p; p++)
-        if (*p == '\r' || *p == '\n')
-            return false;
-    *len = (size_t)(p - s);
-    return true;
+    *len = strlen(s);
+    return cm_field_value_ok(s, *len);
 }
 
 enum up_hdr_kind { UP_HDR_SEND, UP_HDR_SKIP, UP_HDR_ACCEPT, UP_HDR_CTYPE };

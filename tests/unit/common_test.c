@@ -205,3 +205,23 @@ Test(common, parse_digits)
     cr_assert(!cm_parse_digits("12345678901234567890", 20, 20, &v), "over 19 digits");
     cr_assert_eq(v, 7, "a refused input leaves *out alone");
 }
+
+Test(common, http_token_and_field_value)
+{
+    cr_assert(cm_token_ok("X-Request-Id", 12));
+    cr_assert(cm_token_ok("!#$%&'*+-.^_`|~09az", 19));
+    cr_assert(!cm_token_ok("", 0), "empty");
+    cr_assert(!cm_token_ok("X A", 3), "space");
+    cr_assert(!cm_token_ok("X:A", 3), "colon");
+    cr_assert(!cm_token_ok("X\"A", 3), "quote");
+    cr_assert(!cm_token_ok("X\0A", 3), "NUL");
+    cr_assert(!cm_token_ok("X\x80", 2), "obs-text");
+    cr_assert(!cm_token_ok("(A)", 3), "separator");
+    cr_assert(cm_field_value_ok("a b\tc\x80\xff", 7), "SP, HTAB and obs-text are allowed");
+    cr_assert(cm_field_value_ok("", 0));
+    cr_assert(!cm_field_value_ok("a\rb", 3), "bare CR");
+    cr_assert(!cm_field_value_ok("a\nb", 3), "LF");
+    cr_assert(!cm_field_value_ok("a\0b", 3), "NUL");
+    cr_assert(!cm_field_value_ok("a\x7f", 2), "DEL");
+    cr_assert(!cm_field_value_ok("a\x01", 2), "another control byte");
+}

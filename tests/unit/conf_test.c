@@ -130,6 +130,7 @@ Test(conf, example_config_loads)
     cr_expect(c->has_default_upstream);
     cr_expect_eq(c->default_upstream, 0);
     cr_expect_eq(c->max_header_bytes, 16 * 1024);
+    cr_expect_eq(c->max_response_header_bytes, 16 * 1024);
     cr_expect_eq(c->max_body, 1024 * 1024);
     cr_expect_eq(c->max_response, 8 * 1024 * 1024);
     cr_expect_eq(c->max_connections, 4096);
