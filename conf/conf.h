@@ -96,7 +96,7 @@ struct conf {
     size_t default_upstream; /* index, valid when has_default_upstream */
 
     /* Front limits (top-level keys; extensions to SPEC section 3). */
-    uint64_t max_header_bytes;  /* default 16KiB -> 431 */
+    uint64_t max_header_bytes; /* default 16KiB -> 431 */
     /* default 16KiB: an upstream head (status line and header lines) larger than this is an invalid answer (502
      * upstream-invalid-response), as nginx refuses "upstream sent too big header" */
     uint64_t max_response_header_bytes;
