@@ -200,6 +200,8 @@ void conf_destroy(struct conf *c)
         free(c->routes[i].path);
         free(c->routes[i].path_prefix);
         idem_free(&c->routes[i].idem);
+        free(c->routes[i].errors.tmpl);
+        free(c->routes[i].errors.content_type);
     }
     free(c->routes);
     free(c->admin_token);
@@ -1299,11 +1301,104 @@ static void idem_defaults(struct conf_idem *d)
     d->max_response = 8 * MIB;
 }
 
+/* ---- errors: problem | stripe | {template: '...', content_type: ...} */
+
+#define ERRORS_TEMPLATE_MAX 4096
+
+static const char *const tmpl_names[] = {"status", "name", "title", "detail"};
+
+/* Length of a "{lowercase_name}" at s, 0 when s does not start with one. */
+static size_t tmpl_ref_len(const char *s, size_t n)
+{
+    size_t i = 1;
+    if (n < 3 || s[0] != '{')
+        return 0;
+    while (i < n && ((s[i] >= 'a' && s[i] <= 'z') || s[i] == '_'))
+        i++;
+    return (i > 1 && i < n && s[i] == '}') ? i + 1 : 0;
+}
+
+enum conf_tmpl_var conf_tmpl_var_at(const char *s, size_t n, size_t *len)
+{
+    size_t l = tmpl_ref_len(s, n);
+    *len = l;
+    for (size_t v = 0; l && v < NFIELDS(tmpl_names); v++)
+        if (l - 2 == strlen(tmpl_names[v]) && memcmp(s + 1, tmpl_names[v], l - 2) == 0)
+            return (enum conf_tmpl_var)v;
+    return CONF_TMPL_NONE;
+}
+
+static bool fn_errors_template(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_errors *e = target;
+    const char *s = scalar(x, n, "a template text");
+    if (s == NULL)
+        return false;
+    size_t len = strlen(s);
+    if (len > ERRORS_TEMPLATE_MAX)
+        return fail(x, n, "template too long (at most %d bytes)", ERRORS_TEMPLATE_MAX);
+    for (size_t i = 0; i < len; i++) {
+        size_t l;
+        if (s[i] == '{' && conf_tmpl_var_at(s + i, len - i, &l) == CONF_TMPL_NONE && l > 0)
+            return fail(x, n, "unknown placeholder '%.*s' (use {status}, {name}, {title}, {detail})", (int)l, s + i);
+    }
+    free(e->tmpl);
+    e->tmpl = cm_strdup(s);
+    return true;
+}
+
+/* A media type: type "/" subtype, optional parameters; no byte that could end or split a header line. */
+static bool fn_errors_content_type(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_errors *e = target;
+    const char *s = scalar(x, n, "a media type");
+    if (s == NULL)
+        return false;
+    size_t len = strlen(s), t = strcspn(s, "/"), sub = t < len ? strcspn(s + t + 1, ";") : 0;
+    char b[80];
+    if (t == len || !cm_token_ok(s, t) || !cm_token_ok(s + t + 1, sub) || !cm_field_value_ok(s, len) || len > 256)
+        return fail(x, n, "invalid media type '%s' (use type/subtype, e.g. application/json)", shown(b, s));
+    free(e->content_type);
+    e->content_type = cm_strdup(s);
+    return true;
+}
+
+static const struct field errors_fields[] = {
+    FIELD_BASE("template", fn_errors_template, true),
+    FIELD_BASE("content_type", fn_errors_content_type, false),
+};
+
+static bool fn_errors(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_errors *e = target;
+    if (n->type == YAML_MAPPING_NODE) {
+        e->kind = CONF_ERRORS_TEMPLATE;
+        if (!parse_map(x, n, errors_fields, NFIELDS(errors_fields), e))
+            return false;
+        if (e->content_type == NULL)
+            e->content_type = cm_strdup("application/json");
+        return true;
+    }
+    const char *s = scalar(x, n, "problem, stripe or a mapping with template:");
+    if (s == NULL)
+        return false;
+    char b[80];
+    if (strcmp(s, "problem") == 0)
+        e->kind = CONF_ERRORS_PROBLEM;
+    else if (strcmp(s, "stripe") == 0)
+        e->kind = CONF_ERRORS_STRIPE;
+    else
+        return fail(x, n, "invalid value '%s' (use problem, stripe or {template: '...', content_type: ...})",
+                    shown(b, s));
+    return true;
+}
+
 static const struct field route_fields[] = {
     FIELD_FN("name", struct conf_route, name, fn_route_name, true),
     FIELD_BASE("match", fn_match, true),
     FIELD_FN("upstream", struct conf_route, upstream, fn_route_upstream, false),
     FIELD_FN("idempotency", struct conf_route, idem, fn_idem, false),
+    FIELD_FN("errors", struct conf_route, errors, fn_errors, false),
 };
 
 static bool fn_routes(struct ctx *x, yaml_node_t *n, void *target)

@@ -67,6 +67,14 @@ struct conf_idem {
     uint64_t max_response; /* default 8MiB: largest stored/replayed response */
 };
 
+/* How the gateway's own error answers on a route are written (SPEC 9, errors:). */
+enum conf_errors_kind { CONF_ERRORS_PROBLEM = 0, CONF_ERRORS_STRIPE, CONF_ERRORS_TEMPLATE };
+struct conf_errors {
+    enum conf_errors_kind kind; /* default problem (RFC 9457 problem+json) */
+    char *tmpl;                 /* CONF_ERRORS_TEMPLATE: the text with {status} {name} {title} {detail} */
+    char *content_type;         /* CONF_ERRORS_TEMPLATE: default application/json */
+};
+
 struct conf_route {
     char *name;
     char *path;        /* exact path, or NULL */
@@ -74,6 +82,7 @@ struct conf_route {
     unsigned methods;  /* CONF_M_* bits idempotency applies to; default POST|PATCH */
     size_t upstream;   /* index into conf.upstreams */
     struct conf_idem idem;
+    struct conf_errors errors;
 };
 
 struct conf {
@@ -121,6 +130,13 @@ void conf_destroy(struct conf *c); /* NULL is a no-op */
 /* Parsers shared with tests; return false on malformed or out-of-range input. */
 bool conf_parse_duration(const char *s, uint64_t *ms) CM_MUST_CHECK; /* 500ms 30s 5m 24h 7d */
 bool conf_parse_size(const char *s, uint64_t *bytes) CM_MUST_CHECK;  /* 512B 64KiB 1MiB 1GiB, bare number = bytes */
+
+/* Placeholders an errors template may use, in the order of enum conf_tmpl_var. */
+enum conf_tmpl_var { CONF_TMPL_STATUS, CONF_TMPL_NAME, CONF_TMPL_TITLE, CONF_TMPL_DETAIL, CONF_TMPL_NONE };
+/* The placeholder starting at s[0] == '{' (s[0..n)): CONF_TMPL_NONE when s is not one of {status} {name} {title}
+ * {detail} (then '{' is a literal); *len gets the placeholder's length. A '{' followed by a lower-case name and '}'
+ * that is none of them makes the template invalid (conf refuses it). */
+enum conf_tmpl_var conf_tmpl_var_at(const char *s, size_t n, size_t *len);
 
 /* First route whose path matches (path_prefix by whole segments), or NULL. */
 const struct conf_route *conf_match_route(const struct conf *c, const char *path);

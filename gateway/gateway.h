@@ -123,8 +123,12 @@ struct gw_job {
     struct gw_job *next_active, *prev_active; /* loop's list of running jobs */
 };
 
-/* Fills the answer with a problem+json body. */
+/* Fills the answer with the gateway error, written in the route's errors format (problem+json without a route);
+ * gateway/problem.c. extra: NULL or more JSON members ("\"current\":11"). Every error the pipeline and the front
+ * answer goes through here. */
 void gw_job_problem(struct gw_job *job, int status, const char *name, const char *title, const char *detail);
+void gw_job_problem_ext(struct gw_job *job, int status, const char *name, const char *title, const char *detail,
+                        const char *extra);
 /* Loop thread: runs the pipeline for a submitted job; ends in gw_job_done. */
 void gw_pipeline_run(void *job);
 /* Loop thread: the answer is ready; hands the job back to the front. */

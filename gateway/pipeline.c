@@ -15,20 +15,6 @@
 
 static void claim(struct gw_job *job);
 
-void gw_job_problem(struct gw_job *job, int status, const char *name, const char *title, const char *detail)
-{
-    size_t len;
-    char *json = gw_problem_json(status, name, title, detail, &len);
-    cm_hdrs_free(&job->resp_hdrs);
-    cm_buf_free(&job->resp_body);
-    cm_buf_init(&job->resp_body, len + 1);
-    if (!cm_buf_append(&job->resp_body, json, len))
-        abort(); /* cannot happen: the cap fits */
-    free(json);
-    cm_hdrs_add(&job->resp_hdrs, "Content-Type", GW_PROBLEM_CONTENT_TYPE);
-    job->status = status;
-}
-
 static void retry_after(struct gw_job *job, uint64_t ms)
 {
     char v[32];

@@ -115,3 +115,153 @@ Test(problem, json_escape_cap)
     cr_assert_eq(b.len, 5);
     cm_buf_free(&b);
 }
+
+/* ---- errors: formats (SPEC 9): problem, stripe, template; conf parses them */
+
+#include "conf/conf.h"
+
+#define ERR_BASE                                                                                                       \
+    "store:\n  postgres: postgres://u@127.0.0.1/db\n"                                                                  \
+    "upstreams:\n  - name: api\n    url: http://127.0.0.1:9000\n"                                                      \
+    "routes:\n  - name: p\n    match: {path: /a}\n    upstream: api\n"
+
+static struct conf *load_errors(const char *errors_yaml, char **err)
+{
+    char yaml[2048];
+    snprintf(yaml, sizeof yaml, ERR_BASE "%s", errors_yaml);
+    *err = NULL;
+    return conf_load_string("t.yaml", yaml, strlen(yaml), err);
+}
+
+static char *render(const struct conf_errors *e, int status, const char *name, const char *detail, const char *extra,
+                    const char **ct)
+{
+    struct gw_problem p = {status, name, "A title", detail, extra};
+    size_t len = 0;
+    char *s = gw_problem_render(e, &p, &len, ct);
+    cr_assert_eq(len, strlen(s));
+    return s;
+}
+
+Test(problem_errors, conf_default_is_problem)
+{
+    char *err;
+    struct conf *c = load_errors("", &err);
+    cr_assert_not_null(c, "%s", err);
+    cr_assert_eq(c->routes[0].errors.kind, CONF_ERRORS_PROBLEM);
+    const char *ct;
+    char *s = render(&c->routes[0].errors, 409, "idempotency-key-in-use", "busy", NULL, &ct);
+    cr_assert_str_eq(ct, "application/problem+json");
+    cr_assert_str_eq(s, "{\"type\":\"urn:idemgate:problem:idempotency-key-in-use\",\"title\":\"A title\","
+                        "\"status\":409,\"detail\":\"busy\"}");
+    free(s);
+    conf_destroy(c);
+}
+
+Test(problem_errors, stripe_types_by_status_and_name)
+{
+    static const struct {
+        int status;
+        const char *name;
+        const char *type;
+    } cases[] = {
+        {401, "invalid-credentials", "authentication_error"},
+        {409, "idempotency-key-in-use", "idempotency_error"},
+        {409, "idempotency-outcome-unknown", "idempotency_error"},
+        {422, "idempotency-key-mismatch", "idempotency_error"},
+        {409, "stale-sequence", "idempotency_error"},
+        {409, "sequence-gap", "idempotency_error"},
+        {409, "sequence-in-use", "idempotency_error"},
+        {400, "idempotency-key-missing", "invalid_request_error"},
+        {400, "idempotency-key-invalid", "invalid_request_error"},
+        {400, "sequence-invalid", "invalid_request_error"},
+        {400, "bad-request", "invalid_request_error"},
+        {404, "route-not-found", "invalid_request_error"},
+        {413, "payload-too-large", "invalid_request_error"},
+        {431, "request-header-fields-too-large", "invalid_request_error"},
+        {409, "something-else", "invalid_request_error"},
+        {502, "upstream-unavailable", "api_error"},
+        {502, "upstream-invalid-response", "api_error"},
+        {503, "store-unavailable", "api_error"},
+        {504, "upstream-timeout", "api_error"},
+    };
+    struct conf_errors e = {.kind = CONF_ERRORS_STRIPE};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        cr_expect_str_eq(gw_problem_stripe_type(cases[i].status, cases[i].name), cases[i].type, "%d %s",
+                         cases[i].status, cases[i].name);
+        const char *ct;
+        char *s = render(&e, cases[i].status, cases[i].name, "the \"detail\"", NULL, &ct);
+        char want[512];
+        snprintf(want, sizeof want, "{\"error\":{\"type\":\"%s\",\"code\":\"%s\",\"message\":\"the \\\"detail\\\"\"}}",
+                 cases[i].type, cases[i].name);
+        cr_expect_str_eq(s, want);
+        cr_expect_str_eq(ct, "application/json");
+        free(s);
+    }
+}
+
+Test(problem_errors, extra_members_go_into_the_object)
+{
+    const char *ct;
+    struct conf_errors stripe = {.kind = CONF_ERRORS_STRIPE};
+    char *s = render(&stripe, 409, "stale-sequence", "old", "\"current\":11", &ct);
+    cr_assert_str_eq(s, "{\"error\":{\"type\":\"idempotency_error\",\"code\":\"stale-sequence\",\"message\":\"old\","
+                        "\"current\":11}}");
+    free(s);
+    s = render(NULL, 409, "stale-sequence", "old", "\"current\":11", &ct);
+    cr_assert_str_eq(s, "{\"type\":\"urn:idemgate:problem:stale-sequence\",\"title\":\"A title\",\"status\":409,"
+                        "\"detail\":\"old\",\"current\":11}");
+    cr_assert_str_eq(ct, "application/problem+json");
+    free(s);
+}
+
+Test(problem_errors, template_substitutes_escaped_values)
+{
+    char *err;
+    struct conf *c = load_errors("    errors:\n      template: '{\"err\":{\"code\":\"{name}\",\"http\":{status},"
+                                 "\"msg\":\"{title}: {detail}\",\"lit\":\"{x\"}}'\n",
+                                 &err);
+    cr_assert_not_null(c, "%s", err);
+    cr_assert_eq(c->routes[0].errors.kind, CONF_ERRORS_TEMPLATE);
+    const char *ct;
+    char *s = render(&c->routes[0].errors, 422, "idempotency-key-mismatch", "a \"quoted\"\nline\\", NULL, &ct);
+    cr_assert_str_eq(s, "{\"err\":{\"code\":\"idempotency-key-mismatch\",\"http\":422,"
+                        "\"msg\":\"A title: a \\\"quoted\\\"\\u000aline\\\\\",\"lit\":\"{x\"}}");
+    cr_assert_str_eq(ct, "application/json", "content_type defaults to application/json");
+    free(s);
+    conf_destroy(c);
+
+    c = load_errors("    errors: {template: '<e>{name}</e>', content_type: 'application/vnd.err+xml; charset=utf-8'}\n",
+                    &err);
+    cr_assert_not_null(c, "%s", err);
+    s = render(&c->routes[0].errors, 503, "store-unavailable", "", NULL, &ct);
+    cr_assert_str_eq(s, "<e>store-unavailable</e>");
+    cr_assert_str_eq(ct, "application/vnd.err+xml; charset=utf-8");
+    free(s);
+    conf_destroy(c);
+}
+
+Test(problem_errors, conf_refuses_bad_errors)
+{
+    static const struct {
+        const char *yaml;
+        const char *want;
+    } cases[] = {
+        {"    errors: stripes\n", "t.yaml:10: routes[0].errors: invalid value 'stripes'"},
+        {"    errors: {template: '{\"e\":\"{nam}\"}'}\n", "routes[0].errors.template: unknown placeholder '{nam}'"},
+        {"    errors: {template: '{code}'}\n", "unknown placeholder '{code}'"},
+        {"    errors: {content_type: text/plain}\n", "routes[0].errors.template: missing required key"},
+        {"    errors: {template: x, content_type: \"text/plain\\r\\nX-Evil: 1\"}\n", "invalid media type"},
+        {"    errors: {template: x, content_type: plain}\n", "invalid media type 'plain'"},
+        {"    errors: {template: x, colour: red}\n", "routes[0].errors.colour: unknown key"},
+        {"    errors: [problem]\n", "routes[0].errors:"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *err;
+        struct conf *c = load_errors(cases[i].yaml, &err);
+        cr_expect_null(c, "accepted: %s", cases[i].yaml);
+        cr_expect(err && strstr(err, cases[i].want), "%s: got %s", cases[i].yaml, err ? err : "(none)");
+        conf_destroy(c);
+        free(err);
+    }
+}
