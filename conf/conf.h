@@ -85,6 +85,16 @@ struct conf_route {
     struct conf_errors errors;
 };
 
+/* Top-level jwt: how jwt:CLAIM scope parts verify the bearer token (SPEC 9). */
+struct conf_jwt {
+    bool enabled;       /* a jwt: block was given */
+    char *keys_file;    /* JWKS file (RS256, ES256 keys), or NULL */
+    char *secret_env;   /* name of the environment variable holding the HS256 secret, or NULL */
+    char *issuer;       /* NULL: iss not checked */
+    char *audience;     /* NULL: aud not checked */
+    uint64_t leeway_ms; /* default 30s, for exp and nbf */
+};
+
 struct conf {
     char *file;                    /* path the config was read from */
     struct conf_addr listen;       /* default 127.0.0.1:8080 */

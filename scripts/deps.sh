@@ -9,7 +9,7 @@ set -euo pipefail
 PKGS=(
     build-essential meson ninja-build pkg-config
     libmicrohttpd-dev libcurl4-openssl-dev libhiredis-dev libpq-dev libssl-dev libyaml-dev libevent-dev
-    libcriterion-dev
+    libcriterion-dev libjansson-dev
     postgresql-15 postgresql-client-15 redis-server redis-tools
     curl ca-certificates clang clang-format libclang-rt-14-dev valgrind
     iproute2 procps util-linux

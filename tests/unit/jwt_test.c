@@ -1,0 +1,392 @@
+/* jwt_test.c - bearer JWT verification: HS256, RS256 and ES256 tokens signed here with OpenSSL (keys made per run,
+ * the JWKS written to a temp file), every way a token is refused, and the claim values scopes read. */
+#include <criterion/criterion.h>
+#include <openssl/bn.h>
+#include <openssl/core_names.h>
+#include <openssl/ecdsa.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rsa.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/common.h"
+#include "conf/conf.h"
+#include "gateway/jwt.h"
+
+#define SECRET "0123456789abcdef0123456789abcdef-hs256-test"
+#define NOW    1900000000LL
+
+static EVP_PKEY *rsa, *rsa_other, *ec;
+static char jwks_path[256];
+
+static void b64url(const unsigned char *p, size_t n, char *out)
+{
+    static const char a[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    size_t o = 0;
+    for (size_t i = 0; i < n; i += 3) {
+        uint32_t v = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
+        out[o++] = a[v >> 18 & 63];
+        out[o++] = a[v >> 12 & 63];
+        if (i + 1 < n)
+            out[o++] = a[v >> 6 & 63];
+        if (i + 2 < n)
+            out[o++] = a[v & 63];
+    }
+    out[o] = '\0';
+}
+
+static void b64url_str(const char *s, char *out)
+{
+    b64url((const unsigned char *)s, strlen(s), out);
+}
+
+static void bn_b64(EVP_PKEY *k, const char *param, char *out)
+{
+    BIGNUM *bn = NULL;
+    cr_assert(EVP_PKEY_get_bn_param(k, param, &bn) == 1);
+    unsigned char buf[512];
+    int n = BN_bn2bin(bn, buf);
+    b64url(buf, (size_t)n, out);
+    BN_free(bn);
+}
+
+static void ec_xy(EVP_PKEY *k, char *x, char *y)
+{
+    unsigned char pub[65];
+    size_t len = 0;
+    cr_assert(EVP_PKEY_get_octet_string_param(k, OSSL_PKEY_PARAM_PUB_KEY, pub, sizeof pub, &len) == 1 && len == 65);
+    b64url(pub + 1, 32, x);
+    b64url(pub + 33, 32, y);
+}
+
+static void write_jwks(void)
+{
+    char n[600], e[16], x[64], y[64], n2[600];
+    bn_b64(rsa, OSSL_PKEY_PARAM_RSA_N, n);
+    bn_b64(rsa, OSSL_PKEY_PARAM_RSA_E, e);
+    bn_b64(rsa_other, OSSL_PKEY_PARAM_RSA_N, n2);
+    ec_xy(ec, x, y);
+    snprintf(jwks_path, sizeof jwks_path, "/tmp/jwt_test_%d.jwks", (int)getpid());
+    FILE *f = fopen(jwks_path, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{\"keys\":[{\"kty\":\"RSA\",\"kid\":\"r1\",\"use\":\"sig\",\"alg\":\"RS256\",\"n\":\"%s\",\"e\":\"%s\"},"
+            "{\"kty\":\"RSA\",\"kid\":\"r2\",\"n\":\"%s\",\"e\":\"%s\"},"
+            "{\"kty\":\"EC\",\"kid\":\"e1\",\"crv\":\"P-256\",\"x\":\"%s\",\"y\":\"%s\"},"
+            "{\"kty\":\"oct\",\"kid\":\"skipped\",\"k\":\"AAAA\"}]}",
+            n, e, n2, e, x, y);
+    fclose(f);
+}
+
+static void setup(void)
+{
+    rsa = EVP_RSA_gen(2048);
+    rsa_other = EVP_RSA_gen(2048);
+    ec = EVP_EC_gen("P-256");
+    cr_assert(rsa && rsa_other && ec);
+    write_jwks();
+    setenv("JWT_TEST_SECRET", SECRET, 1);
+}
+
+static void teardown(void)
+{
+    EVP_PKEY_free(rsa);
+    EVP_PKEY_free(rsa_other);
+    EVP_PKEY_free(ec);
+    unlink(jwks_path);
+}
+
+TestSuite(jwt, .init = setup, .fini = teardown);
+
+/* "Bearer " + a token with header and payload JSON, signed by alg with key (HS256: SECRET). */
+static char *token(const char *alg_name, EVP_PKEY *key, const char *hdr_json, const char *payload_json)
+{
+    static char out[8192];
+    char h[2048], p[4096], sig[1024] = "";
+    b64url_str(hdr_json, h);
+    b64url_str(payload_json, p);
+    char msg[6200];
+    snprintf(msg, sizeof msg, "%s.%s", h, p);
+    unsigned char raw[1024];
+    size_t rawlen = 0;
+    if (strcmp(alg_name, "HS256") == 0) {
+        unsigned int l = 0;
+        HMAC(EVP_sha256(), SECRET, (int)strlen(SECRET), (unsigned char *)msg, strlen(msg), raw, &l);
+        rawlen = l;
+    } else if (key) {
+        EVP_MD_CTX *m = EVP_MD_CTX_new();
+        unsigned char der[1024];
+        size_t dl = sizeof der;
+        cr_assert(EVP_DigestSignInit(m, NULL, EVP_sha256(), NULL, key) == 1);
+        cr_assert(EVP_DigestSign(m, der, &dl, (unsigned char *)msg, strlen(msg)) == 1);
+        EVP_MD_CTX_free(m);
+        if (strcmp(alg_name, "ES256") == 0) { /* DER -> r || s */
+            const unsigned char *q = der;
+            ECDSA_SIG *es = d2i_ECDSA_SIG(NULL, &q, (long)dl);
+            cr_assert_not_null(es);
+            BN_bn2binpad(ECDSA_SIG_get0_r(es), raw, 32);
+            BN_bn2binpad(ECDSA_SIG_get0_s(es), raw + 32, 32);
+            ECDSA_SIG_free(es);
+            rawlen = 64;
+        } else {
+            memcpy(raw, der, dl);
+            rawlen = dl;
+        }
+    }
+    b64url(raw, rawlen, sig);
+    snprintf(out, sizeof out, "Bearer %s.%s", msg, sig);
+    return out;
+}
+
+static struct gw_jwt *verifier(const char *iss, const char *aud)
+{
+    struct conf_jwt c = {.enabled = true,
+                         .keys_file = jwks_path,
+                         .secret_env = "JWT_TEST_SECRET",
+                         .issuer = (char *)iss,
+                         .audience = (char *)aud,
+                         .leeway_ms = 30000};
+    char *err = NULL;
+    struct gw_jwt *j = gw_jwt_create(&c, &err);
+    cr_assert_not_null(j, "%s", err ? err : "");
+    return j;
+}
+
+static enum gw_jwt_result check(const struct gw_jwt *j, const char *authz, char **sub)
+{
+    struct gw_jwt_claims *cl = NULL;
+    enum gw_jwt_result r = gw_jwt_verify(j, authz, NOW, &cl);
+    if (sub) {
+        size_t len = 0;
+        *sub = r == GW_JWT_OK ? gw_jwt_claim(cl, "sub", &len) : NULL;
+    }
+    cr_assert_eq(r == GW_JWT_OK, cl != NULL, "claims are handed out exactly on success");
+    gw_jwt_claims_free(cl);
+    return r;
+}
+
+#define PAYLOAD(extra) "{\"sub\":\"user-42\",\"exp\":1900000100" extra "}"
+
+Test(jwt, valid_tokens_of_each_algorithm)
+{
+    struct gw_jwt *j = verifier(NULL, NULL);
+    char *sub;
+    cr_expect_eq(check(j, token("HS256", NULL, "{\"alg\":\"HS256\",\"typ\":\"JWT\"}", PAYLOAD("")), &sub), GW_JWT_OK);
+    cr_expect_str_eq(sub, "user-42");
+    free(sub);
+    cr_expect_eq(check(j, token("RS256", rsa, "{\"alg\":\"RS256\",\"kid\":\"r1\"}", PAYLOAD("")), NULL), GW_JWT_OK);
+    cr_expect_eq(check(j, token("RS256", rsa_other, "{\"alg\":\"RS256\",\"kid\":\"r2\"}", PAYLOAD("")), NULL),
+                 GW_JWT_OK);
+    cr_expect_eq(check(j, token("RS256", rsa_other, "{\"alg\":\"RS256\"}", PAYLOAD("")), NULL), GW_JWT_OK,
+                 "no kid: every key of the algorithm is tried");
+    cr_expect_eq(check(j, token("ES256", ec, "{\"alg\":\"ES256\",\"kid\":\"e1\"}", PAYLOAD("")), NULL), GW_JWT_OK);
+    cr_expect_eq(check(j, token("ES256", ec, "{\"alg\":\"ES256\"}", PAYLOAD("")), NULL), GW_JWT_OK);
+    char *lower = cm_strdup(token("HS256", NULL, "{\"alg\":\"HS256\"}", PAYLOAD("")));
+    memcpy(lower, "bEARER", 6);
+    cr_expect_eq(check(j, lower, NULL), GW_JWT_OK, "Bearer is case-insensitive");
+    free(lower);
+    gw_jwt_destroy(j);
+}
+
+Test(jwt, a_refreshed_token_has_the_same_subject)
+{
+    struct gw_jwt *j = verifier(NULL, NULL);
+    char *a, *b;
+    char *t1 = cm_strdup(token("HS256", NULL, "{\"alg\":\"HS256\"}", PAYLOAD(",\"iat\":1899999000,\"jti\":\"a\"")));
+    char *t2 = cm_strdup(token("RS256", rsa, "{\"alg\":\"RS256\"}", PAYLOAD(",\"iat\":1899999900,\"jti\":\"b\"")));
+    cr_assert_str_neq(t1, t2);
+    cr_assert_eq(check(j, t1, &a), GW_JWT_OK);
+    cr_assert_eq(check(j, t2, &b), GW_JWT_OK);
+    cr_expect_str_eq(a, b);
+    free(a);
+    free(b);
+    free(t1);
+    free(t2);
+    gw_jwt_destroy(j);
+}
+
+Test(jwt, time_checks_with_leeway)
+{
+    struct gw_jwt *j = verifier(NULL, NULL);
+    const char *h = "{\"alg\":\"HS256\"}";
+    cr_expect_eq(check(j, token("HS256", NULL, h, "{\"sub\":\"u\",\"exp\":1899999900}"), NULL), GW_JWT_EXPIRED);
+    cr_expect_eq(check(j, token("HS256", NULL, h, "{\"sub\":\"u\",\"exp\":1899999980}"), NULL), GW_JWT_OK,
+                 "20 s past exp is within the 30 s leeway");
+    cr_expect_eq(check(j, token("HS256", NULL, h, "{\"sub\":\"u\",\"exp\":1899999970}"), NULL), GW_JWT_EXPIRED,
+                 "exactly exp + leeway is expired");
+    cr_expect_eq(check(j, token("HS256", NULL, h, "{\"sub\":\"u\"}"), NULL), GW_JWT_EXPIRED, "exp is required");
+    cr_expect_eq(check(j, token("HS256", NULL, h, "{\"sub\":\"u\",\"exp\":\"1900000100\"}"), NULL), GW_JWT_MALFORMED);
+    cr_expect_eq(check(j, token("HS256", NULL, h, PAYLOAD(",\"nbf\":1900000060")), NULL), GW_JWT_NOT_YET);
+    cr_expect_eq(check(j, token("HS256", NULL, h, PAYLOAD(",\"nbf\":1900000020")), NULL), GW_JWT_OK,
+                 "nbf 20 s ahead is within the leeway");
+    cr_expect_eq(check(j, token("HS256", NULL, h, PAYLOAD(",\"nbf\":\"soon\"")), NULL), GW_JWT_MALFORMED);
+    gw_jwt_destroy(j);
+}
+
+Test(jwt, issuer_and_audience)
+{
+    struct gw_jwt *j = verifier("https://auth.example", "payments");
+    const char *h = "{\"alg\":\"HS256\"}";
+    cr_expect_eq(
+        check(j, token("HS256", NULL, h, PAYLOAD(",\"iss\":\"https://auth.example\",\"aud\":\"payments\"")), NULL),
+        GW_JWT_OK);
+    cr_expect_eq(
+        check(j,
+              token("HS256", NULL, h, PAYLOAD(",\"iss\":\"https://auth.example\",\"aud\":[\"ledger\",\"payments\"]")),
+              NULL),
+        GW_JWT_OK, "aud may be an array");
+    cr_expect_eq(
+        check(j, token("HS256", NULL, h, PAYLOAD(",\"iss\":\"https://evil.example\",\"aud\":\"payments\"")), NULL),
+        GW_JWT_ISSUER);
+    cr_expect_eq(check(j, token("HS256", NULL, h, PAYLOAD(",\"aud\":\"payments\"")), NULL), GW_JWT_ISSUER,
+                 "a configured issuer is required");
+    cr_expect_eq(check(j,
+                       token("HS256", NULL, h,
+                             PAYLOAD(",\"iss\":\"https://auth.example\\u0000x\",\"aud\":"
+                                     "\"payments\"")),
+                       NULL),
+                 GW_JWT_MALFORMED, "an embedded NUL: the payload is refused (jansson without JSON_ALLOW_NUL)");
+    cr_expect_eq(
+        check(j, token("HS256", NULL, h, PAYLOAD(",\"iss\":\"https://auth.example\",\"aud\":[\"ledger\"]")), NULL),
+        GW_JWT_AUDIENCE);
+    cr_expect_eq(check(j, token("HS256", NULL, h, PAYLOAD(",\"iss\":\"https://auth.example\"")), NULL),
+                 GW_JWT_AUDIENCE);
+    gw_jwt_destroy(j);
+}
+
+Test(jwt, forged_and_malformed_tokens)
+{
+    struct gw_jwt *j = verifier(NULL, NULL);
+    char b1[64], b2[128];
+    /* alg none, with and without a signature part */
+    b64url_str("{\"alg\":\"none\"}", b1);
+    b64url_str(PAYLOAD(""), b2);
+    char t[512];
+    snprintf(t, sizeof t, "Bearer %s.%s.", b1, b2);
+    cr_expect_eq(check(j, t, NULL), GW_JWT_ALG, "alg none");
+    b64url_str("{\"alg\":\"None\"}", b1);
+    snprintf(t, sizeof t, "Bearer %s.%s.", b1, b2);
+    cr_expect_eq(check(j, t, NULL), GW_JWT_ALG, "alg None");
+    cr_expect_eq(check(j, token("HS256", NULL, "{\"alg\":\"HS384\"}", PAYLOAD("")), NULL), GW_JWT_ALG);
+    cr_expect_eq(check(j, token("HS256", NULL, "{\"alg\":\"HS256\",\"crit\":[\"exp\"]}", PAYLOAD("")), NULL),
+                 GW_JWT_ALG, "crit names nothing we understand");
+    /* a flipped signature byte, another key, a key of another kid */
+    char *good = cm_strdup(token("RS256", rsa, "{\"alg\":\"RS256\"}", PAYLOAD("")));
+    size_t n = strlen(good);
+    good[n - 3] = good[n - 3] == 'A' ? 'B' : 'A';
+    cr_expect_eq(check(j, good, NULL), GW_JWT_BAD_SIGNATURE);
+    free(good);
+    cr_expect_eq(check(j, token("RS256", rsa, "{\"alg\":\"RS256\",\"kid\":\"r2\"}", PAYLOAD("")), NULL),
+                 GW_JWT_BAD_SIGNATURE, "kid r2 is not the key that signed");
+    cr_expect_eq(check(j, token("RS256", rsa, "{\"alg\":\"RS256\",\"kid\":\"nope\"}", PAYLOAD("")), NULL),
+                 GW_JWT_BAD_SIGNATURE);
+    EVP_PKEY *stranger = EVP_RSA_gen(2048);
+    cr_expect_eq(check(j, token("RS256", stranger, "{\"alg\":\"RS256\"}", PAYLOAD("")), NULL), GW_JWT_BAD_SIGNATURE);
+    EVP_PKEY_free(stranger);
+    cr_expect_eq(check(j, token("ES256", ec, "{\"alg\":\"RS256\"}", PAYLOAD("")), NULL), GW_JWT_BAD_SIGNATURE,
+                 "an ES256 signature under alg RS256");
+    /* the payload changed after signing */
+    char *sw = cm_strdup(token("HS256", NULL, "{\"alg\":\"HS256\"}", PAYLOAD("")));
+    char *d1 = strchr(sw, '.'), *d2 = strchr(d1 + 1, '.');
+    char other[128];
+    b64url_str("{\"sub\":\"admin\",\"exp\":1900000100}", other);
+    char t2[1024];
+    snprintf(t2, sizeof t2, "%.*s.%s%s", (int)(d1 - sw), sw, other, d2);
+    cr_expect_eq(check(j, t2, NULL), GW_JWT_BAD_SIGNATURE);
+    free(sw);
+    /* shapes */
+    cr_expect_eq(check(j, NULL, NULL), GW_JWT_MISSING);
+    cr_expect_eq(check(j, "Basic dXNlcjpwYXNz", NULL), GW_JWT_MISSING);
+    cr_expect_eq(check(j, "Bearer ", NULL), GW_JWT_MISSING);
+    cr_expect_eq(check(j, "Bearer abc", NULL), GW_JWT_MALFORMED);
+    cr_expect_eq(check(j, "Bearer a.b", NULL), GW_JWT_MALFORMED);
+    cr_expect_eq(check(j, "Bearer a.b.c.d", NULL), GW_JWT_MALFORMED);
+    cr_expect_eq(check(j, "Bearer !!!.b.c", NULL), GW_JWT_MALFORMED);
+    b64url_str("[1,2]", b1);
+    snprintf(t, sizeof t, "Bearer %s.%s.abc", b1, b2);
+    cr_expect_eq(check(j, t, NULL), GW_JWT_MALFORMED, "a header that is not an object");
+    char *pad = cm_strdup(token("HS256", NULL, "{\"alg\":\"HS256\"}", PAYLOAD("")));
+    char t3[1024];
+    snprintf(t3, sizeof t3, "%s=", pad);
+    cr_expect_eq(check(j, t3, NULL), GW_JWT_MALFORMED, "padding is not base64url");
+    free(pad);
+    gw_jwt_destroy(j);
+}
+
+Test(jwt, algorithm_confusion_rsa_key_as_hmac_secret)
+{
+    /* Only a JWKS: an HS256 token whose secret is the RSA key's public bytes must not pass. */
+    struct conf_jwt c = {.enabled = true, .keys_file = jwks_path, .leeway_ms = 30000};
+    char *err = NULL;
+    struct gw_jwt *j = gw_jwt_create(&c, &err);
+    cr_assert_not_null(j, "%s", err ? err : "");
+    cr_expect_eq(check(j, token("HS256", NULL, "{\"alg\":\"HS256\"}", PAYLOAD("")), NULL), GW_JWT_ALG,
+                 "no HS256 secret configured: no HS256 token is accepted");
+    gw_jwt_destroy(j);
+}
+
+Test(jwt, claims_as_scope_values)
+{
+    struct gw_jwt *j = verifier(NULL, NULL);
+    struct gw_jwt_claims *cl = NULL;
+    cr_assert_eq(gw_jwt_verify(j,
+                               token("HS256", NULL, "{\"alg\":\"HS256\"}",
+                                     "{\"sub\":\"u\",\"exp\":1900000100,\"org\":{\"b\":2,\"a\":1},\"n\":7,\"z\":null}"),
+                               NOW, &cl),
+                 GW_JWT_OK);
+    size_t len;
+    char *v = gw_jwt_claim(cl, "org", &len);
+    cr_expect_str_eq(v, "{\"a\":1,\"b\":2}", "objects in compact JSON, keys sorted");
+    free(v);
+    v = gw_jwt_claim(cl, "n", &len);
+    cr_expect_str_eq(v, "7");
+    free(v);
+    cr_expect_null(gw_jwt_claim(cl, "z", &len), "a null claim is missing");
+    cr_expect_null(gw_jwt_claim(cl, "tenant", &len));
+    gw_jwt_claims_free(cl);
+    gw_jwt_destroy(j);
+}
+
+static void expect_create_fails(const struct conf_jwt *c, const char *want)
+{
+    char *err = NULL;
+    struct gw_jwt *j = gw_jwt_create(c, &err);
+    cr_expect_null(j);
+    cr_expect(err && strstr(err, want), "want '%s', got '%s'", want, err ? err : "(none)");
+    free(err);
+    gw_jwt_destroy(j);
+}
+
+Test(jwt, bad_key_configuration)
+{
+    struct conf_jwt c = {.enabled = true, .secret_env = "JWT_TEST_UNSET_VAR"};
+    unsetenv("JWT_TEST_UNSET_VAR");
+    expect_create_fails(&c, "JWT_TEST_UNSET_VAR is not set");
+    setenv("JWT_TEST_SHORT", "short", 1);
+    c.secret_env = "JWT_TEST_SHORT";
+    expect_create_fails(&c, "at least 32 bytes");
+    c.secret_env = NULL;
+    c.keys_file = "/nonexistent/jwks.json";
+    expect_create_fails(&c, "cannot open");
+    char path[256];
+    snprintf(path, sizeof path, "/tmp/jwt_test_bad_%d.json", (int)getpid());
+    static const char *const bad[][2] = {
+        {"{\"keys\":[", "invalid JSON"},
+        {"{\"nokeys\":[]}", "not a JWKS"},
+        {"{\"keys\":[{\"kty\":\"oct\",\"k\":\"AAAA\"}]}", "no RS256"},
+        {"{\"keys\":[{\"kty\":\"RSA\",\"kid\":\"x\",\"n\":\"AQAB\",\"e\":\"AQAB\"}]}", "at least 2048 bits"},
+        {"{\"keys\":[{\"kty\":\"RSA\",\"n\":\"not base64!\",\"e\":\"AQAB\"}]}", "needs base64url n and e"},
+        {"{\"keys\":[{\"kty\":\"EC\",\"crv\":\"P-256\",\"x\":\"AAAA\",\"y\":\"AAAA\"}]}", "32-byte"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        FILE *f = fopen(path, "w");
+        fputs(bad[i][0], f);
+        fclose(f);
+        c.keys_file = path;
+        expect_create_fails(&c, bad[i][1]);
+    }
+    unlink(path);
+}
