@@ -205,6 +205,10 @@ void conf_destroy(struct conf *c)
     }
     free(c->routes);
     free(c->admin_token);
+    free(c->jwt.keys_file);
+    free(c->jwt.secret_env);
+    free(c->jwt.issuer);
+    free(c->jwt.audience);
     free(c);
 }
 
@@ -231,6 +235,8 @@ struct ctx {
     size_t key_line; /* 1-based line of the key whose value is being parsed */
     struct upref *refs;
     size_t refs_n;
+    size_t jwt_part_line; /* first jwt:CLAIM scope part, 0: none */
+    char jwt_part_path[PATH_BUF];
 };
 
 static size_t node_line(const yaml_node_t *n)
@@ -1138,7 +1144,7 @@ static bool fn_match(struct ctx *x, yaml_node_t *n, void *target)
 
 /* ---- idempotency */
 
-static bool parse_parts(struct ctx *x, yaml_node_t *n, struct conf_part **out, size_t *out_n)
+static bool parse_parts(struct ctx *x, yaml_node_t *n, struct conf_part **out, size_t *out_n, bool allow_jwt)
 {
     if (!expect_type(x, n, YAML_SEQUENCE_NODE))
         return false;
@@ -1148,7 +1154,9 @@ static bool parse_parts(struct ctx *x, yaml_node_t *n, struct conf_part **out, s
     for (size_t i = 0; i < cnt; i++) {
         yaml_node_t *m = yaml_document_get_node(x->doc, n->data.sequence.items.start[i]);
         size_t old = path_push(x, "[%zu]", i);
-        const char *s = scalar(x, m, "method, path, query, body or header:NAME");
+        const char *s = scalar(x, m,
+                               allow_jwt ? "method, path, query, body, header:NAME or jwt:CLAIM"
+                                         : "method, path, query, body or header:NAME");
         if (s == NULL)
             goto fail;
         struct conf_part p = {0};
@@ -1171,18 +1179,32 @@ static bool parse_parts(struct ctx *x, yaml_node_t *n, struct conf_part **out, s
                 goto fail;
             }
             p.kind = CONF_PART_HEADER;
+        } else if (allow_jwt && strncmp(s, "jwt:", 4) == 0) {
+            if (s[4] == '\0' || strlen(s + 4) > 128 || !cm_field_value_ok(s + 4, strlen(s + 4))) {
+                fail(x, m, "'jwt:' needs a claim name (e.g. jwt:sub)");
+                goto fail;
+            }
+            p.kind = CONF_PART_JWT;
+            if (x->jwt_part_line == 0) {
+                x->jwt_part_line = node_line(m);
+                snprintf(x->jwt_part_path, sizeof x->jwt_part_path, "%s", x->path);
+            }
         } else {
-            fail(x, m, "invalid part '%s' (use method, path, query, body or header:NAME)", shown(b, s));
+            fail(x, m, "invalid part '%s' (use method, path, query, body%s or header:NAME)", shown(b, s),
+                 allow_jwt ? ", jwt:CLAIM" : "");
             goto fail;
         }
+        size_t off = p.kind == CONF_PART_JWT ? 4 : 7;
         for (size_t j = 0; j < got; j++) {
-            if (parts[j].kind == p.kind && (p.kind != CONF_PART_HEADER || strcasecmp(parts[j].header, s + 7) == 0)) {
+            if (parts[j].kind == p.kind && ((p.kind != CONF_PART_HEADER && p.kind != CONF_PART_JWT) ||
+                                            (p.kind == CONF_PART_HEADER ? strcasecmp(parts[j].header, s + off)
+                                                                        : strcmp(parts[j].header, s + off)) == 0)) {
                 fail(x, m, "duplicate part '%s'", shown(b, s));
                 goto fail;
             }
         }
-        if (p.kind == CONF_PART_HEADER)
-            p.header = cm_strdup(s + 7);
+        if (p.kind == CONF_PART_HEADER || p.kind == CONF_PART_JWT)
+            p.header = cm_strdup(s + off);
         parts[got++] = p;
         path_pop(x, old);
     }
@@ -1198,13 +1220,13 @@ fail:
 static bool fn_scope(struct ctx *x, yaml_node_t *n, void *target)
 {
     struct conf_idem *d = target;
-    return parse_parts(x, n, &d->scope, &d->scope_n);
+    return parse_parts(x, n, &d->scope, &d->scope_n, true);
 }
 
 static bool fn_fingerprint(struct ctx *x, yaml_node_t *n, void *target)
 {
     struct conf_idem *d = target;
-    return parse_parts(x, n, &d->fingerprint, &d->fingerprint_n);
+    return parse_parts(x, n, &d->fingerprint, &d->fingerprint_n, false);
 }
 
 static bool fn_key_header(struct ctx *x, yaml_node_t *n, void *target)
@@ -1430,6 +1452,74 @@ static bool fn_routes(struct ctx *x, yaml_node_t *n, void *target)
 
 /* ---- top level */
 
+/* ---- jwt: keys, secret_env, issuer, audience, leeway */
+
+static bool fn_jwt_string(struct ctx *x, yaml_node_t *n, void *target, const char *what)
+{
+    char **out = target;
+    const char *s = scalar(x, n, what);
+    if (s == NULL)
+        return false;
+    if (strlen(s) > 1024 || !cm_field_value_ok(s, strlen(s)))
+        return fail(x, n, "must be at most 1024 bytes without control characters");
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static bool fn_jwt_keys(struct ctx *x, yaml_node_t *n, void *target)
+{
+    return fn_jwt_string(x, n, target, "a JWKS file path");
+}
+
+static bool fn_jwt_issuer(struct ctx *x, yaml_node_t *n, void *target)
+{
+    return fn_jwt_string(x, n, target, "an issuer (the iss claim)");
+}
+
+static bool fn_jwt_audience(struct ctx *x, yaml_node_t *n, void *target)
+{
+    return fn_jwt_string(x, n, target, "an audience (a value of the aud claim)");
+}
+
+static bool fn_jwt_secret_env(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "an environment variable name");
+    if (s == NULL)
+        return false;
+    bool ok = (*s >= 'A' && *s <= 'Z') || (*s >= 'a' && *s <= 'z') || *s == '_';
+    for (const char *p = s; ok && *p; p++)
+        ok = (*p >= 'A' && *p <= 'Z') || (*p >= 'a' && *p <= 'z') || (*p >= '0' && *p <= '9') || *p == '_';
+    char b[80];
+    if (!ok || strlen(s) > 128)
+        return fail(x, n, "invalid environment variable name '%s' (A-Z a-z 0-9 _, not starting with a digit)",
+                    shown(b, s));
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static const struct field jwt_fields[] = {
+    FIELD_FN("keys", struct conf_jwt, keys_file, fn_jwt_keys, false),
+    FIELD_FN("secret_env", struct conf_jwt, secret_env, fn_jwt_secret_env, false),
+    FIELD_FN("issuer", struct conf_jwt, issuer, fn_jwt_issuer, false),
+    FIELD_FN("audience", struct conf_jwt, audience, fn_jwt_audience, false),
+    FIELD("leeway", F_DUR, struct conf_jwt, leeway_ms, 0, 3600 * SEC),
+};
+
+static bool fn_jwt(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_jwt *j = target;
+    size_t line = x->key_line ? x->key_line : node_line(n);
+    if (!parse_map(x, n, jwt_fields, NFIELDS(jwt_fields), j))
+        return false;
+    if (!j->keys_file && !j->secret_env)
+        return fail_line(x, line, "needs keys (a JWKS file) or secret_env (an HS256 secret), or both");
+    j->enabled = true;
+    return true;
+}
+
 static const struct field top_fields[] = {
     FIELD_FN("listen", struct conf, listen, fn_listen, false),
     FIELD_BASE("admin", fn_admin, false),
@@ -1445,6 +1535,7 @@ static const struct field top_fields[] = {
     FIELD("max_connections", F_U32, struct conf, max_connections, 1, 100000),
     FIELD("client_timeout", F_DUR, struct conf, client_timeout_ms, 1, DURATION_MAX),
     FIELD("threads", F_U32, struct conf, threads, 0, 64),
+    FIELD_FN("jwt", struct conf, jwt, fn_jwt, false),
 };
 
 static void conf_defaults(struct conf *c)
@@ -1459,6 +1550,7 @@ static void conf_defaults(struct conf *c)
     c->redis_timeout_ms = 50;
     c->max_header_bytes = 16 * KIB;
     c->max_response_header_bytes = 16 * KIB;
+    c->jwt.leeway_ms = 30 * SEC;
     c->max_body = MIB;
     c->max_response = 8 * MIB;
     c->max_connections = 4096;
@@ -1605,6 +1697,12 @@ struct conf *conf_load_string(const char *name, const char *yaml, size_t len, ch
         goto fail;
     if (!resolve_refs(&x))
         goto fail;
+    if (x.jwt_part_line && !c->jwt.enabled) {
+        snprintf(x.path, sizeof x.path, "%s", x.jwt_part_path);
+        x.plen = strlen(x.path);
+        fail_line(&x, x.jwt_part_line, "a jwt:CLAIM scope needs a top-level jwt: block (keys or secret_env)");
+        goto fail;
+    }
     if (!check_addresses(&x, root))
         goto fail;
     if (!apply_env(&x, root))

@@ -41,11 +41,18 @@ struct conf_upstream {
 enum conf_key_mode { CONF_KEY_OPTIONAL = 0, CONF_KEY_REQUIRED, CONF_KEY_OFF };
 enum conf_in_flight { CONF_IN_FLIGHT_CONFLICT = 0, CONF_IN_FLIGHT_WAIT };
 enum conf_on_unknown { CONF_UNKNOWN_REJECT = 0, CONF_UNKNOWN_RETRY };
-enum conf_part_kind { CONF_PART_METHOD, CONF_PART_PATH, CONF_PART_QUERY, CONF_PART_BODY, CONF_PART_HEADER };
+enum conf_part_kind {
+    CONF_PART_METHOD,
+    CONF_PART_PATH,
+    CONF_PART_QUERY,
+    CONF_PART_BODY,
+    CONF_PART_HEADER,
+    CONF_PART_JWT, /* a claim of the verified bearer JWT (scope only) */
+};
 
 struct conf_part {
     enum conf_part_kind kind;
-    char *header; /* CONF_PART_HEADER only: the header name */
+    char *header; /* CONF_PART_HEADER: the header name; CONF_PART_JWT: the claim name */
 };
 
 struct conf_idem {
@@ -125,6 +132,7 @@ struct conf {
     uint64_t client_timeout_ms; /* default 30s: idle/slow client connections */
     uint32_t threads;           /* HTTP front threads, default 0 = number of CPUs */
     char *admin_token;          /* from IDEMGATE_ADMIN_TOKEN only, NULL when unset */
+    struct conf_jwt jwt;        /* top-level jwt: (SPEC 9) */
 };
 
 /* Loads and validates FILE, then applies IDEMGATE_POSTGRES_URL,

@@ -485,7 +485,8 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
         return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
                       CM_OUT_TOO_LARGE);
     if (job->idempotent) {
-        struct gw_reqparts parts = {job->method, job->path, job->query, job->body.data, job->body.len, &r->in_hdrs};
+        struct gw_reqparts parts = {job->method,   job->path,   job->query, job->body.data,
+                                    job->body.len, &r->in_hdrs, NULL};
         const struct conf_idem *im = &job->route->idem;
         gw_hash_parts(im->fingerprint, im->fingerprint_n, &parts, job->fp);
         gw_hash_parts(im->scope, im->scope_n, &parts, job->scope);

@@ -1,5 +1,6 @@
 /* idem.c - Idempotency-Key parsing (bare token or RFC 8941 sf-string) and request part hashing. */
 #include "gateway/idem.h"
+#include "gateway/jwt.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -138,6 +139,16 @@ void gw_hash_parts(const struct conf_part *parts, size_t n, const struct gw_reqp
         case CONF_PART_HEADER:
             put_header(&h, parts[i].header, r->hdrs);
             break;
+        case CONF_PART_JWT: { /* claim name, then 0 (absent) or 1 and the value: absent differs from "" */
+            size_t len = 0;
+            char *v = r->jwt ? gw_jwt_claim(r->jwt, parts[i].header, &len) : NULL;
+            put_str(&h, parts[i].header);
+            put_u64(&h, v ? 1 : 0);
+            if (v)
+                cm_sha256_part(&h, v, len);
+            free(v);
+            break;
+        }
         }
     }
     cm_sha256_final(&h, out);

@@ -10,6 +10,8 @@
 #include "common/common.h"
 #include "conf/conf.h"
 
+struct gw_jwt_claims;
+
 #define GW_KEY_MAX 255
 
 /* Parses an Idempotency-Key header value. Accepted: a bare key of 1..255
@@ -29,6 +31,9 @@ struct gw_reqparts {
     const void *body;
     size_t body_len;
     const struct cm_hdrs *hdrs; /* request headers in arrival order */
+    /* the verified bearer JWT's claims, for jwt:CLAIM parts (NULL: none; the front answers 401 before hashing a
+     * scope that needs them) */
+    const struct gw_jwt_claims *jwt;
 };
 
 /* SHA-256 over the parts in order: each part is tagged (kind byte) and

@@ -61,7 +61,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         free(value);
     }
     /* the rest is the body, binary as is */
-    struct gw_reqparts req = {method, path, query, r.left ? r.p : NULL, r.left, &h};
+    struct gw_reqparts req = {method, path, query, r.left ? r.p : NULL, r.left, &h, NULL};
 
     uint8_t a[32], b[32];
     gw_hash_parts(parts, nparts, &req, a);

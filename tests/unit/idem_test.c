@@ -191,7 +191,7 @@ static bool same(const uint8_t a[32], const uint8_t b[32])
 
 static struct gw_reqparts base_req(void)
 {
-    struct gw_reqparts r = {"POST", "/v1/payments", "a=1", "{\"amount\":10}", 13, NULL};
+    struct gw_reqparts r = {"POST", "/v1/payments", "a=1", "{\"amount\":10}", 13, NULL, NULL};
     return r;
 }
 
@@ -252,8 +252,8 @@ Test(idem, fingerprint_no_concatenation_ambiguity)
 {
     struct conf_part pq[2] = {P_PATH, P_QUERY};
     uint8_t a[32], b[32];
-    struct gw_reqparts r1 = {"POST", "ab", "c", "", 0, NULL};
-    struct gw_reqparts r2 = {"POST", "a", "bc", "", 0, NULL};
+    struct gw_reqparts r1 = {"POST", "ab", "c", "", 0, NULL, NULL};
+    struct gw_reqparts r2 = {"POST", "a", "bc", "", 0, NULL, NULL};
     fp(pq, 2, &r1, a);
     fp(pq, 2, &r2, b);
     cr_assert_not(same(a, b));
@@ -261,7 +261,7 @@ Test(idem, fingerprint_no_concatenation_ambiguity)
     /* same bytes, different part kinds */
     struct conf_part just_path[1] = {P_PATH};
     struct conf_part just_query[1] = {P_QUERY};
-    struct gw_reqparts r3 = {"POST", "x", "x", "", 0, NULL};
+    struct gw_reqparts r3 = {"POST", "x", "x", "", 0, NULL, NULL};
     fp(just_path, 1, &r3, a);
     fp(just_query, 1, &r3, b);
     cr_assert_not(same(a, b));
@@ -277,7 +277,7 @@ Test(idem, fingerprint_part_order)
 {
     struct conf_part mp[2] = {P_METHOD, P_PATH};
     struct conf_part pm[2] = {P_PATH, P_METHOD};
-    struct gw_reqparts r = {"POST", "POST", "", "", 0, NULL};
+    struct gw_reqparts r = {"POST", "POST", "", "", 0, NULL, NULL};
     uint8_t a[32], b[32];
     /* method == path: only the kind tags tell the orders apart */
     fp(mp, 2, &r, a);
@@ -289,7 +289,7 @@ Test(idem, empty_parts_is_fixed_hash)
 {
     uint8_t a[32], b[32], want[32];
     struct gw_reqparts r1 = base_req();
-    struct gw_reqparts r2 = {"GET", "/", "", NULL, 0, NULL};
+    struct gw_reqparts r2 = {"GET", "/", "", NULL, 0, NULL, NULL};
     fp(NULL, 0, &r1, a);
     fp(NULL, 0, &r2, b);
     cr_assert(same(a, b));
@@ -302,7 +302,7 @@ Test(idem, fingerprint_binary_body)
     static const char b1[] = {'a', 0, 'b', 0, 0};
     static const char b2[] = {'a', 0, 'c', 0, 0};
     struct conf_part body[1] = {P_BODY};
-    struct gw_reqparts r = {"POST", "/", "", b1, sizeof(b1), NULL};
+    struct gw_reqparts r = {"POST", "/", "", b1, sizeof(b1), NULL, NULL};
     uint8_t a[32], b[32];
     fp(body, 1, &r, a);
     r.body = b2; /* differs after the first NUL */
@@ -339,7 +339,7 @@ Test(idem, header_parts)
     cm_hdrs_init(&joined);
     cm_hdrs_add(&joined, "X-Tenant", "ab");
 
-    struct gw_reqparts r = {"POST", "/", "", "", 0, NULL};
+    struct gw_reqparts r = {"POST", "/", "", "", 0, NULL, NULL};
     uint8_t h_null[32], h_abs[32], h_emp[32], h_one[32], h_case[32], h_two[32], h_swap[32], h_join[32], h[32];
     fp(hp, 1, &r, h_null); /* no header list at all == absent */
     r.hdrs = &absent;

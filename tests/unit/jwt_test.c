@@ -390,3 +390,70 @@ Test(jwt, bad_key_configuration)
     }
     unlink(path);
 }
+
+/* ---- conf: the jwt: block and jwt:CLAIM scope parts */
+
+#define JWT_BASE                                                                                                       \
+    "store:\n  postgres: postgres://u@127.0.0.1/db\n"                                                                  \
+    "upstreams:\n  - name: api\n    url: http://127.0.0.1:9000\n"                                                      \
+    "routes:\n  - name: p\n    match: {path: /a}\n    upstream: api\n"
+
+static struct conf *load(const char *tail, char **err)
+{
+    char yaml[2048];
+    snprintf(yaml, sizeof yaml, JWT_BASE "%s", tail);
+    *err = NULL;
+    return conf_load_string("t.yaml", yaml, strlen(yaml), err);
+}
+
+Test(jwt_conf, parsed)
+{
+    char *err;
+    struct conf *c = load("    idempotency: {scope: [jwt:sub, 'header:X-Tenant', jwt:org]}\n"
+                          "jwt:\n  keys: /etc/idemgate/jwks.json\n  secret_env: IDEMGATE_JWT_SECRET\n"
+                          "  issuer: https://auth.example\n  audience: payments\n  leeway: 5s\n",
+                          &err);
+    cr_assert_not_null(c, "%s", err);
+    cr_expect(c->jwt.enabled);
+    cr_expect_str_eq(c->jwt.keys_file, "/etc/idemgate/jwks.json");
+    cr_expect_str_eq(c->jwt.secret_env, "IDEMGATE_JWT_SECRET");
+    cr_expect_str_eq(c->jwt.issuer, "https://auth.example");
+    cr_expect_str_eq(c->jwt.audience, "payments");
+    cr_expect_eq(c->jwt.leeway_ms, 5000);
+    const struct conf_idem *im = &c->routes[0].idem;
+    cr_assert_eq(im->scope_n, 3);
+    cr_expect_eq(im->scope[0].kind, CONF_PART_JWT);
+    cr_expect_str_eq(im->scope[0].header, "sub");
+    cr_expect_eq(im->scope[1].kind, CONF_PART_HEADER);
+    cr_expect_eq(im->scope[2].kind, CONF_PART_JWT);
+    cr_expect_str_eq(im->scope[2].header, "org");
+    conf_destroy(c);
+    c = load("jwt: {secret_env: S}\n", &err);
+    cr_assert_not_null(c, "%s", err);
+    cr_expect_eq(c->jwt.leeway_ms, 30000, "leeway defaults to 30s");
+    conf_destroy(c);
+}
+
+Test(jwt_conf, refused)
+{
+    static const char *const cases[][2] = {
+        {"    idempotency: {scope: [jwt:sub]}\n",
+         "t.yaml:10: routes[0].idempotency.scope[0]: a jwt:CLAIM scope needs a top-level jwt: block"},
+        {"    idempotency: {fingerprint: [jwt:sub]}\njwt: {secret_env: S}\n", "invalid part 'jwt:sub'"},
+        {"    idempotency: {scope: ['jwt:']}\njwt: {secret_env: S}\n", "'jwt:' needs a claim name"},
+        {"    idempotency: {scope: [jwt:sub, jwt:sub]}\njwt: {secret_env: S}\n", "duplicate part 'jwt:sub'"},
+        {"jwt: {issuer: x}\n", "t.yaml:10: jwt: needs keys (a JWKS file) or secret_env"},
+        {"jwt: {secret_env: 1BAD}\n", "invalid environment variable name '1BAD'"},
+        {"jwt: {secret_env: S, leeway: 2h}\n", "jwt.leeway: must be at most"},
+        {"jwt: {secret_env: S, algs: [none]}\n", "jwt.algs: unknown key"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *err;
+        struct conf *c = load(cases[i][0], &err);
+        cr_expect_null(c, "accepted: %s", cases[i][0]);
+        cr_expect(err && strstr(err, cases[i][1]), "%s: want '%s', got '%s'", cases[i][0], cases[i][1],
+                  err ? err : "(none)");
+        conf_destroy(c);
+        free(err);
+    }
+}
