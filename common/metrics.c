@@ -376,3 +376,68 @@ bool cm_metrics_render(struct cm_buf *out)
     return put_family(out, "idemgate_build_info", "gauge", "Build information.") &&
            put_labelled(out, "idemgate_build_info", "version", IDEMGATE_VERSION, 1);
 }
+
+/* ---- the status page's JSON */
+
+/* The q-quantile (0..1) of a histogram, interpolated linearly inside its bucket as Prometheus'
+ * histogram_quantile does; 0 without observations; the largest finite bound when it falls in +Inf. */
+static double hist_quantile(struct hist *h, double q)
+{
+    uint64_t counts[NBUCKETS], total = 0;
+    for (size_t b = 0; b < NBUCKETS; b++)
+        total += counts[b] = ctr_get(&h->bucket[b]);
+    if (total == 0)
+        return 0;
+    double rank = q * (double)total, cum = 0;
+    for (size_t b = 0; b < NBUCKETS; b++) {
+        if (cum + (double)counts[b] >= rank && counts[b] > 0) {
+            if (b == NBUCKETS_FINITE)
+                return bucket_le[NBUCKETS_FINITE - 1];
+            double lo = b ? bucket_le[b - 1] : 0, hi = bucket_le[b];
+            return lo + (hi - lo) * (rank - cum) / (double)counts[b];
+        }
+        cum += (double)counts[b];
+    }
+    return bucket_le[NBUCKETS_FINITE - 1];
+}
+
+bool cm_metrics_status_json(struct cm_buf *out, const char *postgres_state, const char *redis_state)
+{
+    if (!cm_buf_append(out, "{\"routes\":[", 11))
+        return false;
+    for (size_t i = 0; i < reg.nroutes + 2; i++) {
+        struct route_ctr *rc = &reg.rc[i];
+        uint64_t total = 0;
+        for (size_t o = 0; o < CM_OUT__COUNT; o++)
+            total += ctr_get(&rc->requests[o]);
+        if (i >= reg.nroutes && total == 0)
+            continue; /* _default and _none only once they saw a request */
+        if ((i && out->data[out->len - 1] != '[' && !cm_buf_append(out, ",", 1)) ||
+            !cm_buf_append(out, "{\"name\":\"", 9) || !put_label_value(out, route_name(i)) ||
+            !cm_buf_appendf(out, "\",\"requests\":%llu,\"outcomes\":{", (unsigned long long)total))
+            return false;
+        for (size_t o = 0; o < CM_OUT__COUNT; o++)
+            if (!cm_buf_appendf(out, "%s\"%s\":%llu", o ? "," : "", outcome_names[o],
+                                (unsigned long long)ctr_get(&rc->requests[o])))
+                return false;
+        if (!cm_buf_appendf(out,
+                            "},\"replays\":%llu,\"in_flight_conflicts\":%llu,\"parameter_conflicts\":%llu,"
+                            "\"completion_failures\":%llu,\"stuck\":%llu}",
+                            (unsigned long long)ctr_get(&rc->dedup_hits),
+                            (unsigned long long)ctr_get(&rc->in_flight_conflicts),
+                            (unsigned long long)ctr_get(&rc->parameter_conflicts),
+                            (unsigned long long)ctr_get(&rc->completion_failures),
+                            (unsigned long long)ctr_get(&rc->stuck_processing)))
+            return false;
+    }
+    uint64_t n = 0;
+    for (size_t b = 0; b < NBUCKETS; b++)
+        n += ctr_get(&upstream_hist.bucket[b]);
+    return cm_buf_appendf(out,
+                          "],\"upstream\":{\"count\":%llu,\"sum_seconds\":%.6f,\"p50_seconds\":%.6f,"
+                          "\"p99_seconds\":%.6f},\"store\":{\"postgres\":\"%s\",\"redis\":\"%s\"},"
+                          "\"connections\":%lld}\n",
+                          (unsigned long long)n, (double)ctr_get(&upstream_hist.sum_us) / 1e6,
+                          hist_quantile(&upstream_hist, 0.5), hist_quantile(&upstream_hist, 0.99), postgres_state,
+                          redis_state, (long long)atomic_load_explicit(&connections, memory_order_relaxed));
+}

@@ -60,4 +60,9 @@ void cm_metric_connections(int64_t delta); /* idemgate_connections gauge */
  * Returns false when out's cap was exceeded. */
 bool cm_metrics_render(struct cm_buf *out) CM_MUST_CHECK;
 
+/* Appends the status page's JSON to out (SPEC 10: per route requests by outcome, replays, conflicts, stuck records;
+ * upstream latency p50/p99 estimated from the histogram; the store states as given): counts only, never keys,
+ * scopes or bodies. Returns false when out's cap was exceeded. */
+bool cm_metrics_status_json(struct cm_buf *out, const char *postgres_state, const char *redis_state) CM_MUST_CHECK;
+
 #endif

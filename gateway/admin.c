@@ -10,6 +10,7 @@
 
 #include "gateway/gateway.h"
 #include "gateway/problem.h"
+#include "gateway/status.h"
 #include "store/store.h"
 
 struct gw_admin {
@@ -144,6 +145,23 @@ static enum MHD_Result keys_endpoint(struct gw_admin *a, struct MHD_Connection *
     return MHD_YES;
 }
 
+/* The status page's data: the metrics registry's counts and the store states /readyz reports. */
+static enum MHD_Result status_json(struct gw_admin *a, struct MHD_Connection *c)
+{
+    struct store *st = gw_loop_store(a->loop);
+    bool pg = store_postgres_up(st) && gw_loop_schema_ready(a->loop);
+    const char *redis = !store_redis_enabled(st) ? "disabled" : store_redis_up(st) ? "up" : "down";
+    struct cm_buf out;
+    cm_buf_init(&out, 4 * 1024 * 1024);
+    if (!cm_metrics_status_json(&out, pg ? "up" : "down", redis)) {
+        cm_buf_free(&out);
+        return problem(c, 500, "internal-error", "Internal error", "status too large");
+    }
+    size_t len;
+    char *body = cm_buf_take(&out, &len);
+    return answer(c, 200, "application/json", body ? body : cm_strdup(""), len);
+}
+
 static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                                const char *version, const char *upload_data, size_t *upload_data_size, void **req_cls)
 {
@@ -178,6 +196,15 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                                  pg ? "up" : "down", redis);
         return answer(c, pg ? 200 : 503, "application/json", body, strlen(body));
     }
+    if (strcmp(url, "/") == 0) {
+        size_t len;
+        const char *html = gw_status_page(&len);
+        char *body = cm_malloc(len + 1);
+        memcpy(body, html, len + 1);
+        return answer(c, 200, "text/html; charset=utf-8", body, len);
+    }
+    if (strcmp(url, "/status.json") == 0)
+        return status_json(a, c);
     if (strcmp(url, "/metrics") == 0) {
         struct store *st = gw_loop_store(a->loop);
         cm_metric_postgres_up(store_postgres_up(st));

@@ -11,7 +11,7 @@ PKGS=(
     libmicrohttpd-dev libcurl4-openssl-dev libhiredis-dev libpq-dev libssl-dev libyaml-dev libevent-dev
     libcriterion-dev libjansson-dev
     postgresql-15 postgresql-client-15 redis-server redis-tools
-    curl ca-certificates clang clang-format libclang-rt-14-dev valgrind
+    curl ca-certificates clang clang-format libclang-rt-14-dev valgrind chromium
     iproute2 procps util-linux
 )
 # pgbench ships in postgresql-15 (the /usr/bin/pgbench wrapper in postgresql-client-common), already above.

@@ -425,3 +425,38 @@ Test(metrics, render_respects_cap, .init = setup, .fini = teardown)
     cr_assert_leq(b.len, 100);
     cm_buf_free(&b);
 }
+
+Test(metrics, status_json, .init = setup, .fini = teardown)
+{
+    cm_metric_request(0, CM_OUT_FORWARDED);
+    cm_metric_request(0, CM_OUT_FORWARDED);
+    cm_metric_request(0, CM_OUT_REPLAYED);
+    cm_metric_dedup_hit(0);
+    cm_metric_parameter_conflict(0);
+    cm_metric_stuck_processing_set(1, 3);
+    for (int i = 0; i < 98; i++)
+        cm_metric_upstream_seconds(0.003); /* the 0.0025..0.005 bucket */
+    cm_metric_upstream_seconds(0.7);       /* 0.5..1 */
+    cm_metric_upstream_seconds(0.8);
+    struct cm_buf b;
+    cm_buf_init(&b, 64 * 1024);
+    cr_assert(cm_metrics_status_json(&b, "up", "disabled"));
+    cr_expect_not_null(strstr(b.data, "{\"routes\":[{\"name\":\""), "%s", b.data);
+    cr_expect_not_null(strstr(b.data, "\"requests\":3,\"outcomes\":{\"forwarded\":2,\"replayed\":1,"), "%s", b.data);
+    cr_expect_not_null(strstr(b.data, "\"replays\":1,\"in_flight_conflicts\":0,\"parameter_conflicts\":1,"), "%s",
+                       b.data);
+    cr_expect_not_null(strstr(b.data, "\"stuck\":3}"), "%s", b.data);
+    cr_expect_null(strstr(b.data, "\"_default\""), "_default only once it saw a request: %s", b.data);
+    cr_expect_not_null(strstr(b.data, "\"store\":{\"postgres\":\"up\",\"redis\":\"disabled\"}"), "%s", b.data);
+    cr_expect_not_null(strstr(b.data, "\"upstream\":{\"count\":100,"), "%s", b.data);
+    const char *p50 = strstr(b.data, "\"p50_seconds\":"), *p99 = strstr(b.data, "\"p99_seconds\":");
+    cr_assert(p50 && p99);
+    double v50 = strtod(p50 + 14, NULL), v99 = strtod(p99 + 14, NULL);
+    cr_expect(v50 > 0.0025 && v50 <= 0.005, "p50 %f in the bucket of 98%% of the samples", v50);
+    cr_expect(v99 > 0.5 && v99 <= 1, "p99 %f in the 0.5..1 bucket", v99);
+    cm_metric_request(CM_ROUTE_DEFAULT, CM_OUT_FORWARDED);
+    cm_buf_reset(&b);
+    cr_assert(cm_metrics_status_json(&b, "down", "down"));
+    cr_expect_not_null(strstr(b.data, "{\"name\":\"_default\",\"requests\":1,"), "%s", b.data);
+    cm_buf_free(&b);
+}

@@ -1,0 +1,239 @@
+/* status_test.c - the admin status page (SPEC 10) in a real headless Chromium: the rendered DOM under traffic and
+ * after it, checked against /metrics; no key, scope or body on the page or in status.json; a screenshot. Skips with
+ * a clear message only when Chromium is not installed (scripts/deps.sh installs it). */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "tests/e2e/harness.h"
+
+TestSuite(status, .init = e2e_setup, .fini = e2e_teardown, .timeout = 120);
+
+#define CHROMIUM "/usr/bin/chromium"
+
+/* clang-format off */
+static const char *const conf_tmpl =
+    E2E_CONF_HEAD
+    "upstreams:\n"
+    E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "5s")
+    "routes:\n"
+    E2E_CONF_ROUTE("pay", "/v1/pay", "api")
+    "      key: required\n"
+    "      scope: [header:Authorization]\n"
+    E2E_CONF_ROUTE("pass", "/v1/pass", "api")
+    "      key: off\n";
+/* clang-format on */
+
+/* Runs headless Chromium on url with extra (one flag or NULL); returns stdout (heap). */
+static char *chromium(const char *url, const char *extra)
+{
+    char profile[512], budget[] = "--virtual-time-budget=4000";
+    snprintf(profile, sizeof profile, "--user-data-dir=%s/chromium-%u", e2e_tmpdir(), (unsigned)e2e_now_ms());
+    const char *argv[] = {CHROMIUM,
+                          "--headless",
+                          "--no-sandbox",
+                          "--disable-gpu",
+                          "--disable-quic",
+                          "--no-first-run",
+                          "--disable-background-networking",
+                          "--disable-component-update",
+                          "--disable-sync",
+                          "--disable-dev-shm-usage",
+                          profile,
+                          budget,
+                          "--window-size=1100,520",
+                          extra ? extra : "--dump-dom",
+                          url,
+                          NULL};
+    char *out = NULL, *err = NULL;
+    int rc = e2e_run(argv, NULL, 60000, &out, &err);
+    cr_assert_eq(rc, 0, "chromium exited %d: %.2000s", rc, err ? err : "");
+    free(err);
+    return out;
+}
+
+/* The number in <td class="cls"> of the row data-route="route" in the dumped DOM, or -1. */
+static long dom_cell(const char *dom, const char *route, const char *cls)
+{
+    char row[128], cell[64];
+    snprintf(row, sizeof row, "<tr data-route=\"%s\">", route);
+    const char *r = strstr(dom, row);
+    if (!r)
+        return -1;
+    const char *end = strstr(r, "</tr>");
+    snprintf(cell, sizeof cell, "<td class=\"%s", cls);
+    const char *c = strstr(r, cell);
+    if (!c || (end && c > end))
+        return -1;
+    c = strchr(c, '>');
+    return c ? strtol(c + 1, NULL, 10) : -1;
+}
+
+static char *metrics(const struct e2e_gw *gw)
+{
+    struct e2e_resp r;
+    e2e_get(gw->admin_port, "/metrics", &r);
+    cr_assert_eq(r.status, 200);
+    char *s = strdup((const char *)r.body);
+    e2e_resp_free(&r);
+    return s;
+}
+
+static long route_requests(const char *m, const char *route)
+{
+    static const char *const outcomes[] = {"forwarded",
+                                           "replayed",
+                                           "mismatch",
+                                           "in_flight",
+                                           "unknown",
+                                           "key_missing",
+                                           "key_invalid",
+                                           "too_large",
+                                           "store_unavailable",
+                                           "upstream_unavailable",
+                                           "upstream_timeout",
+                                           "upstream_no_response",
+                                           "released",
+                                           "not_found",
+                                           "error"};
+    char rl[64], ol[64];
+    long sum = 0;
+    snprintf(rl, sizeof rl, "route=\"%s\"", route);
+    for (size_t i = 0; i < sizeof outcomes / sizeof outcomes[0]; i++) {
+        snprintf(ol, sizeof ol, "outcome=\"%s\"", outcomes[i]);
+        const char *labels[] = {rl, ol, NULL};
+        double v = e2e_metric_value(m, "idemgate_requests_total", labels);
+        if (v > 0)
+            sum += (long)v;
+    }
+    return sum;
+}
+
+static long route_metric(const char *m, const char *name, const char *route)
+{
+    char rl[64];
+    snprintf(rl, sizeof rl, "route=\"%s\"", route);
+    const char *labels[] = {rl, NULL};
+    return (long)e2e_metric_value(m, name, labels);
+}
+
+struct traffic {
+    uint16_t port;
+    atomic_bool stop;
+    atomic_long sent;
+};
+
+static void *traffic_main(void *arg)
+{
+    struct traffic *t = arg;
+    /* bounded: at most 3000 requests or until stopped */
+    for (int i = 0; i < 3000 && !atomic_load(&t->stop); i++) {
+        struct e2e_resp r;
+        e2e_get(t->port, "/v1/pass/x", &r);
+        e2e_resp_free(&r);
+        atomic_fetch_add(&t->sent, 1);
+    }
+    return NULL;
+}
+
+Test(status, page_in_chromium_matches_metrics)
+{
+    struct stat sb;
+    if (stat(CHROMIUM, &sb) != 0)
+        cr_skip_test("Chromium is not installed at " CHROMIUM " (scripts/deps.sh installs the chromium package)");
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(conf_tmpl, &up, &gw);
+    e2e_gw_wait_ready(gw);
+
+    /* traffic on the idempotent route: 6 executions, 6 replays, 2 mismatches */
+    const char *secret_key = "status-page-secret-key";
+    const char *tenant = "Authorization: Bearer tenant-secret-scope";
+    for (int i = 0; i < 6; i++) {
+        char key[96];
+        snprintf(key, sizeof key, "%s-%d-%u", secret_key, i, (unsigned)e2e_now_ms());
+        const char *h[] = {tenant, NULL};
+        struct e2e_resp r;
+        e2e_http_key(gw->port, "POST", "/v1/pay/c", key, h, "{\"amount\":4242}", 0, &r);
+        cr_assert_eq(r.status, 200);
+        e2e_resp_free(&r);
+        e2e_http_key(gw->port, "POST", "/v1/pay/c", key, h, "{\"amount\":4242}", 0, &r);
+        cr_assert(e2e_resp_is_replay(&r));
+        e2e_resp_free(&r);
+        if (i < 2) {
+            e2e_http_key(gw->port, "POST", "/v1/pay/c", key, h, "{\"amount\":1}", 0, &r);
+            cr_assert_eq(r.status, 422);
+            e2e_resp_free(&r);
+        }
+    }
+
+    char url[128], jurl[128];
+    snprintf(url, sizeof url, "http://127.0.0.1:%u/", (unsigned)gw->admin_port);
+    snprintf(jurl, sizeof jurl, "/status.json");
+
+    /* under traffic: the page's count lies between the metrics read before and after it */
+    struct traffic t = {.port = gw->port};
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, traffic_main, &t), 0);
+    while (atomic_load(&t.sent) < 20)
+        e2e_sleep_ms(10);
+    char *m0 = metrics(gw);
+    char *dom = chromium(url, NULL);
+    char *m1 = metrics(gw);
+    atomic_store(&t.stop, true);
+    pthread_join(th, NULL);
+    long before = route_requests(m0, "pass"), after = route_requests(m1, "pass"),
+         seen = dom_cell(dom, "pass", "requests");
+    cr_expect(seen >= before && seen <= after, "under traffic the page showed %ld pass requests, metrics %ld..%ld",
+              seen, before, after);
+    cr_expect(before > 0 && after > before, "traffic ran while the page loaded (%ld..%ld)", before, after);
+    free(m0);
+    free(m1);
+    free(dom);
+
+    /* at rest: every number equals /metrics */
+    char *m = metrics(gw);
+    dom = chromium(url, NULL);
+    cr_assert_not_null(strstr(dom, "<tr data-route=\"pay\">"), "no row for route pay: %.3000s", dom);
+    cr_expect_eq(dom_cell(dom, "pay", "requests"), route_requests(m, "pay"));
+    cr_expect_eq(dom_cell(dom, "pay", "requests"), 14);
+    cr_expect_eq(dom_cell(dom, "pay", "replays"), route_metric(m, "idemgate_dedup_hits_total", "pay"));
+    cr_expect_eq(dom_cell(dom, "pay", "replays"), 6);
+    cr_expect_eq(dom_cell(dom, "pay", "mismatches"), route_metric(m, "idemgate_parameter_conflicts_total", "pay"));
+    cr_expect_eq(dom_cell(dom, "pay", "mismatches"), 2);
+    cr_expect_eq(dom_cell(dom, "pay", "in_flight"), route_metric(m, "idemgate_in_flight_conflicts_total", "pay"));
+    cr_expect_eq(dom_cell(dom, "pay", "stuck"), route_metric(m, "idemgate_stuck_processing", "pay"));
+    cr_expect_eq(dom_cell(dom, "pass", "requests"), route_requests(m, "pass"));
+    cr_expect_not_null(strstr(dom, "id=\"pg\" class=\"up\">up<"), "Postgres shown up");
+    cr_expect_null(strstr(dom, secret_key), "a key on the status page");
+    cr_expect_null(strstr(dom, "tenant-secret-scope"), "a scope value on the status page");
+    cr_expect_null(strstr(dom, "4242"), "a body on the status page");
+    free(dom);
+    free(m);
+
+    struct e2e_resp r;
+    e2e_get(gw->admin_port, jurl, &r);
+    cr_expect_eq(r.status, 200);
+    cr_expect_null(strstr((const char *)r.body, secret_key), "a key in status.json");
+    cr_expect_null(strstr((const char *)r.body, "tenant-secret-scope"), "a scope value in status.json");
+    e2e_resp_free(&r);
+    e2e_get(gw->admin_port, "/", &r);
+    cr_expect_eq(r.status, 200, "the page needs no admin token");
+    cr_expect_str_eq(e2e_resp_header(&r, "Content-Type"), "text/html; charset=utf-8");
+    e2e_resp_free(&r);
+
+    /* a screenshot (IDEMGATE_STATUS_SCREENSHOT=path keeps it, e.g. for the README) */
+    const char *keep = getenv("IDEMGATE_STATUS_SCREENSHOT");
+    char shot[600], flag[640];
+    snprintf(shot, sizeof shot, "%s", keep && *keep ? keep : "");
+    if (!shot[0])
+        snprintf(shot, sizeof shot, "%s/status.png", e2e_tmpdir());
+    snprintf(flag, sizeof flag, "--screenshot=%s", shot);
+    free(chromium(url, flag));
+    cr_expect(stat(shot, &sb) == 0 && sb.st_size > 1000, "no screenshot written at %s", shot);
+}
