@@ -237,3 +237,93 @@ Test(status, page_in_chromium_matches_metrics)
     free(chromium(url, flag));
     cr_expect(stat(shot, &sb) == 0 && sb.st_size > 1000, "no screenshot written at %s", shot);
 }
+
+/* ---- the Grafana dashboard: it parses, and every metric its queries name exists in /metrics of a running gateway */
+
+#include <jansson.h>
+
+static void collect_exprs(json_t *v, char ***out, size_t *n)
+{
+    if (json_is_object(v)) {
+        const char *k;
+        json_t *x;
+        json_object_foreach(v, k, x)
+        {
+            if (strcmp(k, "expr") == 0 && json_is_string(x)) {
+                *out = realloc(*out, (*n + 1) * sizeof **out);
+                (*out)[(*n)++] = strdup(json_string_value(x));
+            } else {
+                collect_exprs(x, out, n);
+            }
+        }
+    } else if (json_is_array(v)) {
+        size_t i;
+        json_t *x;
+        json_array_foreach(v, i, x) collect_exprs(x, out, n);
+    }
+}
+
+Test(status, grafana_dashboard_names_only_real_metrics)
+{
+    char path[1024];
+    const char *src = e2e_env("IDEMGATE_SRC_DIR");
+    snprintf(path, sizeof path, "%s/docker/grafana-dashboard.json", src);
+    json_error_t je;
+    json_t *d = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+    cr_assert_not_null(d, "%s:%d: %s", path, je.line, je.text);
+    cr_assert(json_is_array(json_object_get(d, "panels")) && json_array_size(json_object_get(d, "panels")) >= 8,
+              "the dashboard has its panels");
+    char **exprs = NULL;
+    size_t n = 0;
+    collect_exprs(d, &exprs, &n);
+    json_decref(d);
+    cr_assert_geq(n, 10, "queries found: %zu", n);
+
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(conf_tmpl, &up, &gw);
+    e2e_gw_wait_ready(gw);
+    char *m = metrics(gw);
+    size_t names = 0;
+    static const char *const need[] = {"idemgate_requests_total",
+                                       "idemgate_dedup_hits_total",
+                                       "idemgate_in_flight_conflicts_total",
+                                       "idemgate_parameter_conflicts_total",
+                                       "idemgate_stuck_processing",
+                                       "idemgate_store_seconds",
+                                       "idemgate_upstream_seconds",
+                                       "idemgate_store_errors_total"};
+    bool seen[sizeof need / sizeof need[0]] = {false};
+    for (size_t i = 0; i < n; i++) {
+        for (const char *p = strstr(exprs[i], "idemgate_"); p; p = strstr(p + 1, "idemgate_")) {
+            size_t len = strspn(p, "abcdefghijklmnopqrstuvwxyz_0123456789");
+            char name[128];
+            snprintf(name, sizeof name, "%.*s", (int)len, p);
+            static const char *const sfxs[] = {"_bucket", "_sum", "_count"};
+            for (size_t s = 0; s < 3; s++) {
+                size_t sl = strlen(sfxs[s]), nl = strlen(name);
+                if (nl > sl && strcmp(name + nl - sl, sfxs[s]) == 0) {
+                    char base[128], t[160];
+                    snprintf(base, sizeof base, "%.*s", (int)(nl - sl), name);
+                    snprintf(t, sizeof t, "# TYPE %s histogram\n", base);
+                    if (strstr(m, t))
+                        name[nl - sl] = '\0';
+                }
+            }
+            char type_line[200];
+            snprintf(type_line, sizeof type_line, "# TYPE %s ", name);
+            cr_expect_not_null(strstr(m, type_line), "the dashboard queries %s, which /metrics does not have (%s)",
+                               name, exprs[i]);
+            for (size_t k = 0; k < sizeof need / sizeof need[0]; k++)
+                seen[k] = seen[k] || strcmp(name, need[k]) == 0;
+            names++;
+            p += len - 1;
+        }
+        free(exprs[i]);
+    }
+    free(exprs);
+    free(m);
+    cr_expect_geq(names, 10);
+    for (size_t k = 0; k < sizeof need / sizeof need[0]; k++)
+        cr_expect(seen[k], "the dashboard has no panel over %s", need[k]);
+}
