@@ -459,7 +459,13 @@ bool ch_env_value(const char *name, char *out, size_t n)
         if (strncmp(p, "export ", 7) == 0)
             p += 7;
         if (strncmp(p, name, nl) == 0 && p[nl] == '=') {
-            snprintf(out, n, "%s", p + nl + 1);
+            const char *v = p + nl + 1;
+            size_t vl = strlen(v);
+            if (vl >= 2 && v[0] == '\'' && v[vl - 1] == '\'') { /* services.sh quotes values with ? and & */
+                v++;
+                vl -= 2;
+            }
+            snprintf(out, n, "%.*s", (int)vl, v);
             found = true;
         }
     }
