@@ -307,8 +307,8 @@ static void fault_pg_pause(uint64_t *rng)
  * result goes to res (may be NULL). False with the error logged. */
 static bool sql_run(const char *what, const char *sql, char *res, size_t resn)
 {
-    char opt[64];
-    snprintf(opt, sizeof opt, "-c statement_timeout=%d", CH_SQL_TIMEOUT_MS);
+    char opt[96];
+    snprintf(opt, sizeof opt, "-c statement_timeout=%d -c client_min_messages=warning", CH_SQL_TIMEOUT_MS);
     const char *kw[] = {"dbname", "connect_timeout", "options", NULL};
     const char *vals[] = {ch.pg_admin_url, "5", opt, NULL};
     PGconn *pg = PQconnectdbParams(kw, vals, 1);

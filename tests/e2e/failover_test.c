@@ -81,13 +81,14 @@ static void fo_setup(void)
 
 static void fo_teardown(void)
 {
-    e2e_teardown(); /* the gateway first: it must not reconnect to a cluster being stopped */
+    /* before e2e_teardown: services.sh runs through e2e_run, which needs the test's temp dir */
     if (svc_dir[0] != '\0') {
         (void)fo_services("stop", NULL);
         const char *argv[] = {"/bin/rm", "-rf", svc_dir, NULL};
         (void)e2e_run(argv, NULL, 30000, NULL, NULL);
         svc_dir[0] = '\0';
     }
+    e2e_teardown();
 }
 
 TestSuite(failover, .init = fo_setup, .fini = fo_teardown, .timeout = 150);
