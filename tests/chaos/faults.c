@@ -592,23 +592,44 @@ void ch_faults_heal(void)
 
 /* ------------------------------------------------------------------ the schedule */
 
+/* Whether kind k may run now: selected, under its per-run limit, its standby there; a one-shot kind waits for
+ * the first third of the traffic window, so that traffic runs on both sides of it. *later: it may, later. */
+static bool eligible(unsigned k, uint64_t one_shot_after, bool *later)
+{
+    const struct fault_kind *f = &kinds[k];
+    if (!(ch.o.fault_mask & (1u << k)) || (f->max_per_run != 0 && ch.faults[k] >= f->max_per_run) ||
+        (f->needs_standby && !ch.has_standby))
+        return false;
+    if (f->max_per_run != 0 && ch_mono_ms() < one_shot_after) {
+        *later = true;
+        return false;
+    }
+    return true;
+}
+
 void *ch_fault_main(void *arg)
 {
     (void)arg;
     uint64_t rng = ch.o.seed ^ 0xfa017ull;
+    uint64_t start = ch_mono_ms();
+    uint64_t one_shot_after = start + (ch.traffic_end > start ? (ch.traffic_end - start) / 3 : 0);
     ch_nap(2000);
     unsigned order[F__N];
     size_t oi = 0, on = 0;
     while (!ch.o.no_faults && !atomic_load(&ch.abort) && ch_mono_ms() + 1500 < ch.faults_end) {
-        if (oi == on) { /* a new round: every selected kind once, shuffled */
+        if (oi == on) { /* a new round: every eligible kind once, shuffled */
+            bool later = false;
             on = 0;
             for (unsigned k = 0; k < F__N; k++)
-                if ((ch.o.fault_mask & (1u << k)) &&
-                    (kinds[k].max_per_run == 0 || ch.faults[k] < kinds[k].max_per_run) &&
-                    (!kinds[k].needs_standby || ch.has_standby))
+                if (eligible(k, one_shot_after, &later))
                     order[on++] = k;
-            if (on == 0)
+            if (on == 0 && !later)
                 break;
+            if (on == 0) {
+                ch_nap(200);
+                ch_gw_monitor();
+                continue;
+            }
             for (size_t i = on - 1; i > 0; i--) {
                 size_t j = (size_t)(ch_splitmix64(&rng) % (i + 1));
                 unsigned t = order[i];
