@@ -166,6 +166,9 @@ pg_start() {
 pg_stop() {
     local mode=${1:-fast} pid i
     pid=$(pg_pid) || return 0
+    # A cluster left stopped (SIGSTOP) by a chaos pause whose checker was killed would never stop: continue it.
+    kill -CONT "$pid" 2>/dev/null || true
+    pkill -CONT -P "$pid" 2>/dev/null || true
     as_pg timeout $((WAIT_S + 5)) "$PGBIN/pg_ctl" -D "$PG_DATA" -m "$mode" -w -t "$WAIT_S" -s stop \
         >/dev/null 2>&1 || true
     if alive "$pid"; then
