@@ -736,16 +736,24 @@ static void check_run(struct ctx *x)
 struct check {
     const char *name;
     void (*run)(struct ctx *x);
+    const char *meaning; /* printed when it fails */
 };
 
 /* Run in this order (liveness last: its final retries may execute); reported in this order. */
 static const struct check checks[K__N] = {
-    [K_RUN] = {"run", check_run},
-    [K_AT_MOST_ONCE] = {"at-most-once", check_at_most_once},
-    [K_SAME_ANSWER] = {"same-answer", check_same_answer},
-    [K_TENANT] = {"tenant-isolation", check_tenant_isolation},
-    [K_SETTLED] = {"records-settled", check_records_settled},
-    [K_LIVENESS] = {"liveness", check_liveness},
+    [K_RUN] = {"run", check_run,
+               "the run itself went wrong (too little traffic, a fault kind never injected, a "
+               "gateway crash or a failed fault command): the other checks prove less"},
+    [K_AT_MOST_ONCE] = {"at-most-once", check_at_most_once,
+                        "keys executed more often than the protocol allows (forbidden duplicates)"},
+    [K_SAME_ANSWER] = {"same-answer", check_same_answer,
+                       "answers the gateways do not stand by: lost records, replays that differ, unexpected answers"},
+    [K_TENANT] = {"tenant-isolation", check_tenant_isolation, "one tenant's answer or scope reached another"},
+    [K_SETTLED] = {"records-settled", check_records_settled,
+                   "records left in a state the protocol does not allow after the quiet period"},
+    [K_LIVENESS] = {"liveness", check_liveness,
+                    "keys that never executed stay blocked (409) after every lease lapsed: a claim nobody acted on "
+                    "was never released"},
 };
 
 static void print_figures(const struct ctx *x)
@@ -809,7 +817,10 @@ bool ch_run_checks(unsigned *passed_out, unsigned *failed_out)
     print_figures(x);
     unsigned passed = 0, failed = 0;
     for (unsigned k = 0; k < K__N; k++) {
-        ch_out("chaos: check %-17s %s\n", checks[k].name, x->ok[k] ? "PASS" : "FAIL");
+        if (x->ok[k])
+            ch_out("chaos: check %-17s PASS\n", checks[k].name);
+        else
+            ch_out("chaos: check %-17s FAIL: %u violations: %s\n", checks[k].name, x->reported[k], checks[k].meaning);
         if (x->ok[k])
             passed++;
         else
