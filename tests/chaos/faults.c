@@ -638,7 +638,21 @@ void *ch_fault_main(void *arg)
             }
             oi = 0;
         }
-        kinds[order[oi++]].inject(&rng);
+        while (oi < on && !eligible(order[oi], one_shot_after, &(bool){false}))
+            oi++; /* a one-shot kind of this round that already ran */
+        if (oi == on)
+            continue;
+        /* a one-shot kind runs as soon as it may (a round can outlast the rest of a short run) */
+        unsigned next = order[oi];
+        bool later = false;
+        for (unsigned k = 0; k < F__N; k++)
+            if (kinds[k].max_per_run != 0 && eligible(k, one_shot_after, &later)) {
+                next = k;
+                break;
+            }
+        if (next == order[oi])
+            oi++;
+        kinds[next].inject(&rng);
         ch_gw_monitor();
         uint64_t gap_end = ch_mono_ms() + ch_rnd_range(&rng, 1200, 3200);
         while (ch_mono_ms() < gap_end && !atomic_load(&ch.abort)) {
