@@ -9,10 +9,16 @@
 #   services.sh redis-stop DIR     stop Redis (its data is lost: it never saves)
 #   services.sh redis-start DIR    start it again on the same port
 #   services.sh redis-flush DIR    FLUSHALL
+#   services.sh standby-start DIR  add a streaming standby (pg_basebackup -R) on another port, synchronous
+#                                  (the primary's synchronous_standby_names); DIR/env gains the multi-host URLs
+#   services.sh promote DIR        failover: stop the primary hard if it still runs, promote the standby; the
+#                                  env's primary (PG_PORT, PG_DATA, the single-host URLs) is the promoted one after
+#   services.sh standby-stop DIR   stop the standby, delete its data, make the primary's commits local again
 #   services.sh free-port [PORT]   print PORT when nothing listens on it, else a random free loopback port
 #
 # Never touches the system cluster (5432) or the system Redis (6379). As root, Postgres runs as the
 # `postgres` user (runuser); Redis runs as the caller. Every wait is bounded (WAIT_S, default 30 s).
+# shellcheck disable=SC2030,SC2031 # with_standby runs the Postgres helpers on the standby in a subshell, on purpose
 set -euo pipefail
 
 WAIT_S=${SERVICES_WAIT_S:-30}
@@ -26,7 +32,7 @@ die() {
 say() { echo "services.sh: $*" >&2; }
 
 usage() {
-    sed -n '4,13p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '4,18p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -122,13 +128,15 @@ wait_pg_ready() {
     return 1
 }
 
+# write_pg_conf [DATA PORT EXTRA]: DATA/idemgate.conf for the cluster in DATA on PORT (default: the primary's),
+# with EXTRA lines (standby name, synchronous standby) after the common ones.
 write_pg_conf() {
-    local tmp
+    local tmp data=${1:-$PG_DATA} port=${2:-$PG_PORT} extra=${3:-}
     tmp=$(mktemp)
     cat >"$tmp" <<EOF
 # written by scripts/services.sh: throwaway cluster. fsync is off (the machine does not crash in tests), but
 # commits stay synchronous: fault tests crash Postgres (immediate shutdown), and a committed claim must survive that.
-port = $PG_PORT
+port = $port
 listen_addresses = '127.0.0.1'
 unix_socket_directories = '$PG_HOME'
 max_connections = 200
@@ -137,10 +145,11 @@ synchronous_commit = on
 full_page_writes = off
 log_min_messages = warning
 log_line_prefix = '%m [%p] '
+$extra
 EOF
     chmod 644 "$tmp"
     if is_root; then chown postgres: "$tmp"; fi
-    mv -f "$tmp" "$PG_DATA/idemgate.conf"
+    mv -f "$tmp" "$data/idemgate.conf"
 }
 
 pg_start() {
@@ -157,6 +166,9 @@ pg_start() {
 pg_stop() {
     local mode=${1:-fast} pid i
     pid=$(pg_pid) || return 0
+    # A cluster left stopped (SIGSTOP) by a chaos pause whose checker was killed would never stop: continue it.
+    kill -CONT "$pid" 2>/dev/null || true
+    pkill -CONT -P "$pid" 2>/dev/null || true
     as_pg timeout $((WAIT_S + 5)) "$PGBIN/pg_ctl" -D "$PG_DATA" -m "$mode" -w -t "$WAIT_S" -s stop \
         >/dev/null 2>&1 || true
     if alive "$pid"; then
@@ -257,9 +269,137 @@ export PG_LOG=$PG_LOG
 export PGBIN=$PGBIN
 export REDIS_PIDFILE=$REDIS_PIDFILE
 export REDIS_LOG=$REDIS_LOG
+export PG_STANDBY_PORT=${PG_STANDBY_PORT:-}
+export PG_STANDBY_DATA=${PG_STANDBY_DATA:-}
+export PG_STANDBY_LOG=${PG_STANDBY_LOG:-}
+export PG_MULTI_HOSTS=${PG_MULTI_HOSTS:-}
 EOF
+    if [ -n "${PG_MULTI_HOSTS:-}" ]; then
+        cat >>"$tmp" <<EOF
+export IDEMGATE_TEST_PG_MULTI_URL='postgresql://idemgate@$PG_MULTI_HOSTS/idemgate?target_session_attrs=read-write'
+export IDEMGATE_TEST_PG_MULTI_ADMIN_URL='postgresql://postgres@$PG_MULTI_HOSTS/idemgate?target_session_attrs=read-write'
+EOF
+    fi
     chmod 644 "$tmp"
     mv -f "$tmp" "$DIR/env"
+}
+
+# ---------------------------------------------------------------- standby (streaming, synchronous)
+
+STANDBY_NAME=idemgate_standby
+
+# Runs a Postgres helper (pg_ready, pg_start, pg_stop) on the standby instead of the primary.
+with_standby() {
+    (
+        PG_DATA=$PG_STANDBY_DATA
+        PG_PORT=$PG_STANDBY_PORT
+        PG_LOG=$PG_STANDBY_LOG
+        "$@"
+    )
+}
+
+psql_at() { # PORT SQL: one value, as the superuser, bounded
+    PGCONNECT_TIMEOUT=3 timeout 10 "$PGBIN/psql" -X -A -t -q -h 127.0.0.1 -p "$1" -U postgres -d postgres -c "$2" \
+        2>/dev/null
+}
+
+# The primary's commits wait for the standby (on) or are local again (off); reloads a running primary.
+primary_sync() {
+    if [ "$1" = on ]; then
+        write_pg_conf "$PG_DATA" "$PG_PORT" "synchronous_standby_names = '$STANDBY_NAME'"
+    else
+        write_pg_conf "$PG_DATA" "$PG_PORT"
+    fi
+    if pg_pid >/dev/null; then
+        as_pg "$PGBIN/pg_ctl" -D "$PG_DATA" -s reload >/dev/null 2>&1 || true
+    fi
+}
+
+cmd_standby_start() {
+    local try deadline
+    load_env
+    pg_ready || die "the primary does not answer on port $PG_PORT"
+    if [ -n "${PG_STANDBY_PORT:-}" ] && with_standby pg_ready; then
+        say "standby already running on port $PG_STANDBY_PORT"
+        return 0
+    fi
+    PG_STANDBY_DATA=$PG_HOME/standby
+    PG_STANDBY_LOG=$PG_HOME/standby.log
+    PG_STANDBY_PORT=
+    rm -rf "$PG_STANDBY_DATA"
+    # From here on, a failure removes the standby again and leaves the primary's commits local.
+    trap 'rc=$?; if [ $rc -ne 0 ]; then say "standby-start failed: cleaning up"; cmd_standby_stop || true; fi' EXIT
+    if ! as_pg timeout $((WAIT_S * 2)) "$PGBIN/pg_basebackup" -h 127.0.0.1 -p "$PG_PORT" -U postgres \
+        -D "$PG_STANDBY_DATA" -R -X stream -c fast >"$DIR/basebackup.log" 2>&1; then
+        cat "$DIR/basebackup.log" >&2
+        die "pg_basebackup failed"
+    fi
+    for try in 1 2 3 4 5; do
+        PG_STANDBY_PORT=$(pick_port)
+        write_pg_conf "$PG_STANDBY_DATA" "$PG_STANDBY_PORT" "cluster_name = '$STANDBY_NAME'"
+        if with_standby pg_start; then break; fi
+        if grep -qi 'already in use' "$PG_STANDBY_LOG" 2>/dev/null && ((try < 5)); then
+            say "standby port $PG_STANDBY_PORT taken: retrying"
+            with_standby pg_stop immediate || true
+            continue
+        fi
+        tail -n 30 "$PG_STANDBY_LOG" >&2 2>/dev/null || true
+        die "the standby did not start on port $PG_STANDBY_PORT within ${WAIT_S}s"
+    done
+    PG_MULTI_HOSTS=127.0.0.1:$PG_PORT,127.0.0.1:$PG_STANDBY_PORT
+    write_env
+    primary_sync on
+    deadline=$((SECONDS + WAIT_S))
+    until [ "$(psql_at "$PG_PORT" "SELECT sync_state FROM pg_stat_replication WHERE application_name = '$STANDBY_NAME'")" = sync ]; do
+        ((SECONDS < deadline)) || die "the standby did not become synchronous within ${WAIT_S}s"
+        sleep 0.2
+    done
+    trap - EXIT
+    say "standby 127.0.0.1:$PG_STANDBY_PORT (synchronous) of the primary 127.0.0.1:$PG_PORT"
+}
+
+cmd_promote() {
+    local deadline
+    load_env
+    [ -n "${PG_STANDBY_PORT:-}" ] || die "no standby in $DIR: run 'services.sh standby-start $DIR' first"
+    if pg_pid >/dev/null; then
+        say "the primary still runs: stopping it (immediate) before the promotion"
+        pg_stop immediate
+    fi
+    as_pg timeout $((WAIT_S + 10)) "$PGBIN/pg_ctl" -D "$PG_STANDBY_DATA" -w -t "$WAIT_S" -s promote >/dev/null 2>&1 ||
+        die "pg_ctl promote failed (log: $PG_STANDBY_LOG)"
+    deadline=$((SECONDS + WAIT_S))
+    until [ "$(psql_at "$PG_STANDBY_PORT" "SELECT pg_is_in_recovery()")" = f ]; do
+        ((SECONDS < deadline)) || die "the standby was not writable within ${WAIT_S}s of its promotion"
+        sleep 0.1
+    done
+    # The promoted standby is the primary now (its commits are local: it has no standby of its own).
+    PG_DATA=$PG_STANDBY_DATA
+    PG_PORT=$PG_STANDBY_PORT
+    PG_LOG=$PG_STANDBY_LOG
+    PG_STANDBY_DATA=
+    PG_STANDBY_PORT=
+    PG_STANDBY_LOG=
+    write_env
+    say "promoted: the primary is 127.0.0.1:$PG_PORT"
+}
+
+cmd_standby_stop() {
+    load_env
+    if [ -z "${PG_STANDBY_DATA:-}" ]; then
+        say "no standby in $DIR"
+        return 0
+    fi
+    primary_sync off
+    if [ -n "${PG_STANDBY_PORT:-}" ]; then with_standby pg_stop fast || true; fi
+    case "$PG_STANDBY_DATA" in
+    "$PG_HOME"/standby) rm -rf "$PG_STANDBY_DATA" ;;
+    esac
+    PG_STANDBY_DATA=
+    PG_STANDBY_PORT=
+    PG_STANDBY_LOG=
+    PG_MULTI_HOSTS=
+    write_env
 }
 
 # Postgres must be able to reach its home: as root, DIR/pg when the postgres user can traverse to it and the
@@ -362,6 +502,7 @@ cmd_stop() {
     fi
     load_env
     redis_stop
+    if [ -n "${PG_STANDBY_PORT:-}" ]; then with_standby pg_stop fast || true; fi
     pg_stop fast
     if [ -f "$PG_LOG" ] && [ "$PG_HOME" != "$DIR/pg" ]; then cp -f "$PG_LOG" "$DIR/postgres.log" 2>/dev/null || true; fi
     # Only what start created: the cluster's home (DIR/pg or /tmp/idemgate-pg.*), the env file.
@@ -423,6 +564,9 @@ redis-start)
         die "redis did not start again on port $REDIS_PORT"
     }
     ;;
+standby-start) cmd_standby_start ;;
+promote) cmd_promote ;;
+standby-stop) cmd_standby_stop ;;
 redis-flush)
     load_env
     [ "$(redis_cli flushall 2>/dev/null)" = OK ] || die "redis FLUSHALL failed"

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # run.sh - the chaos stage: 2 gateways, retrying clients and a fault schedule; ends with `N passed, N failed`.
 #
-#   tests/chaos/run.sh --short [CHAOS OPTIONS]            60 s of traffic (under 2 minutes in all)
-#   tests/chaos/run.sh --long [MINUTES] [CHAOS OPTIONS]   MINUTES of traffic (default 10)
+#   tests/chaos/run.sh --short [CHAOS OPTIONS]            80 s of traffic, every fault kind (about 2 minutes)
+#   tests/chaos/run.sh --long [MINUTES] [CHAOS OPTIONS]   MINUTES of traffic (default 10), every fault kind
 #
-# CHAOS OPTIONS go to the checker as they are (--seed S, --workers N, --instances 1|2, --keep, ...).
+# CHAOS OPTIONS go to the checker as they are (--seed S, --workers N, --instances 1|2, --keep,
+# --faults LIST, ...). --faults takes comma-separated kinds (gateway_kill, postgres_restart, redis_restart,
+# redis_flush, upstream_down, postgres_pause, commit_errors, serializable_default, failover) or all (the default).
 # Environment: IDEMGATE_BUILD_DIR (default ./build; built when the checker is missing),
 # IDEMGATE_TEST_SERVICES_DIR (running Postgres+Redis from scripts/services.sh; else throwaway ones are started
-# here and stopped at exit), IDEMGATE_SERVICES_SH (default scripts/services.sh).
+# here and stopped at exit), IDEMGATE_SERVICES_SH (default scripts/services.sh). When the faults include a
+# failover, a Postgres pair (primary + synchronous standby) is always started here: a shared cluster is never
+# failed over.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd -P)
@@ -25,7 +29,7 @@ fail() {
 }
 
 usage() {
-    sed -n '4,10p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '4,14p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -55,7 +59,7 @@ trap 'say interrupted; exit 130' INT TERM HUP
 [ $# -ge 1 ] || usage
 case "$1" in
 --short)
-    DURATION=60
+    DURATION=80
     shift
     ;;
 --long)
@@ -81,15 +85,33 @@ if [ ! -x "$CHAOS" ] || [ ! -x "$BUILD/idemgate" ] || [ ! -x "$BUILD/tests/tools
     ninja -C "$BUILD" idemgate tests/tools/testupstream tests/chaos/chaos >&2 || fail "build failed"
 fi
 
-if [ -n "${IDEMGATE_TEST_SERVICES_DIR:-}" ] && bash "$SERVICES_SH" status "$IDEMGATE_TEST_SERVICES_DIR" >/dev/null 2>&1; then
+# Does the fault list (default: all) include a failover?
+FAULTS=all
+prev=
+for a in "$@"; do
+    [ "$prev" = --faults ] && FAULTS=$a
+    prev=$a
+done
+FAILOVER=0
+case ",$FAULTS," in *,all,* | *,failover,*) FAILOVER=1 ;; esac
+
+if [ "$FAILOVER" = 0 ] && [ -n "${IDEMGATE_TEST_SERVICES_DIR:-}" ] &&
+    bash "$SERVICES_SH" status "$IDEMGATE_TEST_SERVICES_DIR" >/dev/null 2>&1; then
     SVC=$IDEMGATE_TEST_SERVICES_DIR
     say "using the running services in $SVC"
 else
-    [ -n "${IDEMGATE_TEST_SERVICES_DIR:-}" ] && say "$IDEMGATE_TEST_SERVICES_DIR does not answer: starting our own"
+    if [ "$FAILOVER" = 1 ]; then
+        say "a failover is in the fault list: starting our own Postgres pair and Redis"
+    elif [ -n "${IDEMGATE_TEST_SERVICES_DIR:-}" ]; then
+        say "$IDEMGATE_TEST_SERVICES_DIR does not answer: starting our own"
+    fi
     SVC=$(mktemp -d /tmp/idemgate-chaos-svc.XXXXXX) || fail "mktemp failed"
     chmod 755 "$SVC"
     OWN_SVC=1
     bash "$SERVICES_SH" start "$SVC" || fail "services did not start"
+    if [ "$FAILOVER" = 1 ]; then
+        bash "$SERVICES_SH" standby-start "$SVC" || fail "the standby did not start"
+    fi
 fi
 
 # Bounded: traffic + drain (12 s) + quiet period + checks, with a generous margin.
