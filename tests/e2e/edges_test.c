@@ -231,9 +231,9 @@ Test(edges, bad_paths_and_queries_are_refused)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = start_edges(up, "api");
     static const char *const bad[] = {
-        "/v1/pass/../../x", "/..",         "/v1/pass/a%2fb", "/v1/pass/a%2Fb",    "/v1/pass/%00",
-        "/v1/pass/%zz",     "/v1/pass/%4", "/v1/pass/a\\b",  "/v1/pass/\x80x",    "/v1/pass?a\x01",
-        "/v1/pass?a#b",     "/v1/pass#x",  "/v1/pass/a\x7f", "/v1/pass?\xc3\xa9", "/v1/pass/%2e%2E/%2e%2e/..",
+        "/v1/../../x",  "/..",         "/v1/pass/a%2fb", "/v1/pass/a%2Fb",    "/v1/pass/%00",
+        "/v1/pass/%zz", "/v1/pass/%4", "/v1/pass/a\\b",  "/v1/pass/\x80x",    "/v1/pass?a\x01",
+        "/v1/pass?a#b", "/v1/pass#x",  "/v1/pass/a\x7f", "/v1/pass?\xc3\xa9", "/v1/pass/%2e%2E/%2e%2e/..",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char req[512];
@@ -307,7 +307,6 @@ Test(edges, header_block_rewrites_are_refused)
                          "bare CR in a value");
     expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.1\r\nHost: t\r\nX-A: \x01\r\n\r\n"),
                          "control byte in a value");
-    expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.1 \r\nHost: t\r\n\r\n"), "a space after the version");
     expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.2\r\nHost: t\r\n\r\n"), "HTTP/1.2");
     expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.1\r\nHost: t\r\n\tX: y\r\n\r\n"),
                          "obs-fold of the first header");
@@ -362,8 +361,8 @@ Test(edges, methods_are_case_sensitive_tokens)
     cr_expect_eq(e2e_upstream_count(up, NULL), 1);
     /* an extension method in upper case is forwarded as any other */
     raw(gw, "PURGE /v1/pass/x HTTP/1.1\r\nHost: t\r\n\r\n", &r);
-    cr_expect_neq(r.status, 501, "PURGE is a method like any other");
-    cr_expect_neq(r.status, 400, "PURGE is a token");
+    cr_expect(r.status != 0 && strstr(raw_body(&r), "urn:idemgate:problem:") == NULL,
+              "PURGE is a method like any other: %.300s", r.data);
     free(r.data);
 }
 
