@@ -564,6 +564,24 @@ static size_t header_block_size(struct MHD_Connection *c)
     return ci ? ci->header_size : 0;
 }
 
+/* Per-connection pool (libmicrohttpd 0.9.75): what one record of a header, argument or cookie takes (struct
+ * MHD_HTTP_Header, 56 bytes, rounded to 16), the slack over both head limits, and the part of it kept for the
+ * answer's own lines (status line, Date, Content-Length, Connection, Idempotent-Replayed). */
+#define GW_MHD_RECORD_BYTES 64
+#define GW_POOL_SLACK       (8 * 1024)
+#define GW_POOL_ANSWER_KEEP (2 * 1024)
+
+/* What the request holds in the pool when its answer's head is built: the head itself, a record per header,
+ * argument and cookie, and the copy of the Cookie header MHD parses cookies from. */
+static size_t request_pool_bytes(const struct req *r, struct MHD_Connection *c)
+{
+    int args = MHD_get_connection_values(c, MHD_GET_ARGUMENT_KIND, NULL, NULL);
+    int cookies = MHD_get_connection_values(c, MHD_COOKIE_KIND, NULL, NULL);
+    size_t n = r->in_hdrs.n + (size_t)(args > 0 ? args : 0) + (size_t)(cookies > 0 ? cookies : 0);
+    const char *ck = cm_hdrs_get(&r->in_hdrs, "Cookie");
+    return header_block_size(c) + n * GW_MHD_RECORD_BYTES + (ck ? strlen(ck) + 1 : 0);
+}
+
 /* How many headers are named name (case-insensitive). */
 static size_t header_count(const struct cm_hdrs *h, const char *name)
 {
@@ -590,7 +608,9 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
                       "the gateway is at its connection limit; retry later", CM_OUT_ERROR);
     if (r->target_res == CM_TARGET_TOO_LONG)
         return reject(r, c, 414, "uri-too-long", "URI too long", r->target_why, CM_OUT_TOO_LARGE);
-    if (header_block_size(c) > conf->max_header_bytes)
+    /* the second bound keeps room in the pool for any answer head within max_response_header_bytes */
+    if (header_block_size(c) > conf->max_header_bytes ||
+        request_pool_bytes(r, c) > conf->max_header_bytes + GW_POOL_SLACK - GW_POOL_ANSWER_KEEP)
         return reject(r, c, 431, "request-header-fields-too-large", "Request header fields too large",
                       "the request header block exceeds max_header_bytes", CM_OUT_TOO_LARGE);
     if (block_bad)
@@ -912,11 +932,12 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
         free(f);
         return NULL;
     }
-    /* libmicrohttpd 0.9.75 clears the whole per-connection pool on every
-     * request, so each connection costs exactly this much resident memory:
-     * room for the header block plus its parsed records and the answer's
-     * header lines. Over it, libmicrohttpd answers 431 (or 414) itself. */
-    size_t mem = (size_t)conf->max_header_bytes + 8 * 1024;
+    /* libmicrohttpd 0.9.75 clears the whole per-connection pool on every request, so each connection costs
+     * exactly this much resident memory. The answer's head is written into the same pool while it still holds
+     * the request's head (the headers MHD handed us point into it) and the records of the request's headers:
+     * room for both at their limits, plus slack for those records and MHD's own answer headers. Over
+     * max_header_bytes the front answers 431; a request head that overflows the pool gets MHD's own 431. */
+    size_t mem = (size_t)conf->max_header_bytes + (size_t)conf->max_response_header_bytes + GW_POOL_SLACK;
     if (mem < 16 * 1024)
         mem = 16 * 1024;
     unsigned timeout_s = (unsigned)((conf->client_timeout_ms + 999) / 1000);

@@ -485,27 +485,79 @@ static void expect_big_head(const struct e2e_resp *r, const char *what)
     cr_expect_gt(r->body_len, 0, "%s: the body arrived", what);
 }
 
-Test(edges, answer_with_15k_of_headers_reaches_the_client)
+/* With a request head near max_header_bytes too: libmicrohttpd 0.9.75 builds the answer's head in the same
+ * per-connection pool that still holds the request's head. */
+enum req_head { HEAD_SMALL, HEAD_14K, HEAD_MANY };
+
+static void big_heads(enum req_head kind)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = start_edges(up, "api");
-    static const char *const hdrs[] = {"X-Test-Header-Bytes: 15360", NULL};
+    static char fill[14 * 1024 + 16];
+    memcpy(fill, "X-Fill: ", 8);
+    memset(fill + 8, 'f', 14 * 1024);
+    fill[8 + 14 * 1024] = '\0';
+    static char many[200][24];
+    const char *hdrs[203] = {"X-Test-Header-Bytes: 15360", kind == HEAD_14K ? fill : NULL};
+    for (int i = 0; kind == HEAD_MANY && i < 200; i++) {
+        snprintf(many[i], sizeof many[i], "X-N-%d: v%d", i, i);
+        hdrs[1 + i] = many[i];
+    }
     struct e2e_req rq = {.path = "/v1/pass/big", .headers = hdrs};
     struct e2e_resp r;
     e2e_http(gw->port, &rq, &r);
     expect_big_head(&r, "passthrough");
     e2e_resp_free(&r);
 
-    char key[64];
+    char key[64], kh[96];
     e2e_mkkey(key, sizeof key, "bighead");
-    e2e_http_key(gw->port, "POST", "/v1/payments", key, hdrs, "{}", 0, &r);
+    snprintf(kh, sizeof kh, "Idempotency-Key: %s", key);
+    const char *keyed[204] = {kh};
+    for (size_t i = 0; hdrs[i]; i++)
+        keyed[1 + i] = hdrs[i];
+    struct e2e_req post = {.method = "POST", .path = "/v1/payments", .headers = keyed, .body = "{}", .body_len = 2};
+    e2e_http(gw->port, &post, &r);
     expect_big_head(&r, "first");
     e2e_resp_free(&r);
-    e2e_http_key(gw->port, "POST", "/v1/payments", key, hdrs, "{}", 0, &r);
+    e2e_http(gw->port, &post, &r);
     expect_big_head(&r, "replay");
     cr_expect(e2e_resp_is_replay(&r));
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
+}
+
+Test(edges, answer_with_15k_of_headers_reaches_the_client)
+{
+    big_heads(HEAD_SMALL);
+}
+
+Test(edges, answer_with_15k_of_headers_after_a_14k_request_head)
+{
+    big_heads(HEAD_14K);
+}
+
+Test(edges, answer_with_15k_of_headers_after_200_request_headers)
+{
+    big_heads(HEAD_MANY);
+}
+
+/* A request head whose records would leave no room for the answer's head is refused with a clear 431, not a
+ * closed connection. */
+Test(edges, request_head_crowding_the_pool_is_431)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    char *req = malloc(64 * 1024);
+    size_t n = (size_t)sprintf(req, "GET /v1/pass/many HTTP/1.1\r\nHost: t\r\n");
+    for (int i = 0; i < 400; i++)
+        n += (size_t)sprintf(req + n, "X-%d: v\r\n", i);
+    n += (size_t)sprintf(req + n, "\r\n");
+    struct e2e_raw r;
+    raw_n(gw, req, n, &r);
+    free(req);
+    expect_raw_problem(&r, 431, "request-header-fields-too-large", "400 small headers");
+    free(r.data);
+    cr_expect_eq(e2e_upstream_count(up, NULL), 0);
 }
 
 /* ---- 9. admin query values are decoded strictly */
