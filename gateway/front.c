@@ -612,7 +612,8 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     if (header_block_size(c) > conf->max_header_bytes ||
         request_pool_bytes(r, c) > conf->max_header_bytes + GW_POOL_SLACK - GW_POOL_ANSWER_KEEP)
         return reject(r, c, 431, "request-header-fields-too-large", "Request header fields too large",
-                      "the request header block exceeds max_header_bytes", CM_OUT_TOO_LARGE);
+                      "the request header block (or its number of header fields) exceeds max_header_bytes",
+                      CM_OUT_TOO_LARGE);
     if (block_bad)
         return reject(r, c, 400, "bad-request", "Bad request", block_bad, CM_OUT_ERROR);
     if (r->target_res != CM_TARGET_OK)
