@@ -941,6 +941,13 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
     size_t mem = (size_t)conf->max_header_bytes + (size_t)conf->max_response_header_bytes + GW_POOL_SLACK;
     if (mem < 16 * 1024)
         mem = 16 * 1024;
+    /* raw_block_check relies on 0.9.75's in-place parse; another version fails closed (every request 400) */
+    const char *mhd_version = MHD_get_version();
+    if (!mhd_version || strcmp(mhd_version, "0.9.75") != 0)
+        cm_log(CM_WARN, "mhd_version_unverified",
+               "version=%.32s msg=\"the header block check was verified against libmicrohttpd 0.9.75 only; with "
+               "another layout every request is refused with 400\"",
+               mhd_version ? mhd_version : "unknown");
     unsigned timeout_s = (unsigned)((conf->client_timeout_ms + 999) / 1000);
     f->shards = cm_calloc(loops->n, sizeof *f->shards);
     for (size_t i = 0; i < loops->n; i++) {
