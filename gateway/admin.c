@@ -8,6 +8,7 @@
 #include <strings.h>
 #include <sys/socket.h>
 
+#include "common/uri.h"
 #include "gateway/gateway.h"
 #include "gateway/problem.h"
 #include "gateway/status.h"
@@ -23,7 +24,10 @@ struct gw_admin {
 
 enum admin_op { OP_LIST, OP_PURGE, OP_RELEASE };
 
+/* One admin request, from the URI log callback to its completion. */
 struct admin_job {
+    char *query;    /* the raw query as received (no '?'), "" when none */
+    bool submitted; /* handed to the loop; the handler runs again once the store answered */
     struct gw_admin *a;
     struct MHD_Connection *conn;
     enum admin_op op;
@@ -106,8 +110,43 @@ static bool authorized(const struct gw_admin *a, struct MHD_Connection *c)
     return cm_consttime_eq(h, strlen(h), a->conf->admin_token, strlen(a->conf->admin_token));
 }
 
+/* The value of query parameter name, decoded (heap, caller frees), in *out (NULL when absent). Returns false
+ * when any parameter of the query is not valid percent-encoding or decodes to a NUL, or name appears twice:
+ * libmicrohttpd's own lookup decodes leniently and stops at a NUL ("abc%00X" would be "abc"). */
+static bool query_value(const char *q, const char *name, char **out)
+{
+    *out = NULL;
+    size_t qn = strlen(q);
+    char *buf = cm_malloc(qn + 1);
+    bool ok = true;
+    for (const char *p = q; ok && *p;) {
+        const char *amp = strchr(p, '&');
+        size_t plen = amp ? (size_t)(amp - p) : strlen(p);
+        const char *eq = memchr(p, '=', plen);
+        size_t klen = eq ? (size_t)(eq - p) : plen;
+        size_t dl;
+        ok = cm_pct_decode(p, klen, true, buf, &dl);
+        if (ok && eq) {
+            bool mine = strcmp(buf, name) == 0;
+            ok = cm_pct_decode(eq + 1, plen - klen - 1, true, buf, &dl);
+            if (ok && mine) {
+                ok = *out == NULL;
+                if (ok)
+                    *out = cm_strndup(buf, dl);
+            }
+        }
+        p = amp ? amp + 1 : p + plen;
+    }
+    free(buf);
+    if (!ok) {
+        free(*out);
+        *out = NULL;
+    }
+    return ok;
+}
+
 static enum MHD_Result keys_endpoint(struct gw_admin *a, struct MHD_Connection *c, const char *url, const char *method,
-                                     void **req_cls)
+                                     struct admin_job *j)
 {
     if (!a->conf->admin_token)
         return problem(c, 404, "not-found", "Not found",
@@ -125,20 +164,28 @@ static enum MHD_Result keys_endpoint(struct gw_admin *a, struct MHD_Connection *
         return problem(c, 405, "method-not-allowed", "Method not allowed", "see the admin API in the README");
     else
         return problem(c, 404, "not-found", "Not found", "no such admin endpoint");
-    const char *route = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "route");
-    const char *key = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "key");
-    if (!route || !*route || !key)
+    char *route = NULL, *key = NULL;
+    if (!query_value(j->query, "route", &route) || !query_value(j->query, "key", &key)) {
+        free(route);
+        return problem(c, 400, "bad-request", "Bad request",
+                       "a query parameter is repeated, holds a NUL, or is not valid percent-encoding");
+    }
+    if (!route || !*route || !key) {
+        free(route);
+        free(key);
         return problem(c, 400, "bad-request", "Bad request", "route and key query parameters are required");
-    struct admin_job *j = cm_calloc(1, sizeof *j);
-    if (!gw_key_parse(key, strlen(key), j->key, &j->key_len)) {
-        free(j);
+    }
+    bool key_ok = gw_key_parse(key, strlen(key), j->key, &j->key_len);
+    free(key);
+    if (!key_ok) {
+        free(route);
         return problem(c, 400, "idempotency-key-invalid", "Idempotency key invalid", "the key is not a valid key");
     }
     j->a = a;
     j->conn = c;
     j->op = op;
-    j->route = cm_strdup(route);
-    *req_cls = j;
+    j->route = route;
+    j->submitted = true;
     atomic_fetch_add(&a->jobs, 1);
     MHD_suspend_connection(c);
     gw_loop_submit(a->loop, admin_run, j);
@@ -167,7 +214,9 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
 {
     struct gw_admin *a = cls;
     struct admin_job *j = *req_cls;
-    if (j) { /* resumed: the store answered */
+    if (!j) /* no URI callback ran: should not happen */
+        return MHD_NO;
+    if (j->submitted) { /* resumed: the store answered */
         if (*upload_data_size) {
             *upload_data_size = 0;
             return MHD_YES;
@@ -183,7 +232,7 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
                       strlen(json));
     }
     if (strncmp(url, "/admin/", 7) == 0)
-        return keys_endpoint(a, c, url, method, req_cls);
+        return keys_endpoint(a, c, url, method, j);
     if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0)
         return problem(c, 405, "method-not-allowed", "Method not allowed", "only GET is supported here");
     if (strcmp(url, "/healthz") == 0)
@@ -227,12 +276,23 @@ static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum 
     struct gw_admin *a = cls;
     struct admin_job *j = *req_cls;
     *req_cls = NULL;
-    if (!j || j->a != a)
+    if (!j)
         return;
+    if (j->submitted)
+        atomic_fetch_sub(&a->jobs, 1);
+    free(j->query);
     free(j->route);
     free(j->json);
     free(j);
-    atomic_fetch_sub(&a->jobs, 1);
+}
+
+/* Every request gets its job here, with the raw query (before libmicrohttpd splits and decodes it). */
+static void *admin_uri_log(void *cls, const char *uri, struct MHD_Connection *c)
+{
+    struct admin_job *j = cm_calloc(1, sizeof *j);
+    const char *q = uri ? strchr(uri, '?') : NULL;
+    j->query = cm_strdup(q ? q + 1 : "");
+    return j;
 }
 
 struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_loop *loop, char **err)
@@ -257,12 +317,12 @@ struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_loop *loop, c
     memset(&ss, 0, sizeof ss);
     memcpy(&ss, res->ai_addr, res->ai_addrlen);
     freeaddrinfo(res);
-    a->d =
-        MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
-                             MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0),
-                         0, NULL, NULL, handler, a, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "admin",
-                         MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, 256u,
-                         MHD_OPTION_CONNECTION_TIMEOUT, 30u, MHD_OPTION_NOTIFY_COMPLETED, completed, a, MHD_OPTION_END);
+    a->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
+                                MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0),
+                            0, NULL, NULL, handler, a, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "admin",
+                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, 256u,
+                            MHD_OPTION_CONNECTION_TIMEOUT, 30u, MHD_OPTION_NOTIFY_COMPLETED, completed, a,
+                            MHD_OPTION_URI_LOG_CALLBACK, admin_uri_log, a, MHD_OPTION_END);
     if (!a->d) {
         *err = cm_asprintf("cannot listen on admin address %s:%u", conf->admin_listen.host, conf->admin_listen.port);
         free(a);

@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "common/uri.h"
 #include "gateway/gateway.h"
 #include "gateway/problem.h"
 
@@ -64,6 +65,12 @@ struct req {
     enum stage stage;
     bool body_too_large;
     struct cm_hdrs in_hdrs; /* as received, in order */
+    /* The request target as the URI log callback saw it: where it sits in MHD's read buffer and its strlen then
+     * (before MHD cut the query off; a NUL inside makes it short), and what cm_target_parse made of it. */
+    const char *target;
+    size_t target_len;
+    enum cm_target_result target_res;
+    const char *target_why;
 };
 
 static struct conn_track *track_of(struct MHD_Connection *c);
@@ -84,13 +91,21 @@ static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
     struct req *r = cm_calloc(1, sizeof *r);
     r->shard = sh;
     r->job.conf = sh->f->conf;
-    r->job.uri = cm_strdup(uri ? uri : "/");
-    const char *q = strchr(r->job.uri, '?');
-    if (q) {
-        r->job.path = cm_strndup(r->job.uri, (size_t)(q - r->job.uri));
-        r->job.query = cm_strdup(q + 1);
-    } else {
-        r->job.path = cm_strdup(r->job.uri);
+    r->job.route_index = CM_ROUTE_NONE;
+    /* Validated and normalised once, here: what is routed, fingerprinted and forwarded is this form. */
+    struct cm_target t;
+    r->target = uri;
+    r->target_len = uri ? strlen(uri) : 0;
+    r->target_why = "no request target";
+    r->target_res =
+        uri ? cm_target_parse(uri, r->target_len, sh->f->conf->max_header_bytes, &t, &r->target_why) : CM_TARGET_BAD;
+    if (r->target_res == CM_TARGET_OK) {
+        r->job.uri = t.uri;
+        r->job.path = t.path;
+        r->job.query = t.query;
+    } else { /* refused before routing; these only keep the job well-formed */
+        r->job.uri = cm_strdup("/");
+        r->job.path = cm_strdup("/");
         r->job.query = cm_strdup("");
     }
     cm_hdrs_init(&r->in_hdrs);
@@ -205,11 +220,148 @@ static void *watchdog_main(void *arg)
     return NULL;
 }
 
-static enum MHD_Result collect_header(void *cls, enum MHD_ValueKind kind, const char *key, const char *value)
+/* ---- the raw header block (libmicrohttpd 0.9.75 parses it in place; see README "Security")
+ *
+ * The request line and the header lines stay in the connection's read buffer, from the method (the block's
+ * start) for MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE bytes; each CR LF (or bare LF) became NULs, each header's
+ * colon a NUL. The headers MHD hands over must tile that block exactly, in order: anything MHD rewrote (an
+ * obs-fold moves the name into a new allocation, a NUL cuts a value, a line it skipped) leaves a gap or a
+ * pointer elsewhere. No byte outside [lo, hi) is ever read. */
+struct tile {
+    uintptr_t lo, hi; /* the block */
+    const char *p;    /* end of the previous item: the version, then each value */
+    const char *why;  /* NULL while the block tiles */
+    struct req *r;
+};
+
+/* p[0..n) lies inside the block. */
+static bool in_block(const struct tile *t, const char *p, size_t n)
 {
-    struct req *r = cls;
-    cm_hdrs_add(&r->in_hdrs, key, value ? value : "");
+    uintptr_t a = (uintptr_t)p;
+    return p && a >= t->lo && a <= t->hi && n <= t->hi - a;
+}
+
+/* NUL bytes at p, up to the block's end. */
+static size_t nuls_at(const struct tile *t, const char *p)
+{
+    size_t n = 0;
+    while (in_block(t, p + n, 1) && p[n] == '\0')
+        n++;
+    return n;
+}
+
+static enum MHD_Result tile_header(void *cls, enum MHD_ValueKind kind, const char *key, size_t klen, const char *value,
+                                   size_t vlen)
+{
+    struct tile *t = cls;
+    cm_hdrs_addn(&t->r->in_hdrs, key, klen, value ? value : "", value ? vlen : 0);
+    if (t->why)
+        return MHD_YES;
+    size_t gap = nuls_at(t, t->p);
+    if (gap < 1 || gap > 2 || key != t->p + gap || !in_block(t, key, klen + 1) || key[klen] != '\0') {
+        t->why = "a header line libmicrohttpd would rewrite (obs-fold, NUL, or a line it skipped)";
+        return MHD_YES;
+    }
+    const char *s = key + klen + 1; /* after the colon: only the OWS MHD skipped */
+    if (!value || (uintptr_t)value < (uintptr_t)s || !in_block(t, value, vlen + 1)) {
+        t->why = "a header value outside its line";
+        return MHD_YES;
+    }
+    for (; s < value; s++) {
+        if (*s != ' ' && *s != '\t') {
+            t->why = "a header value outside its line";
+            return MHD_YES;
+        }
+    }
+    t->p = value + vlen;
     return MHD_YES;
+}
+
+/* Checks the request line and the header block, and collects the headers (with their exact lengths) into
+ * r->in_hdrs. Returns NULL when the block is sound, else a constant reason (fail closed: a libmicrohttpd whose
+ * layout differs from 0.9.75 gets every request refused rather than one let through unchecked). */
+static const char *raw_block_check(struct req *r, struct MHD_Connection *c, const char *method, const char *version)
+{
+    struct tile t = {.r = r};
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+    const char *why = NULL;
+    if (!ci || !method || ci->header_size == 0) {
+        why = "the request head could not be checked";
+        goto collect;
+    }
+    t.lo = (uintptr_t)method;
+    t.hi = t.lo + ci->header_size;
+    if (t.hi < t.lo) {
+        why = "the request head could not be checked";
+        goto collect;
+    }
+    /* method: a token, its NUL (the SP), then only the SPs MHD skipped up to the target */
+    size_t mlen = strnlen(method, ci->header_size);
+    if (!cm_token_ok(method, mlen)) {
+        why = "the method is not a token";
+        goto collect;
+    }
+    const char *s = method + mlen + 1;
+    if (!in_block(&t, r->target, r->target_len + 1) || (uintptr_t)r->target < (uintptr_t)s) {
+        why = "malformed request line";
+        goto collect;
+    }
+    for (; s < r->target; s++) {
+        if (*s != ' ') {
+            why = "malformed request line";
+            goto collect;
+        }
+    }
+    /* the target's strlen reaches the NUL that was the SP before the version */
+    if (!in_block(&t, version, 9) || version != r->target + r->target_len + 1) {
+        why = "the request target holds a NUL byte, or the request line has no HTTP version";
+        goto collect;
+    }
+    if (strnlen(version, 9) != 8 || (memcmp(version, "HTTP/1.1", 8) != 0 && memcmp(version, "HTTP/1.0", 8) != 0)) {
+        why = "the HTTP version must be HTTP/1.0 or HTTP/1.1";
+        goto collect;
+    }
+    t.p = version + 8;
+collect:
+    if (why)
+        t.why = why;
+    MHD_get_connection_values_n(c, MHD_HEADER_KIND, tile_header, &t);
+    if (t.why)
+        return t.why;
+    /* after the last value: its line end and the empty line, nothing else */
+    size_t tail = nuls_at(&t, t.p);
+    if (tail < 2 || tail > 4 || (uintptr_t)t.p + tail != t.hi)
+        return "a header line libmicrohttpd would rewrite (obs-fold, NUL, or a line it skipped)";
+    return NULL;
+}
+
+/* A case variant of a standard method ("head", "Post"): a distinct method by RFC 9110 9.1, but one that a
+ * component folding case would take for the standard one (HEAD read without its body); refused. */
+static bool method_case_variant(const char *m)
+{
+    static const char *const std[] = {"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"};
+    for (size_t i = 0; i < sizeof std / sizeof std[0]; i++)
+        if (strcasecmp(m, std[i]) == 0 && strcmp(m, std[i]) != 0)
+            return true;
+    return false;
+}
+
+/* A HEAD answer's Content-Length, as the upstream sent it (or as stored): libmicrohttpd 0.9.75 writes
+ * Content-Length from the response's size and refuses one set by hand (MHD_RF_INSANITY_HEADER_CONTENT_LENGTH
+ * would send both), and for HEAD it never reads the body (it counts it as sent). So the answer gets that size
+ * and a reader that is never called. */
+static bool head_content_length(const struct gw_job *job, uint64_t *out)
+{
+    if (!job->method || strcmp(job->method, "HEAD") != 0 || job->status < 200 || job->status == 204 ||
+        job->status == 304)
+        return false;
+    const char *cl = cm_hdrs_get(&job->resp_hdrs, "Content-Length");
+    return cl && cm_parse_digits(cl, strlen(cl), 19, out) && *out < MHD_SIZE_UNKNOWN;
+}
+
+static ssize_t no_body_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    return MHD_CONTENT_READER_END_WITH_ERROR; /* HEAD: MHD never asks */
 }
 
 /* Queues the job's answer (status, headers, body) on the connection. */
@@ -218,15 +370,24 @@ static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
     struct gw_job *job = &r->job;
     size_t len;
     char *body = cm_buf_take(&job->resp_body, &len);
-    struct MHD_Response *resp = body ? MHD_create_response_from_buffer_with_free_callback(len, body, free)
-                                     : MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
+    uint64_t head_len = 0;
+    struct MHD_Response *resp;
+    if (!body && head_content_length(job, &head_len)) /* MHD writes Content-Length from the size; no body is read */
+        resp = MHD_create_response_from_callback(head_len, 4096, no_body_read, NULL, NULL);
+    else if (body)
+        resp = MHD_create_response_from_buffer_with_free_callback(len, body, free);
+    else
+        resp = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
     if (!resp) {
         free(body);
         return MHD_NO;
     }
     for (size_t i = 0; i < job->resp_hdrs.n; i++) {
         const struct cm_hdr *h = &job->resp_hdrs.v[i];
-        if (strcasecmp(h->name, "Content-Length") == 0 || cm_is_hop_by_hop(h->name))
+        /* the upstream's own Idempotent-Replayed never reaches the client (records stored before it was
+         * dropped at parsing may still hold one): a replay carries exactly one, ours */
+        if (strcasecmp(h->name, "Content-Length") == 0 || cm_is_hop_by_hop(h->name) ||
+            strcasecmp(h->name, "Idempotent-Replayed") == 0)
             continue;
         if (MHD_add_response_header(resp, h->name, h->value) != MHD_YES)
             cm_log(CM_WARN, "response_header_dropped", "name=%.64s", h->name);
@@ -311,8 +472,12 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     if (job->route && !job->route->idem.forward_key && job->route->idem.header)
         cm_hdrs_remove(fh, job->route->idem.header);
 
+    /* the client's X-Forwarded-Proto/-Host and Forwarded are never passed on: the upstream trusts these */
+    cm_hdrs_remove(fh, "X-Forwarded-Host");
+    cm_hdrs_remove(fh, "X-Forwarded-Proto");
+    cm_hdrs_remove(fh, "Forwarded");
     const char *host = cm_hdrs_get(&r->in_hdrs, "Host");
-    if (host && !cm_hdrs_get(fh, "X-Forwarded-Host"))
+    if (host)
         cm_hdrs_add(fh, "X-Forwarded-Host", host);
     cm_hdrs_remove(fh, "Host");
     char uh[512];
@@ -329,8 +494,7 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     cm_hdrs_remove(fh, "X-Forwarded-For");
     cm_hdrs_add(fh, "X-Forwarded-For", ok ? xff.data : ip);
     cm_buf_free(&xff);
-    if (!cm_hdrs_get(fh, "X-Forwarded-Proto"))
-        cm_hdrs_add(fh, "X-Forwarded-Proto", "http");
+    cm_hdrs_add(fh, "X-Forwarded-Proto", "http"); /* the front listens on plain HTTP only */
     const char *via = cm_hdrs_get(fh, "Via");
     if (via) {
         char *v = cm_asprintf("%s, 1.1 idemgate", via);
@@ -393,12 +557,38 @@ static bool transfer_coding_unsupported(const struct cm_hdrs *h)
     return n > 1 || other;
 }
 
-static size_t header_block_size(const struct req *r, const char *method)
+/* The request head as received, request line to the empty line included. */
+static size_t header_block_size(struct MHD_Connection *c)
 {
-    size_t n = strlen(method) + 1 + strlen(r->job.uri) + 11; /* request line */
-    for (size_t i = 0; i < r->in_hdrs.n; i++)
-        n += strlen(r->in_hdrs.v[i].name) + 2 + strlen(r->in_hdrs.v[i].value) + 2;
-    return n + 2;
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+    return ci ? ci->header_size : 0;
+}
+
+/* Per-connection pool (libmicrohttpd 0.9.75): what one record of a header, argument or cookie takes (struct
+ * MHD_HTTP_Header, 56 bytes, rounded to 16), the slack over both head limits, and the part of it kept for the
+ * answer's own lines (status line, Date, Content-Length, Connection, Idempotent-Replayed). */
+#define GW_MHD_RECORD_BYTES 64
+#define GW_POOL_SLACK       (8 * 1024)
+#define GW_POOL_ANSWER_KEEP (2 * 1024)
+
+/* What the request holds in the pool when its answer's head is built: the head itself, a record per header,
+ * argument and cookie, and the copy of the Cookie header MHD parses cookies from. */
+static size_t request_pool_bytes(const struct req *r, struct MHD_Connection *c)
+{
+    int args = MHD_get_connection_values(c, MHD_GET_ARGUMENT_KIND, NULL, NULL);
+    int cookies = MHD_get_connection_values(c, MHD_COOKIE_KIND, NULL, NULL);
+    size_t n = r->in_hdrs.n + (size_t)(args > 0 ? args : 0) + (size_t)(cookies > 0 ? cookies : 0);
+    const char *ck = cm_hdrs_get(&r->in_hdrs, "Cookie");
+    return header_block_size(c) + n * GW_MHD_RECORD_BYTES + (ck ? strlen(ck) + 1 : 0);
+}
+
+/* How many headers are named name (case-insensitive). */
+static size_t header_count(const struct cm_hdrs *h, const char *name)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < h->n; i++)
+        n += strcasecmp(h->v[i].name, name) == 0;
+    return n;
 }
 
 /* First call: headers are in. Returns MHD_YES to go on reading the body, or
@@ -410,7 +600,27 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     struct gw_job *job = &r->job;
     job->method = cm_strdup(method);
     job->finish = job_finish;
-    MHD_get_connection_values(c, MHD_HEADER_KIND, collect_header, r);
+    const char *block_bad = raw_block_check(r, c, method, version);
+
+    struct conn_track *t = track_of(c);
+    if (t && t->over_limit)
+        return reject(r, c, 503, "too-many-connections", "Too many connections",
+                      "the gateway is at its connection limit; retry later", CM_OUT_ERROR);
+    if (r->target_res == CM_TARGET_TOO_LONG)
+        return reject(r, c, 414, "uri-too-long", "URI too long", r->target_why, CM_OUT_TOO_LARGE);
+    /* the second bound keeps room in the pool for any answer head within max_response_header_bytes */
+    if (header_block_size(c) > conf->max_header_bytes ||
+        request_pool_bytes(r, c) > conf->max_header_bytes + GW_POOL_SLACK - GW_POOL_ANSWER_KEEP)
+        return reject(r, c, 431, "request-header-fields-too-large", "Request header fields too large",
+                      "the request header block (or its number of header fields) exceeds max_header_bytes",
+                      CM_OUT_TOO_LARGE);
+    if (block_bad)
+        return reject(r, c, 400, "bad-request", "Bad request", block_bad, CM_OUT_ERROR);
+    if (r->target_res != CM_TARGET_OK)
+        return reject(r, c, 400, "bad-request", "Bad request", r->target_why, CM_OUT_ERROR);
+    if (method_case_variant(method))
+        return reject(r, c, 501, "not-implemented", "Not implemented",
+                      "methods are case-sensitive; this one is a case variant of a standard method", CM_OUT_ERROR);
 
     const struct conf_route *route = conf_match_route(conf, job->path);
     if (route) {
@@ -424,16 +634,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         job->route_index = CM_ROUTE_NONE;
     }
 
-    struct conn_track *t = track_of(c);
-    if (t && t->over_limit)
-        return reject(r, c, 503, "too-many-connections", "Too many connections",
-                      "the gateway is at its connection limit; retry later", CM_OUT_ERROR);
-    if (header_block_size(r, method) > conf->max_header_bytes)
-        return reject(r, c, 431, "request-header-fields-too-large", "Request header fields too large",
-                      "the request header block exceeds max_header_bytes", CM_OUT_TOO_LARGE);
-    size_t hosts = 0; /* RFC 9112 3.2 */
-    for (size_t i = 0; i < r->in_hdrs.n; i++)
-        hosts += strcasecmp(r->in_hdrs.v[i].name, "Host") == 0;
+    size_t hosts = header_count(&r->in_hdrs, "Host"); /* RFC 9112 3.2 */
     if (hosts > 1 || (hosts == 0 && version && strcmp(version, "HTTP/1.1") == 0))
         return reject(r, c, 400, "bad-request", "Bad request", "an HTTP/1.1 request needs exactly one Host header",
                       CM_OUT_ERROR);
@@ -460,7 +661,10 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
 
     if (keyed) {
         const char *raw = cm_hdrs_get(&r->in_hdrs, route->idem.header);
-        if (!raw) {
+        if (header_count(&r->in_hdrs, route->idem.header) > 1) {
+            return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
+                          "the request carries more than one idempotency key header", CM_OUT_KEY_INVALID);
+        } else if (!raw) {
             if (route->idem.key == CONF_KEY_REQUIRED)
                 return reject(r, c, 400, "idempotency-key-missing", "Idempotency key missing",
                               "this route requires an idempotency key header", CM_OUT_KEY_MISSING);
@@ -730,13 +934,21 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
         free(f);
         return NULL;
     }
-    /* libmicrohttpd 0.9.75 clears the whole per-connection pool on every
-     * request, so each connection costs exactly this much resident memory:
-     * room for the header block plus its parsed records and the answer's
-     * header lines. Over it, libmicrohttpd answers 431 (or 414) itself. */
-    size_t mem = (size_t)conf->max_header_bytes + 8 * 1024;
+    /* libmicrohttpd 0.9.75 clears the whole per-connection pool on every request, so each connection costs
+     * exactly this much resident memory. The answer's head is written into the same pool while it still holds
+     * the request's head (the headers MHD handed us point into it) and the records of the request's headers:
+     * room for both at their limits, plus slack for those records and MHD's own answer headers. Over
+     * max_header_bytes the front answers 431; a request head that overflows the pool gets MHD's own 431. */
+    size_t mem = (size_t)conf->max_header_bytes + (size_t)conf->max_response_header_bytes + GW_POOL_SLACK;
     if (mem < 16 * 1024)
         mem = 16 * 1024;
+    /* raw_block_check relies on 0.9.75's in-place parse; another version fails closed (every request 400) */
+    const char *mhd_version = MHD_get_version();
+    if (!mhd_version || strcmp(mhd_version, "0.9.75") != 0)
+        cm_log(CM_WARN, "mhd_version_unverified",
+               "version=%.32s msg=\"the header block check was verified against libmicrohttpd 0.9.75 only; with "
+               "another layout every request is refused with 400\"",
+               mhd_version ? mhd_version : "unknown");
     unsigned timeout_s = (unsigned)((conf->client_timeout_ms + 999) / 1000);
     f->shards = cm_calloc(loops->n, sizeof *f->shards);
     for (size_t i = 0; i < loops->n; i++) {

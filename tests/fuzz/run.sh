@@ -38,10 +38,11 @@ sources() {
     key | fp) echo "common/common.c gateway/idem.c" ;;
     resp | hdrs) echo "common/common.c" ;;
     conf) echo "common/common.c conf/conf.c" ;;
+    path) echo "common/common.c common/uri.c" ;;
     esac
 }
 
-TARGETS=(key resp hdrs fp conf)
+TARGETS=(key resp hdrs fp conf path)
 passed=0
 failed=0
 for t in "${TARGETS[@]}"; do

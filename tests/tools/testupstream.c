@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/resource.h>
 #include <sys/queue.h>
 #include <sys/socket.h>
@@ -36,6 +37,9 @@
  *   X-Test-Action: reset   count, then reset the connection without answering (RST)
  *   X-Test-Body-Size: N    answer N bytes of test_body_byte() (body_pattern.h) instead of the echo
  *   X-Test-Chunked: 1      answer with Transfer-Encoding: chunked
+ *   X-Test-Header: N: V    add the response header "N: V" (repeatable, in order)
+ *   X-Test-Header-Bytes: N add about N bytes of response headers (X-Pad-1: aaa... lines of about 90 bytes)
+ * A HEAD answer carries the Content-Length its GET would have.
  * Default body: the request body echoed, or {"ok":true,"exec":N} when it is empty.
  *
  * Response headers on each execution: X-Upstream-Exec, X-Echo-Method, X-Echo-Uri, X-Conn-Id, Set-Cookie: a=1,
@@ -354,6 +358,43 @@ static bool tu_status_has_body(int code, enum evhttp_cmd_type cmd)
     return cmd != EVHTTP_REQ_HEAD && code >= 200 && code != 204 && code != 304;
 }
 
+#define TU_MAX_HEADER_BYTES (1024 * 1024)
+
+/* X-Test-Header and X-Test-Header-Bytes of the request, as response headers. */
+static void tu_extra_headers(struct evkeyvalq *in, struct evkeyvalq *out)
+{
+    struct evkeyval *kv;
+    TAILQ_FOREACH(kv, in, next)
+    {
+        if (strcasecmp(kv->key, "X-Test-Header") != 0)
+            continue;
+        const char *colon = strchr(kv->value, ':');
+        if (colon == NULL || colon == kv->value || colon - kv->value > 128)
+            continue;
+        char name[129];
+        memcpy(name, kv->value, (size_t)(colon - kv->value));
+        name[colon - kv->value] = '\0';
+        const char *v = colon + 1;
+        while (*v == ' ')
+            v++;
+        evhttp_add_header(out, name, v);
+    }
+    uint64_t bytes = 0;
+    const char *hb = evhttp_find_header(in, "X-Test-Header-Bytes");
+    if (hb == NULL || !tu_parse_u64(hb, TU_MAX_HEADER_BYTES, &bytes))
+        return;
+    char val[81];
+    memset(val, 'a', sizeof val - 1);
+    val[sizeof val - 1] = '\0';
+    for (uint64_t i = 1, done = 0; done < bytes; i++) {
+        char name[32];
+        int nl = snprintf(name, sizeof name, "X-Pad-%" PRIu64, i);
+        size_t line = (size_t)nl + 2 + (sizeof val - 1) + 2; /* "name: " value CR LF */
+        evhttp_add_header(out, name, val);
+        done += line;
+    }
+}
+
 /* Sends the answer of an execution (headers were set when it arrived). */
 static void tu_reply_exec(struct evhttp_request *req)
 {
@@ -394,6 +435,12 @@ static void tu_reply_exec(struct evhttp_request *req)
         }
     }
     evhttp_add_header(out, "Content-Type", binary ? "application/octet-stream" : "application/json");
+    tu_extra_headers(in, out);
+    if (cmd == EVHTTP_REQ_HEAD) { /* evhttp sends no Content-Length for HEAD: say what a GET would get */
+        char cl[32];
+        snprintf(cl, sizeof cl, "%zu", evbuffer_get_length(body));
+        evhttp_add_header(out, "Content-Length", cl);
+    }
     if (!tu_status_has_body((int)code, cmd))
         evbuffer_drain(body, evbuffer_get_length(body));
     const char *ch = evhttp_find_header(in, "X-Test-Chunked");

@@ -1,0 +1,620 @@
+/* edges_test.c - end-to-end tests of the client-facing edges (SPEC 7) on raw sockets: the request target is
+ * validated and normalised once before routing, never lets a request go anywhere but the configured upstream,
+ * the raw header block is checked for what libmicrohttpd would rewrite, methods are case-sensitive tokens, two
+ * key headers are refused, X-Forwarded-* are the gateway's own, HEAD keeps the upstream's Content-Length, a replay
+ * carries exactly one Idempotent-Replayed, large answers reach the client whole, and admin query values are
+ * decoded strictly. */
+#include <criterion/criterion.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+TestSuite(edges, .init = e2e_setup, .fini = e2e_teardown, .timeout = 120);
+
+#define RAW_TIMEOUT_MS 5000
+
+/* clang-format off */
+/* Upstream "api" (h1: an IP address) and "curlapi" (libcurl: a host name), both the test upstream; an idempotent
+ * route with a required key, pass-through routes on each upstream, and everything else to {{DEFAULT}}. */
+static const char conf_edges[] =
+    E2E_CONF_HEAD
+    "upstreams:\n"
+    E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "5s")
+    E2E_CONF_UPSTREAM("curlapi", "http://localhost:{{UPSTREAM_PORT}}", "5s")
+    "routes:\n"
+    E2E_CONF_ROUTE("payments", "/v1/payments", "api")
+    "      key: required\n"
+    E2E_CONF_ROUTE("pass", "/v1/pass", "api")
+    "      key: off\n"
+    E2E_CONF_ROUTE("cpass", "/v1/curl", "curlapi")
+    "      key: off\n"
+    "default_upstream: {{DEFAULT}}\n";
+/* clang-format on */
+
+static struct e2e_gw *start_edges(const struct e2e_upstream *up, const char *deflt)
+{
+    static const char *vars_api[] = {"DEFAULT", "api", NULL};
+    static const char *vars_curl[] = {"DEFAULT", "curlapi", NULL};
+    const char *const *vars = strcmp(deflt, "api") == 0 ? vars_api : vars_curl;
+    static const char *const env[] = {"IDEMGATE_ADMIN_TOKEN=edges-admin", NULL};
+    struct e2e_gw_opts o = {.up = up, .vars = vars, .env = env, .wait_ready = true};
+    return e2e_gw_start(conf_edges, &o);
+}
+
+/* ---- raw requests */
+
+static void raw_n(const struct e2e_gw *gw, const char *req, size_t len, struct e2e_raw *out)
+{
+    e2e_raw_send(gw->port, req, len, RAW_TIMEOUT_MS, out);
+}
+
+static void raw(const struct e2e_gw *gw, const char *req, struct e2e_raw *out)
+{
+    raw_n(gw, req, strlen(req), out);
+}
+
+/* The body of a raw answer (after the blank line), or "". */
+static const char *raw_body(const struct e2e_raw *r)
+{
+    const char *b = r->data ? strstr(r->data, "\r\n\r\n") : NULL;
+    return b ? b + 4 : "";
+}
+
+/* The answer is a problem of that status and name. */
+static void expect_raw_problem(const struct e2e_raw *r, int status, const char *name, const char *what)
+{
+    char want[128];
+    snprintf(want, sizeof want, "\"urn:idemgate:problem:%s\"", name);
+    cr_expect_eq(r->status, status, "%s: status %d, want %d (%.300s)", what, r->status, status, r->data ? r->data : "");
+    cr_expect(strstr(raw_body(r), want) != NULL, "%s: want problem %s, got %.300s", what, name, r->data ? r->data : "");
+}
+
+/* The value of a header of a raw answer (up to its CR LF) into buf; NULL when absent. */
+static const char *raw_header(const struct e2e_raw *r, const char *name, char *buf, size_t n)
+{
+    const char *end = r->data ? strstr(r->data, "\r\n\r\n") : NULL;
+    if (!end)
+        return NULL;
+    const char *v = e2e_raw_header(r->data, (size_t)(end - r->data) + 2, name);
+    if (!v)
+        return NULL;
+    while (*v == ' ')
+        v++;
+    const char *e = strstr(v, "\r\n");
+    size_t l = e ? (size_t)(e - v) : strlen(v);
+    snprintf(buf, n, "%.*s", (int)l, v);
+    return buf;
+}
+
+/* How many times a header appears in a raw answer's head. */
+static size_t raw_header_count(const struct e2e_raw *r, const char *name)
+{
+    const char *end = r->data ? strstr(r->data, "\r\n\r\n") : NULL;
+    size_t n = 0, nl = strlen(name);
+    for (const char *p = r->data ? strstr(r->data, "\r\n") : NULL; p && p < end; p = strstr(p + 2, "\r\n"))
+        n += strncasecmp(p + 2, name, nl) == 0 && p[2 + nl] == ':';
+    return n;
+}
+
+/* ---- a canary: a listener nobody may connect to */
+struct canary {
+    int fd;
+    uint16_t port;
+};
+
+static void canary_open(struct canary *c)
+{
+    c->fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    cr_assert(c->fd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert(bind(c->fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+    cr_assert(listen(c->fd, 64) == 0);
+    socklen_t sl = sizeof sa;
+    cr_assert(getsockname(c->fd, (struct sockaddr *)&sa, &sl) == 0);
+    c->port = ntohs(sa.sin_port);
+}
+
+/* Connections the canary got (waits up to wait_ms for a late one); closes it. */
+static int canary_close(struct canary *c, int wait_ms)
+{
+    int n = 0;
+    uint64_t deadline = e2e_now_ms() + (uint64_t)wait_ms;
+    for (int i = 0; i < 1000; i++) {
+        uint64_t now = e2e_now_ms();
+        if (now >= deadline)
+            break;
+        struct pollfd pf = {.fd = c->fd, .events = POLLIN};
+        if (poll(&pf, 1, (int)(deadline - now)) <= 0)
+            continue;
+        int a = accept(c->fd, NULL, NULL);
+        if (a >= 0) {
+            n++;
+            close(a);
+        }
+    }
+    close(c->fd);
+    return n;
+}
+
+/* ---- 1. the request target */
+
+Test(edges, target_is_normalised_before_routing_and_forwarding)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    static const char *const paths[] = {"/v1/%70ayments", "/v1/open/../payments", "//v1/payments", "/v1/./payments"};
+    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
+        char req[512];
+        snprintf(req, sizeof req, "POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\n{}", paths[i]);
+        long before = e2e_upstream_count(up, NULL);
+        struct e2e_raw r;
+        raw(gw, req, &r);
+        expect_raw_problem(&r, 400, "idempotency-key-missing", paths[i]);
+        free(r.data);
+        cr_expect_eq(e2e_upstream_count(up, NULL), before, "%s without a key was forwarded", paths[i]);
+
+        char key[64];
+        e2e_mkkey(key, sizeof key, "norm");
+        snprintf(req, sizeof req, "POST %s HTTP/1.1\r\nHost: t\r\nIdempotency-Key: %s\r\nContent-Length: 2\r\n\r\n{}",
+                 paths[i], key);
+        raw(gw, req, &r);
+        char uri[256];
+        cr_expect_eq(r.status, 200, "%s with a key: %d %.300s", paths[i], r.status, r.data);
+        cr_expect_str_eq(raw_header(&r, "X-Echo-Uri", uri, sizeof uri) ? uri : "(none)", "/v1/payments",
+                         "%s reached the upstream as %s", paths[i], uri);
+        free(r.data);
+        cr_expect_eq(e2e_upstream_count(up, key), 1);
+    }
+}
+
+/* Each shape that names another host is refused or loses its authority: the canary gets no connection. */
+static void ssrf_shapes(const char *deflt)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, deflt);
+    struct canary can;
+    canary_open(&can);
+    static const char *const bad[] = {"@127.0.0.1:%u/x", ":%u/x", "x", "*", "@localhost:%u/v1/pass"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char target[128], req[512];
+        snprintf(target, sizeof target, bad[i], (unsigned)can.port);
+        snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: t\r\n\r\n", target);
+        struct e2e_raw r;
+        raw(gw, req, &r);
+        expect_raw_problem(&r, 400, "bad-request", target);
+        free(r.data);
+    }
+    /* absolute-form: only the path is used, the upstream is the configured one */
+    static const char *const absolute[][2] = {{"http://127.0.0.1:%u/x", "/x"},
+                                              {"http://127.0.0.1:%u/v1/pass/a?q=1", "/v1/pass/a?q=1"},
+                                              {"https://localhost:%u/v1/curl/b", "/v1/curl/b"},
+                                              {"HTTP://user:pw@127.0.0.1:%u", "/"}};
+    for (size_t i = 0; i < sizeof absolute / sizeof absolute[0]; i++) {
+        char target[128], req[512], uri[256];
+        snprintf(target, sizeof target, absolute[i][0], (unsigned)can.port);
+        snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: t\r\n\r\n", target);
+        struct e2e_raw r;
+        raw(gw, req, &r);
+        cr_expect_eq(r.status, 200, "%s: %d %.300s", target, r.status, r.data);
+        cr_expect_str_eq(raw_header(&r, "X-Echo-Uri", uri, sizeof uri) ? uri : "(none)", absolute[i][1],
+                         "%s reached the upstream as %s", target, uri);
+        free(r.data);
+    }
+    cr_expect_eq(canary_close(&can, 300), 0, "a request reached the canary (default upstream %s)", deflt);
+    e2e_gw_assert_alive(gw, "after the SSRF shapes");
+}
+
+Test(edges, ssrf_shapes_never_leave_h1_default_upstream)
+{
+    ssrf_shapes("api");
+}
+
+Test(edges, ssrf_shapes_never_leave_curl_default_upstream)
+{
+    ssrf_shapes("curlapi");
+}
+
+Test(edges, bad_paths_and_queries_are_refused)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    static const char *const bad[] = {
+        "/v1/../../x",  "/..",         "/v1/pass/a%2fb", "/v1/pass/a%2Fb",    "/v1/pass/%00",
+        "/v1/pass/%zz", "/v1/pass/%4", "/v1/pass/a\\b",  "/v1/pass/\x80x",    "/v1/pass?a\x01",
+        "/v1/pass?a#b", "/v1/pass#x",  "/v1/pass/a\x7f", "/v1/pass?\xc3\xa9", "/v1/pass/%2e%2E/%2e%2e/..",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char req[512];
+        snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: t\r\n\r\n", bad[i]);
+        struct e2e_raw r;
+        raw(gw, req, &r);
+        expect_raw_problem(&r, 400, "bad-request", bad[i]);
+        free(r.data);
+    }
+    struct e2e_raw r;
+    raw(gw, "GET /v1/pass/a b HTTP/1.1\r\nHost: t\r\n\r\n", &r);
+    expect_raw_problem(&r, 400, "bad-request", "a space in the path");
+    free(r.data);
+    cr_expect_eq(e2e_upstream_count(up, NULL), 0, "a refused target was forwarded");
+
+    /* over max_header_bytes (16 KiB): refused as too long */
+    size_t n = 17 * 1024;
+    char *big = malloc(n + 64);
+    memcpy(big, "GET /v1/pass/", 13);
+    memset(big + 13, 'a', n);
+    size_t len = 13 + n;
+    len += (size_t)sprintf(big + len, " HTTP/1.1\r\nHost: t\r\n\r\n");
+    raw_n(gw, big, len, &r);
+    free(big);
+    expect_raw_problem(&r, 414, "uri-too-long", "a 17 KiB target");
+    free(r.data);
+
+    /* the query is kept as sent, the path's escapes are upper-cased */
+    char uri[256];
+    raw(gw, "GET /v1/pass/%3a/x?b=%zz&a=1/../2 HTTP/1.1\r\nHost: t\r\n\r\n", &r);
+    cr_expect_eq(r.status, 200, "%.300s", r.data);
+    cr_expect_str_eq(raw_header(&r, "X-Echo-Uri", uri, sizeof uri) ? uri : "(none)", "/v1/pass/%3A/x?b=%zz&a=1/../2");
+    free(r.data);
+    cr_expect_eq(e2e_upstream_count(up, NULL), 1);
+}
+
+/* ---- 3. the raw header block */
+
+/* Sends req (len bytes) and expects 400 bad-request with nothing forwarded. */
+static void expect_block_refused(const struct e2e_gw *gw, const struct e2e_upstream *up, const char *req, size_t len,
+                                 const char *what)
+{
+    long before = e2e_upstream_count(up, NULL);
+    struct e2e_raw r;
+    raw_n(gw, req, len, &r);
+    expect_raw_problem(&r, 400, "bad-request", what);
+    free(r.data);
+    cr_expect_eq(e2e_upstream_count(up, NULL), before, "%s: forwarded", what);
+}
+
+#define LIT(s) s, sizeof(s) - 1
+
+Test(edges, header_block_rewrites_are_refused)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    expect_block_refused(
+        gw, up,
+        LIT("POST /v1/pass HTTP/1.1\r\nHost: t\r\nTransfer: chunked\r\n -Encoding\r\n\r\n5\r\nhello\r\n0\r\n\r\n"),
+        "obs-fold making Transfer-Encoding");
+    expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.1\r\nHost: t\r\nX-A: foo\r\n\tbar\r\n\r\n"),
+                         "obs-fold with HTAB");
+    expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.1\r\nHost: t\r\nX-A: foo\r\n  \r\n\r\n"),
+                         "obs-fold of spaces only");
+    expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.1\r\nHost: t\r\nX-A: foo\0bar\r\nX-B: 1\r\n\r\n"),
+                         "NUL in a value");
+    expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.1\r\nHost: t\r\nX-A: foo\0\r\n\r\n"),
+                         "NUL at the end of the last value");
+    expect_block_refused(gw, up, LIT("GET /v1/pass\0/x HTTP/1.1\r\nHost: t\r\n\r\n"), "NUL in the target");
+    expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.1\r\nHost: t\r\nX-A: foo\rbar\r\n\r\n"),
+                         "bare CR in a value");
+    expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.1\r\nHost: t\r\nX-A: \x01\r\n\r\n"),
+                         "control byte in a value");
+    expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.2\r\nHost: t\r\n\r\n"), "HTTP/1.2");
+    expect_block_refused(gw, up, LIT("GET /v1/pass HTTP/1.1\r\nHost: t\r\n\tX: y\r\n\r\n"),
+                         "obs-fold of the first header");
+    e2e_gw_assert_alive(gw, "after the header block cases");
+}
+
+Test(edges, header_block_odd_but_sound_passes_with_exact_values)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    char req[8192];
+    size_t n = (size_t)snprintf(req, sizeof req,
+                                "GET /v1/pass/ok HTTP/1.1\nHost: t\nX-Empty:\nX-Tab:\t\tv1\r\nX-Sp:   v 2\n"
+                                "X-E2: \r\nX-Mix: a\tb\n");
+    for (int i = 0; i < 40; i++)
+        n += (size_t)snprintf(req + n, sizeof req - n, "X-H-%d: val-%d%s", i, i, i % 2 ? "\r\n" : "\n");
+    n += (size_t)snprintf(req + n, sizeof req - n, "\r\n");
+    struct e2e_raw r;
+    raw_n(gw, req, n, &r);
+    cr_expect_eq(r.status, 200, "%.400s", r.data);
+    free(r.data);
+    char *h = e2e_upstream_last_headers(up);
+    static const char *const want[] = {"X-Empty: \n",   "X-Tab: v1\n",    "X-Sp: v 2\n",     "X-E2: \n",
+                                       "X-Mix: a\tb\n", "X-H-0: val-0\n", "X-H-39: val-39\n"};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        cr_expect(strstr(h, want[i]) != NULL, "the upstream lacks '%s' in:\n%s", want[i], h);
+    free(h);
+}
+
+/* ---- 2. methods */
+
+Test(edges, methods_are_case_sensitive_tokens)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    struct e2e_raw r;
+    raw(gw, "head /v1/pass HTTP/1.1\r\nHost: t\r\n\r\n", &r);
+    expect_raw_problem(&r, 501, "not-implemented", "head");
+    free(r.data);
+    raw(gw, "Post /v1/payments HTTP/1.1\r\nHost: t\r\nIdempotency-Key: m1\r\nContent-Length: 2\r\n\r\n{}", &r);
+    expect_raw_problem(&r, 501, "not-implemented", "Post");
+    free(r.data);
+    raw(gw, "GE@T /v1/pass HTTP/1.1\r\nHost: t\r\n\r\n", &r);
+    expect_raw_problem(&r, 400, "bad-request", "a method that is not a token");
+    free(r.data);
+    raw_n(gw, LIT("G\x01T /v1/pass HTTP/1.1\r\nHost: t\r\n\r\n"), &r);
+    expect_raw_problem(&r, 400, "bad-request", "a control byte in the method");
+    free(r.data);
+    raw(gw, "GET  /v1/pass/two-spaces HTTP/1.1\r\nHost: t\r\n\r\n", &r);
+    cr_expect_eq(r.status, 200, "two spaces after the method: %.300s", r.data);
+    free(r.data);
+    cr_expect_eq(e2e_upstream_count(up, NULL), 1);
+    /* an extension method in upper case is forwarded as any other */
+    raw(gw, "PURGE /v1/pass/x HTTP/1.1\r\nHost: t\r\n\r\n", &r);
+    cr_expect(r.status != 0 && strstr(raw_body(&r), "urn:idemgate:problem:") == NULL,
+              "PURGE is a method like any other: %.300s", r.data);
+    free(r.data);
+}
+
+/* ---- 4. two key headers */
+
+Test(edges, two_key_headers_are_refused)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    static const char *const reqs[] = {
+        "POST /v1/payments HTTP/1.1\r\nHost: t\r\nIdempotency-Key: k1\r\nIdempotency-Key: k1\r\n"
+        "Content-Length: 2\r\n\r\n{}",
+        "POST /v1/payments HTTP/1.1\r\nHost: t\r\nIdempotency-Key: k1\r\nidempotency-key: k2\r\n"
+        "Content-Length: 2\r\n\r\n{}",
+        "POST /v1/payments HTTP/1.1\r\nHost: t\r\nIdempotency-Key: \"k1\"\r\nX-A: 1\r\nIDEMPOTENCY-KEY: k1\r\n"
+        "Content-Length: 2\r\n\r\n{}",
+    };
+    for (size_t i = 0; i < sizeof reqs / sizeof reqs[0]; i++) {
+        struct e2e_raw r;
+        raw(gw, reqs[i], &r);
+        expect_raw_problem(&r, 400, "idempotency-key-invalid", reqs[i]);
+        free(r.data);
+    }
+    cr_expect_eq(e2e_upstream_count(up, NULL), 0, "a request with two keys was forwarded");
+}
+
+/* ---- 5. X-Forwarded-* */
+
+Test(edges, forwarded_headers_are_the_gateways_own)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    struct e2e_raw r;
+    raw(gw,
+        "GET /v1/pass/xf HTTP/1.1\r\nHost: client.example:8443\r\nX-Forwarded-Proto: https\r\n"
+        "X-Forwarded-Host: evil.example\r\nForwarded: for=1.2.3.4;proto=https;host=evil.example\r\n"
+        "X-Forwarded-For: 1.2.3.4\r\nx-forwarded-proto: gopher\r\nforwarded: by=x\r\n"
+        "X-Forwarded-Host: evil2.example\r\n\r\n",
+        &r);
+    cr_expect_eq(r.status, 200, "%.300s", r.data);
+    free(r.data);
+    char *text = e2e_upstream_last_headers(up);
+    struct e2e_hdr *h = NULL;
+    size_t n = e2e_parse_header_lines(text, &h);
+    cr_expect_eq(e2e_hdrs_count(h, n, "X-Forwarded-Proto"), 1, "%s", text);
+    cr_expect_str_eq(e2e_hdrs_get(h, n, "X-Forwarded-Proto") ?: "", "http");
+    cr_expect_eq(e2e_hdrs_count(h, n, "X-Forwarded-Host"), 1, "%s", text);
+    cr_expect_str_eq(e2e_hdrs_get(h, n, "X-Forwarded-Host") ?: "", "client.example:8443");
+    cr_expect_eq(e2e_hdrs_count(h, n, "Forwarded"), 0, "%s", text);
+    cr_expect_eq(e2e_hdrs_count(h, n, "X-Forwarded-For"), 1, "%s", text);
+    cr_expect_str_eq(e2e_hdrs_get(h, n, "X-Forwarded-For") ?: "", "1.2.3.4, 127.0.0.1");
+    e2e_hdrs_free(h, n);
+    free(text);
+}
+
+/* ---- 6. HEAD keeps the upstream's Content-Length */
+
+Test(edges, head_passes_the_upstreams_content_length)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    static const char *const paths[] = {"/v1/pass/h", "/v1/curl/h"}; /* h1 and libcurl */
+    for (size_t i = 0; i < 2; i++) {
+        static const char *const hdrs[] = {"X-Test-Body-Size: 1234", NULL};
+        struct e2e_req rq = {.method = "HEAD", .path = paths[i], .headers = hdrs};
+        struct e2e_resp r;
+        e2e_http(gw->port, &rq, &r);
+        cr_expect_eq(r.status, 200, "%s: %ld %s", paths[i], r.status, r.error);
+        cr_expect_str_eq(e2e_resp_header(&r, "Content-Length") ?: "(none)", "1234", "%s", paths[i]);
+        cr_expect_eq(e2e_resp_header_count(&r, "Content-Length"), 1, "%s", paths[i]);
+        cr_expect_eq(r.body_len, 0);
+        e2e_resp_free(&r);
+    }
+    /* the connection stays usable: a raw HEAD then a GET on one connection */
+    struct e2e_raw raw_r;
+    raw(gw,
+        "HEAD /v1/pass/h HTTP/1.1\r\nHost: t\r\nX-Test-Body-Size: 10\r\n\r\n"
+        "GET /v1/pass/g HTTP/1.1\r\nHost: t\r\nX-Test-Body-Size: 3\r\nConnection: close\r\n\r\n",
+        &raw_r);
+    char cl[32];
+    cr_expect_str_eq(raw_header(&raw_r, "Content-Length", cl, sizeof cl) ?: "(none)", "10");
+    cr_expect_eq(raw_header_count(&raw_r, "Content-Length"), 1);
+    const char *second = strstr(raw_r.data ? raw_r.data : "", "\r\n\r\nHTTP/1.1 200");
+    cr_expect_not_null(second, "the GET after the HEAD was answered right after its head: %.600s", raw_r.data);
+    free(raw_r.data);
+}
+
+/* ---- 7. exactly one Idempotent-Replayed */
+
+Test(edges, replay_carries_exactly_one_replayed_header)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    char key[64];
+    e2e_mkkey(key, sizeof key, "replayed");
+    static const char *const extra[] = {"X-Test-Header: Idempotent-Replayed: false", NULL};
+    struct e2e_resp first, again;
+    e2e_http_key(gw->port, "POST", "/v1/payments", key, extra, "{}", 0, &first);
+    cr_expect_eq(first.status, 200, "%ld %s", first.status, first.error);
+    cr_expect_eq(e2e_resp_header_count(&first, "Idempotent-Replayed"), 0, "the first answer carries the upstream's");
+    e2e_http_key(gw->port, "POST", "/v1/payments", key, extra, "{}", 0, &again);
+    cr_expect_eq(again.status, 200);
+    cr_expect_eq(e2e_resp_header_count(&again, "Idempotent-Replayed"), 1);
+    cr_expect_str_eq(e2e_resp_header(&again, "Idempotent-Replayed") ?: "(none)", "true");
+    cr_expect_eq(e2e_upstream_count(up, key), 1);
+    e2e_resp_free(&first);
+    e2e_resp_free(&again);
+}
+
+/* ---- 8. an answer within max_response_header_bytes reaches the client whole */
+
+static void expect_big_head(const struct e2e_resp *r, const char *what)
+{
+    cr_expect_eq(r->status, 200, "%s: %ld %s", what, r->status, r->error);
+    size_t pads = 0;
+    for (size_t i = 0; i < r->nhdrs; i++)
+        pads += strncasecmp(r->hdrs[i].name, "X-Pad-", 6) == 0;
+    cr_expect_geq(pads, 160, "%s: %zu pad headers arrived", what, pads);
+    cr_expect_not_null(e2e_resp_header(r, "X-Pad-160"), "%s", what);
+    cr_expect_gt(r->body_len, 0, "%s: the body arrived", what);
+}
+
+/* With a request head near max_header_bytes too: libmicrohttpd 0.9.75 builds the answer's head in the same
+ * per-connection pool that still holds the request's head. */
+enum req_head { HEAD_SMALL, HEAD_14K, HEAD_MANY };
+
+static void big_heads(enum req_head kind)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    static char fill[14 * 1024 + 16];
+    memcpy(fill, "X-Fill: ", 8);
+    memset(fill + 8, 'f', 14 * 1024);
+    fill[8 + 14 * 1024] = '\0';
+    static char many[200][24];
+    const char *hdrs[203] = {"X-Test-Header-Bytes: 15360", kind == HEAD_14K ? fill : NULL};
+    for (int i = 0; kind == HEAD_MANY && i < 200; i++) {
+        snprintf(many[i], sizeof many[i], "X-N-%d: v%d", i, i);
+        hdrs[1 + i] = many[i];
+    }
+    struct e2e_req rq = {.path = "/v1/pass/big", .headers = hdrs};
+    struct e2e_resp r;
+    e2e_http(gw->port, &rq, &r);
+    expect_big_head(&r, "passthrough");
+    e2e_resp_free(&r);
+
+    char key[64], kh[96];
+    e2e_mkkey(key, sizeof key, "bighead");
+    snprintf(kh, sizeof kh, "Idempotency-Key: %s", key);
+    const char *keyed[204] = {kh};
+    for (size_t i = 0; hdrs[i]; i++)
+        keyed[1 + i] = hdrs[i];
+    struct e2e_req post = {.method = "POST", .path = "/v1/payments", .headers = keyed, .body = "{}", .body_len = 2};
+    e2e_http(gw->port, &post, &r);
+    expect_big_head(&r, "first");
+    e2e_resp_free(&r);
+    e2e_http(gw->port, &post, &r);
+    expect_big_head(&r, "replay");
+    cr_expect(e2e_resp_is_replay(&r));
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 1);
+}
+
+Test(edges, answer_with_15k_of_headers_reaches_the_client)
+{
+    big_heads(HEAD_SMALL);
+}
+
+Test(edges, answer_with_15k_of_headers_after_a_14k_request_head)
+{
+    big_heads(HEAD_14K);
+}
+
+Test(edges, answer_with_15k_of_headers_after_200_request_headers)
+{
+    big_heads(HEAD_MANY);
+}
+
+/* A request head whose records would leave no room for the answer's head is refused with a clear 431, not a
+ * closed connection. */
+Test(edges, request_head_crowding_the_pool_is_431)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    char *req = malloc(64 * 1024);
+    size_t n = (size_t)sprintf(req, "GET /v1/pass/many HTTP/1.1\r\nHost: t\r\n");
+    for (int i = 0; i < 400; i++)
+        n += (size_t)sprintf(req + n, "X-%d: v\r\n", i);
+    n += (size_t)sprintf(req + n, "\r\n");
+    struct e2e_raw r;
+    raw_n(gw, req, n, &r);
+    free(req);
+    expect_raw_problem(&r, 431, "request-header-fields-too-large", "400 small headers");
+    free(r.data);
+    cr_expect_eq(e2e_upstream_count(up, NULL), 0);
+}
+
+/* ---- 9. admin query values are decoded strictly */
+
+static long admin(const struct e2e_gw *gw, const char *method, const char *path, struct e2e_resp *r)
+{
+    static const char *const auth[] = {"Authorization: Bearer edges-admin", NULL};
+    struct e2e_req rq = {.method = method, .path = path, .headers = auth};
+    e2e_http(gw->admin_port, &rq, r);
+    return r->status;
+}
+
+Test(edges, admin_query_values_with_nul_or_bad_escapes_do_nothing)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    char key[64];
+    e2e_mkkey(key, sizeof key, "abc");
+    struct e2e_resp r;
+    e2e_http_key(gw->port, "POST", "/v1/payments", key, NULL, "{}", 0, &r);
+    cr_assert_eq(r.status, 200);
+    e2e_resp_free(&r);
+
+    static const char *const tails[] = {"%00X", "%zz", "%4", "%"};
+    static const char *const ops[][2] = {
+        {"DELETE", "/admin/keys"}, {"GET", "/admin/keys"}, {"POST", "/admin/keys/release"}};
+    for (size_t o = 0; o < 3; o++) {
+        for (size_t i = 0; i < 4; i++) {
+            char path[256];
+            snprintf(path, sizeof path, "%s?route=payments&key=%s%s", ops[o][1], key, tails[i]);
+            admin(gw, ops[o][0], path, &r);
+            cr_expect_eq(r.status, 400, "%s %s: %ld %s", ops[o][0], path, r.status, r.body);
+            cr_expect(e2e_resp_is_problem(&r, "bad-request"), "%s %s: %s", ops[o][0], path, r.body);
+            e2e_resp_free(&r);
+            snprintf(path, sizeof path, "%s?route=pay%sments&key=%s", ops[o][1], tails[i], key);
+            admin(gw, ops[o][0], path, &r);
+            cr_expect_eq(r.status, 400, "%s %s: %ld", ops[o][0], path, r.status);
+            e2e_resp_free(&r);
+        }
+    }
+    /* the record is still there: listed, and a retry is a replay */
+    char path[256];
+    snprintf(path, sizeof path, "/admin/keys?route=payments&key=%s", key);
+    cr_expect_eq(admin(gw, "GET", path, &r), 200);
+    cr_expect(r.body && strstr((const char *)r.body, "\"completed\"") != NULL, "%s", r.body);
+    e2e_resp_free(&r);
+    e2e_http_key(gw->port, "POST", "/v1/payments", key, NULL, "{}", 0, &r);
+    cr_expect(e2e_resp_is_replay(&r), "the record was purged");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 1);
+    /* a well-formed escaped key still works: %2D is '-' */
+    char esc[128];
+    const char *dash = strchr(key, '-');
+    snprintf(esc, sizeof esc, "/admin/keys?route=payments&key=%.*s%%2D%s", (int)(dash - key), key, dash + 1);
+    cr_expect_eq(admin(gw, "DELETE", esc, &r), 200, "%s: %s", esc, r.body);
+    e2e_resp_free(&r);
+    e2e_http_key(gw->port, "POST", "/v1/payments", key, NULL, "{}", 0, &r);
+    cr_expect_not(e2e_resp_is_replay(&r), "the purge by an escaped key did not purge");
+    e2e_resp_free(&r);
+}
