@@ -61,6 +61,7 @@ static const char *const outcome_names[CM_OUT__COUNT] = {
     [CM_OUT_UPSTREAM_NO_RESPONSE] = "upstream_no_response",
     [CM_OUT_RELEASED] = "released",
     [CM_OUT_NOT_FOUND] = "not_found",
+    [CM_OUT_UNAUTHORIZED] = "unauthorized",
     [CM_OUT_ERROR] = "error",
 };
 

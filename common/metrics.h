@@ -31,6 +31,7 @@ enum cm_outcome {
     CM_OUT_UPSTREAM_NO_RESPONSE, /* 502 after sending */
     CM_OUT_RELEASED,             /* upstream answered a release status */
     CM_OUT_NOT_FOUND,            /* 404 no route */
+    CM_OUT_UNAUTHORIZED,         /* 401 invalid-credentials (jwt:CLAIM scopes) */
     CM_OUT_ERROR,                /* anything else (500, 503 overload) */
     CM_OUT__COUNT
 };

@@ -18,6 +18,7 @@
 
 #include "common/uri.h"
 #include "gateway/gateway.h"
+#include "gateway/jwt.h"
 #include "gateway/problem.h"
 
 enum stage { STAGE_NEW, STAGE_BODY, STAGE_SUBMITTED, STAGE_ANSWERED };
@@ -56,6 +57,7 @@ struct gw_front {
     atomic_long connections;
     atomic_long suspended; /* requests handed to the loop and not answered yet */
     atomic_bool shutting_down;
+    struct gw_jwt *jwt; /* verifier of jwt:CLAIM scopes, NULL without a jwt: block */
 };
 
 /* Front-side state of one request; the job is what travels to the loop. */
@@ -71,6 +73,7 @@ struct req {
     size_t target_len;
     enum cm_target_result target_res;
     const char *target_why;
+    struct gw_jwt_claims *jwt; /* the verified bearer token of a jwt:CLAIM scope, NULL otherwise */
 };
 
 static struct conn_track *track_of(struct MHD_Connection *c);
@@ -133,6 +136,7 @@ static void req_free(struct req *r)
     cm_buf_free(&r->job.body);
     cm_buf_free(&r->job.resp_body);
     cm_resp_free(&r->job.up_resp);
+    gw_jwt_claims_free(r->jwt);
     free(r);
 }
 
@@ -591,6 +595,59 @@ static size_t header_count(const struct cm_hdrs *h, const char *name)
     return n;
 }
 
+static bool route_needs_jwt(const struct conf_route *route)
+{
+    for (size_t i = 0; i < route->idem.scope_n; i++)
+        if (route->idem.scope[i].kind == CONF_PART_JWT)
+            return true;
+    return false;
+}
+
+/* Verifies the bearer token for the route's jwt:CLAIM scope parts and keeps its claims in r->jwt. Returns NULL, or
+ * why the request is refused (401 invalid-credentials; the reason names no token byte). */
+static const char *jwt_check(struct req *r, struct gw_front *f, const struct conf_route *route)
+{
+    if (!f->jwt)
+        return "the gateway has no key to verify tokens";
+    if (header_count(&r->in_hdrs, "Authorization") > 1)
+        return "more than one Authorization header";
+    enum gw_jwt_result jr =
+        gw_jwt_verify(f->jwt, cm_hdrs_get(&r->in_hdrs, "Authorization"), (int64_t)(cm_wall_ms() / 1000), &r->jwt);
+    if (jr != GW_JWT_OK) {
+        cm_log(CM_INFO, "jwt_refused", "route=%s reason=%s", route->name, gw_jwt_result_name(jr));
+        switch (jr) {
+        case GW_JWT_MISSING:
+            return "this route needs a bearer token (Authorization: Bearer <JWT>)";
+        case GW_JWT_EXPIRED:
+            return "the bearer token has expired (or has no exp)";
+        case GW_JWT_NOT_YET:
+            return "the bearer token is not valid yet (nbf)";
+        case GW_JWT_ISSUER:
+            return "the bearer token's issuer is not accepted";
+        case GW_JWT_AUDIENCE:
+            return "the bearer token's audience is not accepted";
+        case GW_JWT_ALG:
+            return "the bearer token's algorithm is not accepted";
+        case GW_JWT_BAD_SIGNATURE:
+            return "the bearer token's signature does not verify";
+        default:
+            return "the bearer token is malformed";
+        }
+    }
+    for (size_t i = 0; i < route->idem.scope_n; i++) {
+        size_t len;
+        char *v =
+            route->idem.scope[i].kind == CONF_PART_JWT ? gw_jwt_claim(r->jwt, route->idem.scope[i].header, &len) : NULL;
+        if (route->idem.scope[i].kind == CONF_PART_JWT && !v) {
+            cm_log(CM_INFO, "jwt_refused", "route=%s reason=missing_claim claim=%.64s", route->name,
+                   route->idem.scope[i].header);
+            return "the bearer token lacks a claim this route's scope needs";
+        }
+        free(v);
+    }
+    return NULL;
+}
+
 /* First call: headers are in. Returns MHD_YES to go on reading the body, or
  * the result of queueing an early answer (r->stage == STAGE_ANSWERED). */
 static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const char *method, const char *version)
@@ -634,11 +691,22 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         job->route_index = CM_ROUTE_NONE;
     }
 
+    /* SPEC 9: on a route whose scope needs a JWT, its idempotent methods check the token first (401 before any 400) */
+    bool keyed = route && route->idem.key != CONF_KEY_OFF && (route->methods & conf_method_bit(method));
+    if (keyed && route_needs_jwt(route)) {
+        const char *why = jwt_check(r, f, route);
+        if (why) {
+            gw_job_problem(job, 401, "invalid-credentials", "Invalid credentials", why);
+            cm_hdrs_add(&job->resp_hdrs, "WWW-Authenticate", "Bearer error=\"invalid_token\"");
+            cm_metric_request(job->route_index, CM_OUT_UNAUTHORIZED);
+            return queue_answer(r, c);
+        }
+    }
+
     size_t hosts = header_count(&r->in_hdrs, "Host"); /* RFC 9112 3.2 */
     if (hosts > 1 || (hosts == 0 && version && strcmp(version, "HTTP/1.1") == 0))
         return reject(r, c, 400, "bad-request", "Bad request", "an HTTP/1.1 request needs exactly one Host header",
                       CM_OUT_ERROR);
-    bool keyed = route && route->idem.key != CONF_KEY_OFF && (route->methods & conf_method_bit(method));
     if (!headers_well_formed(&r->in_hdrs, keyed ? route->idem.header : NULL) || framing_ambiguous(&r->in_hdrs))
         return reject(r, c, 400, "bad-request", "Bad request", "malformed header field or ambiguous message framing",
                       CM_OUT_ERROR);
@@ -690,7 +758,7 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
                       CM_OUT_TOO_LARGE);
     if (job->idempotent) {
         struct gw_reqparts parts = {job->method,   job->path,   job->query, job->body.data,
-                                    job->body.len, &r->in_hdrs, NULL};
+                                    job->body.len, &r->in_hdrs, r->jwt};
         const struct conf_idem *im = &job->route->idem;
         gw_hash_parts(im->fingerprint, im->fingerprint_n, &parts, job->fp);
         gw_hash_parts(im->scope, im->scope_n, &parts, job->scope);
@@ -918,6 +986,7 @@ static void front_free(struct gw_front *f)
     if (f->lsock != MHD_INVALID_SOCKET && !f->lsock_closed)
         close(f->lsock);
     free(f->shards);
+    gw_jwt_destroy(f->jwt);
     pthread_mutex_destroy(&f->mu);
     free(f);
 }
@@ -929,7 +998,13 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
     pthread_mutex_init(&f->mu, NULL);
     f->lsock = MHD_INVALID_SOCKET;
     struct sockaddr_storage ss;
+    if (conf->jwt.enabled && !(f->jwt = gw_jwt_create(&conf->jwt, err))) {
+        pthread_mutex_destroy(&f->mu);
+        free(f);
+        return NULL;
+    }
     if (!make_addr(&conf->listen, &ss, err)) {
+        gw_jwt_destroy(f->jwt);
         pthread_mutex_destroy(&f->mu);
         free(f);
         return NULL;

@@ -12,6 +12,7 @@
 #include "common/metrics.h"
 #include "conf/conf.h"
 #include "gateway/gateway.h"
+#include "gateway/jwt.h"
 #include "store/store.h"
 
 #define MIGRATE_TIMEOUT_MS 5000
@@ -268,6 +269,24 @@ int main(int argc, char **argv)
         cm_log(CM_ERROR, "config_invalid", "file=%s error=%s", file, cm_log_quote(q, sizeof q, err ? err : "?"));
         free(err);
         return 1;
+    }
+    /* SPEC 9: an idempotent route without a scope shares one key space between all its clients. */
+    for (size_t i = 0; i < conf->routes_n; i++)
+        if (conf->routes[i].idem.key != CONF_KEY_OFF && conf->routes[i].idem.scope_n == 0)
+            cm_log(CM_WARN, "route_without_scope",
+                   "route=%s msg=\"idempotent route without a scope: all its clients share one key space (set "
+                   "idempotency.scope, e.g. [jwt:sub] or [header:Authorization])\"",
+                   conf->routes[i].name);
+    if (conf->jwt.enabled) { /* the keys are part of the configuration: a bad JWKS or a missing secret fails here */
+        struct gw_jwt *j = gw_jwt_create(&conf->jwt, &err);
+        if (!j) {
+            char q[2048];
+            cm_log(CM_ERROR, "config_invalid", "file=%s error=%s", file, cm_log_quote(q, sizeof q, err ? err : "?"));
+            free(err);
+            conf_destroy(conf);
+            return 1;
+        }
+        gw_jwt_destroy(j);
     }
     if (check) {
         cm_log(CM_INFO, "config_ok", "file=%s routes=%zu upstreams=%zu", file, conf->routes_n, conf->upstreams_n);
