@@ -1,6 +1,7 @@
 /* conf.c - loads the YAML configuration (libyaml document API) into struct conf and validates every key. */
 #include "conf/conf.h"
 
+#include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -193,6 +194,7 @@ void conf_destroy(struct conf *c)
         free(c->upstreams[i].name);
         free(c->upstreams[i].url);
         free(c->upstreams[i].base_path);
+        free(c->upstreams[i].host);
     }
     free(c->upstreams);
     for (size_t i = 0; i < c->routes_n; i++) {
@@ -906,16 +908,31 @@ static bool fn_upstream_url(struct ctx *x, yaml_node_t *n, void *target)
     const char *why = split_hostport(a, alen, &host, &hostn, &port_s, &port_n);
     if (why != NULL)
         return fail(x, n, "invalid URL: %s", why);
-    uint16_t port;
+    uint16_t port = skip == 8 ? 443 : 80;
     if (port_s != NULL && !parse_port(port_s, port_n, false, &port))
         return fail(x, n, "invalid URL: port must be between 1 and 65535");
+    char hostbuf[256];
+    if (hostn >= sizeof hostbuf)
+        return fail(x, n, "invalid URL: host name too long");
+    memcpy(hostbuf, host, hostn);
+    hostbuf[hostn] = '\0';
+    unsigned char addr[16];
+    bool v6 = a[0] == '[';
+    bool ip = inet_pton(v6 ? AF_INET6 : AF_INET, hostbuf, addr) == 1;
+    if (v6 && !ip)
+        return fail(x, n, "invalid URL: invalid IPv6 address between [ ]");
     size_t len = strlen(s);
     while (len > skip + alen && s[len - 1] == '/')
         len--;
     free(u->url);
     free(u->base_path);
+    free(u->host);
     u->url = cm_strndup(s, len);
     u->base_path = cm_strndup(s + skip + alen, len - skip - alen);
+    u->https = skip == 8;
+    u->host = cm_strdup(hostbuf);
+    u->port = port;
+    u->host_is_ip = ip;
     return true;
 }
 

@@ -29,9 +29,14 @@ struct conf_addr {
     uint16_t port;
 };
 
+/* An upstream, its URL parsed once here into the parts the runtime uses as they are (never parsed again). */
 struct conf_upstream {
     char *name;
-    char *url;                   /* as written, trailing slash removed: http://127.0.0.1:9000 */
+    char *url;                   /* as written, trailing slash removed (for logs and Host): http://127.0.0.1:9000 */
+    bool https;                  /* scheme https (else http) */
+    char *host;                  /* host name or IP literal, IPv6 without brackets: "127.0.0.1", "::1", "api.local" */
+    uint16_t port;               /* as written, else 80 (http) or 443 (https) */
+    bool host_is_ip;             /* host is an IPv4 or IPv6 literal */
     char *base_path;             /* path part of url without trailing '/', "" when none */
     uint64_t connect_timeout_ms; /* default 2s */
     uint64_t timeout_ms;         /* default 30s */

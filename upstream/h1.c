@@ -5,7 +5,8 @@
  *
  * Why it exists: on the proxy's fast path libcurl cost about a quarter of the gateway's CPU (a connection struct
  * and a URL parse per transfer, ~18 allocations, two poll() calls per request); a request here costs one send()
- * and one recv(). Anything it does not take (https, host names, user info, odd targets) goes to libcurl. */
+ * and one recv(). It takes the configured origins that are http:// at an IP literal (https and host names go to
+ * libcurl); the address comes from the origin, parsed once per origin, never from the request target. */
 #include <errno.h>
 #include <event2/event.h>
 #include <netinet/in.h>
@@ -54,8 +55,9 @@ struct h1_conn {
 };
 
 struct h1_origin {
-    char *auth; /* as written in the URL: "127.0.0.1:8080", "[::1]:80" */
-    char *host_hdr;
+    char *host; /* the IP literal as configured: "127.0.0.1", "::1" */
+    uint16_t port;
+    char *host_hdr; /* "127.0.0.1:8080", "[::1]" */
     struct sockaddr_storage sa;
     socklen_t sa_len;
     size_t conns;              /* open: connecting, busy or idle */
@@ -65,88 +67,44 @@ struct h1_origin {
     struct up_transfer *waitq_tail;
 };
 
-/* ---- the URL: which ones are ours */
+/* ---- origins: the configured upstreams this client has sent to, each address parsed once */
 
-/* http://<IPv4 literal or [IPv6 literal]>[:port]<target>, no user info, a target of printable ASCII only. */
-static bool h1_parse_url(const char *url, const char **auth, size_t *auth_len, const char **target,
-                         struct sockaddr_storage *sa, socklen_t *sa_len)
-{
-    if (strncmp(url, "http://", 7) != 0)
-        return false;
-    const char *a = url + 7, *e = a;
-    while (*e && *e != '/' && *e != '?' && *e != '#')
-        e++;
-    size_t n = (size_t)(e - a);
-    if (n == 0 || n > 63 || memchr(a, '@', n) != NULL) /* host[] below holds it and its NUL */
-        return false;
-    for (const char *p = e; *p; p++)
-        if ((unsigned char)*p <= 0x20 || (unsigned char)*p >= 0x7f || *p == '#')
-            return false;
-    char host[64];
-    const char *port = NULL;
-    size_t hl;
-    int family;
-    if (a[0] == '[') {
-        const char *rb = memchr(a, ']', n);
-        if (rb == NULL)
-            return false;
-        hl = (size_t)(rb - a - 1);
-        memcpy(host, a + 1, hl);
-        if (rb + 1 < e) {
-            if (rb[1] != ':')
-                return false;
-            port = rb + 2;
-        }
-        family = AF_INET6;
-    } else {
-        const char *colon = memchr(a, ':', n);
-        hl = colon ? (size_t)(colon - a) : n;
-        memcpy(host, a, hl);
-        port = colon ? colon + 1 : NULL;
-        family = AF_INET;
-    }
-    host[hl] = '\0';
-    uint64_t pn = 80;
-    if (port != NULL && (!cm_parse_digits(port, (size_t)(e - port), 5, &pn) || pn < 1 || pn > 65535))
-        return false;
-    memset(sa, 0, sizeof *sa);
-    if (family == AF_INET) {
-        struct sockaddr_in *s4 = (struct sockaddr_in *)sa;
-        if (inet_pton(AF_INET, host, &s4->sin_addr) != 1)
-            return false;
-        s4->sin_family = AF_INET;
-        s4->sin_port = htons((uint16_t)pn);
-        *sa_len = sizeof *s4;
-    } else {
-        struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)sa;
-        if (inet_pton(AF_INET6, host, &s6->sin6_addr) != 1)
-            return false;
-        s6->sin6_family = AF_INET6;
-        s6->sin6_port = htons((uint16_t)pn);
-        *sa_len = sizeof *s6;
-    }
-    *auth = a;
-    *auth_len = n;
-    *target = e;
-    return true;
-}
-
-static struct h1_origin *h1_origin_get(struct up_client *c, const char *auth, size_t auth_len,
-                                       const struct sockaddr_storage *sa, socklen_t sa_len)
+/* The origin for o (an http:// IP literal), made on first use. NULL: the literal does not parse. */
+static struct h1_origin *h1_origin_get(struct up_client *c, const struct up_origin *uo)
 {
     for (size_t i = 0; i < c->origins_n; i++) {
         struct h1_origin *o = c->origins[i];
-        if (strncmp(o->auth, auth, auth_len) == 0 && o->auth[auth_len] == '\0')
+        if (o->port == uo->port && strcmp(o->host, uo->host) == 0)
             return o;
     }
+    struct sockaddr_storage sa;
+    socklen_t sa_len;
+    memset(&sa, 0, sizeof sa);
+    bool v6 = strchr(uo->host, ':') != NULL;
+    if (v6) {
+        struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)&sa;
+        if (inet_pton(AF_INET6, uo->host, &s6->sin6_addr) != 1)
+            return NULL;
+        s6->sin6_family = AF_INET6;
+        s6->sin6_port = htons(uo->port);
+        sa_len = sizeof *s6;
+    } else {
+        struct sockaddr_in *s4 = (struct sockaddr_in *)&sa;
+        if (inet_pton(AF_INET, uo->host, &s4->sin_addr) != 1)
+            return NULL;
+        s4->sin_family = AF_INET;
+        s4->sin_port = htons(uo->port);
+        sa_len = sizeof *s4;
+    }
     struct h1_origin *o = cm_calloc(1, sizeof *o);
-    o->auth = cm_strndup(auth, auth_len);
+    o->host = cm_strdup(uo->host);
+    o->port = uo->port;
     /* like libcurl: the port is left out of Host when it is the scheme's default */
-    size_t hl = auth_len;
-    if (hl > 3 && memcmp(auth + hl - 3, ":80", 3) == 0 && auth[hl - 4] != ':')
-        hl -= 3;
-    o->host_hdr = cm_strndup(auth, hl);
-    o->sa = *sa;
+    if (uo->port == 80)
+        o->host_hdr = cm_asprintf(v6 ? "[%s]" : "%s", uo->host);
+    else
+        o->host_hdr = cm_asprintf(v6 ? "[%s]:%u" : "%s:%u", uo->host, (unsigned)uo->port);
+    o->sa = sa;
     o->sa_len = sa_len;
     c->origins = cm_realloc(c->origins, (c->origins_n + 1) * sizeof *c->origins);
     c->origins[c->origins_n++] = o;
@@ -189,9 +147,7 @@ static bool h1_build(struct up_transfer *t, const struct up_request *req, const 
         t->hdr_cap = need;
     }
     t->wlen = t->wpos = 0;
-    bool ok = h1_put(t, req->method, ml) && h1_put(t, " ", 1);
-    if (tl == 0 || target[0] == '?')
-        ok = ok && h1_put(t, "/", 1);
+    bool ok = h1_put(t, req->method, ml) && h1_put(t, " ", 1); /* target: origin-form, checked by up_send */
     ok = ok && h1_put(t, target, tl) && h1_put(t, " HTTP/1.1\r\n", 11);
     if (!have_host)
         ok = ok && h1_put(t, "Host: ", 6) && h1_put(t, o->host_hdr, strlen(o->host_hdr)) && h1_put(t, "\r\n", 2);
@@ -413,8 +369,10 @@ static void h1_dispatch(struct up_client *c, struct up_transfer *t)
     while (o->idle != NULL) {
         struct h1_conn *k = o->idle;
         h1_idle_unlink(c, k);
-        if (now - k->idle_since_ms > (uint64_t)UP_MAX_IDLE_REUSE_S * 1000 ||
-            ((t->no_resend || t->sends > 0) && !h1_conn_alive(k))) {
+        /* Every request checks (one recv(MSG_PEEK)): a byte waiting on an idle connection is the server's close
+         * or an answer nobody asked for (the rest of an earlier one), which the next request would read as its
+         * own. */
+        if (now - k->idle_since_ms > (uint64_t)UP_MAX_IDLE_REUSE_S * 1000 || !h1_conn_alive(k)) {
             h1_conn_close(c, k);
             continue;
         }
@@ -676,7 +634,7 @@ static bool h1_line(struct h1_conn *k, const char **line, size_t *n)
     return true;
 }
 
-enum h1_step { STEP_MORE, STEP_DONE, STEP_ERROR, STEP_TOO_LARGE };
+enum h1_step { STEP_MORE, STEP_DONE, STEP_ERROR, STEP_TOO_LARGE, STEP_INVALID };
 
 /* Moves buffered body bytes to the response: up to k->left of them (counted), or all. false: over the cap. */
 static bool h1_take(struct h1_conn *k, struct up_transfer *t, bool counted)
@@ -701,8 +659,10 @@ static enum h1_step h1_parse(struct h1_conn *k, struct up_transfer *t, const cha
         switch (k->body) {
         case B_HEAD:
             if (!h1_line(k, &line, &n)) {
-                if (k->len - k->pos > UP_MAX_HEADER_BYTES)
-                    return STEP_TOO_LARGE;
+                if (t->hdr_bytes + (k->len - k->pos) > t->max_head) {
+                    up_invalid(t, "response head over max_response_header_bytes");
+                    return STEP_INVALID;
+                }
                 return STEP_MORE;
             }
             if (k->want_status) {
@@ -714,7 +674,8 @@ static enum h1_step h1_parse(struct h1_conn *k, struct up_transfer *t, const cha
                 }
                 k->want_status = false;
                 k->http10 = line[7] == '0';
-                up_status_line(t, line, n);
+                if (!up_status_line(t, line, n))
+                    return STEP_INVALID;
                 continue;
             }
             if (n == 0) {
@@ -732,12 +693,12 @@ static enum h1_step h1_parse(struct h1_conn *k, struct up_transfer *t, const cha
                 h1_frame(k, t);
                 continue;
             }
-            if (line[0] != ' ' && line[0] != '\t' && !h1_framing_header(k, line, n)) {
+            if (!up_header_line(t, line, n))
+                return STEP_INVALID;
+            if (!h1_framing_header(k, line, n)) {
                 *err = "malformed Content-Length";
                 return STEP_ERROR;
             }
-            if (!up_header_line(t, line, n))
-                return STEP_TOO_LARGE;
             break;
         case B_LENGTH:
             if (!h1_take(k, t, true))
@@ -903,6 +864,9 @@ static void h1_on_read(evutil_socket_t fd, short what, void *arg)
     case STEP_ERROR:
         h1_fail(c, t, UP_ERROR, err);
         return;
+    case STEP_INVALID:
+        h1_fail(c, t, UP_INVALID_RESPONSE, t->invalid_why);
+        return;
     }
 }
 
@@ -942,20 +906,18 @@ void h1_transfer_free(struct up_client *c, struct up_transfer *t)
 struct up_transfer *h1_send(struct up_client *c, const struct up_request *req, bool head, bool with_body, up_done_cb cb,
                             void *arg, bool *taken)
 {
-    const char *auth, *target;
-    size_t auth_len;
-    struct sockaddr_storage sa;
-    socklen_t sa_len;
     *taken = false;
-    if (!h1_parse_url(req->url, &auth, &auth_len, &target, &sa, &sa_len))
+    if (req->origin->https || !req->origin->ip_literal)
+        return NULL;
+    struct h1_origin *o = h1_origin_get(c, req->origin);
+    if (o == NULL)
         return NULL;
     *taken = true;
-    struct h1_origin *o = h1_origin_get(c, auth, auth_len, &sa, sa_len);
     o->max = req->max_connections > 0 ? req->max_connections : (size_t)c->max_host;
     struct up_transfer *t = h1_transfer_get(c);
     if (t == NULL)
         return NULL;
-    if (!h1_build(t, req, o, target, with_body)) {
+    if (!h1_build(t, req, o, req->target, with_body)) {
         cm_log(CM_WARN, "upstream_send_failed", "step=headers");
         h1_transfer_free(c, t);
         return NULL;
@@ -967,7 +929,9 @@ struct up_transfer *h1_send(struct up_client *c, const struct up_request *req, b
     t->no_resend = req->no_resend;
     t->is_head = head;
     t->hdr_bytes = 0;
-    t->hdrs_final = t->too_large = t->done = t->sent_any = t->got_any = false;
+    t->max_head = req->max_header_bytes > 0 ? req->max_header_bytes : UP_DEFAULT_MAX_HEAD;
+    t->invalid_why = NULL;
+    t->hdrs_final = t->too_large = t->done = t->sent_any = t->got_any = t->invalid = false;
     t->sends = 0;
     cm_resp_init(&t->resp, req->max_response);
     clock_gettime(CLOCK_MONOTONIC, &t->start);
@@ -999,7 +963,7 @@ void h1_destroy(struct up_client *c)
         struct h1_origin *o = c->origins[i];
         while (o->idle != NULL)
             h1_conn_close(c, o->idle);
-        free(o->auth);
+        free(o->host);
         free(o->host_hdr);
         free(o);
     }

@@ -9,8 +9,13 @@
 
 #include "upstream/upstream.h"
 
-/* Cap on the response header block (status line excluded); going over is UP_TOO_LARGE. */
+/* Cap on a chunked body's trailer block (trailers are read and dropped); going over is UP_TOO_LARGE. */
 #define UP_MAX_HEADER_BYTES (256 * 1024)
+/* Longest request target and origin host name up_send takes. */
+#define UP_MAX_TARGET (64 * 1024)
+#define UP_MAX_HOST   253
+/* The gateway's replay marker: an upstream's own is dropped from its answer. */
+#define UP_REPLAYED_HDR "Idempotent-Replayed"
 /* An idle kept-alive connection older than this is not reused: many servers close idle connections after 5 s
  * (node, Apache), and a request sent on a connection the server is closing at that moment ends as an unknown
  * outcome. Under load connections are reused long before this. */
@@ -45,18 +50,22 @@ struct up_transfer {
     void *arg;
     struct up_transfer *prev, *next; /* running list; next also links the pool */
     struct curl_slist *hdr_list;     /* nodes and text in hdr_mem (libcurl only reads the list) */
+    CURLU *cu;                       /* curl only: the URL, set part by part (up_set_url) */
     char *hdr_mem;                   /* curl: header list; h1: the request as it goes on the wire */
     size_t hdr_cap;
     void *body; /* our copy of the request body (CURLOPT_POSTFIELDS does not copy) */
     struct cm_resp resp;
-    size_t hdr_bytes;
-    bool hdrs_final;       /* the blank line after a final (>= 200) status line was seen: later lines are trailers */
-    bool too_large;        /* body or headers went over their cap */
-    bool no_resend;        /* from the request */
-    bool refused_resend;   /* our prereq callback refused libcurl's second send */
-    bool done;             /* completed: the callback runs or ran, up_cancel is a no-op */
-    bool had_postfields;   /* the easy handle holds a CURLOPT_POSTFIELDS pointer from an earlier request */
-    unsigned prereq_calls; /* times libcurl was about to send the request */
+    size_t hdr_bytes;        /* of the response head so far (status line and header lines with CR LF) */
+    size_t max_head;         /* cap on hdr_bytes, from the request */
+    const char *invalid_why; /* a constant, when invalid */
+    bool invalid;            /* the answer broke a rule of up_header_line: UP_INVALID_RESPONSE */
+    bool hdrs_final;         /* the blank line after a final (>= 200) status line was seen: later lines are trailers */
+    bool too_large;          /* body or headers went over their cap */
+    bool no_resend;          /* from the request */
+    bool refused_resend;     /* our prereq callback refused libcurl's second send */
+    bool done;               /* completed: the callback runs or ran, up_cancel is a no-op */
+    bool had_postfields;     /* the easy handle holds a CURLOPT_POSTFIELDS pointer from an earlier request */
+    unsigned prereq_calls;   /* times libcurl was about to send the request */
     struct timespec start;
     char errbuf[CURL_ERROR_SIZE];
 
@@ -104,6 +113,9 @@ struct up_client {
 };
 
 double up_elapsed(const struct timespec *start);
+/* An idle connection that became readable will not be used again: reads what is waiting (bounded) and shuts the
+ * socket down, so that a liveness check before reuse sees the close. The caller still owns and closes fd. */
+void up_sock_poison(int fd);
 /* Keeps an idle transfer in pool (its request buffer trimmed to UP_HDR_MEM_KEEP); false: the pool is full. */
 bool up_pool_put(struct up_client *c, struct up_transfer **pool, size_t *n, struct up_transfer *t);
 void up_link(struct up_client *c, struct up_transfer *t);
@@ -112,17 +124,21 @@ bool up_token_ok(const char *s, size_t *len);
 bool up_value_ok(const char *s, size_t *len);
 /* What a request header becomes upstream: sent, or skipped (framing, Expect, hop-by-hop). */
 bool up_hdr_skipped(const char *name);
-/* Response head lines without their CR LF: a status line (starts the head over, after a 1xx too) and a header
- * line (folding joined, trailers after the final head ignored). false: the head went over its cap. */
-void up_status_line(struct up_transfer *t, const char *p, size_t len);
+/* Response head lines without their CR LF, validated here for both clients: a status line (starts the head over,
+ * after a 1xx too) and a header line (trailers after the final head ignored). The name must be a token, the value
+ * pass cm_field_value_ok, no obs-fold, the whole head within t->max_head; the upstream's Idempotent-Replayed is
+ * dropped. false: the answer is invalid (t->invalid set, see up_invalid). */
+bool up_status_line(struct up_transfer *t, const char *p, size_t len);
 bool up_header_line(struct up_transfer *t, const char *p, size_t len);
+/* Marks t's answer invalid (UP_INVALID_RESPONSE) for why (a constant); returns false. */
+bool up_invalid(struct up_transfer *t, const char *why);
 /* Runs the callback of a finished transfer (unlinked here) and releases it. Returns true when the client was
  * destroyed from the callback (then nothing of it may be touched). */
 bool up_deliver(struct up_client *c, struct up_transfer *t, enum up_result r, const char *err);
 
 /* ---- h1.c: the built-in client for http:// URLs whose host is an IP address */
 
-/* Starts a transfer on the h1 path when req->url is one it takes (http, an IPv4/IPv6 literal, a plain target):
+/* Starts a transfer on the h1 path when req->origin is one it takes (http at an IPv4/IPv6 literal):
  * *taken = true, and the transfer (linked, running) or NULL (a header that cannot be sent) is returned; a failure
  * to connect shows as its result later, never from inside here. *taken = false: use libcurl. */
 struct up_transfer *h1_send(struct up_client *c, const struct up_request *req, bool head, bool with_body, up_done_cb cb,

@@ -41,6 +41,8 @@ const char *up_result_name(enum up_result r)
         return "cancelled";
     case UP_ERROR:
         return "error";
+    case UP_INVALID_RESPONSE:
+        return "invalid_response";
     }
     return "unknown";
 }
@@ -137,13 +139,24 @@ static void up_on_socket_event(evutil_socket_t fd, short kind, void *arg)
 {
     struct up_sock *s = arg;
     if (!s->watched) {
-        /* A parked idle connection became readable: the server closed it (or sent something unasked). curl
-         * checks a cached connection before reusing it; stop watching it until curl asks again. */
+        /* A parked idle connection became readable: the server closed it, or sent bytes nobody asked for (the
+         * rest of an earlier answer), which the next request on it would read as its own answer. libcurl 7.88
+         * checks a cached connection before reuse only for a close (recv(MSG_PEEK) == 0), so the bytes are read
+         * away and the socket shut down: curl then sees the close and drops the connection. */
         up_sock_set(s, 0);
+        up_sock_poison(fd);
         return;
     }
     int action = ((kind & EV_READ) ? CURL_CSELECT_IN : 0) | ((kind & EV_WRITE) ? CURL_CSELECT_OUT : 0);
     up_socket_action(s->c, fd, action); /* s may be gone after this */
+}
+
+void up_sock_poison(int fd)
+{
+    char junk[4096];
+    for (int i = 0; i < 16 && recv(fd, junk, sizeof junk, MSG_DONTWAIT) > 0; i++)
+        ;
+    (void)shutdown(fd, SHUT_RDWR);
 }
 
 static void up_on_timer(evutil_socket_t fd, short kind, void *arg)
@@ -248,13 +261,24 @@ static bool up_is_ws(char ch)
     return ch == ' ' || ch == '\t';
 }
 
-void up_status_line(struct up_transfer *t, const char *p, size_t len)
+bool up_invalid(struct up_transfer *t, const char *why)
+{
+    t->invalid = true;
+    t->invalid_why = why;
+    return false;
+}
+
+bool up_status_line(struct up_transfer *t, const char *p, size_t len)
 {
     /* a new response head (after 100 Continue, or a retried send): start over */
     cm_hdrs_free(&t->resp.hdrs);
     cm_hdrs_init(&t->resp.hdrs);
-    t->hdr_bytes = 0;
+    t->hdr_bytes = len + 2;
     t->hdrs_final = false;
+    if (t->hdr_bytes > t->max_head)
+        return up_invalid(t, "response head over max_response_header_bytes");
+    if (!cm_field_value_ok(p, len))
+        return up_invalid(t, "control byte in the status line");
     const char *sp = memchr(p, ' ', len);
     t->resp.status = 0;
     if (sp != NULL && (size_t)(sp - p) + 4 <= len) {
@@ -263,6 +287,7 @@ void up_status_line(struct up_transfer *t, const char *p, size_t len)
             st = st * 10 + (sp[i] - '0');
         t->resp.status = st;
     }
+    return true;
 }
 
 bool up_header_line(struct up_transfer *t, const char *p, size_t len)
@@ -274,26 +299,19 @@ bool up_header_line(struct up_transfer *t, const char *p, size_t len)
     }
     if (t->hdrs_final)
         return true; /* a trailer after a chunked body: not part of the stored head */
-    t->hdr_bytes += len;
-    if (t->hdr_bytes > UP_MAX_HEADER_BYTES) {
-        t->too_large = true;
-        return false;
-    }
-    if (up_is_ws(p[0])) {
-        /* obsolete line folding: join to the previous value with one space */
-        size_t i = 0;
-        while (i < len && up_is_ws(p[i]))
-            i++;
-        if (t->resp.hdrs.n > 0 && i < len)
-            cm_hdrs_fold(&t->resp.hdrs, t->resp.hdrs.n - 1, p + i, len - i);
-        return true;
-    }
+    t->hdr_bytes += len + 2;
+    if (t->hdr_bytes > t->max_head)
+        return up_invalid(t, "response head over max_response_header_bytes");
+    /* obs-fold (RFC 9112 5.2: a proxy may reject it): the front would have to rewrite the value */
+    if (up_is_ws(p[0]))
+        return up_invalid(t, "obs-fold line in the response head");
     const char *colon = memchr(p, ':', len);
-    if (colon == NULL || colon == p)
-        return true; /* not a header line: ignore rather than fail the whole response */
+    if (colon == NULL)
+        return up_invalid(t, "response header line without a colon");
+    /* no whitespace before the colon either (RFC 9112 5.1): the name must be a token as it stands */
     size_t nlen = (size_t)(colon - p);
-    while (nlen > 0 && up_is_ws(p[nlen - 1]))
-        nlen--;
+    if (!cm_token_ok(p, nlen))
+        return up_invalid(t, "response header name is not a token");
     const char *v = colon + 1;
     size_t vlen = len - (size_t)(v - p);
     while (vlen > 0 && up_is_ws(*v)) {
@@ -302,8 +320,12 @@ bool up_header_line(struct up_transfer *t, const char *p, size_t len)
     }
     while (vlen > 0 && up_is_ws(v[vlen - 1]))
         vlen--;
-    if (nlen > 0)
-        cm_hdrs_addn(&t->resp.hdrs, p, nlen, v, vlen);
+    if (!cm_field_value_ok(v, vlen))
+        return up_invalid(t, "control byte in a response header value");
+    /* the gateway's own marker: a replay carries exactly one, and it is never the upstream's */
+    if (nlen == sizeof UP_REPLAYED_HDR - 1 && strncasecmp(p, UP_REPLAYED_HDR, nlen) == 0)
+        return true;
+    cm_hdrs_addn(&t->resp.hdrs, p, nlen, v, vlen);
     return true;
 }
 
@@ -315,10 +337,8 @@ static size_t up_header_cb(char *p, size_t size, size_t nitems, void *userdata)
     size_t len = n;
     while (len > 0 && (p[len - 1] == '\n' || p[len - 1] == '\r'))
         len--;
-    if (len >= 5 && memcmp(p, "HTTP/", 5) == 0) {
-        up_status_line(t, p, len);
-        return n;
-    }
+    if (!t->hdrs_final && len >= 5 && memcmp(p, "HTTP/", 5) == 0)
+        return up_status_line(t, p, len) ? n : 0;
     return up_header_line(t, p, len) ? n : 0;
 }
 
@@ -391,12 +411,16 @@ static void up_transfer_free(struct up_client *c, struct up_transfer *t)
     }
     if (t->easy != NULL)
         curl_easy_cleanup(t->easy);
+    if (t->cu != NULL)
+        curl_url_cleanup(t->cu);
     free(t->hdr_mem);
     free(t);
 }
 
 static enum up_result up_classify(const struct up_transfer *t, CURLcode rc)
 {
+    if (t->invalid)
+        return UP_INVALID_RESPONSE;
     if (rc == CURLE_OK)
         return t->resp.status >= 200 ? UP_OK : UP_ERROR;
     if (t->too_large)
@@ -408,6 +432,8 @@ static enum up_result up_classify(const struct up_transfer *t, CURLcode rc)
     switch (rc) {
     case CURLE_OPERATION_TIMEDOUT:
         return UP_TIMEOUT;
+    case CURLE_WEIRD_SERVER_REPLY: /* e.g. "Nul byte in header": refused by libcurl before our header callback */
+        return UP_INVALID_RESPONSE;
     case CURLE_GOT_NOTHING:
     case CURLE_RECV_ERROR:
     case CURLE_SEND_ERROR:
@@ -432,6 +458,8 @@ bool up_deliver(struct up_client *c, struct up_transfer *t, enum up_result r, co
         cm_hdrs_strip_hop_by_hop(&t->resp.hdrs);
     else if (r == UP_TOO_LARGE)
         err = "response over its cap";
+    else if (r == UP_INVALID_RESPONSE && t->invalid_why != NULL)
+        err = t->invalid_why;
     c->dispatching++;
     t->cb(t->arg, r, &t->resp, err, up_elapsed(&t->start));
     c->dispatching--;
@@ -566,12 +594,25 @@ void up_client_destroy(struct up_client *c)
     up_destroy_now(c);
 }
 
+/* Methods are case-sensitive (RFC 9110 9.1): "post" is not POST, "head" is not HEAD. */
 static bool up_has_body(const struct up_request *req)
 {
     if (req->body_len > 0)
         return true;
-    return strcasecmp(req->method, "POST") == 0 || strcasecmp(req->method, "PUT") == 0 ||
-           strcasecmp(req->method, "PATCH") == 0;
+    return strcmp(req->method, "POST") == 0 || strcmp(req->method, "PUT") == 0 || strcmp(req->method, "PATCH") == 0;
+}
+
+bool up_target_ok(const char *target)
+{
+    if (target == NULL || target[0] != '/')
+        return false;
+    size_t i = 0;
+    for (; target[i] != '\0' && i <= UP_MAX_TARGET; i++) {
+        unsigned char ch = (unsigned char)target[i];
+        if (ch <= 0x20 || ch >= 0x7f || ch == '#')
+            return false;
+    }
+    return i <= UP_MAX_TARGET;
 }
 
 bool up_token_ok(const char *s, size_t *len)
@@ -705,8 +746,9 @@ static struct up_transfer *up_transfer_get(struct up_client *c)
     }
     struct up_transfer *t = cm_calloc(1, sizeof *t);
     t->c = c;
+    t->cu = curl_url();
     CURL *e = t->easy = curl_easy_init();
-    if (e == NULL)
+    if (e == NULL || t->cu == NULL)
         goto fail;
     UP_SET(e, CURLOPT_PRIVATE, (void *)t);
     UP_SET(e, CURLOPT_ERRORBUFFER, t->errbuf);
@@ -735,17 +777,43 @@ fail:
     cm_log(CM_WARN, "upstream_send_failed", "step=%s", what);
     if (t->easy != NULL)
         curl_easy_cleanup(t->easy);
+    if (t->cu != NULL)
+        curl_url_cleanup(t->cu);
     free(t);
     return NULL;
+}
+
+/* The transfer's URL handle set part by part from the configured origin and the target: nothing in the target
+ * can become a scheme, a user, a host or a port (a URL string glued together and parsed again could). false: a
+ * part was refused. */
+static bool up_set_url(struct up_transfer *t, const struct up_origin *o, const char *target)
+{
+    char host[UP_MAX_HOST + 3], port[8], path[UP_MAX_TARGET + 1];
+    size_t hl = strlen(o->host);
+    if (hl == 0 || hl > UP_MAX_HOST)
+        return false;
+    bool v6 = o->ip_literal && memchr(o->host, ':', hl) != NULL;
+    snprintf(host, sizeof host, v6 ? "[%s]" : "%s", o->host);
+    snprintf(port, sizeof port, "%u", (unsigned)o->port);
+    const char *q = strchr(target, '?');
+    size_t pl = q != NULL ? (size_t)(q - target) : strlen(target);
+    memcpy(path, target, pl);
+    path[pl] = '\0';
+    return curl_url_set(t->cu, CURLUPART_SCHEME, o->https ? "https" : "http", 0) == CURLUE_OK &&
+           curl_url_set(t->cu, CURLUPART_HOST, host, 0) == CURLUE_OK &&
+           curl_url_set(t->cu, CURLUPART_PORT, port, 0) == CURLUE_OK &&
+           curl_url_set(t->cu, CURLUPART_PATH, path, 0) == CURLUE_OK &&
+           curl_url_set(t->cu, CURLUPART_QUERY, q != NULL && q[1] != '\0' ? q + 1 : NULL, 0) == CURLUE_OK;
 }
 
 struct up_transfer *up_send(struct up_client *c, const struct up_request *req, up_done_cb cb, void *arg)
 {
     const char *what = "request";
-    if (c == NULL || req == NULL || cb == NULL || req->method == NULL || req->url == NULL ||
+    if (c == NULL || req == NULL || cb == NULL || req->method == NULL || req->origin == NULL ||
+        req->origin->host == NULL || req->origin->port == 0 || !up_target_ok(req->target) ||
         (req->body == NULL && req->body_len > 0) || c->destroy_deferred)
         return NULL;
-    bool head = strcasecmp(req->method, "HEAD") == 0 && req->body_len == 0;
+    bool head = strcmp(req->method, "HEAD") == 0 && req->body_len == 0;
     bool with_body = !head && up_has_body(req);
     bool taken = false;
     struct up_transfer *t = h1_send(c, req, head, with_body, cb, arg, &taken);
@@ -759,7 +827,9 @@ struct up_transfer *up_send(struct up_client *c, const struct up_request *req, u
     t->arg = arg;
     t->no_resend = req->no_resend;
     t->hdr_bytes = 0;
-    t->hdrs_final = t->too_large = t->refused_resend = t->done = false;
+    t->max_head = req->max_header_bytes > 0 ? req->max_header_bytes : UP_DEFAULT_MAX_HEAD;
+    t->hdrs_final = t->too_large = t->refused_resend = t->done = t->invalid = false;
+    t->invalid_why = NULL;
     t->prereq_calls = 0;
     t->errbuf[0] = '\0';
     cm_resp_init(&t->resp, req->max_response);
@@ -769,7 +839,12 @@ struct up_transfer *up_send(struct up_client *c, const struct up_request *req, u
         what = "headers";
         goto fail;
     }
-    UP_SET(e, CURLOPT_URL, req->url);
+    if (!up_set_url(t, req->origin, req->target)) {
+        what = "url";
+        goto fail;
+    }
+    UP_SET(e, CURLOPT_URL, NULL); /* no URL string of an earlier request is used again: the handle below is */
+    UP_SET(e, CURLOPT_CURLU, t->cu);
     UP_SET(e, CURLOPT_CONNECTTIMEOUT_MS, (long)req->connect_timeout_ms);
     UP_SET(e, CURLOPT_TIMEOUT_MS, (long)req->timeout_ms);
     UP_SET(e, CURLOPT_HTTPHEADER, t->hdr_list);
