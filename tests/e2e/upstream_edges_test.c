@@ -12,7 +12,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "tests/e2e/harness.h"
@@ -398,4 +401,94 @@ Test(upstream_edges, invalid_answers_are_unknown_outcomes)
     }
     e2e_gw_assert_alive(gw, "after the invalid answers");
     raw_stop();
+}
+
+/* ---- 4. Redis on a unix socket, end to end */
+
+/* name's full path from PATH (e2e_run executes a path, not a name), into out. */
+static const char *in_path(const char *name, char *out, size_t n)
+{
+    const char *p = getenv("PATH");
+    while (p != NULL && *p) {
+        size_t l = strcspn(p, ":");
+        snprintf(out, n, "%.*s/%s", (int)l, p, name);
+        if (access(out, X_OK) == 0)
+            return out;
+        p += l + (p[l] == ':');
+    }
+    cr_assert_fail("%s is not on PATH", name);
+    return NULL;
+}
+
+/* Starts redis-server on a unix socket only (no TCP port) in the test's temp dir; returns its pid once it answers
+ * PING (bounded), the socket path in path. */
+static pid_t redis_unix_start(char *path, size_t n)
+{
+    snprintf(path, n, "%s/redis.sock", e2e_tmpdir());
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        int devnull = open("/dev/null", O_WRONLY);
+        dup2(devnull, STDOUT_FILENO);
+        execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", path, "--unixsocketperm", "700", "--save",
+               "", "--appendonly", "no", "--dir", e2e_tmpdir(), (char *)NULL);
+        _exit(127);
+    }
+    uint64_t deadline = e2e_now_ms() + E2E_READY_TIMEOUT_MS;
+    for (;;) {
+        char *out = NULL;
+        char cli[512];
+        const char *argv[] = {in_path("redis-cli", cli, sizeof cli), "-s", path, "PING", NULL};
+        if (access(path, F_OK) == 0 && e2e_run(argv, NULL, 5000, &out, NULL) == 0 && out != NULL &&
+            strstr(out, "PONG") != NULL) {
+            free(out);
+            return pid;
+        }
+        free(out);
+        cr_assert(e2e_now_ms() < deadline, "redis-server on %s did not answer PING", path);
+        e2e_sleep_ms(50);
+    }
+}
+
+/* store.redis: unix:///path?db=2 works: the gateway connects to the socket (/readyz says redis up), a completed
+ * answer is cached there (an idg: key in database 2) and a replay comes back. Before: --check accepted a socket
+ * path, and the gateway refused it at start ("redis URL must start with redis://"). */
+Test(upstream_edges, redis_on_a_unix_socket)
+{
+    char path[512];
+    pid_t rpid = redis_unix_start(path, sizeof path);
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_pay_conf pc = {.idem = "key: required\n", .redis = "unix://{{TMPDIR}}/redis.sock?db=2"};
+    struct e2e_gw *gw = e2e_gw_start_pay(up, &pc, NULL);
+    cr_expect(e2e_gw_log_wait(gw, "event=redis_up", 5000), "the gateway never connected to the unix socket");
+    char key[64];
+    e2e_mkkey(key, sizeof key, "unix");
+    struct e2e_resp r1, r2;
+    e2e_http_key(gw->port, "POST", "/v1/pay", key, NULL, "{\"a\":1}", 0, &r1);
+    cr_expect_eq(r1.status, 200, "first: %ld", r1.status);
+    e2e_http_key(gw->port, "POST", "/v1/pay", key, NULL, "{\"a\":1}", 0, &r2);
+    cr_expect(e2e_resp_is_replay(&r2), "second: not a replay (%ld)", r2.status);
+    e2e_resp_free(&r1);
+    e2e_resp_free(&r2);
+    cr_expect_eq(e2e_upstream_count(up, key), 1);
+    char *out = NULL;
+    uint64_t deadline = e2e_now_ms() + 5000;
+    bool cached = false;
+    while (!cached && e2e_now_ms() < deadline) {
+        char cli[512];
+        const char *argv[] = {
+            in_path("redis-cli", cli, sizeof cli), "-s", path, "-n", "2", "--scan", "--pattern", "idg:*", NULL};
+        free(out);
+        out = NULL;
+        cr_assert_eq(e2e_run(argv, NULL, 5000, &out, NULL), 0);
+        cached = out != NULL && strstr(out, "idg:") != NULL;
+        if (!cached)
+            e2e_sleep_ms(50);
+    }
+    cr_expect(cached, "no idg: key in database 2 of the unix-socket Redis: %s", out ? out : "");
+    free(out);
+    e2e_gw_stop(gw, 5000);
+    kill(rpid, SIGTERM);
+    waitpid(rpid, NULL, 0);
 }
