@@ -773,6 +773,24 @@ static enum h1_step h1_parse(struct h1_conn *k, struct up_transfer *t, const cha
     }
 }
 
+/* Makes room for more bytes in k->buf: the parsed part moved out first, then the buffer doubled. It grows only while
+ * h1_parse waits for the end of a line, which its caps bound (the head, a chunk-size line, the trailers). */
+static void h1_buf_room(struct h1_conn *k)
+{
+    if (k->len < k->cap)
+        return;
+    if (k->pos > 0) {
+        memmove(k->buf, k->buf + k->pos, k->len - k->pos);
+        k->len -= k->pos;
+        k->pos = 0;
+    }
+    if (k->len == k->cap) {
+        size_t ncap = k->cap ? k->cap * 2 : (size_t)UP_RECV_BUFFER;
+        k->buf = cm_realloc(k->buf, ncap);
+        k->cap = ncap;
+    }
+}
+
 /* The response on k is complete: the connection goes idle (or to a waiting transfer) or closes; then t's
  * callback runs. */
 static void h1_complete(struct up_client *c, struct h1_conn *k, struct up_transfer *t)
@@ -815,18 +833,7 @@ static void h1_on_read(evutil_socket_t fd, short what, void *arg)
         h1_conn_close(c, k);
         return;
     }
-    if (k->len == k->cap) {
-        if (k->pos > 0) {
-            memmove(k->buf, k->buf + k->pos, k->len - k->pos);
-            k->len -= k->pos;
-            k->pos = 0;
-        }
-        if (k->len == k->cap) {
-            size_t ncap = k->cap ? k->cap * 2 : (size_t)UP_RECV_BUFFER;
-            k->buf = cm_realloc(k->buf, ncap);
-            k->cap = ncap;
-        }
-    }
+    h1_buf_room(k);
     ssize_t r = recv(fd, k->buf + k->len, k->cap - k->len, 0);
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
         return;
@@ -976,4 +983,72 @@ void h1_destroy(struct up_client *c)
         h1_transfer_free(NULL, t);
     }
     c->h1_pool_n = 0;
+}
+
+/* ---- the parser without a socket (tests/fuzz/fuzz_h1.c): the same h1_parse and buffer as a connection */
+
+struct h1_parser {
+    struct h1_conn k;
+    struct up_transfer t;
+    int result; /* 0 while more is wanted, then the final h1_parser_feed result */
+};
+
+struct h1_parser *h1_parser_create(bool head, size_t max_body, size_t max_head)
+{
+    struct h1_parser *p = cm_calloc(1, sizeof *p);
+    p->k.fd = -1;
+    p->k.t = &p->t;
+    h1_head_reset(&p->k);
+    p->t.h1 = true;
+    p->t.is_head = head;
+    p->t.max_head = max_head > 0 ? max_head : UP_DEFAULT_MAX_HEAD;
+    cm_resp_init(&p->t.resp, max_body);
+    return p;
+}
+
+int h1_parser_feed(struct h1_parser *p, const void *data, size_t n, bool eof)
+{
+    const char *d = data, *err = NULL;
+    while (p->result == 0 && n > 0) {
+        h1_buf_room(&p->k);
+        size_t take = n < p->k.cap - p->k.len ? n : p->k.cap - p->k.len;
+        memcpy(p->k.buf + p->k.len, d, take);
+        p->k.len += take;
+        d += take;
+        n -= take;
+        switch (h1_parse(&p->k, &p->t, &err)) {
+        case STEP_MORE:
+            if (p->k.pos == p->k.len)
+                p->k.pos = p->k.len = 0;
+            break;
+        case STEP_DONE:
+            p->result = 1;
+            break;
+        default:
+            p->result = -1;
+            break;
+        }
+    }
+    if (p->result == 0 && eof)
+        p->result = p->k.body == B_CLOSE ? 1 : -1; /* as h1_on_read on a close */
+    return p->result;
+}
+
+const struct cm_resp *h1_parser_resp(const struct h1_parser *p)
+{
+    return &p->t.resp;
+}
+
+size_t h1_parser_head_bytes(const struct h1_parser *p)
+{
+    return p->t.hdr_bytes;
+}
+
+void h1_parser_destroy(struct h1_parser *p)
+{
+    if (p == NULL)
+        return;
+    cm_resp_free(&p->t.resp);
+    free(p->k.buf);
+    free(p);
 }

@@ -150,4 +150,17 @@ void h1_destroy(struct up_client *c);
 /* Returns an h1 transfer to the pool, or frees it. */
 void h1_transfer_free(struct up_client *c, struct up_transfer *t);
 
+/* The h1 response parser with no socket behind it (tests/fuzz/fuzz_h1.c): the answer to a HEAD request when head,
+ * its body capped at max_body, its head at max_head (0: UP_DEFAULT_MAX_HEAD). Never NULL; h1_parser_destroy frees
+ * it (NULL: no-op). */
+struct h1_parser;
+struct h1_parser *h1_parser_create(bool head, size_t max_body, size_t max_head);
+/* Feeds n bytes, then the peer's close when eof. Returns 1: a complete answer (h1_parser_resp holds it; bytes after
+ * it are not parsed), 0: more wanted, -1: refused (malformed, invalid, over a cap). Once non-zero it stays so. */
+int h1_parser_feed(struct h1_parser *p, const void *data, size_t n, bool eof);
+const struct cm_resp *h1_parser_resp(const struct h1_parser *p);
+/* Bytes of the final head counted against max_head (status line and header lines with CR LF). */
+size_t h1_parser_head_bytes(const struct h1_parser *p);
+void h1_parser_destroy(struct h1_parser *p);
+
 #endif
