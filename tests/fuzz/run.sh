@@ -38,7 +38,7 @@ sources() {
     key | fp) echo "common/common.c gateway/idem.c" ;;
     resp | hdrs) echo "common/common.c" ;;
     conf) echo "common/common.c conf/conf.c" ;;
-    h1) echo "common/common.c upstream/upstream.c upstream/h1.c" ;;
+    h1) echo "common/common.c upstream/upstream.c upstream/h1.c upstream/curl.c" ;;
     esac
 }
 
