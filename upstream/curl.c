@@ -474,7 +474,7 @@ fail:
  * part was refused. */
 static bool up_set_url(struct curl_xfer *t, const struct up_origin *o, const char *target)
 {
-    char host[UP_MAX_HOST + 3], port[8], path[UP_MAX_TARGET + 1];
+    char host[UP_MAX_HOST + 3], port[8];
     size_t hl = strlen(o->host);
     if (hl == 0 || hl > UP_MAX_HOST)
         return false;
@@ -482,14 +482,14 @@ static bool up_set_url(struct curl_xfer *t, const struct up_origin *o, const cha
     snprintf(host, sizeof host, v6 ? "[%s]" : "%s", o->host);
     snprintf(port, sizeof port, "%u", (unsigned)o->port);
     const char *q = strchr(target, '?');
-    size_t pl = q != NULL ? (size_t)(q - target) : strlen(target);
-    memcpy(path, target, pl);
-    path[pl] = '\0';
-    return curl_url_set(t->cu, CURLUPART_SCHEME, o->https ? "https" : "http", 0) == CURLUE_OK &&
-           curl_url_set(t->cu, CURLUPART_HOST, host, 0) == CURLUE_OK &&
-           curl_url_set(t->cu, CURLUPART_PORT, port, 0) == CURLUE_OK &&
-           curl_url_set(t->cu, CURLUPART_PATH, path, 0) == CURLUE_OK &&
-           curl_url_set(t->cu, CURLUPART_QUERY, q != NULL && q[1] != '\0' ? q + 1 : NULL, 0) == CURLUE_OK;
+    char *path = q != NULL ? cm_strndup(target, (size_t)(q - target)) : NULL; /* the path without its query */
+    bool ok = curl_url_set(t->cu, CURLUPART_SCHEME, o->https ? "https" : "http", 0) == CURLUE_OK &&
+              curl_url_set(t->cu, CURLUPART_HOST, host, 0) == CURLUE_OK &&
+              curl_url_set(t->cu, CURLUPART_PORT, port, 0) == CURLUE_OK &&
+              curl_url_set(t->cu, CURLUPART_PATH, path != NULL ? path : target, 0) == CURLUE_OK &&
+              curl_url_set(t->cu, CURLUPART_QUERY, q != NULL && q[1] != '\0' ? q + 1 : NULL, 0) == CURLUE_OK;
+    free(path);
+    return ok;
 }
 
 /* Drains finished transfers and runs their callbacks. Returns true when the client was destroyed meanwhile. */
