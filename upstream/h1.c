@@ -118,11 +118,11 @@ struct h1_origin {
 
 /* ---- origins: the configured upstreams this client has sent to, each address parsed once */
 
-/* The origin for o (an http:// IP literal), made on first use. NULL: the literal does not parse. */
-static struct h1_origin *h1_origin_get(struct up_client *c, const struct up_origin *uo)
+/* The origin for uo (an http:// IP literal), made on first use. NULL: the literal does not parse. */
+static struct h1_origin *h1_origin_get(struct up_h1 *h, const struct up_origin *uo)
 {
-    for (size_t i = 0; i < h1_of(c)->origins_n; i++) {
-        struct h1_origin *o = h1_of(c)->origins[i];
+    for (size_t i = 0; i < h->origins_n; i++) {
+        struct h1_origin *o = h->origins[i];
         if (o->port == uo->port && strcmp(o->host, uo->host) == 0)
             return o;
     }
@@ -155,8 +155,8 @@ static struct h1_origin *h1_origin_get(struct up_client *c, const struct up_orig
         o->host_hdr = cm_asprintf(v6 ? "[%s]:%u" : "%s:%u", uo->host, (unsigned)uo->port);
     o->sa = sa;
     o->sa_len = sa_len;
-    h1_of(c)->origins = cm_realloc(h1_of(c)->origins, (h1_of(c)->origins_n + 1) * sizeof *h1_of(c)->origins);
-    h1_of(c)->origins[h1_of(c)->origins_n++] = o;
+    h->origins = cm_realloc(h->origins, (h->origins_n + 1) * sizeof *h->origins);
+    h->origins[h->origins_n++] = o;
     return o;
 }
 
@@ -979,7 +979,7 @@ static struct up_transfer *h1_send(void *state, const struct up_request *req, bo
     *taken = false;
     if (req->origin->https || !req->origin->ip_literal)
         return NULL;
-    struct h1_origin *o = h1_origin_get(c, req->origin);
+    struct h1_origin *o = h1_origin_get(h, req->origin);
     if (o == NULL)
         return NULL;
     *taken = true;
