@@ -1,6 +1,7 @@
 /* conf.c - loads the YAML configuration (libyaml document API) into struct conf and validates every key. */
 #include "conf/conf.h"
 
+#include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -32,23 +33,24 @@
 
 enum num_err { NUM_OK, NUM_BAD, NUM_NO_UNIT, NUM_RANGE, NUM_DECIMAL_UNIT };
 
-/* Leading decimal digits of s into *v; returns the number of digits, or 0
- * (with *overflow set when the digits did not fit). */
+/* Leading decimal digits of s into *v (cm_parse_digits, the one decimal parser); returns the number of digits,
+ * or 0 (with *overflow set when there were more than 19). */
 static size_t parse_digits(const char *s, uint64_t *v, bool *overflow)
 {
-    uint64_t x = 0;
-    size_t i = 0;
+    size_t n = strspn(s, "0123456789");
+    *v = 0;
     *overflow = false;
-    while (s[i] >= '0' && s[i] <= '9') {
-        unsigned d = (unsigned)(s[i] - '0');
-        if (x > (UINT64_MAX - d) / 10)
-            *overflow = true;
-        else
-            x = x * 10 + d;
-        i++;
+    if (n == 0 || !cm_parse_digits(s, n < 19 ? n : 19, 19, v))
+        return 0;
+    /* a 20th digit may still fit in 64 bits (18446744073709551615); more never do */
+    unsigned d = n == 20 ? (unsigned)(s[19] - '0') : 0;
+    if (n > 20 || (n == 20 && *v > (UINT64_MAX - d) / 10)) {
+        *overflow = true;
+        return 0;
     }
-    *v = x;
-    return *overflow ? 0 : i;
+    if (n == 20)
+        *v = *v * 10 + d;
+    return n;
 }
 
 static enum num_err duration_parse(const char *s, uint64_t *ms)
@@ -189,10 +191,12 @@ void conf_destroy(struct conf *c)
     free(c->admin_listen.host);
     free(c->postgres_url);
     free(c->redis_url);
+    conf_redis_free(&c->redis);
     for (size_t i = 0; i < c->upstreams_n; i++) {
         free(c->upstreams[i].name);
         free(c->upstreams[i].url);
         free(c->upstreams[i].base_path);
+        free(c->upstreams[i].host);
     }
     free(c->upstreams);
     for (size_t i = 0; i < c->routes_n; i++) {
@@ -778,13 +782,53 @@ static bool fn_postgres(struct ctx *x, yaml_node_t *n, void *target)
     return true;
 }
 
-/* Returns a problem text, or NULL when s is a Redis URL we can use. */
-static const char *redis_url_problem(const char *s)
+void conf_redis_free(struct conf_redis *r)
 {
-    if (s[0] == '/')
+    free(r->host);
+    free(r->unix_path);
+    free(r->password);
+    memset(r, 0, sizeof *r);
+}
+
+/* "?db=N" (or nothing) after a unix socket path. */
+static const char *redis_unix_query(const char *q, struct conf_redis *out)
+{
+    if (q == NULL || q[1] == '\0')
         return NULL;
-    if (strncmp(s, "redis://", 8) != 0)
-        return "must be redis://[:password@]host:port[/db] or an absolute unix socket path";
+    uint64_t db;
+    if (strncmp(q, "?db=", 4) != 0 || !cm_parse_digits(q + 4, strlen(q + 4), 5, &db) || db > 65535)
+        return "a unix socket takes only ?db=N (e.g. unix:///run/redis.sock?db=2)";
+    out->db = (uint32_t)db;
+    return NULL;
+}
+
+/* A unix socket path at p up to its query (NUL or '?'). */
+static const char *redis_unix(const char *p, struct conf_redis *out)
+{
+    size_t n = strcspn(p, "?");
+    if (n < 2 || p[0] != '/')
+        return "a unix socket path must be absolute: unix:///run/redis.sock";
+    if (n >= 108) /* sizeof sockaddr_un.sun_path */
+        return "the unix socket path is longer than 107 bytes";
+    const char *why = redis_unix_query(p[n] == '?' ? p + n : NULL, out);
+    if (why != NULL)
+        return why;
+    out->unix_path = cm_strndup(p, n);
+    return NULL;
+}
+
+bool conf_redis_parse(const char *s, struct conf_redis *out, const char **why)
+{
+    memset(out, 0, sizeof *out);
+    *why = NULL;
+    if (s[0] == '/')
+        *why = redis_unix(s, out);
+    else if (strncmp(s, "unix://", 7) == 0)
+        *why = redis_unix(s + 7, out);
+    else if (strncmp(s, "redis://", 8) != 0)
+        *why = "must be redis://[:password@]host:port[/db] or an absolute unix socket path";
+    if (*why != NULL || out->unix_path != NULL)
+        goto done;
     const char *a = s + 8;
     size_t alen = strcspn(a, "/");
     const char *at = NULL;
@@ -792,60 +836,77 @@ static const char *redis_url_problem(const char *s)
         if (a[i] == '@')
             at = a + i;
     if (at != NULL) {
-        if (a[0] != ':')
-            return "user names are not supported: use redis://:password@host:port";
+        if (a[0] != ':') {
+            *why = "user names are not supported: use redis://:password@host:port";
+            goto done;
+        }
+        out->password = cm_strndup(a + 1, (size_t)(at - a - 1));
         alen -= (size_t)(at + 1 - a);
         a = at + 1;
     }
     const char *host, *port_s;
     size_t hostn, port_n;
-    const char *why = split_hostport(a, alen, &host, &hostn, &port_s, &port_n);
-    if (why != NULL)
-        return why;
-    uint16_t port;
-    if (port_s == NULL)
-        return "missing port (e.g. redis://127.0.0.1:6379/0)";
-    if (!parse_port(port_s, port_n, false, &port))
-        return "port must be between 1 and 65535";
+    *why = split_hostport(a, alen, &host, &hostn, &port_s, &port_n);
+    if (*why != NULL)
+        goto done;
+    if (port_s == NULL) {
+        *why = "missing port (e.g. redis://127.0.0.1:6379/0)";
+        goto done;
+    }
+    if (!parse_port(port_s, port_n, false, &out->port)) {
+        *why = "port must be between 1 and 65535";
+        goto done;
+    }
+    out->host = cm_strndup(host, hostn);
     const char *rest = a + alen;
     if (rest[0] == '\0' || strcmp(rest, "/") == 0)
-        return NULL;
+        goto done;
     uint64_t db;
-    bool overflow;
-    size_t nd = parse_digits(rest + 1, &db, &overflow);
-    if (nd == 0 || rest[1 + nd] != '\0' || db > 65535)
-        return "the database must be a number: redis://host:port/0";
+    if (!cm_parse_digits(rest + 1, strlen(rest + 1), 5, &db) || db > 65535)
+        *why = "the database must be a number: redis://host:port/0";
+    else
+        out->db = (uint32_t)db;
+done:
+    if (*why != NULL)
+        conf_redis_free(out);
+    return *why == NULL;
+}
+
+/* Sets c's Redis from s (NULL or "": none). Returns a problem text, or NULL. */
+static const char *set_redis(struct conf *c, const char *s)
+{
+    struct conf_redis r;
+    const char *why = NULL;
+    if (s != NULL && s[0] != '\0' && !conf_redis_parse(s, &r, &why))
+        return why;
+    free(c->redis_url);
+    conf_redis_free(&c->redis);
+    c->redis_url = NULL;
+    if (s != NULL && s[0] != '\0') {
+        c->redis_url = cm_strdup(s);
+        c->redis = r;
+    }
     return NULL;
 }
 
 static bool fn_redis(struct ctx *x, yaml_node_t *n, void *target)
 {
-    char **out = target;
-    if (is_null(n)) { /* "redis:" or "redis: ~": no Redis */
-        free(*out);
-        *out = NULL;
-        return true;
-    }
+    struct conf *c = target;
+    if (is_null(n)) /* "redis:" or "redis: ~": no Redis */
+        return set_redis(c, NULL) == NULL;
     const char *s = scalar(x, n, "a Redis URL");
     if (s == NULL)
         return false;
-    if (s[0] == '\0') {
-        free(*out);
-        *out = NULL;
-        return true;
-    }
-    const char *why = redis_url_problem(s);
+    const char *why = set_redis(c, s);
     if (why != NULL)
         return fail(x, n, "%s", why);
-    free(*out);
-    *out = cm_strdup(s);
     return true;
 }
 
 static const struct field store_fields[] = {
     FIELD_FN("postgres", struct conf, postgres_url, fn_postgres, false),
     FIELD("pool", F_U32, struct conf, pool, 1, 256),
-    FIELD_FN("redis", struct conf, redis_url, fn_redis, false),
+    FIELD_BASE("redis", fn_redis, false),
     FIELD("redis_timeout", F_DUR, struct conf, redis_timeout_ms, 1, DURATION_MAX),
 };
 
@@ -914,16 +975,31 @@ static bool fn_upstream_url(struct ctx *x, yaml_node_t *n, void *target)
     const char *why = split_hostport(a, alen, &host, &hostn, &port_s, &port_n);
     if (why != NULL)
         return fail(x, n, "invalid URL: %s", why);
-    uint16_t port;
+    uint16_t port = skip == 8 ? 443 : 80;
     if (port_s != NULL && !parse_port(port_s, port_n, false, &port))
         return fail(x, n, "invalid URL: port must be between 1 and 65535");
+    char hostbuf[256];
+    if (hostn >= sizeof hostbuf)
+        return fail(x, n, "invalid URL: host name too long");
+    memcpy(hostbuf, host, hostn);
+    hostbuf[hostn] = '\0';
+    unsigned char addr[16];
+    bool v6 = a[0] == '[';
+    bool ip = inet_pton(v6 ? AF_INET6 : AF_INET, hostbuf, addr) == 1;
+    if (v6 && !ip)
+        return fail(x, n, "invalid URL: invalid IPv6 address between [ ]");
     size_t len = strlen(s);
     while (len > skip + alen && s[len - 1] == '/')
         len--;
     free(u->url);
     free(u->base_path);
+    free(u->host);
     u->url = cm_strndup(s, len);
     u->base_path = cm_strndup(s + skip + alen, len - skip - alen);
+    u->https = skip == 8;
+    u->host = cm_strdup(hostbuf);
+    u->port = port;
+    u->host_is_ip = ip;
     return true;
 }
 
@@ -1591,15 +1667,10 @@ static bool apply_env(struct ctx *x, yaml_node_t *root)
     }
     const char *rd = getenv("IDEMGATE_REDIS_URL");
     if (rd != NULL) {
-        free(c->redis_url);
-        c->redis_url = NULL;
-        if (rd[0] != '\0') {
-            const char *why = redis_url_problem(rd);
-            if (why != NULL) {
-                x->err = cm_asprintf("%s: IDEMGATE_REDIS_URL (environment): %s", x->file, why);
-                return false;
-            }
-            c->redis_url = cm_strdup(rd);
+        const char *why = set_redis(c, rd);
+        if (why != NULL) {
+            x->err = cm_asprintf("%s: IDEMGATE_REDIS_URL (environment): %s", x->file, why);
+            return false;
         }
     }
     const char *tok = getenv("IDEMGATE_ADMIN_TOKEN");

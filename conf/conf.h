@@ -29,14 +29,33 @@ struct conf_addr {
     uint16_t port;
 };
 
+/* An upstream, its URL parsed once here into the parts the runtime uses as they are (never parsed again). */
 struct conf_upstream {
     char *name;
-    char *url;                   /* as written, trailing slash removed: http://127.0.0.1:9000 */
+    char *url;                   /* as written, trailing slash removed (for logs and Host): http://127.0.0.1:9000 */
+    bool https;                  /* scheme https (else http) */
+    char *host;                  /* host name or IP literal, IPv6 without brackets: "127.0.0.1", "::1", "api.local" */
+    uint16_t port;               /* as written, else 80 (http) or 443 (https) */
+    bool host_is_ip;             /* host is an IPv4 or IPv6 literal */
     char *base_path;             /* path part of url without trailing '/', "" when none */
     uint64_t connect_timeout_ms; /* default 2s */
     uint64_t timeout_ms;         /* default 30s */
     uint32_t max_connections;    /* upstream sockets, default 1024 */
 };
+
+/* Redis, parsed once from store.redis: TCP (redis://[:password@]host:port[/db]) or a unix socket (an absolute
+ * path, or unix:///path[?db=N]). */
+struct conf_redis {
+    char *host;      /* TCP host, IPv6 without brackets; NULL with a unix socket */
+    uint16_t port;   /* TCP port */
+    char *unix_path; /* the socket's absolute path, or NULL */
+    char *password;  /* AUTH password, or NULL */
+    uint32_t db;     /* 0: no SELECT */
+};
+/* Parses a Redis URL into *out (caller frees with conf_redis_free). false: *why says what is wrong (a constant),
+ * *out is empty. */
+bool conf_redis_parse(const char *url, struct conf_redis *out, const char **why) CM_MUST_CHECK;
+void conf_redis_free(struct conf_redis *r);
 
 enum conf_key_mode { CONF_KEY_OPTIONAL = 0, CONF_KEY_REQUIRED, CONF_KEY_OFF };
 enum conf_in_flight { CONF_IN_FLIGHT_CONFLICT = 0, CONF_IN_FLIGHT_WAIT };
@@ -111,7 +130,8 @@ struct conf {
 
     char *postgres_url;        /* required (after env override) */
     uint32_t pool;             /* default 8, 1..256 */
-    char *redis_url;           /* NULL: no Redis */
+    char *redis_url;           /* as written (for logs; passwords redacted there); NULL: no Redis */
+    struct conf_redis redis;   /* redis_url parsed once; valid when redis_url != NULL */
     uint64_t redis_timeout_ms; /* default 50ms */
 
     struct conf_upstream *upstreams;

@@ -126,6 +126,12 @@ static void passthrough_done(void *arg, enum up_result r, struct cm_resp *resp, 
                        "the upstream's answer exceeds max_response");
         finish(job, CM_OUT_ERROR);
         return;
+    case UP_INVALID_RESPONSE:
+        cm_log(CM_WARN, "upstream_invalid_response", "detail=\"%s\"", errmsg ? errmsg : "");
+        gw_job_problem(job, 502, "upstream-invalid-response", "Invalid response from upstream",
+                       "the upstream's answer is not a valid HTTP response the gateway can pass on");
+        finish(job, CM_OUT_ERROR);
+        return;
     default:
         cm_log(CM_WARN, "upstream_error", "result=%s detail=\"%s\"", up_result_name(r), errmsg ? errmsg : "");
         gw_job_problem(job, 502, "upstream-no-response", "No response from upstream",
@@ -135,28 +141,37 @@ static void passthrough_done(void *arg, enum up_result r, struct cm_resp *resp, 
     }
 }
 
+/* Sends the job to its configured upstream: the connection goes to the origin parsed from the configuration, the
+ * request's own target only becomes the path and query (base path + target), so no target can choose the host.
+ * false: nothing was sent (a target up_send refuses, or the transfer could not start). */
 static bool forward(struct gw_job *job, up_done_cb cb)
 {
-    struct cm_buf url;
-    cm_buf_init(&url, 64 * 1024);
-    if (!cm_buf_appendf(&url, "%s%s", job->upstream->url, job->uri)) {
-        cm_buf_free(&url);
+    const struct conf_upstream *u = job->upstream;
+    if (job->uri == NULL || job->uri[0] != '/')
+        return false;
+    struct cm_buf target;
+    cm_buf_init(&target, 64 * 1024);
+    if (!cm_buf_appendf(&target, "%s%s", u->base_path, job->uri)) {
+        cm_buf_free(&target);
         return false;
     }
+    struct up_origin origin = {.https = u->https, .host = u->host, .port = u->port, .ip_literal = u->host_is_ip};
     struct up_request req = {
         .method = job->method,
-        .url = url.data,
+        .origin = &origin,
+        .target = target.data,
         .hdrs = &job->fwd_hdrs,
         .body = job->body.data,
         .body_len = job->body.len,
-        .connect_timeout_ms = job->upstream->connect_timeout_ms,
-        .timeout_ms = job->upstream->timeout_ms,
+        .connect_timeout_ms = u->connect_timeout_ms,
+        .timeout_ms = u->timeout_ms,
         .max_response = max_response(job),
+        .max_header_bytes = (size_t)job->conf->max_response_header_bytes,
         .no_resend = job->idempotent || !method_is_idempotent(job->method),
-        .max_connections = gw_loop_upstream_max(job->loop, job->upstream),
+        .max_connections = gw_loop_upstream_max(job->loop, u),
     };
     job->transfer = up_send(gw_loop_upstream(job->loop), &req, cb, job);
-    cm_buf_free(&url);
+    cm_buf_free(&target);
     return job->transfer != NULL;
 }
 
@@ -226,6 +241,13 @@ static void idem_forward_done(void *arg, enum up_result r, struct cm_resp *resp,
         gw_job_problem(job, 502, "upstream-response-too-large", "Upstream response too large",
                        "the upstream executed the request but its answer exceeds max_response and cannot be "
                        "stored; the outcome is recorded as unknown");
+        job->outcome = CM_OUT_ERROR;
+        break;
+    case UP_INVALID_RESPONSE:
+        cm_log(CM_WARN, "upstream_invalid_response", "route=%s detail=\"%s\"", job->route->name, errmsg ? errmsg : "");
+        gw_job_problem(job, 502, "upstream-invalid-response", "Invalid response from upstream",
+                       "the request was sent but the upstream's answer is not a valid HTTP response; nothing was "
+                       "stored and the outcome is recorded as unknown");
         job->outcome = CM_OUT_ERROR;
         break;
     default:
@@ -367,6 +389,12 @@ void gw_pipeline_run(void *arg)
     gw_loop_job_add(job->loop, job);
     if (gw_loop_closing(job->loop)) {
         gw_job_problem(job, 503, "shutting-down", "Shutting down", "the gateway is stopping");
+        finish(job, CM_OUT_ERROR);
+        return;
+    }
+    if (!up_target_ok(job->uri)) {
+        /* never "repaired" into something to send: a target the upstream clients refuse goes nowhere */
+        gw_job_problem(job, 400, "bad-request", "Bad request", "the request target is not an origin-form path");
         finish(job, CM_OUT_ERROR);
         return;
     }

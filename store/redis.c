@@ -13,6 +13,7 @@
 #include <hiredis/hiredis.h>
 
 #include "common/metrics.h"
+#include "conf/conf.h"
 
 #define BACKOFF_MIN_MS         100
 #define BACKOFF_MAX_MS         2000
@@ -27,9 +28,9 @@ enum rd_state {
 
 struct store_rd {
     struct event_base *base;
-    char *host;
+    char *host; /* NULL: unix_path */
     int port;
-    char *user;
+    char *unix_path; /* NULL: host and port */
     char *pass;
     long db; /* -1: no SELECT */
     char *url_redacted;
@@ -232,7 +233,8 @@ static bool send_setup(struct store_rd *r, int argc, const char **argv)
 
 static void rd_connect(struct store_rd *r)
 {
-    redisAsyncContext *ac = redisAsyncConnect(r->host, r->port);
+    redisAsyncContext *ac =
+        r->unix_path != NULL ? redisAsyncConnectUnix(r->unix_path) : redisAsyncConnect(r->host, r->port);
     if (!ac || ac->err) {
         char msg[256];
         cm_log(CM_DEBUG, "redis_connect_failed", "url=%s error=%s", r->url_redacted,
@@ -255,8 +257,8 @@ static void rd_connect(struct store_rd *r)
     r->setup_pending = 0;
     bool ok = true;
     if (r->pass) {
-        const char *argv[3] = {"AUTH", r->user ? r->user : r->pass, r->pass};
-        ok = send_setup(r, r->user ? 3 : 2, argv);
+        const char *argv[2] = {"AUTH", r->pass};
+        ok = send_setup(r, 2, argv);
     }
     if (ok && r->db > 0) {
         char db[24];
@@ -285,90 +287,20 @@ static void rd_timer_cb(evutil_socket_t fd, short what, void *arg)
         rd_drop(r, "connect timeout");
 }
 
-/* redis://[[user]:password@]host[:port][/db] */
-static bool parse_url(struct store_rd *r, const char *url, char **err)
-{
-    const char *p = url;
-    if (strncmp(p, "redis://", 8) != 0) {
-        *err = cm_strdup("redis URL must start with redis://");
-        return false;
-    }
-    p += 8;
-    const char *end = p + strcspn(p, "/?#");
-    const char *at = NULL;
-    for (const char *q = p; q < end; q++)
-        if (*q == '@')
-            at = q;
-    if (at) {
-        const char *colon = memchr(p, ':', (size_t)(at - p));
-        if (colon) {
-            if (colon > p)
-                r->user = cm_strndup(p, (size_t)(colon - p));
-            r->pass = cm_strndup(colon + 1, (size_t)(at - colon - 1));
-        } else {
-            r->pass = cm_strndup(p, (size_t)(at - p)); /* redis://password@host */
-        }
-        p = at + 1;
-    }
-    const char *hend;
-    const char *portp = NULL;
-    if (*p == '[') {
-        const char *rb = memchr(p, ']', (size_t)(end - p));
-        if (!rb) {
-            *err = cm_strdup("redis URL: unterminated [ in host");
-            return false;
-        }
-        r->host = cm_strndup(p + 1, (size_t)(rb - p - 1));
-        hend = rb + 1;
-        if (hend < end && *hend == ':')
-            portp = hend + 1;
-        else if (hend != end) {
-            *err = cm_strdup("redis URL: malformed host");
-            return false;
-        }
-    } else {
-        const char *colon = memchr(p, ':', (size_t)(end - p));
-        hend = colon ? colon : end;
-        r->host = cm_strndup(p, (size_t)(hend - p));
-        if (colon)
-            portp = colon + 1;
-    }
-    if (r->host[0] == '\0') {
-        *err = cm_strdup("redis URL: missing host");
-        return false;
-    }
-    r->port = 6379;
-    if (portp) {
-        char *e = NULL;
-        unsigned long v = strtoul(portp, &e, 10);
-        if (e == portp || e != end || v == 0 || v > 65535) {
-            *err = cm_strdup("redis URL: bad port");
-            return false;
-        }
-        r->port = (int)v;
-    }
-    r->db = -1;
-    if (*end == '/' && end[1] != '\0') {
-        char *e = NULL;
-        unsigned long v = strtoul(end + 1, &e, 10);
-        if (e == end + 1 || (*e != '\0' && *e != '?') || v > 1000000) {
-            *err = cm_strdup("redis URL: bad database number");
-            return false;
-        }
-        r->db = (long)v;
-    } else if (*end != '\0' && !(*end == '/' && end[1] == '\0')) {
-        *err = cm_strdup("redis URL: unexpected text after host");
-        return false;
-    }
-    return true;
-}
-
-struct store_rd *store_rd_create(struct event_base *base, const char *url, uint64_t timeout_ms, char **err)
+struct store_rd *store_rd_create(struct event_base *base, const struct conf_redis *cfg, const char *url,
+                                 uint64_t timeout_ms, char **err)
 {
     struct store_rd *r = cm_calloc(1, sizeof *r);
     r->base = base;
-    if (!parse_url(r, url, err))
+    if (cfg == NULL || (cfg->host == NULL) == (cfg->unix_path == NULL)) {
+        *err = cm_strdup("redis: neither a host nor a unix socket path");
         goto fail;
+    }
+    r->host = cfg->host != NULL ? cm_strdup(cfg->host) : NULL;
+    r->port = cfg->port;
+    r->unix_path = cfg->unix_path != NULL ? cm_strdup(cfg->unix_path) : NULL;
+    r->pass = cfg->password != NULL ? cm_strdup(cfg->password) : NULL;
+    r->db = cfg->db > 0 ? (long)cfg->db : -1;
     char red[512];
     r->url_redacted = cm_strdup(cm_redact_url(red, sizeof red, url));
     if (timeout_ms == 0)
@@ -393,7 +325,7 @@ fail:
     if (r->timer)
         event_free(r->timer);
     free(r->host);
-    free(r->user);
+    free(r->unix_path);
     free(r->pass);
     free(r->url_redacted);
     free(r);
@@ -413,7 +345,7 @@ void store_rd_destroy(struct store_rd *r)
     }
     event_free(r->timer);
     free(r->host);
-    free(r->user);
+    free(r->unix_path);
     free(r->pass);
     free(r->url_redacted);
     free(r);

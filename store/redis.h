@@ -12,16 +12,18 @@
 
 struct event_base;
 struct redisReply;
+struct conf_redis;
 struct store_rd;
 
 /* reply is NULL on any failure (error reply, timeout, disconnect); it is
  * valid only during the callback. */
 typedef void (*store_rd_cb)(void *arg, const struct redisReply *reply);
 
-/* Parses url (redis://[[user]:password@]host[:port][/db]) and starts
- * connecting. Returns NULL with *err (heap, caller frees) when the URL is
- * malformed; connection problems are not errors (it reconnects). */
-struct store_rd *store_rd_create(struct event_base *base, const char *url, uint64_t timeout_ms, char **err);
+/* Starts connecting to cfg (TCP host:port, or a unix socket; parsed by conf, copied here); url is the URL as
+ * written, for logs (passwords redacted). Returns NULL with *err (heap, caller frees) when cfg names neither a host
+ * nor a socket; connection problems are not errors (it reconnects). */
+struct store_rd *store_rd_create(struct event_base *base, const struct conf_redis *cfg, const char *url,
+                                 uint64_t timeout_ms, char **err);
 /* Closes the connection; pending commands are dropped without their
  * callbacks. Must not be called from inside a store_rd callback. NULL is a no-op. */
 void store_rd_destroy(struct store_rd *r);

@@ -1209,7 +1209,7 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
     s->base = base;
     s->conf = conf;
     if (conf->redis_url && *conf->redis_url) {
-        s->rd = store_rd_create(base, conf->redis_url, conf->redis_timeout_ms, err);
+        s->rd = store_rd_create(base, &conf->redis, conf->redis_url, conf->redis_timeout_ms, err);
         if (!s->rd) {
             free(s);
             return NULL;

@@ -5,7 +5,8 @@
  *
  * Why it exists: on the proxy's fast path libcurl cost about a quarter of the gateway's CPU (a connection struct
  * and a URL parse per transfer, ~18 allocations, two poll() calls per request); a request here costs one send()
- * and one recv(). Anything it does not take (https, host names, user info, odd targets) goes to libcurl. */
+ * and one recv(). It takes the configured origins that are http:// at an IP literal (https and host names go to
+ * libcurl); the address comes from the origin, parsed once per origin, never from the request target. */
 #include <errno.h>
 #include <event2/event.h>
 #include <netinet/in.h>
@@ -35,12 +36,61 @@ enum h1_body {
     B_CLOSE,    /* everything up to the connection's close */
 };
 
+/* How far a transfer on the built-in client got. */
+enum h1_phase {
+    H1_QUEUED,   /* waiting for a connection slot (max_host_connections) */
+    H1_CONNECT,  /* its own connection is connecting */
+    H1_ACTIVE,   /* sending the request and/or reading the response */
+    H1_DEFERRED, /* its result is set and is delivered from the timer (never inside up_send) */
+};
+
+struct h1_conn;
+struct h1_origin;
+
+/* A transfer of this backend: the shared part, then the request on the wire and where it is. */
+struct h1_xfer {
+    struct up_transfer b;
+    enum h1_phase phase;
+    struct h1_origin *origin;
+    struct h1_conn *conn;          /* while H1_CONNECT / H1_ACTIVE */
+    struct h1_xfer *wprev, *wnext; /* the origin's queue, while H1_QUEUED */
+    struct event *timer;           /* the transfer's deadline (connect, total) or its deferred result */
+    uint64_t deadline_ms;          /* total timeout (cm_now_ms clock); 0: none */
+    uint64_t connect_timeout_ms;   /* for each connection it waits on */
+    uint64_t connect_deadline_ms;  /* of the connection it waits on now */
+    char *hdr_mem;                 /* the request as it goes on the wire */
+    size_t hdr_cap;
+    size_t wlen, wpos; /* the request in hdr_mem: length, bytes sent */
+    bool is_head;      /* a HEAD request: the response has no body */
+    bool sent_any;     /* the kernel took at least one byte of the request */
+    bool got_any;      /* at least one byte of the response arrived */
+    unsigned sends;    /* connections the request was started on (a dead reused one may be re-sent once) */
+    enum up_result deferred_r;
+    const char *deferred_err;
+};
+
+/* The backend's state: the origins it has sent to, idle transfers, the sync depth. */
+struct up_h1 {
+    struct up_client *c;
+    struct h1_origin **origins; /* one per upstream address seen, never freed before the client */
+    size_t origins_n;
+    size_t idle_n;            /* idle connections over all origins */
+    struct up_transfer *pool; /* idle transfers, linked by next */
+    size_t pool_n;
+    int sync; /* > 0: inside up_send, up_cancel or a start of waiting transfers: failures are deferred */
+};
+
+static struct up_h1 *h1_of(const struct up_client *c)
+{
+    return c->state[UP_BE_H1];
+}
+
 struct h1_conn {
     struct up_client *c;
     struct h1_origin *o;
     int fd;
     struct event *rev, *wev;     /* read: persistent once connected; write: while connecting or send would block */
-    struct up_transfer *t;       /* running on it; NULL: idle */
+    struct h1_xfer *t;           /* running on it; NULL: idle */
     struct h1_conn *prev, *next; /* the origin's idle list */
     uint64_t idle_since_ms;
     unsigned requests; /* responses completed on it: > 0 means a request on it reuses the connection */
@@ -54,108 +104,65 @@ struct h1_conn {
 };
 
 struct h1_origin {
-    char *auth; /* as written in the URL: "127.0.0.1:8080", "[::1]:80" */
-    char *host_hdr;
+    char *host; /* the IP literal as configured: "127.0.0.1", "::1" */
+    uint16_t port;
+    char *host_hdr; /* "127.0.0.1:8080", "[::1]" */
     struct sockaddr_storage sa;
     socklen_t sa_len;
-    size_t conns;              /* open: connecting, busy or idle */
-    size_t max;                /* bound on conns (0: none), from the latest request */
-    struct h1_conn *idle;      /* most recently used first */
-    struct up_transfer *waitq; /* waiting for a connection slot, first in first out (wnext/wprev) */
-    struct up_transfer *waitq_tail;
+    size_t conns;          /* open: connecting, busy or idle */
+    size_t max;            /* bound on conns (0: none), from the latest request */
+    struct h1_conn *idle;  /* most recently used first */
+    struct h1_xfer *waitq; /* waiting for a connection slot, first in first out (wnext/wprev) */
+    struct h1_xfer *waitq_tail;
 };
 
-/* ---- the URL: which ones are ours */
+/* ---- origins: the configured upstreams this client has sent to, each address parsed once */
 
-/* http://<IPv4 literal or [IPv6 literal]>[:port]<target>, no user info, a target of printable ASCII only. */
-static bool h1_parse_url(const char *url, const char **auth, size_t *auth_len, const char **target,
-                         struct sockaddr_storage *sa, socklen_t *sa_len)
+/* The origin for uo (an http:// IP literal), made on first use. NULL: the literal does not parse. */
+static struct h1_origin *h1_origin_get(struct up_h1 *h, const struct up_origin *uo)
 {
-    if (strncmp(url, "http://", 7) != 0)
-        return false;
-    const char *a = url + 7, *e = a;
-    while (*e && *e != '/' && *e != '?' && *e != '#')
-        e++;
-    size_t n = (size_t)(e - a);
-    if (n == 0 || n > 63 || memchr(a, '@', n) != NULL) /* host[] below holds it and its NUL */
-        return false;
-    for (const char *p = e; *p; p++)
-        if ((unsigned char)*p <= 0x20 || (unsigned char)*p >= 0x7f || *p == '#')
-            return false;
-    char host[64];
-    const char *port = NULL;
-    size_t hl;
-    int family;
-    if (a[0] == '[') {
-        const char *rb = memchr(a, ']', n);
-        if (rb == NULL)
-            return false;
-        hl = (size_t)(rb - a - 1);
-        memcpy(host, a + 1, hl);
-        if (rb + 1 < e) {
-            if (rb[1] != ':')
-                return false;
-            port = rb + 2;
-        }
-        family = AF_INET6;
-    } else {
-        const char *colon = memchr(a, ':', n);
-        hl = colon ? (size_t)(colon - a) : n;
-        memcpy(host, a, hl);
-        port = colon ? colon + 1 : NULL;
-        family = AF_INET;
-    }
-    host[hl] = '\0';
-    uint64_t pn = 80;
-    if (port != NULL && (!cm_parse_digits(port, (size_t)(e - port), 5, &pn) || pn < 1 || pn > 65535))
-        return false;
-    memset(sa, 0, sizeof *sa);
-    if (family == AF_INET) {
-        struct sockaddr_in *s4 = (struct sockaddr_in *)sa;
-        if (inet_pton(AF_INET, host, &s4->sin_addr) != 1)
-            return false;
-        s4->sin_family = AF_INET;
-        s4->sin_port = htons((uint16_t)pn);
-        *sa_len = sizeof *s4;
-    } else {
-        struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)sa;
-        if (inet_pton(AF_INET6, host, &s6->sin6_addr) != 1)
-            return false;
-        s6->sin6_family = AF_INET6;
-        s6->sin6_port = htons((uint16_t)pn);
-        *sa_len = sizeof *s6;
-    }
-    *auth = a;
-    *auth_len = n;
-    *target = e;
-    return true;
-}
-
-static struct h1_origin *h1_origin_get(struct up_client *c, const char *auth, size_t auth_len,
-                                       const struct sockaddr_storage *sa, socklen_t sa_len)
-{
-    for (size_t i = 0; i < c->origins_n; i++) {
-        struct h1_origin *o = c->origins[i];
-        if (strncmp(o->auth, auth, auth_len) == 0 && o->auth[auth_len] == '\0')
+    for (size_t i = 0; i < h->origins_n; i++) {
+        struct h1_origin *o = h->origins[i];
+        if (o->port == uo->port && strcmp(o->host, uo->host) == 0)
             return o;
     }
+    struct sockaddr_storage sa;
+    socklen_t sa_len;
+    memset(&sa, 0, sizeof sa);
+    bool v6 = strchr(uo->host, ':') != NULL;
+    if (v6) {
+        struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)&sa;
+        if (inet_pton(AF_INET6, uo->host, &s6->sin6_addr) != 1)
+            return NULL;
+        s6->sin6_family = AF_INET6;
+        s6->sin6_port = htons(uo->port);
+        sa_len = sizeof *s6;
+    } else {
+        struct sockaddr_in *s4 = (struct sockaddr_in *)&sa;
+        if (inet_pton(AF_INET, uo->host, &s4->sin_addr) != 1)
+            return NULL;
+        s4->sin_family = AF_INET;
+        s4->sin_port = htons(uo->port);
+        sa_len = sizeof *s4;
+    }
     struct h1_origin *o = cm_calloc(1, sizeof *o);
-    o->auth = cm_strndup(auth, auth_len);
+    o->host = cm_strdup(uo->host);
+    o->port = uo->port;
     /* like libcurl: the port is left out of Host when it is the scheme's default */
-    size_t hl = auth_len;
-    if (hl > 3 && memcmp(auth + hl - 3, ":80", 3) == 0 && auth[hl - 4] != ':')
-        hl -= 3;
-    o->host_hdr = cm_strndup(auth, hl);
-    o->sa = *sa;
+    if (uo->port == 80)
+        o->host_hdr = cm_asprintf(v6 ? "[%s]" : "%s", uo->host);
+    else
+        o->host_hdr = cm_asprintf(v6 ? "[%s]:%u" : "%s:%u", uo->host, (unsigned)uo->port);
+    o->sa = sa;
     o->sa_len = sa_len;
-    c->origins = cm_realloc(c->origins, (c->origins_n + 1) * sizeof *c->origins);
-    c->origins[c->origins_n++] = o;
+    h->origins = cm_realloc(h->origins, (h->origins_n + 1) * sizeof *h->origins);
+    h->origins[h->origins_n++] = o;
     return o;
 }
 
 /* ---- the request on the wire */
 
-static bool h1_put(struct up_transfer *t, const void *p, size_t n)
+static bool h1_put(struct h1_xfer *t, const void *p, size_t n)
 {
     if (n > t->hdr_cap - t->wlen)
         return false;
@@ -166,7 +173,7 @@ static bool h1_put(struct up_transfer *t, const void *p, size_t n)
 
 /* Request line, Host (unless given), the caller's headers in order (framing, Expect and hop-by-hop ones left
  * out), Content-Length when there is a body, the blank line, the body: one buffer, one send() most times. */
-static bool h1_build(struct up_transfer *t, const struct up_request *req, const struct h1_origin *o, const char *target,
+static bool h1_build(struct h1_xfer *t, const struct up_request *req, const struct h1_origin *o, const char *target,
                      bool with_body)
 {
     size_t ml, tl = strlen(target);
@@ -189,15 +196,13 @@ static bool h1_build(struct up_transfer *t, const struct up_request *req, const 
         t->hdr_cap = need;
     }
     t->wlen = t->wpos = 0;
-    bool ok = h1_put(t, req->method, ml) && h1_put(t, " ", 1);
-    if (tl == 0 || target[0] == '?')
-        ok = ok && h1_put(t, "/", 1);
+    bool ok = h1_put(t, req->method, ml) && h1_put(t, " ", 1); /* target: origin-form, checked by up_send */
     ok = ok && h1_put(t, target, tl) && h1_put(t, " HTTP/1.1\r\n", 11);
     if (!have_host)
         ok = ok && h1_put(t, "Host: ", 6) && h1_put(t, o->host_hdr, strlen(o->host_hdr)) && h1_put(t, "\r\n", 2);
     for (size_t i = 0; ok && i < n; i++) {
         const char *name = h->v[i].name, *value = h->v[i].value;
-        if (up_hdr_skipped(name))
+        if (up_hdr_kind(name) == UP_HDR_SKIP)
             continue;
         size_t vl = strlen(value);
         ok = h1_put(t, name, strlen(name)) && h1_put(t, vl ? ": " : ":", vl ? 2 : 1) && h1_put(t, value, vl) &&
@@ -218,8 +223,8 @@ static bool h1_build(struct up_transfer *t, const struct up_request *req, const 
 
 static void h1_on_read(evutil_socket_t fd, short what, void *arg);
 static void h1_on_write(evutil_socket_t fd, short what, void *arg);
-static void h1_dispatch(struct up_client *c, struct up_transfer *t);
-static void h1_set_timer(struct up_transfer *t);
+static void h1_dispatch(struct up_client *c, struct h1_xfer *t);
+static void h1_set_timer(struct h1_xfer *t);
 
 static void h1_idle_unlink(struct up_client *c, struct h1_conn *k)
 {
@@ -230,7 +235,7 @@ static void h1_idle_unlink(struct up_client *c, struct h1_conn *k)
     if (k->next != NULL)
         k->next->prev = k->prev;
     k->prev = k->next = NULL;
-    c->h1_idle_n--;
+    h1_of(c)->idle_n--;
 }
 
 /* Closes k (idle, or its transfer already detached). */
@@ -248,7 +253,7 @@ static void h1_conn_close(struct up_client *c, struct h1_conn *k)
     free(k);
 }
 
-static void h1_waitq_remove(struct h1_origin *o, struct up_transfer *t)
+static void h1_waitq_remove(struct h1_origin *o, struct h1_xfer *t)
 {
     if (t->wprev != NULL)
         t->wprev->wnext = t->wnext;
@@ -266,17 +271,17 @@ static void h1_pump(struct up_client *c, struct h1_origin *o)
 {
     if (c->closing)
         return; /* the client is going away: nothing new leaves */
-    c->h1_sync++;
+    h1_of(c)->sync++;
     while (o->waitq != NULL && (o->idle != NULL || o->max == 0 || o->conns < o->max)) {
-        struct up_transfer *t = o->waitq;
+        struct h1_xfer *t = o->waitq;
         h1_waitq_remove(o, t);
         h1_dispatch(c, t);
     }
-    c->h1_sync--;
+    h1_of(c)->sync--;
 }
 
 /* The result is delivered from the transfer's timer, in a loop callback of its own. */
-static void h1_defer(struct up_transfer *t, enum up_result r, const char *err)
+static void h1_defer(struct h1_xfer *t, enum up_result r, const char *err)
 {
     t->phase = H1_DEFERRED;
     t->deferred_r = r;
@@ -286,7 +291,7 @@ static void h1_defer(struct up_transfer *t, enum up_result r, const char *err)
 }
 
 /* Detaches t from its connection and closes the connection. */
-static void h1_drop_conn(struct up_client *c, struct up_transfer *t)
+static void h1_drop_conn(struct up_client *c, struct h1_xfer *t)
 {
     struct h1_conn *k = t->conn;
     if (k == NULL)
@@ -301,15 +306,15 @@ static void h1_drop_conn(struct up_client *c, struct up_transfer *t)
 /* Ends t with r, its connection closed first: now when t's own loop callback got here, from the timer when
  * the failure came up inside up_send, up_cancel or while starting waiting transfers (a callback there could
  * free what the caller still uses). */
-static void h1_fail(struct up_client *c, struct up_transfer *t, enum up_result r, const char *err)
+static void h1_fail(struct up_client *c, struct h1_xfer *t, enum up_result r, const char *err)
 {
     h1_drop_conn(c, t);
-    if (c->h1_sync > 0) {
+    if (h1_of(c)->sync > 0) {
         h1_defer(t, r, err);
         return;
     }
     event_del(t->timer);
-    up_deliver(c, t, r, err);
+    up_deliver(c, &t->b, r, err);
 }
 
 static void h1_send_more(struct up_client *c, struct h1_conn *k);
@@ -324,7 +329,7 @@ static void h1_head_reset(struct h1_conn *k)
 }
 
 /* The transfer starts on a connected k: a fresh response state, then the request goes out. */
-static void h1_attach(struct up_client *c, struct h1_conn *k, struct up_transfer *t)
+static void h1_attach(struct up_client *c, struct h1_conn *k, struct h1_xfer *t)
 {
     k->t = t;
     t->conn = k;
@@ -353,13 +358,13 @@ static struct h1_conn *h1_conn_new(struct up_client *c, struct h1_origin *o, int
 }
 
 /* A connection for t could not be had: nothing was sent, unless an earlier send (before a re-send) was. */
-static enum up_result h1_unsent(const struct up_transfer *t)
+static enum up_result h1_unsent(const struct h1_xfer *t)
 {
     return t->sent_any ? UP_NO_RESPONSE : UP_CONNECT_FAILED;
 }
 
 /* A new connection for t; a failure is deferred to t's timer (never a callback from here). */
-static void h1_connect(struct up_client *c, struct h1_origin *o, struct up_transfer *t)
+static void h1_connect(struct up_client *c, struct h1_origin *o, struct h1_xfer *t)
 {
     int fd = socket(o->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) {
@@ -406,15 +411,17 @@ static bool h1_conn_alive(const struct h1_conn *k)
 }
 
 /* Gives t a connection: an idle one, a new one under the per-address bound, or a place in the queue. */
-static void h1_dispatch(struct up_client *c, struct up_transfer *t)
+static void h1_dispatch(struct up_client *c, struct h1_xfer *t)
 {
     struct h1_origin *o = t->origin;
     uint64_t now = cm_now_ms();
     while (o->idle != NULL) {
         struct h1_conn *k = o->idle;
         h1_idle_unlink(c, k);
-        if (now - k->idle_since_ms > (uint64_t)UP_MAX_IDLE_REUSE_S * 1000 ||
-            ((t->no_resend || t->sends > 0) && !h1_conn_alive(k))) {
+        /* Every request checks (one recv(MSG_PEEK)): a byte waiting on an idle connection is the server's close
+         * or an answer nobody asked for (the rest of an earlier one), which the next request would read as its
+         * own. */
+        if (now - k->idle_since_ms > (uint64_t)UP_MAX_IDLE_REUSE_S * 1000 || !h1_conn_alive(k)) {
             h1_conn_close(c, k);
             continue;
         }
@@ -438,7 +445,7 @@ static void h1_dispatch(struct up_client *c, struct up_transfer *t)
 
 /* ---- timers */
 
-static void h1_set_timer(struct up_transfer *t)
+static void h1_set_timer(struct h1_xfer *t)
 {
     uint64_t at = t->deadline_ms;
     if (t->phase == H1_CONNECT && (at == 0 || t->connect_deadline_ms < at))
@@ -455,17 +462,17 @@ static void h1_set_timer(struct up_transfer *t)
 
 static void h1_on_timer(evutil_socket_t fd, short what, void *arg)
 {
-    struct up_transfer *t = arg;
-    struct up_client *c = t->c;
+    struct h1_xfer *t = arg;
+    struct up_client *c = t->b.c;
     uint64_t now = cm_now_ms();
     switch (t->phase) {
     case H1_DEFERRED:
         h1_drop_conn(c, t);
-        up_deliver(c, t, t->deferred_r, t->deferred_err);
+        up_deliver(c, &t->b, t->deferred_r, t->deferred_err);
         return;
     case H1_QUEUED:
         h1_waitq_remove(t->origin, t);
-        up_deliver(c, t, UP_CONNECT_FAILED, "timed out waiting for a connection slot");
+        up_deliver(c, &t->b, UP_CONNECT_FAILED, "timed out waiting for a connection slot");
         return;
     case H1_CONNECT:
         if (now < t->connect_deadline_ms && (t->deadline_ms == 0 || now < t->deadline_ms)) {
@@ -492,11 +499,11 @@ static void h1_on_timer(evutil_socket_t fd, short what, void *arg)
 /* The connection died under t before any response byte. On a reused connection the server may have closed it
  * just as the request left: like libcurl, the request goes once more on a new connection, unless it may not be
  * sent twice (no_resend) and some of it did leave. */
-static void h1_conn_lost(struct up_client *c, struct up_transfer *t, const char *err)
+static void h1_conn_lost(struct up_client *c, struct h1_xfer *t, const char *err)
 {
     struct h1_conn *k = t->conn;
     bool reused = k != NULL && k->requests > 0;
-    if (!t->got_any && reused && t->sends == 1 && (!t->no_resend || !t->sent_any)) {
+    if (!t->got_any && reused && t->sends == 1 && (!t->b.no_resend || !t->sent_any)) {
         h1_drop_conn(c, t);
         h1_dispatch(c, t);
         return;
@@ -505,14 +512,14 @@ static void h1_conn_lost(struct up_client *c, struct up_transfer *t, const char 
         h1_fail(c, t, UP_CONNECT_FAILED, err); /* the kernel took no byte of it, on any connection */
         return;
     }
-    if (!t->got_any && reused && t->no_resend)
+    if (!t->got_any && reused && t->b.no_resend)
         err = "connection closed without a response; re-sending on a new connection was refused";
     h1_fail(c, t, UP_NO_RESPONSE, err);
 }
 
 static void h1_send_more(struct up_client *c, struct h1_conn *k)
 {
-    struct up_transfer *t = k->t;
+    struct h1_xfer *t = k->t;
     while (t->wpos < t->wlen) {
         ssize_t n = send(k->fd, t->hdr_mem + t->wpos, t->wlen - t->wpos, MSG_NOSIGNAL);
         if (n > 0) {
@@ -541,7 +548,7 @@ static void h1_on_write(evutil_socket_t fd, short what, void *arg)
 {
     struct h1_conn *k = arg;
     struct up_client *c = k->c;
-    struct up_transfer *t = k->t;
+    struct h1_xfer *t = k->t;
     if (t == NULL)
         return;
     if (t->phase == H1_CONNECT) {
@@ -566,9 +573,9 @@ static void h1_on_write(evutil_socket_t fd, short what, void *arg)
 /* ---- receiving */
 
 /* Framing from a finished final head (RFC 9112 section 6.3). */
-static void h1_frame(struct h1_conn *k, struct up_transfer *t)
+static void h1_frame(struct h1_conn *k, struct h1_xfer *t)
 {
-    int st = t->resp.status;
+    int st = t->b.resp.status;
     if (k->http10 && !k->keep_alive)
         k->close_after = true;
     if (t->is_head || st == 204 || st == 304) {
@@ -676,15 +683,15 @@ static bool h1_line(struct h1_conn *k, const char **line, size_t *n)
     return true;
 }
 
-enum h1_step { STEP_MORE, STEP_DONE, STEP_ERROR, STEP_TOO_LARGE };
+enum h1_step { STEP_MORE, STEP_DONE, STEP_ERROR, STEP_TOO_LARGE, STEP_INVALID };
 
 /* Moves buffered body bytes to the response: up to k->left of them (counted), or all. false: over the cap. */
-static bool h1_take(struct h1_conn *k, struct up_transfer *t, bool counted)
+static bool h1_take(struct h1_conn *k, struct h1_xfer *t, bool counted)
 {
     size_t take = k->len - k->pos;
     if (counted && take > k->left)
         take = (size_t)k->left;
-    if (take > 0 && !cm_buf_append(&t->resp.body, k->buf + k->pos, take))
+    if (take > 0 && !cm_buf_append(&t->b.resp.body, k->buf + k->pos, take))
         return false;
     k->pos += take;
     if (counted)
@@ -693,7 +700,7 @@ static bool h1_take(struct h1_conn *k, struct up_transfer *t, bool counted)
 }
 
 /* Parses what is buffered. STEP_MORE: needs more bytes (or the close, for B_CLOSE). */
-static enum h1_step h1_parse(struct h1_conn *k, struct up_transfer *t, const char **err)
+static enum h1_step h1_parse(struct h1_conn *k, struct h1_xfer *t, const char **err)
 {
     const char *line;
     size_t n;
@@ -701,8 +708,10 @@ static enum h1_step h1_parse(struct h1_conn *k, struct up_transfer *t, const cha
         switch (k->body) {
         case B_HEAD:
             if (!h1_line(k, &line, &n)) {
-                if (k->len - k->pos > UP_MAX_HEADER_BYTES)
-                    return STEP_TOO_LARGE;
+                if (t->b.hdr_bytes + (k->len - k->pos) > t->b.max_head) {
+                    up_invalid(&t->b, "response head over max_response_header_bytes");
+                    return STEP_INVALID;
+                }
                 return STEP_MORE;
             }
             if (k->want_status) {
@@ -714,11 +723,12 @@ static enum h1_step h1_parse(struct h1_conn *k, struct up_transfer *t, const cha
                 }
                 k->want_status = false;
                 k->http10 = line[7] == '0';
-                up_status_line(t, line, n);
+                if (!up_status_line(&t->b, line, n))
+                    return STEP_INVALID;
                 continue;
             }
             if (n == 0) {
-                int st = t->resp.status;
+                int st = t->b.resp.status;
                 if (st >= 100 && st < 200) {
                     if (st == 101) {
                         *err = "unexpected 101 Switching Protocols";
@@ -728,16 +738,16 @@ static enum h1_step h1_parse(struct h1_conn *k, struct up_transfer *t, const cha
                     h1_head_reset(k);
                     continue;
                 }
-                (void)up_header_line(t, line, 0);
+                (void)up_header_line(&t->b, line, 0);
                 h1_frame(k, t);
                 continue;
             }
-            if (line[0] != ' ' && line[0] != '\t' && !h1_framing_header(k, line, n)) {
+            if (!up_header_line(&t->b, line, n))
+                return STEP_INVALID;
+            if (!h1_framing_header(k, line, n)) {
                 *err = "malformed Content-Length";
                 return STEP_ERROR;
             }
-            if (!up_header_line(t, line, n))
-                return STEP_TOO_LARGE;
             break;
         case B_LENGTH:
             if (!h1_take(k, t, true))
@@ -812,16 +822,34 @@ static enum h1_step h1_parse(struct h1_conn *k, struct up_transfer *t, const cha
     }
 }
 
+/* Makes room for more bytes in k->buf: the parsed part moved out first, then the buffer doubled. It grows only while
+ * h1_parse waits for the end of a line, which its caps bound (the head, a chunk-size line, the trailers). */
+static void h1_buf_room(struct h1_conn *k)
+{
+    if (k->len < k->cap)
+        return;
+    if (k->pos > 0) {
+        memmove(k->buf, k->buf + k->pos, k->len - k->pos);
+        k->len -= k->pos;
+        k->pos = 0;
+    }
+    if (k->len == k->cap) {
+        size_t ncap = k->cap ? k->cap * 2 : (size_t)UP_RECV_BUFFER;
+        k->buf = cm_realloc(k->buf, ncap);
+        k->cap = ncap;
+    }
+}
+
 /* The response on k is complete: the connection goes idle (or to a waiting transfer) or closes; then t's
  * callback runs. */
-static void h1_complete(struct up_client *c, struct h1_conn *k, struct up_transfer *t)
+static void h1_complete(struct up_client *c, struct h1_conn *k, struct h1_xfer *t)
 {
     bool reuse = !k->close_after && k->pos == k->len && t->wpos == t->wlen;
     k->t = NULL;
     t->conn = NULL;
     event_del(t->timer);
     struct h1_origin *o = k->o;
-    if (reuse && c->h1_idle_n < (c->max_host > 0 ? (size_t)c->max_host * 4 : H1_MAX_IDLE)) {
+    if (reuse && h1_of(c)->idle_n < (c->max_host > 0 ? (size_t)c->max_host * 4 : H1_MAX_IDLE)) {
         k->requests++;
         k->pos = k->len = 0;
         if (k->cap > (size_t)UP_RECV_BUFFER) {
@@ -836,36 +864,25 @@ static void h1_complete(struct up_client *c, struct h1_conn *k, struct up_transf
         if (o->idle != NULL)
             o->idle->prev = k;
         o->idle = k;
-        c->h1_idle_n++;
+        h1_of(c)->idle_n++;
     } else {
         h1_conn_close(c, k);
     }
     h1_pump(c, o);
-    up_deliver(c, t, UP_OK, "ok");
+    up_deliver(c, &t->b, UP_OK, "ok");
 }
 
 static void h1_on_read(evutil_socket_t fd, short what, void *arg)
 {
     struct h1_conn *k = arg;
     struct up_client *c = k->c;
-    struct up_transfer *t = k->t;
+    struct h1_xfer *t = k->t;
     if (t == NULL) {
         /* an idle connection became readable: the server closed it (or sent what nobody asked for) */
         h1_conn_close(c, k);
         return;
     }
-    if (k->len == k->cap) {
-        if (k->pos > 0) {
-            memmove(k->buf, k->buf + k->pos, k->len - k->pos);
-            k->len -= k->pos;
-            k->pos = 0;
-        }
-        if (k->len == k->cap) {
-            size_t ncap = k->cap ? k->cap * 2 : (size_t)UP_RECV_BUFFER;
-            k->buf = cm_realloc(k->buf, ncap);
-            k->cap = ncap;
-        }
-    }
+    h1_buf_room(k);
     ssize_t r = recv(fd, k->buf + k->len, k->cap - k->len, 0);
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
         return;
@@ -873,7 +890,7 @@ static void h1_on_read(evutil_socket_t fd, short what, void *arg)
         if (r == 0 && k->body == B_CLOSE) {
             h1_drop_conn(c, t);
             event_del(t->timer);
-            up_deliver(c, t, UP_OK, "ok");
+            up_deliver(c, &t->b, UP_OK, "ok");
             return;
         }
         if (t->got_any) {
@@ -897,29 +914,34 @@ static void h1_on_read(evutil_socket_t fd, short what, void *arg)
         h1_complete(c, k, t);
         return;
     case STEP_TOO_LARGE:
-        t->too_large = true;
+        t->b.too_large = true;
         h1_fail(c, t, UP_TOO_LARGE, "response over its cap");
         return;
     case STEP_ERROR:
         h1_fail(c, t, UP_ERROR, err);
         return;
+    case STEP_INVALID:
+        h1_fail(c, t, UP_INVALID_RESPONSE, t->b.invalid_why);
+        return;
     }
 }
 
-/* ---- the interface to upstream.c */
+/* ---- the backend table */
 
-static struct up_transfer *h1_transfer_get(struct up_client *c)
+static struct h1_xfer *h1_transfer_get(struct up_client *c)
 {
-    struct up_transfer *t = c->h1_pool;
-    if (t != NULL) {
-        c->h1_pool = t->next;
-        c->h1_pool_n--;
-        t->next = NULL;
-        return t;
+    struct up_h1 *h = h1_of(c);
+    struct up_transfer *pooled = h->pool;
+    if (pooled != NULL) {
+        h->pool = pooled->next;
+        h->pool_n--;
+        pooled->next = NULL;
+        return (struct h1_xfer *)pooled;
     }
+    struct h1_xfer *t;
     t = cm_calloc(1, sizeof *t);
-    t->c = c;
-    t->h1 = true;
+    t->b.be = &up_h1_backend;
+    t->b.bs = h;
     t->timer = evtimer_new(c->base, h1_on_timer, t);
     if (t->timer == NULL) {
         free(t);
@@ -928,88 +950,169 @@ static struct up_transfer *h1_transfer_get(struct up_client *c)
     return t;
 }
 
-void h1_transfer_free(struct up_client *c, struct up_transfer *t)
+static void h1_release(void *state, struct up_transfer *bt, bool pool)
 {
-    cm_resp_free(&t->resp);
+    struct up_h1 *h = state;
+    struct h1_xfer *t = (struct h1_xfer *)bt;
+    cm_resp_free(&t->b.resp);
     event_del(t->timer);
-    if (c != NULL && up_pool_put(c, &c->h1_pool, &c->h1_pool_n, t))
+    up_trim_buf(&t->hdr_mem, &t->hdr_cap);
+    if (pool && up_pool_put(h->c, &h->pool, &h->pool_n, &t->b))
         return;
     event_free(t->timer);
     free(t->hdr_mem);
     free(t);
 }
 
-struct up_transfer *h1_send(struct up_client *c, const struct up_request *req, bool head, bool with_body, up_done_cb cb,
-                            void *arg, bool *taken)
+static void *h1_create(struct up_client *c)
 {
-    const char *auth, *target;
-    size_t auth_len;
-    struct sockaddr_storage sa;
-    socklen_t sa_len;
+    struct up_h1 *h = cm_calloc(1, sizeof *h);
+    h->c = c;
+    return h;
+}
+
+static struct up_transfer *h1_send(void *state, const struct up_request *req, bool head, bool with_body, up_done_cb cb,
+                                   void *arg, bool *taken)
+{
+    struct up_h1 *h = state;
+    struct up_client *c = h->c;
     *taken = false;
-    if (!h1_parse_url(req->url, &auth, &auth_len, &target, &sa, &sa_len))
+    if (req->origin->https || !req->origin->ip_literal)
+        return NULL;
+    struct h1_origin *o = h1_origin_get(h, req->origin);
+    if (o == NULL)
         return NULL;
     *taken = true;
-    struct h1_origin *o = h1_origin_get(c, auth, auth_len, &sa, sa_len);
     o->max = req->max_connections > 0 ? req->max_connections : (size_t)c->max_host;
-    struct up_transfer *t = h1_transfer_get(c);
+    struct h1_xfer *t = h1_transfer_get(c);
     if (t == NULL)
         return NULL;
-    if (!h1_build(t, req, o, target, with_body)) {
+    if (!h1_build(t, req, o, req->target, with_body)) {
         cm_log(CM_WARN, "upstream_send_failed", "step=headers");
-        h1_transfer_free(c, t);
+        h1_release(h, &t->b, true);
         return NULL;
     }
-    t->cb = cb;
-    t->arg = arg;
     t->origin = o;
     t->conn = NULL;
-    t->no_resend = req->no_resend;
     t->is_head = head;
-    t->hdr_bytes = 0;
-    t->hdrs_final = t->too_large = t->done = t->sent_any = t->got_any = false;
+    t->sent_any = t->got_any = false;
     t->sends = 0;
-    cm_resp_init(&t->resp, req->max_response);
-    clock_gettime(CLOCK_MONOTONIC, &t->start);
     uint64_t now = cm_now_ms();
     t->deadline_ms = req->timeout_ms > 0 ? now + req->timeout_ms : 0;
     t->connect_timeout_ms = req->connect_timeout_ms > 0 ? req->connect_timeout_ms : H1_DEFAULT_CONNECT_MS;
-    up_link(c, t);
-    c->h1_sync++;
+    up_transfer_begin(c, &t->b, req, cb, arg);
+    h->sync++;
     h1_dispatch(c, t);
-    c->h1_sync--;
-    return t;
+    h->sync--;
+    return &t->b;
 }
 
-void h1_abort(struct up_client *c, struct up_transfer *t)
+static void h1_cancel(void *state, struct up_transfer *bt)
 {
+    struct up_h1 *h = state;
+    struct h1_xfer *t = (struct h1_xfer *)bt;
     event_del(t->timer);
     if (t->phase == H1_QUEUED && t->conn == NULL) {
         h1_waitq_remove(t->origin, t);
         return;
     }
-    c->h1_sync++;
-    h1_drop_conn(c, t);
-    c->h1_sync--;
+    h->sync++;
+    h1_drop_conn(h->c, t);
+    h->sync--;
 }
 
-void h1_destroy(struct up_client *c)
+static void h1_destroy(void *state)
 {
-    for (size_t i = 0; i < c->origins_n; i++) {
-        struct h1_origin *o = c->origins[i];
+    struct up_h1 *h = state;
+    for (size_t i = 0; i < h->origins_n; i++) {
+        struct h1_origin *o = h->origins[i];
         while (o->idle != NULL)
-            h1_conn_close(c, o->idle);
-        free(o->auth);
+            h1_conn_close(h->c, o->idle);
+        free(o->host);
         free(o->host_hdr);
         free(o);
     }
-    free(c->origins);
-    c->origins = NULL;
-    c->origins_n = 0;
-    while (c->h1_pool != NULL) {
-        struct up_transfer *t = c->h1_pool;
-        c->h1_pool = t->next;
-        h1_transfer_free(NULL, t);
+    free(h->origins);
+    while (h->pool != NULL) {
+        struct up_transfer *pooled = h->pool;
+        h->pool = pooled->next;
+        h1_release(h, pooled, false);
     }
-    c->h1_pool_n = 0;
+    free(h);
+}
+
+const struct up_backend up_h1_backend = {
+    .name = "h1",
+    .create = h1_create,
+    .send = h1_send,
+    .cancel = h1_cancel,
+    .release = h1_release,
+    .destroy = h1_destroy,
+};
+
+/* ---- the parser without a socket (tests/fuzz/fuzz_h1.c): the same h1_parse and buffer as a connection */
+
+struct h1_parser {
+    struct h1_conn k;
+    struct h1_xfer t;
+    int result; /* 0 while more is wanted, then the final h1_parser_feed result */
+};
+
+struct h1_parser *h1_parser_create(bool head, size_t max_body, size_t max_head)
+{
+    struct h1_parser *p = cm_calloc(1, sizeof *p);
+    p->k.fd = -1;
+    p->k.t = &p->t;
+    h1_head_reset(&p->k);
+    p->t.is_head = head;
+    p->t.b.max_head = max_head > 0 ? max_head : UP_DEFAULT_MAX_HEAD;
+    cm_resp_init(&p->t.b.resp, max_body);
+    return p;
+}
+
+int h1_parser_feed(struct h1_parser *p, const void *data, size_t n, bool eof)
+{
+    const char *d = data, *err = NULL;
+    while (p->result == 0 && n > 0) {
+        h1_buf_room(&p->k);
+        size_t take = n < p->k.cap - p->k.len ? n : p->k.cap - p->k.len;
+        memcpy(p->k.buf + p->k.len, d, take);
+        p->k.len += take;
+        d += take;
+        n -= take;
+        switch (h1_parse(&p->k, &p->t, &err)) {
+        case STEP_MORE:
+            if (p->k.pos == p->k.len)
+                p->k.pos = p->k.len = 0;
+            break;
+        case STEP_DONE:
+            p->result = 1;
+            break;
+        default:
+            p->result = -1;
+            break;
+        }
+    }
+    if (p->result == 0 && eof)
+        p->result = p->k.body == B_CLOSE ? 1 : -1; /* as h1_on_read on a close */
+    return p->result;
+}
+
+const struct cm_resp *h1_parser_resp(const struct h1_parser *p)
+{
+    return &p->t.b.resp;
+}
+
+size_t h1_parser_head_bytes(const struct h1_parser *p)
+{
+    return p->t.b.hdr_bytes;
+}
+
+void h1_parser_destroy(struct h1_parser *p)
+{
+    if (p == NULL)
+        return;
+    cm_resp_free(&p->t.b.resp);
+    free(p->k.buf);
+    free(p);
 }

@@ -1,5 +1,5 @@
-/* upstream.h - forwarding to upstreams with one libcurl multi handle driven by
- * the I/O thread's libevent loop (keep-alive connections reused). Every call
+/* upstream.h - forwarding to upstreams on the I/O thread's libevent loop: a built-in HTTP/1.1 client for http://
+ * upstreams at an IP address, one libcurl multi handle for the others (keep-alive connections reused). Every call
  * here happens on that one thread. */
 #ifndef IDEMGATE_UPSTREAM_H
 #define IDEMGATE_UPSTREAM_H
@@ -21,19 +21,41 @@ enum up_result {
     UP_NO_RESPONSE,    /* closed or reset after the request was sent, no full answer: unknown outcome */
     UP_TOO_LARGE,      /* response over max_response: executed, not stored */
     UP_CANCELLED,      /* up_cancel was called (the callback is not run then) */
-    UP_ERROR,          /* anything else (e.g. malformed response): treat as unknown outcome */
+    UP_ERROR,          /* anything else (e.g. malformed framing): treat as unknown outcome */
+    /* The request was sent and the answer's head is one the gateway will not pass on: a header name that is not a
+     * token, a value with a control byte other than HTAB, an obs-fold line, a line without a colon, or a head over
+     * max_header_bytes. Unknown outcome. */
+    UP_INVALID_RESPONSE,
 };
 const char *up_result_name(enum up_result r);
 
+/* Where a request goes: taken from the configuration (parsed once there), never from a request. The strings are
+ * borrowed for the duration of up_send only. */
+struct up_origin {
+    bool https;       /* false: http */
+    const char *host; /* a host name, or an IP literal without brackets ("127.0.0.1", "::1") */
+    uint16_t port;    /* 1..65535 */
+    bool ip_literal;  /* host is an IPv4 or IPv6 literal */
+};
+
+/* A request target up_send accepts: origin-form, starting with '/', of visible ASCII without '#' (no fragment,
+ * no space, no control byte, nothing over 0x7e), at most 64 KiB. Anything else could be read as another
+ * authority by some parser, so it is refused rather than repaired. */
+bool up_target_ok(const char *target);
+
 struct up_request {
     const char *method;
-    const char *url;            /* full URL: upstream base + path + query */
-    const struct cm_hdrs *hdrs; /* already filtered by the caller; Host is passed as given */
-    const void *body;           /* may be NULL when body_len == 0 */
+    const struct up_origin *origin; /* the configured upstream: the only place the connection goes */
+    const char *target;             /* origin-form request target (base path + path + query); see up_target_ok */
+    const struct cm_hdrs *hdrs;     /* already filtered by the caller; Host is passed as given */
+    const void *body;               /* may be NULL when body_len == 0 */
     size_t body_len;
     uint64_t connect_timeout_ms;
     uint64_t timeout_ms;
     size_t max_response; /* cap on the response body */
+    /* Cap on the response head (status line and header lines with their CR LF; 0: UP_DEFAULT_MAX_HEAD). A head
+     * over it is UP_INVALID_RESPONSE. */
+    size_t max_header_bytes;
     /* Sockets to this request's host:port at most (0: the client's max_host_connections). Honoured by the built-in
      * client; through libcurl the client's bound applies. */
     size_t max_connections;
@@ -41,6 +63,9 @@ struct up_request {
      * silent retry on a dead reused connection becomes UP_NO_RESPONSE). */
     bool no_resend;
 };
+
+/* The head cap when up_request.max_header_bytes is 0 (conf's max_response_header_bytes default). */
+#define UP_DEFAULT_MAX_HEAD (16 * 1024)
 
 /* Called once per transfer on the I/O thread. resp is valid (status,
  * hop-by-hop-stripped headers in order, body) only when r == UP_OK; the
@@ -61,13 +86,13 @@ struct up_client *up_client_create(struct event_base *base, long max_host_connec
 /* Cancels every transfer still running (their callbacks are not called). */
 void up_client_destroy(struct up_client *c);
 
-/* Starts a transfer; all of req is copied, so it may be freed after return.
+/* Starts a transfer to req->origin; all of req is copied, so it may be freed after return.
  * Returns a handle usable with up_cancel until the callback has run, or NULL
  * when the transfer could not be started (the callback is then not called),
- * e.g. a header name that is not a token or a value with CR/LF. Content-Length,
+ * e.g. a target refused by up_target_ok, a header name that is not a token or a value with CR/LF. Content-Length,
  * Expect and hop-by-hop headers in req->hdrs are not sent: libcurl frames the
  * body itself. No header is added that the caller did not give, except Host
- * (from the URL, when hdrs has none) and Content-Length. */
+ * (from the origin, when hdrs has none) and Content-Length. */
 struct up_transfer *up_send(struct up_client *c, const struct up_request *req, up_done_cb cb, void *arg);
 /* Aborts a running transfer; its callback will not be called. */
 void up_cancel(struct up_client *c, struct up_transfer *t);

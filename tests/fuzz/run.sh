@@ -39,10 +39,18 @@ sources() {
     resp | hdrs) echo "common/common.c" ;;
     conf) echo "common/common.c conf/conf.c" ;;
     path) echo "common/common.c common/uri.c" ;;
+    h1) echo "common/common.c upstream/upstream.c upstream/h1.c upstream/curl.c" ;;
     esac
 }
 
-TARGETS=(key resp hdrs fp conf path)
+# Libraries a target needs beyond LIBS (the upstream room links libcurl and libevent).
+extra_libs() {
+    case "$1" in
+    h1) pkg-config --libs libcurl libevent ;;
+    esac
+}
+
+TARGETS=(key resp hdrs fp conf path h1)
 passed=0
 failed=0
 for t in "${TARGETS[@]}"; do
@@ -50,7 +58,10 @@ for t in "${TARGETS[@]}"; do
     bin="$WORK/fuzz_$t"
     srcs=()
     for s in $(sources "$t"); do srcs+=("$ROOT/$s"); done
-    if ! "$CC" "${CFLAGS[@]}" "${INCS[@]}" -o "$bin" "$FUZZ/fuzz_$t.c" "${srcs[@]}" "${LIBS[@]}" 2>"$WORK/build_$t.log"; then
+    # shellcheck disable=SC2207
+    xlibs=($(extra_libs "$t"))
+    if ! "$CC" "${CFLAGS[@]}" "${INCS[@]}" -o "$bin" "$FUZZ/fuzz_$t.c" "${srcs[@]}" "${LIBS[@]}" "${xlibs[@]}" \
+        2>"$WORK/build_$t.log"; then
         cat "$WORK/build_$t.log" >&2
         echo "fuzz_$t: BUILD FAILED"
         failed=$((failed + 1))

@@ -243,16 +243,26 @@ Test(conf, every_key_set)
     cr_expect_str_eq(c->postgres_url, "host=/tmp dbname=x");
     cr_expect_eq(c->pool, 256);
     cr_expect_str_eq(c->redis_url, "/run/redis.sock");
+    cr_expect_str_eq(c->redis.unix_path, "/run/redis.sock");
+    cr_expect_null(c->redis.host);
     cr_expect_eq(c->redis_timeout_ms, 5);
     cr_assert_eq(c->upstreams_n, 2);
     cr_expect_str_eq(c->upstreams[0].name, "a.b-c_1");
     cr_expect_str_eq(c->upstreams[0].url, "https://Example.com:8443/base/path");
     cr_expect_str_eq(c->upstreams[0].base_path, "/base/path");
+    cr_expect(c->upstreams[0].https);
+    cr_expect_str_eq(c->upstreams[0].host, "Example.com");
+    cr_expect_eq(c->upstreams[0].port, 8443);
+    cr_expect_not(c->upstreams[0].host_is_ip);
     cr_expect_eq(c->upstreams[0].connect_timeout_ms, 1500);
     cr_expect_eq(c->upstreams[0].timeout_ms, 120000);
     cr_expect_eq(c->upstreams[0].max_connections, 7);
     cr_expect_str_eq(c->upstreams[1].url, "http://[::1]:9000");
     cr_expect_str_eq(c->upstreams[1].base_path, "");
+    cr_expect_not(c->upstreams[1].https);
+    cr_expect_str_eq(c->upstreams[1].host, "::1");
+    cr_expect_eq(c->upstreams[1].port, 9000);
+    cr_expect(c->upstreams[1].host_is_ip);
     cr_assert_eq(c->routes_n, 2);
     cr_expect_str_eq(c->routes[0].path_prefix, "/v1/things");
     cr_expect_eq(c->routes[0].methods, 0x1ff);
@@ -716,6 +726,24 @@ static const struct bad_case bad_cases[] = {
      "t.yaml:5: upstreams[0].url: invalid URL: missing host"},
     {"upstream url port 0", PG "upstreams:\n  - name: api\n    url: http://127.0.0.1:0\n",
      "t.yaml:5: upstreams[0].url: invalid URL: port must be between 1 and 65535"},
+    {"upstream url port 65536", PG "upstreams:\n  - name: api\n    url: http://127.0.0.1:65536/x\n",
+     "t.yaml:5: upstreams[0].url: invalid URL: port must be between 1 and 65535"},
+    {"upstream url port not a number", PG "upstreams:\n  - name: api\n    url: http://127.0.0.1:+80\n",
+     "t.yaml:5: upstreams[0].url: invalid URL: port must be between 1 and 65535"},
+    {"upstream url with user info", PG "upstreams:\n  - name: api\n    url: http://u:p@127.0.0.1:9000\n",
+     "t.yaml:5: upstreams[0].url: user info (user@host) is not supported"},
+    {"upstream url with fragment", PG "upstreams:\n  - name: api\n    url: 'http://127.0.0.1/x#@evil'\n",
+     "t.yaml:5: upstreams[0].url: must not have a query or fragment"},
+    {"upstream url bad IPv6", PG "upstreams:\n  - name: api\n    url: http://[::g]:80\n",
+     "t.yaml:5: upstreams[0].url: invalid URL: invalid IPv6 address between [ ]"},
+    {"upstream url IPv6 zone", PG "upstreams:\n  - name: api\n    url: http://[fe80::1%25eth0]:80\n",
+     "t.yaml:5: upstreams[0].url: invalid URL: invalid IPv6 address between [ ]"},
+    {"redis unix path relative", PG "  redis: unix://run/redis.sock\n" UPS,
+     "t.yaml:3: store.redis: a unix socket path must be absolute"},
+    {"redis unix bad query", PG "  redis: unix:///run/redis.sock?database=1\n" UPS,
+     "t.yaml:3: store.redis: a unix socket takes only ?db=N"},
+    {"redis db not a number", PG "  redis: redis://127.0.0.1:6379/x1\n" UPS,
+     "t.yaml:3: store.redis: the database must be a number"},
     {"bad upstream name", PG "upstreams:\n  - name: my api\n    url: http://127.0.0.1\n",
      "t.yaml:4: upstreams[0].name: invalid name 'my api'"},
     {"zero upstream timeout", BASE "    timeout: 0ms\n", "t.yaml:6: upstreams[0].timeout: must be greater than 0"},
@@ -763,4 +791,64 @@ Test(conf, bad_configs)
 Test(conf, destroy_null)
 {
     conf_destroy(NULL); /* must not crash */
+}
+
+/* Each upstream and Redis URL is parsed once into the fields the runtime uses as they are. */
+Test(conf, urls_parsed_into_fields)
+{
+    static const struct {
+        const char *url;
+        bool https, ip;
+        const char *host, *base;
+        unsigned port;
+    } ups[] = {
+        {"http://127.0.0.1", false, true, "127.0.0.1", "", 80},
+        {"HTTPS://api.example:8443/v2/", true, false, "api.example", "/v2", 8443},
+        {"https://[2001:db8::1]", true, true, "2001:db8::1", "", 443},
+        {"http://localhost:9000/a/b", false, false, "localhost", "/a/b", 9000},
+    };
+    for (size_t i = 0; i < sizeof ups / sizeof *ups; i++) {
+        char *yaml = cm_asprintf("store:\n  postgres: postgres://u@127.0.0.1/db\nupstreams:\n  - name: a\n"
+                                 "    url: %s\n",
+                                 ups[i].url);
+        struct conf *c = load_ok(yaml);
+        const struct conf_upstream *u = &c->upstreams[0];
+        cr_expect_eq(u->https, ups[i].https, "%s", ups[i].url);
+        cr_expect_eq(u->host_is_ip, ups[i].ip, "%s", ups[i].url);
+        cr_expect_str_eq(u->host, ups[i].host, "%s", ups[i].url);
+        cr_expect_str_eq(u->base_path, ups[i].base, "%s", ups[i].url);
+        cr_expect_eq(u->port, ups[i].port, "%s", ups[i].url);
+        conf_destroy(c);
+        free(yaml);
+    }
+    static const struct {
+        const char *url;
+        const char *host, *path, *password;
+        unsigned port, db;
+    } rds[] = {
+        {"redis://127.0.0.1:6379", "127.0.0.1", NULL, NULL, 6379, 0},
+        {"redis://:s3cret@[::1]:6380/4", "::1", NULL, "s3cret", 6380, 4},
+        {"/run/redis.sock", NULL, "/run/redis.sock", NULL, 0, 0},
+        {"unix:///tmp/r.sock?db=3", NULL, "/tmp/r.sock", NULL, 0, 3},
+    };
+    for (size_t i = 0; i < sizeof rds / sizeof *rds; i++) {
+        struct conf_redis r;
+        const char *why = NULL;
+        cr_assert(conf_redis_parse(rds[i].url, &r, &why), "%s: %s", rds[i].url, why);
+        if (rds[i].host)
+            cr_expect_str_eq(r.host, rds[i].host, "%s", rds[i].url);
+        else
+            cr_expect_null(r.host, "%s", rds[i].url);
+        if (rds[i].path)
+            cr_expect_str_eq(r.unix_path, rds[i].path, "%s", rds[i].url);
+        else
+            cr_expect_null(r.unix_path, "%s", rds[i].url);
+        if (rds[i].password)
+            cr_expect_str_eq(r.password, rds[i].password, "%s", rds[i].url);
+        else
+            cr_expect_null(r.password, "%s", rds[i].url);
+        cr_expect_eq(r.port, rds[i].port, "%s", rds[i].url);
+        cr_expect_eq(r.db, rds[i].db, "%s", rds[i].url);
+        conf_redis_free(&r);
+    }
 }

@@ -202,6 +202,8 @@ static void env_open(struct env *e, const char *pg, const char *redis, uint32_t 
     e->conf.postgres_url = (char *)pg;
     e->conf.pool = pool;
     e->conf.redis_url = (char *)redis;
+    const char *why = NULL;
+    cr_assert(redis == NULL || conf_redis_parse(redis, &e->conf.redis, &why), "redis URL: %s", why);
     e->conf.redis_timeout_ms = 200;
     e->conf.routes = e->routes;
     e->conf.routes_n = 2;
@@ -213,6 +215,7 @@ static void env_open(struct env *e, const char *pg, const char *redis, uint32_t 
 static void env_close(struct env *e)
 {
     store_destroy(e->s);
+    conf_redis_free(&e->conf.redis);
     event_base_free(e->base);
 }
 
@@ -1224,6 +1227,7 @@ Test(store, redis_restart_reconnects_and_stays_correct, .timeout = 60)
     free(url);
 }
 
+/* A Redis URL conf did not parse (no host, no socket) is an error, not a connection to somewhere. */
 Test(store, redis_bad_url_is_an_error)
 {
     struct event_base *base = event_base_new();

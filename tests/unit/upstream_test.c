@@ -207,7 +207,8 @@ struct reqspec {
     size_t max_response;
     bool no_resend;
     int port; /* 0: the test upstream */
-    char url[256];
+    size_t max_header_bytes;
+    struct up_origin origin;
     struct up_request req;
 };
 
@@ -224,10 +225,13 @@ static void spec_init(struct reqspec *s, const char *method, const char *path)
 
 static const struct up_request *spec_req(struct reqspec *s)
 {
-    snprintf(s->url, sizeof s->url, "http://" UP_TEST_HOST ":%d%s", s->port ? s->port : g_port, s->path);
+    s->origin = (struct up_origin){
+        .host = UP_TEST_HOST, .port = (uint16_t)(s->port ? s->port : g_port), .ip_literal = UP_TEST_H1};
     s->req = (struct up_request){
         .method = s->method,
-        .url = s->url,
+        .origin = &s->origin,
+        .target = s->path,
+        .max_header_bytes = s->max_header_bytes,
         .hdrs = &s->hdrs,
         .body = s->body,
         .body_len = s->body_len,
@@ -732,6 +736,8 @@ Test(upstream, destroy_sends_nothing_that_waits)
 /* ---- a raw server for heads testupstream cannot produce (interim 1xx, folded lines) */
 
 static const char *g_canned;
+static size_t g_canned_len; /* 0: strlen(g_canned) (a canned answer with a NUL byte sets it) */
+static int g_raw_accepts;   /* connections the raw server accepted */
 
 static void raw_write_cb(struct bufferevent *bev, void *arg)
 {
@@ -753,22 +759,23 @@ static void raw_read_cb(struct bufferevent *bev, void *arg)
         return;
     evbuffer_drain(in, evbuffer_get_length(in));
     bufferevent_setcb(bev, NULL, raw_write_cb, raw_event_cb, arg);
-    bufferevent_write(bev, g_canned, strlen(g_canned));
+    bufferevent_write(bev, g_canned, g_canned_len ? g_canned_len : strlen(g_canned));
 }
 
 static void raw_accept(struct evconnlistener *l, evutil_socket_t fd, struct sockaddr *sa, int len, void *arg)
 {
     struct bufferevent *bev = bufferevent_socket_new(g_base, fd, BEV_OPT_CLOSE_ON_FREE);
+    g_raw_accepts++;
     bufferevent_setcb(bev, raw_read_cb, NULL, raw_event_cb, NULL);
     bufferevent_enable(bev, EV_READ | EV_WRITE);
 }
 
-/* The raw server on a loopback port of its own (in this process, on g_base). */
-static struct evconnlistener *raw_listen(int *port)
+/* A server with accept callback cb on a loopback port of its own (in this process, on g_base). */
+static struct evconnlistener *listen_with(evconnlistener_cb cb, void *arg, int *port)
 {
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    struct evconnlistener *l = evconnlistener_new_bind(
-        g_base, raw_accept, NULL, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE, 16, (struct sockaddr *)&sa, sizeof sa);
+    struct evconnlistener *l = evconnlistener_new_bind(g_base, cb, arg, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE, 16,
+                                                       (struct sockaddr *)&sa, sizeof sa);
     cr_assert_not_null(l);
     socklen_t sl = sizeof sa;
     getsockname(evconnlistener_get_fd(l), (struct sockaddr *)&sa, &sl);
@@ -776,12 +783,19 @@ static struct evconnlistener *raw_listen(int *port)
     return l;
 }
 
-Test(upstream, interim_response_and_folded_header)
+/* The raw server (answers every request with g_canned, then closes). */
+static struct evconnlistener *raw_listen(int *port)
+{
+    g_canned_len = 0;
+    return listen_with(raw_accept, NULL, port);
+}
+
+Test(upstream, interim_response_is_skipped)
 {
     int raw_port;
     struct evconnlistener *l = raw_listen(&raw_port);
     g_canned = "HTTP/1.1 100 Continue\r\nX-Interim: yes\r\n\r\n"
-               "HTTP/1.1 202 Accepted\r\nX-A: 1\r\nX-Fold: first\r\n  second\r\nContent-Length: 2\r\n"
+               "HTTP/1.1 202 Accepted\r\nX-A: 1\r\nContent-Length: 2\r\n"
                "Connection: close\r\n\r\nhi";
     struct reqspec s;
     struct result res;
@@ -794,7 +808,6 @@ Test(upstream, interim_response_and_folded_header)
     cr_assert_eq(res.status, 202);
     cr_assert_null(cm_hdrs_get(&res.hdrs, "X-Interim"), "the interim head is dropped");
     cr_assert_str_eq(cm_hdrs_get(&res.hdrs, "X-A"), "1");
-    cr_assert_str_eq(cm_hdrs_get(&res.hdrs, "X-Fold"), "first second");
     cr_assert_null(cm_hdrs_get(&res.hdrs, "Connection"));
     cr_assert(res.body_len == 2 && memcmp(res.body, "hi", 2) == 0);
     result_free(&res);
@@ -901,7 +914,8 @@ Test(upstream, early_answer_while_the_body_is_still_sent)
     evconnlistener_free(l);
 }
 
-/* A long head: a 20 KiB header line arrives whole (the receive buffer grows); a head over 256 KiB is too large. */
+/* A long head: a 20 KiB header line arrives whole (the receive buffer grows) under a 64 KiB cap; a 300 KiB head
+ * over a 256 KiB cap is an invalid answer. */
 Test(upstream, long_heads)
 {
     int raw_port;
@@ -924,6 +938,7 @@ Test(upstream, long_heads)
         struct result res;
         spec_init(&s, "GET", "/raw");
         s.port = raw_port;
+        s.max_header_bytes = c == 0 ? 64 * 1024 : 256 * 1024;
         do_request(g_cli, &s, &res);
         if (c == 0) {
             cr_assert_eq(res.r, UP_OK, "got %s (%s)", up_result_name(res.r), res.err);
@@ -931,19 +946,24 @@ Test(upstream, long_heads)
             cr_assert(v != NULL && strlen(v) == 20 * 1024);
             cr_assert(res.body_len == 2 && memcmp(res.body, "ok", 2) == 0);
         } else {
-            cr_assert_eq(res.r, UP_TOO_LARGE, "got %s (%s)", up_result_name(res.r), res.err);
+            cr_assert_eq(res.r, UP_INVALID_RESPONSE, "got %s (%s)", up_result_name(res.r), res.err);
         }
         result_free(&res);
     }
+    run_for(100); /* the raw server sees the closes (a refused head is cut mid-write) and frees its connections */
     cm_buf_free(&b);
     evconnlistener_free(l);
 }
 
-/* GET url (a whole URL, not one of reqspec's) on the shared client and wait for its callback (at most 10 s). */
-static void get_url(const char *url, struct result *res)
+/* GET target from origin (not one of reqspec's) on the shared client and wait for its callback (at most 10 s). */
+static void get_url(const struct up_origin *origin, const char *target, struct result *res)
 {
-    struct up_request req = {
-        .method = "GET", .url = url, .connect_timeout_ms = 2000, .timeout_ms = 5000, .max_response = 1024};
+    struct up_request req = {.method = "GET",
+                             .origin = origin,
+                             .target = target,
+                             .connect_timeout_ms = 2000,
+                             .timeout_ms = 5000,
+                             .max_response = 1024};
     memset(res, 0, sizeof *res);
     cm_hdrs_init(&res->hdrs);
     cr_assert_not_null(up_send(g_cli, &req, on_done, res));
@@ -962,10 +982,9 @@ Test(upstream, ipv6_literal_upstream)
     if (l != NULL)
         getsockname(evconnlistener_get_fd(l), (struct sockaddr *)&sa, &sl);
     g_canned = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nv6";
-    char url[64];
-    snprintf(url, sizeof url, "http://[::1]:%d/raw?q=1", l != NULL ? ntohs(sa.sin6_port) : 1);
+    struct up_origin o = {.host = "::1", .port = l != NULL ? ntohs(sa.sin6_port) : 1, .ip_literal = true};
     struct result res;
-    get_url(url, &res);
+    get_url(&o, "/raw?q=1", &res);
     if (l == NULL) {
         cr_assert_eq(res.r, UP_CONNECT_FAILED, "no IPv6 loopback: got %s (%s)", up_result_name(res.r), res.err);
         result_free(&res);
@@ -981,11 +1000,312 @@ Test(upstream, ipv6_literal_upstream)
  * nothing sent, no crash (the address buffer is bounded). */
 Test(upstream, overlong_authority_is_connect_failed)
 {
-    char url[128] = "http://";
-    memset(url + 7, 'a', 64); /* one DNS label of 64 bytes: over the limit of 63, so no resolver answers it */
-    memcpy(url + 71, "/x", 3);
+    char host[65] = "";
+    memset(host, 'a', 64); /* one DNS label of 64 bytes: over the limit of 63, so no resolver answers it */
+    struct up_origin o = {.host = host, .port = 80};
     struct result res;
-    get_url(url, &res);
+    get_url(&o, "/x", &res);
     cr_assert_eq(res.r, UP_CONNECT_FAILED, "got %s (%s)", up_result_name(res.r), res.err);
     result_free(&res);
+}
+
+/* ---- the target never chooses the host */
+
+static void canary_accept(struct evconnlistener *l, evutil_socket_t fd, struct sockaddr *sa, int len, void *arg)
+{
+    (*(int *)arg)++;
+    close(fd);
+}
+
+/* Targets that a URL parser would read as another authority: up_send refuses those that are not origin-form,
+ * and sends the others to the configured origin as its path. The canary (a listener on 127.0.0.1, the host
+ * every target names) never gets a connection. Before: a URL glued from base + target sent them to the canary. */
+Test(upstream, target_never_chooses_the_host)
+{
+    int canary_hits = 0, canary_port;
+    struct evconnlistener *canary = listen_with(canary_accept, &canary_hits, &canary_port);
+    struct {
+        const char *fmt;
+        bool sent; /* false: up_send refuses it */
+    } cases[] = {
+        {"@127.0.0.1:%d/x", false},
+        {":%d/x", false},
+        {"x", false},
+        {"//127.0.0.1:%d/x", true},
+        {"/x#@127.0.0.1:%d", false},
+        {"/x y@127.0.0.1:%d", false},
+        {"", false},
+        {"?@127.0.0.1:%d/", false},
+        {"/a?b=@127.0.0.1:%d/", true},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char target[128];
+        snprintf(target, sizeof target, cases[i].fmt, canary_port);
+        struct reqspec s;
+        spec_init(&s, "GET", target);
+        cr_assert_eq(up_target_ok(target), cases[i].sent, "case %zu (%s)", i, target);
+        struct result res;
+        memset(&res, 0, sizeof res);
+        cm_hdrs_init(&res.hdrs);
+        struct up_transfer *t = up_send(g_cli, spec_req(&s), on_done, &res);
+        if (!cases[i].sent) {
+            cr_assert_null(t, "case %zu (%s): up_send must refuse it", i, target);
+            cm_hdrs_free(&s.hdrs);
+            continue;
+        }
+        cr_assert_not_null(t, "case %zu (%s)", i, target);
+        run_until(&res.calls, 1, 10000);
+        cm_hdrs_free(&s.hdrs);
+        cr_assert_eq(res.calls, 1);
+        cr_assert_eq(res.r, UP_OK, "case %zu: %s (%s)", i, up_result_name(res.r), res.err);
+        cr_assert_str_eq(cm_hdrs_get(&res.hdrs, "X-Echo-Uri"), target, "case %zu: the target is the path", i);
+        result_free(&res);
+    }
+    run_for(100);
+    cr_assert_eq(canary_hits, 0, "the canary got %d connections", canary_hits);
+    evconnlistener_free(canary);
+}
+
+/* ---- answers are validated where they are parsed (both clients) */
+
+Test(upstream, invalid_heads_are_invalid_responses)
+{
+    int raw_port;
+    struct evconnlistener *l = raw_listen(&raw_port);
+    static const char nul_head[] = "HTTP/1.1 200 OK\r\nX-A: a\0b\r\nContent-Length: 2\r\n\r\nok";
+    struct {
+        const char *canned;
+        size_t len; /* 0: strlen */
+        enum up_result want;
+    } cases[] = {
+        {"HTTP/1.1 200 OK\r\nX-A: a\rb\r\nContent-Length: 2\r\n\r\nok", 0, UP_INVALID_RESPONSE},
+        {nul_head, sizeof nul_head - 1, UP_INVALID_RESPONSE},
+        {"HTTP/1.1 200 OK\r\nX-A: a\x01z\r\nContent-Length: 2\r\n\r\nok", 0, UP_INVALID_RESPONSE},
+        {"HTTP/1.1 200 OK\r\nX-A: a\x7fz\r\nContent-Length: 2\r\n\r\nok", 0, UP_INVALID_RESPONSE},
+        {"HTTP/1.1 200 OK\r\nX A: v\r\nContent-Length: 2\r\n\r\nok", 0, UP_INVALID_RESPONSE},
+        {"HTTP/1.1 200 OK\r\nX@: v\r\nContent-Length: 2\r\n\r\nok", 0, UP_INVALID_RESPONSE},
+        {"HTTP/1.1 200 OK\r\nX-A : v\r\nContent-Length: 2\r\n\r\nok", 0, UP_INVALID_RESPONSE},
+        {"HTTP/1.1 200 OK\r\nX-A: v\r\n folded\r\nContent-Length: 2\r\n\r\nok", 0, UP_INVALID_RESPONSE},
+        {"HTTP/1.1 200 OK\r\nno colon here\r\nContent-Length: 2\r\n\r\nok", 0, UP_INVALID_RESPONSE},
+        /* the values that are fine: HTAB inside, obs-text, an empty value */
+        {"HTTP/1.1 200 OK\r\nX-A: a\tb\xe9\r\nX-E:\r\nContent-Length: 2\r\n\r\nok", 0, UP_OK},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        g_canned = cases[i].canned;
+        g_canned_len = cases[i].len;
+        struct reqspec s;
+        struct result res;
+        spec_init(&s, "GET", "/raw");
+        s.port = raw_port;
+        do_request(g_cli, &s, &res);
+        cr_assert_eq(res.r, cases[i].want, "case %zu: got %s (%s)", i, up_result_name(res.r), res.err);
+        if (cases[i].want == UP_OK) {
+            cr_assert_str_eq(cm_hdrs_get(&res.hdrs, "X-A"), "a\tb\xe9");
+            cr_assert_str_eq(cm_hdrs_get(&res.hdrs, "X-E"), "");
+        }
+        result_free(&res);
+    }
+    g_canned_len = 0;
+    evconnlistener_free(l);
+}
+
+/* The head cap counts the status line and every header line with its CR LF: a head of exactly the cap passes whole,
+ * one byte more is invalid; the upstream's own Idempotent-Replayed is dropped. */
+Test(upstream, head_cap_and_replayed_marker)
+{
+    int raw_port;
+    struct evconnlistener *l = raw_listen(&raw_port);
+    const size_t cap = 16 * 1024;
+    struct cm_buf b;
+    cm_buf_init(&b, 64 * 1024);
+    for (int over = 0; over < 2; over++) {
+        cm_buf_reset(&b);
+        /* 17 + 29 + 20 bytes of fixed lines, then a filler line to reach the cap (+1) */
+        cr_assert(cm_buf_appendf(&b, "HTTP/1.1 200 OK\r\nIdempotent-Replayed: true\r\nContent-Length: 2\r\nX-F: "));
+        size_t fill = cap - b.len - 2 + (size_t)over;
+        for (size_t j = 0; j < fill; j++)
+            cr_assert(cm_buf_append(&b, "f", 1));
+        cr_assert(cm_buf_appendf(&b, "\r\n\r\nok"));
+        g_canned = b.data;
+        struct reqspec s;
+        struct result res;
+        spec_init(&s, "GET", "/raw");
+        s.port = raw_port;
+        s.max_header_bytes = cap;
+        do_request(g_cli, &s, &res);
+        if (over) {
+            cr_assert_eq(res.r, UP_INVALID_RESPONSE, "got %s (%s)", up_result_name(res.r), res.err);
+        } else {
+            cr_assert_eq(res.r, UP_OK, "got %s (%s)", up_result_name(res.r), res.err);
+            cr_assert_eq(strlen(cm_hdrs_get(&res.hdrs, "X-F")), fill);
+            cr_assert_null(cm_hdrs_get(&res.hdrs, "Idempotent-Replayed"), "the upstream's marker is dropped");
+            cr_assert(res.body_len == 2 && memcmp(res.body, "ok", 2) == 0);
+        }
+        result_free(&res);
+    }
+    run_for(100); /* the raw server sees the closes (a refused head is cut mid-write) and frees its connections */
+    cm_buf_free(&b);
+    evconnlistener_free(l);
+}
+
+/* ---- connection reuse only after a clean, complete answer */
+
+/* A keep-alive server that answers requests in order on each connection: `head` and `HEAD` with a head announcing
+ * Content-Length N whose N bytes (a whole smuggled response) follow in a second segment 30 ms later; GET /extra
+ * with two bytes too many in the same segment; GET /late with an extra segment 20 ms after its answer; any other
+ * request with the real answer. Requests wait while a second segment is pending. */
+#define SMUGGLED "HTTP/1.1 200 OK\r\nX-Smuggled: 1\r\nContent-Length: 0\r\n\r\n"
+struct smug_conn {
+    struct bufferevent *bev;
+    struct event *timer;
+    const char *later; /* the second segment the timer writes */
+};
+
+static void smug_read_cb(struct bufferevent *bev, void *arg);
+
+static void smug_free(struct smug_conn *sc)
+{
+    event_free(sc->timer);
+    bufferevent_free(sc->bev);
+    free(sc);
+}
+
+static void smug_timer_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct smug_conn *sc = arg;
+    bufferevent_write(sc->bev, sc->later, strlen(sc->later));
+    sc->later = NULL;
+    smug_read_cb(sc->bev, sc); /* requests that waited */
+}
+
+static void smug_later(struct smug_conn *sc, const char *bytes, int ms)
+{
+    sc->later = bytes;
+    struct timeval tv = {0, ms * 1000};
+    evtimer_add(sc->timer, &tv);
+}
+
+static void smug_read_cb(struct bufferevent *bev, void *arg)
+{
+    struct smug_conn *sc = arg;
+    struct evbuffer *in = bufferevent_get_input(bev);
+    while (sc->later == NULL) {
+        struct evbuffer_ptr p = evbuffer_search(in, "\r\n\r\n", 4, NULL);
+        if (p.pos < 0)
+            return;
+        char line[64] = "";
+        evbuffer_copyout(in, line, sizeof line - 1);
+        evbuffer_drain(in, (size_t)p.pos + 4);
+        if (strncmp(line, "head ", 5) == 0 || strncmp(line, "HEAD ", 5) == 0) {
+            char h[96];
+            snprintf(h, sizeof h, "HTTP/1.1 200 OK\r\nContent-Length: %zu\r\n\r\n", strlen(SMUGGLED));
+            bufferevent_write(bev, h, strlen(h));
+            smug_later(sc, SMUGGLED, 30);
+        } else if (strncmp(line, "GET /extra ", 11) == 0) {
+            const char *a = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokXX";
+            bufferevent_write(bev, a, strlen(a));
+        } else if (strncmp(line, "GET /late ", 10) == 0) {
+            const char *a = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+            bufferevent_write(bev, a, strlen(a));
+            smug_later(sc, SMUGGLED, 20);
+        } else {
+            const char *a = "HTTP/1.1 200 OK\r\nX-Real: 1\r\nContent-Length: 4\r\n\r\nreal";
+            bufferevent_write(bev, a, strlen(a));
+        }
+    }
+}
+
+static void smug_event_cb(struct bufferevent *bev, short what, void *arg)
+{
+    if (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR))
+        smug_free(arg);
+}
+
+static void smug_accept(struct evconnlistener *l, evutil_socket_t fd, struct sockaddr *sa, int len, void *arg)
+{
+    (*(int *)arg)++;
+    struct smug_conn *sc = cm_calloc(1, sizeof *sc);
+    sc->bev = bufferevent_socket_new(g_base, fd, BEV_OPT_CLOSE_ON_FREE);
+    sc->timer = evtimer_new(g_base, smug_timer_cb, sc);
+    bufferevent_setcb(sc->bev, smug_read_cb, NULL, smug_event_cb, sc);
+    bufferevent_enable(sc->bev, EV_READ | EV_WRITE);
+}
+
+/* Methods are case-sensitive: `head` is not HEAD, so its answer has a body; the body the upstream sends in a
+ * second segment is read as that body, never as the next client's answer on the reused connection. Several rounds,
+ * each on a fresh client. Before: `head` was bodiless (strcasecmp), the connection was pooled with the smuggled
+ * bytes still to come, and the victim's GET got X-Smuggled. */
+Test(upstream, lowercase_head_never_poisons_the_next_answer)
+{
+    int accepts = 0, port;
+    struct evconnlistener *l = listen_with(smug_accept, &accepts, &port);
+    for (int round = 0; round < 5; round++) {
+        struct up_client *cli = up_client_create(g_base, 0);
+        struct reqspec a;
+        spec_init(&a, "head", "/attack");
+        a.port = port;
+        a.no_resend = false;
+        struct result att;
+        memset(&att, 0, sizeof att);
+        cm_hdrs_init(&att.hdrs);
+        cr_assert_not_null(up_send(cli, spec_req(&a), on_done, &att));
+        run_until(&att.calls, 1, 5000);
+        cr_assert_eq(att.calls, 1);
+        /* the victim goes right away, within the same loop turn as the attacker's answer */
+        struct reqspec v;
+        spec_init(&v, "GET", "/victim");
+        v.port = port;
+        v.no_resend = false;
+        struct result vic;
+        do_request(cli, &v, &vic);
+        cr_assert_eq(vic.r, UP_OK, "round %d: %s (%s)", round, up_result_name(vic.r), vic.err);
+        cr_assert_null(cm_hdrs_get(&vic.hdrs, "X-Smuggled"), "round %d: the victim got the smuggled answer", round);
+        cr_assert_str_eq(cm_hdrs_get(&vic.hdrs, "X-Real"), "1", "round %d", round);
+        cr_assert(vic.body_len == 4 && memcmp(vic.body, "real", 4) == 0, "round %d", round);
+        cr_assert_eq(att.r, UP_OK, "round %d: attacker %s (%s)", round, up_result_name(att.r), att.err);
+        cr_assert_eq(att.body_len, strlen(SMUGGLED), "round %d: `head` has a body", round);
+        result_free(&att);
+        result_free(&vic);
+        cm_hdrs_free(&a.hdrs);
+        up_client_destroy(cli);
+    }
+    run_for(100); /* the server sees the last close and frees its connection */
+    evconnlistener_free(l);
+}
+
+/* Bytes beyond the framed end of an answer close the connection: in the same segment (GET /extra), or in a later
+ * one while the connection is idle (GET /late). The next request gets a new connection and the real answer.
+ * Before: libcurl 7.88 reused an idle connection with bytes waiting (its check before reuse sees only a close). */
+Test(upstream, leftover_bytes_close_the_connection)
+{
+    int accepts = 0, port;
+    struct evconnlistener *l = listen_with(smug_accept, &accepts, &port);
+    struct up_client *cli = up_client_create(g_base, 0);
+    const char *first[] = {"/extra", "/late"};
+    for (int i = 0; i < 2; i++) {
+        struct reqspec s;
+        struct result res;
+        spec_init(&s, "GET", first[i]);
+        s.port = port;
+        s.no_resend = false;
+        do_request(cli, &s, &res);
+        cr_assert_eq(res.r, UP_OK, "%d: %s (%s)", i, up_result_name(res.r), res.err);
+        cr_assert(res.body_len == 2 && memcmp(res.body, "ok", 2) == 0);
+        result_free(&res);
+        if (i == 1)
+            run_for(60); /* the late segment arrives while the connection is idle */
+        int before = accepts;
+        spec_init(&s, "GET", "/next");
+        s.port = port;
+        s.no_resend = false;
+        do_request(cli, &s, &res);
+        cr_assert_eq(res.r, UP_OK, "%d: %s (%s)", i, up_result_name(res.r), res.err);
+        cr_assert_null(cm_hdrs_get(&res.hdrs, "X-Smuggled"), "%d: a leftover answer was taken", i);
+        cr_assert_str_eq(cm_hdrs_get(&res.hdrs, "X-Real"), "1", "%d", i);
+        cr_assert_eq(accepts, before + 1, "%d: the connection with leftover bytes was reused", i);
+        result_free(&res);
+    }
+    up_client_destroy(cli);
+    run_for(100); /* the server sees the close and frees its connection */
+    evconnlistener_free(l);
 }
