@@ -1,0 +1,181 @@
+/* jwt_scope_test.c - scopes that survive token refresh (SPEC 9, jwt:CLAIM): the real gateway verifies HS256 bearer
+ * tokens signed here; a refreshed token of the same subject replays, two subjects are isolated, and every refused
+ * token is 401 invalid-credentials with nothing forwarded (before any 400). */
+#include <criterion/criterion.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "tests/e2e/harness.h"
+
+TestSuite(jwt, .init = e2e_setup, .fini = e2e_teardown, .timeout = 60);
+
+#define SECRET "e2e-hs256-secret-of-at-least-32-bytes-0123456789"
+
+/* clang-format off */
+static const char *const conf_tmpl =
+    E2E_CONF_HEAD
+    "upstreams:\n"
+    E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "5s")
+    "routes:\n"
+    E2E_CONF_ROUTE("pay", "/v1/pay", "api")
+    "      key: required\n"
+    "      scope: [jwt:sub]\n"
+    "jwt:\n"
+    "  secret_env: IDEMGATE_JWT_SECRET\n"
+    "  issuer: https://auth.test\n"
+    "  audience: payments\n";
+/* clang-format on */
+
+static void b64url(const unsigned char *p, size_t n, char *out)
+{
+    static const char a[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    size_t o = 0;
+    for (size_t i = 0; i < n; i += 3) {
+        unsigned v = (unsigned)p[i] << 16 | (i + 1 < n ? (unsigned)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
+        out[o++] = a[v >> 18 & 63];
+        out[o++] = a[v >> 12 & 63];
+        if (i + 1 < n)
+            out[o++] = a[v >> 6 & 63];
+        if (i + 2 < n)
+            out[o++] = a[v & 63];
+    }
+    out[o] = '\0';
+}
+
+/* "Authorization: Bearer <HS256 token>" for a header and payload, signed with secret. */
+static char *bearer(const char *hdr, const char *payload, const char *secret)
+{
+    char h[512], p[2048], sig[128], msg[2600];
+    b64url((const unsigned char *)hdr, strlen(hdr), h);
+    b64url((const unsigned char *)payload, strlen(payload), p);
+    snprintf(msg, sizeof msg, "%s.%s", h, p);
+    unsigned char mac[EVP_MAX_MD_SIZE];
+    unsigned int ml = 0;
+    HMAC(EVP_sha256(), secret, (int)strlen(secret), (const unsigned char *)msg, strlen(msg), mac, &ml);
+    b64url(mac, ml, sig);
+    char *out = malloc(3000);
+    snprintf(out, 3000, "Authorization: Bearer %s.%s", msg, sig);
+    return out;
+}
+
+static char *token_for(const char *sub, long exp_in_s, const char *extra)
+{
+    char payload[1200];
+    long now = (long)time(NULL);
+    snprintf(payload, sizeof payload,
+             "{\"sub\":\"%s\",\"iss\":\"https://auth.test\",\"aud\":\"payments\",\"iat\":%ld,\"exp\":%ld%s}", sub, now,
+             now + exp_in_s, extra ? extra : "");
+    return bearer("{\"alg\":\"HS256\",\"typ\":\"JWT\"}", payload, SECRET);
+}
+
+static struct e2e_gw *start(struct e2e_upstream **up)
+{
+    *up = e2e_upstream_start(NULL);
+    const char *env[] = {"IDEMGATE_JWT_SECRET=" SECRET, NULL};
+    struct e2e_gw_opts o = {.up = *up, .env = env, .wait_ready = true};
+    return e2e_gw_start(conf_tmpl, &o);
+}
+
+static void post(const struct e2e_gw *gw, const char *key, const char *authz, const char *body, struct e2e_resp *r)
+{
+    const char *h[] = {authz, NULL};
+    e2e_http_key(gw->port, "POST", "/v1/pay/c", key, authz ? h : NULL, body, 0, r);
+}
+
+Test(jwt, a_refreshed_token_is_the_same_scope_and_subjects_are_isolated)
+{
+    struct e2e_upstream *up;
+    struct e2e_gw *gw = start(&up);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "jwt");
+    char *alice1 = token_for("alice", 600, NULL);
+    char *alice2 = token_for("alice", 900, ",\"jti\":\"refreshed\"");
+    char *bob = token_for("bob", 600, NULL);
+    cr_assert_str_neq(alice1, alice2);
+    struct e2e_resp a, b, c;
+    post(gw, key, alice1, "{\"amount\":1}", &a);
+    cr_assert_eq(a.status, 200, "first: %ld %s", a.status, (const char *)a.body);
+    cr_expect(!e2e_resp_is_replay(&a));
+    post(gw, key, alice2, "{\"amount\":1}", &b);
+    cr_expect_eq(b.status, 200);
+    cr_expect(e2e_resp_is_replay(&b), "a refreshed token of the same subject replays");
+    cr_expect_eq(a.body_len, b.body_len);
+    cr_expect(a.body_len == b.body_len && memcmp(a.body, b.body, a.body_len) == 0, "same bytes");
+    cr_expect_eq(e2e_upstream_count(up, key), 1, "one execution for alice");
+    post(gw, key, bob, "{\"amount\":1}", &c);
+    cr_expect_eq(c.status, 200);
+    cr_expect(!e2e_resp_is_replay(&c), "another subject is another scope: it executes");
+    cr_expect_eq(e2e_upstream_count(up, key), 2, "bob executed once more");
+    e2e_resp_free(&a);
+    e2e_resp_free(&b);
+    e2e_resp_free(&c);
+    free(alice1);
+    free(alice2);
+    free(bob);
+}
+
+Test(jwt, refused_tokens_are_401_and_nothing_is_forwarded)
+{
+    struct e2e_upstream *up;
+    struct e2e_gw *gw = start(&up);
+    long now = (long)time(NULL);
+    char pl[600];
+    struct {
+        const char *what;
+        char *authz;
+    } cases[12];
+    size_t n = 0;
+    cases[n++] = (typeof(cases[0])){"expired", token_for("alice", -120, NULL)};
+    snprintf(pl, sizeof pl, ",\"nbf\":%ld", now + 300);
+    cases[n++] = (typeof(cases[0])){"not yet valid", token_for("alice", 600, pl)};
+    snprintf(pl, sizeof pl, "{\"sub\":\"alice\",\"iss\":\"https://evil.test\",\"aud\":\"payments\",\"exp\":%ld}",
+             now + 600);
+    cases[n++] = (typeof(cases[0])){"wrong issuer", bearer("{\"alg\":\"HS256\"}", pl, SECRET)};
+    snprintf(pl, sizeof pl, "{\"sub\":\"alice\",\"iss\":\"https://auth.test\",\"aud\":\"ledger\",\"exp\":%ld}",
+             now + 600);
+    cases[n++] = (typeof(cases[0])){"wrong audience", bearer("{\"alg\":\"HS256\"}", pl, SECRET)};
+    snprintf(pl, sizeof pl, "{\"sub\":\"alice\",\"iss\":\"https://auth.test\",\"aud\":\"payments\",\"exp\":%ld}",
+             now + 600);
+    cases[n++] = (typeof(cases[0])){"bad signature",
+                                    bearer("{\"alg\":\"HS256\"}", pl, "another-secret-of-at-least-32-bytes-xxxxxxx")};
+    char h[64], p[1024], *none = malloc(1200);
+    b64url((const unsigned char *)"{\"alg\":\"none\"}", 14, h);
+    b64url((const unsigned char *)pl, strlen(pl), p);
+    snprintf(none, 1200, "Authorization: Bearer %s.%s.", h, p);
+    cases[n++] = (typeof(cases[0])){"alg none", none};
+    cases[n++] = (typeof(cases[0])){"malformed", strdup("Authorization: Bearer not.a.jwt")};
+    cases[n++] = (typeof(cases[0])){"not bearer", strdup("Authorization: Basic YWxpY2U6cHc=")};
+    snprintf(pl, sizeof pl, "{\"iss\":\"https://auth.test\",\"aud\":\"payments\",\"exp\":%ld}", now + 600);
+    cases[n++] = (typeof(cases[0])){"no sub claim", bearer("{\"alg\":\"HS256\"}", pl, SECRET)};
+    cases[n++] = (typeof(cases[0])){"missing", NULL};
+    for (size_t i = 0; i < n; i++) {
+        char key[96];
+        e2e_mkkey(key, sizeof key, "jwtbad");
+        struct e2e_resp r;
+        post(gw, key, cases[i].authz, "{}", &r);
+        cr_expect_eq(r.status, 401, "%s: %ld %s", cases[i].what, r.status, (const char *)r.body);
+        cr_expect(e2e_resp_is_problem(&r, "invalid-credentials"), "%s: %s", cases[i].what, (const char *)r.body);
+        cr_expect_not_null(e2e_resp_header(&r, "WWW-Authenticate"), "%s", cases[i].what);
+        e2e_resp_free(&r);
+        /* 401 before any 400: no key at all still gets 401 with a bad token */
+        post(gw, NULL, cases[i].authz, "{}", &r);
+        cr_expect_eq(r.status, 401, "%s without a key: %ld", cases[i].what, r.status);
+        e2e_resp_free(&r);
+        free(cases[i].authz);
+    }
+    cr_expect_eq(e2e_upstream_count(up, NULL), 0, "nothing was forwarded");
+    /* a valid token without a key is the route's 400 */
+    char *ok = token_for("alice", 600, NULL);
+    struct e2e_resp r;
+    post(gw, NULL, ok, "{}", &r);
+    cr_expect(e2e_resp_is_problem(&r, "idempotency-key-missing"), "%ld %s", r.status, (const char *)r.body);
+    e2e_resp_free(&r);
+    free(ok);
+    char *log = e2e_gw_log(gw);
+    cr_expect_null(strstr(log, "Bearer "), "a token reached the log");
+    free(log);
+}
