@@ -35,7 +35,7 @@ unset IDEMGATE_POSTGRES_URL IDEMGATE_REDIS_URL IDEMGATE_ADMIN_TOKEN
 
 sources() {
     case "$1" in
-    key | fp) echo "common/common.c gateway/idem.c" ;;
+    key | fp) echo "common/common.c gateway/idem.c gateway/jwt.c" ;;
     resp | hdrs) echo "common/common.c" ;;
     conf) echo "common/common.c conf/conf.c" ;;
     path) echo "common/common.c common/uri.c" ;;
@@ -47,6 +47,7 @@ sources() {
 extra_libs() {
     case "$1" in
     h1) pkg-config --libs libcurl libevent ;;
+    key | fp) pkg-config --libs jansson ;;
     esac
 }
 
