@@ -23,6 +23,13 @@ die() {
     exit 1
 }
 answers() { timeout 10 docker version --format '{{.Server.Version}}' >/dev/null 2>&1; }
+# What a stopped daemon leaves mounted (its network namespace file, overlays of a killed one), deepest first.
+unmount_all() {
+    local m
+    awk -v d="$DIR/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r | while read -r m; do
+        umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || echo "dockerd.sh: cannot unmount $m" >&2
+    done
+}
 alive() { [ -f "$PIDF" ] && kill -0 "$(cat "$PIDF")" 2>/dev/null; }
 
 case "$cmd" in
@@ -56,6 +63,7 @@ start)
     ;;
 stop)
     if ! alive; then
+        unmount_all
         rm -rf "$DIR/exec" "$DIR/run"
         exit 0
     fi
@@ -77,6 +85,7 @@ stop)
         sleep 2
         kill -KILL "$cpid" 2>/dev/null || true
     fi
+    unmount_all
     rm -rf "$DIR/exec" "$DIR/run"
     ;;
 env)
