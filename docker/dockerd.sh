@@ -56,8 +56,12 @@ start)
         kill -0 "$pid" 2>/dev/null || break
         sleep 0.5
     done
-    kill -TERM "$pid" 2>/dev/null || true
-    echo "dockerd.sh: dockerd did not start within 60 s; the end of $LOG:" >&2
+    if kill -0 "$pid" 2>/dev/null; then
+        kill -TERM "$pid" 2>/dev/null || true
+        echo "dockerd.sh: dockerd did not answer within 60 s; the end of $LOG:" >&2
+    else
+        echo "dockerd.sh: dockerd exited at start; the end of $LOG:" >&2
+    fi
     tail -n 15 "$LOG" >&2 || true
     exit 1
     ;;

@@ -12,6 +12,7 @@ RUN mkdir -p /etc/postgresql-common \
  && install -d -o postgres -g postgres -m 0700 /var/lib/postgresql/data
 COPY postgres-entrypoint.sh /usr/local/bin/postgres-entrypoint
 ENV PATH=/usr/lib/postgresql/15/bin:$PATH PGDATA=/var/lib/postgresql/data/pgdata
+LABEL org.idemgate.stage=postgres
 USER postgres
 VOLUME /var/lib/postgresql/data
 STOPSIGNAL SIGINT

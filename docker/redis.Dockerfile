@@ -6,6 +6,7 @@ FROM ${BASE}
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server \
  && rm -rf /var/lib/apt/lists/*
+LABEL org.idemgate.stage=redis
 USER redis
 WORKDIR /var/lib/redis
 # A filter and replay cache only (Postgres is the authority): nothing is saved.

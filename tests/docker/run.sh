@@ -148,6 +148,11 @@ t=$SECONDS
 COMPOSE_TIMEOUT=1200 compose build >"$WORK/build.log" 2>&1 ||
     fatal "docker-compose build (gateway, postgres, redis images)" "$WORK/build.log"
 pass "docker-compose build (gateway, postgres, redis images)"
+# Untagged images of the stack (the build stage of docker/Dockerfile, which is the layer cache, and images a
+# new build took the tag from): keep what this build used, drop what older builds left.
+for id in $(docker images -q --filter dangling=true --filter label=org.idemgate.stage | sort -u); do
+    grep -q -e "---> $id" "$WORK/build.log" || docker rmi "$id" >/dev/null 2>&1
+done
 timing build $((SECONDS - t))
 
 # ---- the README's command, in the foreground as a user runs it (its output goes to a log)
