@@ -105,9 +105,10 @@ command -v docker-compose >/dev/null || need+=(docker-compose)
 command -v debootstrap >/dev/null || need+=(debootstrap)
 if [ ${#need[@]} -gt 0 ]; then
     say "installing ${need[*]}"
-    inst() { DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q --no-install-recommends "${need[@]}"; }
+    inst() { DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q \
+        -o DPkg::Lock::Timeout=120 --no-install-recommends "${need[@]}"; }
     if ! inst >"$WORK/apt.log" 2>&1; then
-        timeout 300 apt-get update -q >>"$WORK/apt.log" 2>&1
+        timeout 300 apt-get update -q -o DPkg::Lock::Timeout=120 >>"$WORK/apt.log" 2>&1
         inst >>"$WORK/apt.log" 2>&1 || {
             tail -n 10 "$WORK/apt.log"
             skip "apt-get could not install ${need[*]}"
@@ -128,7 +129,10 @@ say "dockerd: $(docker version --format '{{.Server.Version}}' 2>/dev/null) at $D
 
 # ---- images
 t=$SECONDS
-check "base image idemgate-base:bookworm (docker/base-image.sh)" bash docker/base-image.sh
+bash docker/base-image.sh >"$WORK/base.log" 2>&1 ||
+    fatal "base image idemgate-base:bookworm (docker/base-image.sh)" "$WORK/base.log"
+cat "$WORK/base.log"
+pass "base image idemgate-base:bookworm (docker/base-image.sh)"
 timing base $((SECONDS - t))
 
 # Free loopback ports for the five services (bound together, so they differ, then released).
