@@ -235,6 +235,8 @@ if [ -z "$suite" ]; then
     extra_stage chaos services tests/chaos/run.sh --short
     # The README's run command, end to end (its own Postgres/Redis in .run/, the replay demo, then stop).
     extra_stage demo no-services scripts/run.sh --no-wait --no-deps
+    # docker/compose.yaml with the README's command on a private bridge-less dockerd (skips where Docker cannot run).
+    extra_stage docker no-services tests/docker/run.sh
 fi
 
 cleanup

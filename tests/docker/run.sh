@@ -1,0 +1,263 @@
+#!/usr/bin/env bash
+# run.sh - the docker stage: builds and starts docker/compose.yaml with the README's command on a private,
+# bridge-less Docker daemon, runs the README's curl demo against it, and takes it down; ends with
+# `docker: N passed, N failed`.
+#
+#   tests/docker/run.sh
+#
+# Installs docker.io, docker-compose and debootstrap with apt-get when missing. Skips (`docker: 0 passed,
+# 0 failed` and `skipped: <reason>`) only where Docker cannot run here: not root, nothing installable, or a
+# daemon that does not start. Every service listens on free random ports of 127.0.0.1 (host network). It stops
+# everything it started, also on failure: the stack (`down -v`: containers and the volume) and dockerd when it
+# was not running before. Images stay in the daemon's data root as the cache: IDEMGATE_DOCKER_DIR (default
+# /var/cache/idemgate-docker).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd -P)
+cd "$ROOT" || exit 1
+export IDEMGATE_DOCKER_DIR=${IDEMGATE_DOCKER_DIR:-/var/cache/idemgate-docker}
+# The builder Debian 12's docker.io uses by default (BuildKit only from Docker 23), whatever client is on PATH.
+export DOCKER_BUILDKIT=0
+DOCKERD_SH=$ROOT/docker/dockerd.sh
+COMPOSE_FILE_REL=docker/compose.yaml
+PROJECT=idemgatetest
+PASS=0
+FAIL=0
+OWN_DOCKERD=0
+UP_PID=
+STACK_UP=0
+WORK=$(mktemp -d /tmp/idemgate-docker-test.XXXXXX)
+T_START=$SECONDS
+TIMINGS=()
+
+say() { echo "docker/run.sh: $*"; }
+pass() {
+    PASS=$((PASS + 1))
+    echo "  ok   $*"
+}
+failed() {
+    FAIL=$((FAIL + 1))
+    echo "  FAIL $*"
+}
+# check NAME COMMAND...: one assertion, counted.
+check() {
+    local name=$1
+    shift
+    if "$@"; then pass "$name"; else failed "$name"; fi
+}
+timing() { TIMINGS+=("$(printf '%-8s %4d s' "$1" "$2")"); }
+compose() { timeout "${COMPOSE_TIMEOUT:-120}" docker-compose -p "$PROJECT" -f "$COMPOSE_FILE_REL" "$@"; }
+
+summary() {
+    if [ ${#TIMINGS[@]} -gt 0 ]; then
+        say "timings:"
+        printf '  %s\n' "${TIMINGS[@]}"
+    fi
+    say "total $((SECONDS - T_START)) s"
+    echo "docker: $PASS passed, $FAIL failed"
+}
+# fatal NAME LOG: a failed step the rest cannot run without: count it, show the end of LOG, stop here.
+fatal() {
+    failed "$1"
+    tail -n 40 "$2"
+    summary
+    exit 1
+}
+skip() {
+    say "skipped: $*"
+    echo "docker: 0 passed, 0 failed"
+    echo "skipped: $*"
+    exit 0
+}
+
+# shellcheck disable=SC2317 # called from the EXIT trap
+cleanup() {
+    trap '' INT TERM HUP PIPE
+    if [ "$STACK_UP" = 1 ]; then
+        say "cleanup: docker-compose down -v"
+        COMPOSE_TIMEOUT=90 compose down -v --remove-orphans >"$WORK/down-cleanup.log" 2>&1 ||
+            tail -n 20 "$WORK/down-cleanup.log"
+        STACK_UP=0
+    fi
+    if [ -n "$UP_PID" ]; then
+        kill -TERM "$UP_PID" 2>/dev/null
+        timeout 10 tail --pid="$UP_PID" -f /dev/null
+        kill -KILL "$UP_PID" 2>/dev/null
+        wait "$UP_PID" 2>/dev/null
+        UP_PID=
+    fi
+    if [ "$OWN_DOCKERD" = 1 ]; then
+        say "cleanup: stopping the dockerd this stage started"
+        bash "$DOCKERD_SH" stop
+        OWN_DOCKERD=0
+    fi
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'say interrupted; echo "docker: $PASS passed, $((FAIL + 1)) failed"; exit 130' INT TERM HUP
+
+# ---- what the stage needs: root, the packages, a daemon
+[ "$(id -u)" = 0 ] || skip "needs root to start its own dockerd"
+t=$SECONDS
+need=()
+command -v dockerd >/dev/null || need+=(docker.io)
+command -v docker-compose >/dev/null || need+=(docker-compose)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+if [ ${#need[@]} -gt 0 ]; then
+    say "installing ${need[*]}"
+    inst() { DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q \
+        -o DPkg::Lock::Timeout=120 --no-install-recommends "${need[@]}"; }
+    if ! inst >"$WORK/apt.log" 2>&1; then
+        timeout 300 apt-get update -q -o DPkg::Lock::Timeout=120 >>"$WORK/apt.log" 2>&1
+        inst >>"$WORK/apt.log" 2>&1 || {
+            tail -n 10 "$WORK/apt.log"
+            skip "apt-get could not install ${need[*]}"
+        }
+    fi
+fi
+command -v docker >/dev/null || skip "no docker client after installing docker.io"
+timing install $((SECONDS - t))
+
+t=$SECONDS
+eval "$(bash "$DOCKERD_SH" env)"
+if ! timeout 10 docker version >/dev/null 2>&1; then
+    bash "$DOCKERD_SH" start >/dev/null || skip "dockerd does not start on this machine (see $IDEMGATE_DOCKER_DIR/dockerd.log)"
+    OWN_DOCKERD=1
+fi
+timing dockerd $((SECONDS - t))
+say "dockerd: $(docker version --format '{{.Server.Version}}' 2>/dev/null) at $DOCKER_HOST (started here: $OWN_DOCKERD)"
+
+# ---- images
+t=$SECONDS
+bash docker/base-image.sh >"$WORK/base.log" 2>&1 ||
+    fatal "base image idemgate-base:bookworm (docker/base-image.sh)" "$WORK/base.log"
+cat "$WORK/base.log"
+pass "base image idemgate-base:bookworm (docker/base-image.sh)"
+timing base $((SECONDS - t))
+
+# Free loopback ports for the five services (bound together, so they differ, then released).
+read -r HTTP_PORT ADMIN_PORT UP_PORT PG_PORT REDIS_PORT < <(python3 -c '
+import socket
+ss = [socket.socket() for _ in range(5)]
+for s in ss: s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in ss))')
+export IDEMGATE_HTTP_PORT=$HTTP_PORT IDEMGATE_ADMIN_PORT=$ADMIN_PORT IDEMGATE_UPSTREAM_PORT=$UP_PORT \
+    IDEMGATE_PG_PORT=$PG_PORT IDEMGATE_REDIS_PORT=$REDIS_PORT
+say "ports on 127.0.0.1: gateway $HTTP_PORT, admin $ADMIN_PORT, upstream $UP_PORT, postgres $PG_PORT, redis $REDIS_PORT"
+
+# What a run killed earlier may have left behind.
+compose down -v --remove-orphans >/dev/null 2>&1
+
+t=$SECONDS
+COMPOSE_TIMEOUT=1200 compose build >"$WORK/build.log" 2>&1 ||
+    fatal "docker-compose build (gateway, postgres, redis images)" "$WORK/build.log"
+pass "docker-compose build (gateway, postgres, redis images)"
+# Untagged images of the stack (the build stage of docker/Dockerfile, which is the layer cache, and images a
+# new build took the tag from): keep what this build used, drop what older builds left.
+for id in $(docker images -q --filter dangling=true --filter label=org.idemgate.stage | sort -u); do
+    grep -q -e "---> $id" "$WORK/build.log" || docker rmi "$id" >/dev/null 2>&1
+done
+timing build $((SECONDS - t))
+
+# ---- the README's command, in the foreground as a user runs it (its output goes to a log)
+t=$SECONDS
+STACK_UP=1
+timeout 900 docker-compose -p "$PROJECT" -f "$COMPOSE_FILE_REL" up --build >"$WORK/up.log" 2>&1 &
+UP_PID=$!
+services=(postgres redis upstream idemgate)
+# healthy_count: how many of the stack's containers report healthy (one docker call).
+healthy_count() {
+    docker ps --filter "label=com.docker.compose.project=$PROJECT" --format '{{.Status}}' 2>/dev/null |
+        grep -c '(healthy)'
+}
+healthy=0
+for _ in $(seq 1 240); do
+    healthy=$(healthy_count)
+    [ "$healthy" = ${#services[@]} ] && break
+    kill -0 "$UP_PID" 2>/dev/null || break
+    sleep 0.5
+done
+[ "$healthy" = ${#services[@]} ] ||
+    fatal "up --build: $healthy of ${#services[@]} services healthy after $((SECONDS - t)) s" "$WORK/up.log"
+pass "up --build: postgres, redis, upstream and idemgate healthy in $((SECONDS - t)) s"
+timing up $((SECONDS - t))
+
+# ---- the README's curl demo
+t=$SECONDS
+GW=http://127.0.0.1:$HTTP_PORT
+# post N BODY: the demo request; status in $WORK/status.N, headers in hdr.N, body in body.N.
+post() {
+    curl -sS --max-time 10 -X POST "$GW/v1/payments" -H 'Idempotency-Key: demo-1' \
+        -H 'Authorization: Bearer tenant-a' -d "$2" -D "$WORK/hdr.$1" -o "$WORK/body.$1" -w '%{http_code}' \
+        >"$WORK/status.$1" 2>"$WORK/curl.$1" || echo "curl: $(cat "$WORK/curl.$1")" >&2
+}
+status_is() { [ "$(cat "$WORK/status.$1" 2>/dev/null)" = "$2" ]; }
+has_header() { grep -qi "^$2: $3"$'\r'"\?$" "$WORK/hdr.$1"; }
+upstream_count() { curl -sS --max-time 5 "http://127.0.0.1:$UP_PORT/_test/count?key=demo-1" 2>/dev/null; }
+
+post 1 '{"amount":42}'
+check "first POST: 200" status_is 1 200
+not_replayed() { ! grep -qi '^Idempotent-Replayed:' "$WORK/hdr.1"; }
+check "first POST: not a replay" not_replayed
+check "first POST: executed upstream once (testupstream count)" test "$(upstream_count)" = 1
+post 2 '{"amount":42}'
+check "same POST again: 200" status_is 2 200
+check "same POST again: Idempotent-Replayed: true" has_header 2 Idempotent-Replayed true
+check "same POST again: body byte-identical to the first" cmp -s "$WORK/body.1" "$WORK/body.2"
+check "same POST again: not executed upstream again" test "$(upstream_count)" = 1
+post 3 '{"amount":43}'
+check "other body, same key: 422" status_is 3 422
+check "other body, same key: idempotency-key-mismatch" grep -q 'idempotency-key-mismatch' "$WORK/body.3"
+check "other body, same key: not executed upstream" test "$(upstream_count)" = 1
+
+ready=$(curl -sS --max-time 5 -w ' %{http_code}' "http://127.0.0.1:$ADMIN_PORT/readyz" 2>&1)
+ready_up() { [[ "$ready" == *'"postgres":"up"'*'"redis":"up"'*" 200" ]]; }
+check "/readyz: 200 with Postgres and Redis up" ready_up
+rows=$(compose exec -T postgres psql -h /tmp -p "$PG_PORT" -U postgres -d idemgate -tAc \
+    "SELECT count(*) FROM idemgate_keys WHERE key = 'demo-1' AND state = 'completed'" 2>&1)
+check "the record is in the stack's Postgres (completed rows: $rows)" test "$rows" = 1
+
+# The record outlives the gateway container: a restarted gateway replays it from Postgres.
+if COMPOSE_TIMEOUT=60 compose restart idemgate >"$WORK/restart.log" 2>&1; then
+    for _ in $(seq 1 60); do
+        curl -fsS --max-time 2 -o /dev/null "http://127.0.0.1:$ADMIN_PORT/readyz" 2>/dev/null && break
+        sleep 0.5
+    done
+fi
+post 4 '{"amount":42}'
+replayed_again() {
+    status_is 4 200 && has_header 4 Idempotent-Replayed true && cmp -s "$WORK/body.1" "$WORK/body.4" &&
+        test "$(upstream_count)" = 1
+}
+check "after a gateway restart: replayed, byte-identical, not executed again" replayed_again
+compose logs --no-color idemgate >"$WORK/gw.log" 2>&1
+log_clean() { [ -s "$WORK/gw.log" ] && ! grep -q -e tenant-a -e amount "$WORK/gw.log"; }
+check "gateway log has no Authorization value and no body" log_clean
+timing demo $((SECONDS - t))
+
+# ---- down -v: everything the stack made goes
+t=$SECONDS
+if COMPOSE_TIMEOUT=90 compose down -v >"$WORK/down.log" 2>&1; then
+    STACK_UP=0
+    pass "docker-compose down -v"
+else
+    failed "docker-compose down -v"
+    tail -n 20 "$WORK/down.log"
+fi
+up_rc=
+if timeout 20 tail --pid="$UP_PID" -f /dev/null; then
+    wait "$UP_PID"
+    up_rc=$?
+    UP_PID=
+fi
+check "the foreground up exits 0 after down (exit ${up_rc:-still running after 20 s})" test "$up_rc" = 0
+left=$(docker ps -aq --filter "label=com.docker.compose.project=$PROJECT" | wc -l)
+check "no container of the stack left ($left)" test "$left" = 0
+left=$(docker volume ls -q --filter "label=com.docker.compose.project=$PROJECT" | wc -l)
+check "no volume of the stack left ($left)" test "$left" = 0
+nets=$(docker network ls --format '{{.Name}}' | grep -v -x -e host -e none -e bridge | tr '\n' ' ')
+check "no network made (host networking only): '${nets}'" test -z "$nets"
+timing down $((SECONDS - t))
+
+summary
+[ "$FAIL" = 0 ]
