@@ -22,6 +22,10 @@
 #define PG_MAX_REQUEUE      3 /* then a rolled-back query gets STORE_PG_TRANSIENT */
 #define PG_MULTI_MAX_PARAMS 16
 #define PG_MULTI_MAX_BYTES  (64u << 20) /* one array parameter of a multi-row statement */
+/* Every connection runs its transactions at READ COMMITTED whatever the
+ * database's or role's default is: the claim's read-back and the batches'
+ * rerun rules assume it. */
+#define PG_SESSION_SQL "SET default_transaction_isolation = 'read committed'"
 
 enum conn_state {
     C_DOWN,       /* no connection, none scheduled (opened on demand) */
@@ -52,6 +56,7 @@ struct pg_query {
     enum store_pg_status deferred_st;
     const char *deferred_msg;
     bool no_multi;     /* its multi-row statement failed once: run it alone */
+    bool alone;        /* the COMMIT of its batch failed: run it in a transaction of its own */
     unsigned requeues; /* times put back after its batch rolled back */
 };
 
@@ -76,7 +81,8 @@ struct pg_conn {
     /* The statements sent for it: statement i covers batch[sfirst[i]] and
      * the sn[i] - 1 queries after it (sn > 1: the multi-row form). */
     unsigned *sfirst, *sn;
-    PGresult **bres; /* first result of each statement */
+    PGresult **bres;    /* first result of each statement */
+    PGresult *sync_res; /* an error after the last statement: the implicit COMMIT failed at Sync */
     unsigned nsent;
     unsigned nread;
     uint64_t busy_since_ms; /* when the batch was sent */
@@ -91,6 +97,7 @@ struct store_pg {
     struct event_base *base;
     struct store_pg_opts opts;
     char *conninfo;
+    char *init_sql;     /* PG_SESSION_SQL, then opts.init_sql */
     char **multi_names; /* per statement: name of its multi-row form, or NULL */
     struct pg_conn *conns;
     unsigned n_up;         /* READY or BUSY */
@@ -311,6 +318,8 @@ static void conn_close(struct pg_conn *c)
             c->bres[i] = NULL;
         }
     }
+    PQclear(c->sync_res);
+    c->sync_res = NULL;
     if (c->pg) {
         PQfinish(c->pg);
         c->pg = NULL;
@@ -355,6 +364,8 @@ static void batch_fail(struct pg_conn *c, enum store_pg_status st, const char *m
             c->bres[i] = NULL;
         }
     }
+    PQclear(c->sync_res);
+    c->sync_res = NULL;
     for (unsigned i = 0; i < c->nbatch; i++) {
         struct pg_query *q = c->batch[i];
         c->batch[i] = NULL;
@@ -669,6 +680,8 @@ static void batch_done(struct pg_conn *c)
         sn[i] = c->sn[i];
         c->bres[i] = NULL;
     }
+    PGresult *sync_res = c->sync_res;
+    c->sync_res = NULL;
     c->nbatch = c->nsent = c->nread = 0;
     const char *fail_msg = NULL;
     enum store_pg_status fail_st = STORE_PG_OK;
@@ -681,6 +694,23 @@ static void batch_done(struct pg_conn *c)
             fail_st = st;
             fail_msg = msg;
         }
+    }
+    /* Every statement succeeded but the COMMIT failed (a deferred constraint,
+     * a serialization failure at commit): the whole transaction rolled back.
+     * Alone, the query gets that error; in a batch nobody knows whose row
+     * caused it, so every query runs again in a transaction of its own. */
+    bool commit_failed = failed == ns && sync_res;
+    char commit_msg[256] = "";
+    if (commit_failed) {
+        const char *msg = NULL;
+        fail_st = classify(sync_res, &msg);
+        snprintf(commit_msg, sizeof commit_msg, "postgres commit failed: %s", msg ? msg : "?");
+        fail_msg = commit_msg;
+        if (fail_st == STORE_PG_OK)
+            fail_st = STORE_PG_SQL_ERROR;
+        cm_log(CM_WARN, "postgres_commit_failed", "conn=%u batch=%u status=%s", c->idx, n,
+               store_pg_status_name(fail_st));
+        failed = 0;
     }
     char lost[256] = "";
     if (PQstatus(c->pg) == CONNECTION_BAD) {
@@ -695,7 +725,16 @@ static void batch_done(struct pg_conn *c)
             struct pg_query *q = qs[sfirst[i] + j];
             q->where = Q_NEW;
             q->conn = NULL;
-            if (failed == ns && sn[i] == 1) {
+            if (commit_failed && n > 1 && fail_st != STORE_PG_TRANSPORT) {
+                if (++q->requeues > PG_MAX_REQUEUE) {
+                    q_finish(q, STORE_PG_TRANSIENT, NULL, "postgres batch rolled back at commit");
+                } else {
+                    q->alone = true;
+                    qs[nback++] = q;
+                }
+            } else if (commit_failed) {
+                q_finish(q, fail_st, NULL, fail_msg);
+            } else if (failed == ns && sn[i] == 1) {
                 q_finish(q, STORE_PG_OK, rs[i], NULL);
             } else if (failed == ns) {
                 PGresult *mine = split_rows(rs[i], (long)j + 1);
@@ -716,6 +755,7 @@ static void batch_done(struct pg_conn *c)
         if (rs[i])
             PQclear(rs[i]);
     }
+    PQclear(sync_res);
     for (unsigned i = nback; i-- > 0;) {
         qs[i]->where = Q_QUEUED;
         ql_push_head(&p->queue, qs[i]);
@@ -764,10 +804,13 @@ static void conn_io_busy(struct pg_conn *c, short what)
                 setup_done(c);
                 return;
             }
-            if (!c->res)
-                c->res = r;
-            else
+            if (!c->res || (PQresultStatus(c->res) == PGRES_COMMAND_OK && PQresultStatus(r) != PGRES_COMMAND_OK)) {
+                if (c->res)
+                    PQclear(c->res);
+                c->res = r; /* the first result, or the first error of a multi-statement init */
+            } else {
                 PQclear(r);
+            }
             continue;
         }
         if (!r) { /* the end of one statement's results */
@@ -782,6 +825,9 @@ static void conn_io_busy(struct pg_conn *c, short what)
         }
         if (c->nread < c->nsent && !c->bres[c->nread])
             c->bres[c->nread] = r;
+        else if (c->nread >= c->nsent && !c->sync_res && PQresultStatus(r) != PGRES_COMMAND_OK &&
+                 PQresultStatus(r) != PGRES_TUPLES_OK)
+            c->sync_res = r; /* after every statement, before the Sync: the COMMIT failed */
         else
             PQclear(r);
     }
@@ -1010,7 +1056,7 @@ static unsigned take_batch(struct store_pg *p, struct pg_query **qs, size_t want
     unsigned n = 0;
     while (p->queue.head && n < want) {
         struct pg_query *q = p->queue.head;
-        bool batchable = p->opts.stmts[q->stmt].batch_key > 0;
+        bool batchable = p->opts.stmts[q->stmt].batch_key > 0 && !q->alone;
         if (n > 0 && !batchable)
             break;
         ql_remove(&p->queue, q);
@@ -1123,6 +1169,9 @@ struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_
     if (p->opts.size == 0)
         p->opts.size = 1;
     p->conninfo = cm_strdup(opts->conninfo);
+    p->init_sql =
+        cm_asprintf("%s%s%s", PG_SESSION_SQL, opts->init_sql ? "; " : "", opts->init_sql ? opts->init_sql : "");
+    p->opts.init_sql = p->init_sql;
     atomic_init(&p->up, false);
     p->qtv.tv_sec = (time_t)(opts->queue_timeout_ms / 1000);
     p->qtv.tv_usec = (suseconds_t)((opts->queue_timeout_ms % 1000) * 1000);
@@ -1206,6 +1255,7 @@ void store_pg_destroy(struct store_pg *p)
     event_free(p->hold);
     free(p->conns);
     free(p->conninfo);
+    free(p->init_sql);
     free(p);
 }
 
