@@ -882,10 +882,13 @@ static void conn_timer_cb(evutil_socket_t fd, short what, void *arg)
         conn_connect_failed(c, "connect timeout");
 }
 
-/* Orders a batch by statement, then by the rows the statements touch (their
- * first batch_key parameters): queries of one statement on distinct rows sit
- * together (one multi-row statement), rows are locked in the same order by
- * every batch, and queries on the same row keep their order. */
+/* Orders a batch by the rows the statements touch (their first batch_key
+ * parameters), whatever the statement: every batch locks rows in one order
+ * (by statement first, [claim K1, complete K2] against [claim K2, complete
+ * K1] locked in opposite orders and could deadlock). The sort is stable, so
+ * queries on the same row keep their order; neighbours of one statement on
+ * distinct rows go as one multi-row statement, which locks them in that
+ * order too. */
 static int q_row_cmp(const struct store_pg *p, const struct pg_query *a, const struct pg_query *b)
 {
     unsigned ka = p->opts.stmts[a->stmt].batch_key, kb = p->opts.stmts[b->stmt].batch_key;
@@ -899,13 +902,6 @@ static int q_row_cmp(const struct store_pg *p, const struct pg_query *a, const s
             return la < lb ? -1 : 1;
     }
     return 0;
-}
-
-static int q_batch_cmp(const struct store_pg *p, const struct pg_query *a, const struct pg_query *b)
-{
-    if (a->stmt != b->stmt)
-        return a->stmt < b->stmt ? -1 : 1;
-    return q_row_cmp(p, a, b);
 }
 
 /* May q go into its statement's multi-row form? */
@@ -1001,7 +997,7 @@ static void conn_send_batch(struct pg_conn *c, struct pg_query **qs, unsigned n)
     for (unsigned i = 1; i < n; i++) { /* insertion sort: stable, n <= max_batch */
         struct pg_query *q = qs[i];
         unsigned j = i;
-        for (; j > 0 && q_batch_cmp(p, qs[j - 1], q) > 0; j--)
+        for (; j > 0 && q_row_cmp(p, qs[j - 1], q) > 0; j--)
             qs[j] = qs[j - 1];
         qs[j] = q;
     }

@@ -21,8 +21,9 @@ struct store_pg;
  * while every connection is busy, batchable queries wait together, and the
  * next free connection sends up to max_batch of them in one pipeline with one
  * Sync, so they share one implicit transaction (one commit, one round trip).
- * A batch is ordered by statement, then by those N parameters (rows locked
- * in one order); it commits or rolls back as a whole.
+ * A batch is ordered by those N parameters whatever the statement (every
+ * batch locks rows in one order); it commits or rolls back as a whole, the
+ * COMMIT included.
  * multi_sql (optional, batchable statements with binary parameters): the same
  * statement for several distinct rows at once, each parameter an array
  * (multi_types) of the queries' values, each result row led by the 1-based

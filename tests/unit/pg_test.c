@@ -59,8 +59,8 @@ static char *query_text(PGconn *c, const char *sql)
 
 /* ---- the pool under test */
 
-enum { S_INSERT, S_SLEEP, S_LONE, S_ISO, S__N };
-static char sql_insert[160], sql_insert_multi[320], sql_lone[160];
+enum { S_INSERT, S_SLEEP, S_LONE, S_ISO, S_TOUCH, S__N };
+static char sql_insert[160], sql_insert_multi[320], sql_lone[160], sql_touch[160];
 static const Oid int4_type[] = {OID_INT4};
 static const Oid int4_array_type[] = {OID_INT4_ARRAY};
 static struct store_pg_stmt stmts[S__N];
@@ -119,6 +119,8 @@ static void setup_pool(struct fixture *f, const char *name, unsigned max_batch)
         (struct store_pg_stmt){"t_insert", sql_insert, 1, int4_type, 1, sql_insert_multi, int4_array_type};
     stmts[S_SLEEP] = (struct store_pg_stmt){"t_sleep", "SELECT pg_sleep(0.3)", 0, NULL, 0, NULL, NULL};
     stmts[S_LONE] = (struct store_pg_stmt){"t_lone", sql_lone, 1, int4_type, 0, NULL, NULL};
+    snprintf(sql_touch, sizeof sql_touch, "UPDATE %s SET id = id WHERE k = $1", table);
+    stmts[S_TOUCH] = (struct store_pg_stmt){"t_touch", sql_touch, 1, int4_type, 1, NULL, NULL};
     stmts[S_ISO] = (struct store_pg_stmt){
         "t_iso", "SELECT current_setting('transaction_isolation'), current_setting('default_transaction_isolation')",
         0,       NULL,
@@ -491,5 +493,45 @@ Test(pg_batch, transactions_run_at_read_committed_whatever_the_default)
     cr_expect_str_eq(s, "serializable", "without the pool's setting: %s", s);
     free(s);
     PQfinish(c);
+    teardown_pool(&f);
+}
+
+/* Rows are locked in one order by every batch whatever the statements: by key first. [insert 20, touch 10] and
+ * [insert 10, touch 20] (two kinds, as [claim K1, complete K2] against [claim K2, complete K1]) must both run key 10
+ * first; sorted by statement first they lock in opposite orders and can deadlock. */
+Test(pg_batch, a_batch_locks_rows_by_key_whatever_the_statement)
+{
+    struct fixture f;
+    setup_pool(&f, "lockorder", 16);
+    char sql[1024];
+    snprintf(sql, sizeof sql,
+             "DROP TABLE IF EXISTS %s_l; CREATE TABLE %s_l (id bigserial, what text, k int);"
+             "CREATE OR REPLACE FUNCTION %s_lf() RETURNS trigger LANGUAGE plpgsql AS"
+             " $$BEGIN INSERT INTO %s_l (what, k) VALUES (lower(TG_OP), NEW.k); RETURN NULL; END$$;"
+             "CREATE TRIGGER %s_lt AFTER INSERT OR UPDATE ON %s FOR EACH ROW EXECUTE FUNCTION %s_lf();"
+             "INSERT INTO %s (k) VALUES (10), (20), (30), (40)",
+             table, table, table, table, table, table, table, table);
+    exec_ok(f.admin, sql);
+    snprintf(sql, sizeof sql, "TRUNCATE %s_l", table);
+    exec_ok(f.admin, sql);
+    wait_up(&f);
+    struct result rs[6] = {0};
+    occupy(&f, &rs[0]);
+    insert(&f, S_INSERT, 50, &rs[1]);
+    insert(&f, S_TOUCH, 10, &rs[2]);
+    run_until(&f, rs, 3);
+    occupy(&f, &rs[3]);
+    insert(&f, S_TOUCH, 40, &rs[4]);
+    insert(&f, S_INSERT, 5, &rs[5]);
+    run_until(&f, rs + 3, 3);
+    for (int i = 0; i < 6; i++)
+        cr_expect_eq(rs[i].st, STORE_PG_OK, "query %d: %s", i, store_pg_status_name(rs[i].st));
+    snprintf(sql, sizeof sql, "SELECT string_agg(what || k, ',' ORDER BY id) FROM %s_l", table);
+    char *s = query_text(f.admin, sql);
+    cr_expect_str_eq(s, "update10,insert50,insert5,update40", "row order of the two batches: %s", s);
+    free(s);
+    snprintf(sql, sizeof sql, "DROP TABLE IF EXISTS %s_l CASCADE; DROP FUNCTION IF EXISTS %s_lf() CASCADE", table,
+             table);
+    exec_ok(f.admin, sql);
     teardown_pool(&f);
 }
