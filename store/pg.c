@@ -58,6 +58,7 @@ struct pg_query {
     bool no_multi;     /* its multi-row statement failed once: run it alone */
     bool alone;        /* the COMMIT of its batch failed: run it in a transaction of its own */
     unsigned requeues; /* times put back after its batch rolled back */
+    int backend_pid;   /* of the connection it was last sent on (0: never sent) */
 };
 
 struct pg_conn {
@@ -107,6 +108,9 @@ struct store_pg {
     bool reported;         /* a state was logged */
     bool reported_up;      /* the state logged last */
     atomic_bool up;
+    int cb_pid; /* backend_pid of the query being called back */
+    void (*on_up)(void *arg);
+    void *on_up_arg;
     struct qlist queue;
     struct qlist deferred;
     struct event *hold;             /* dispatch again once the held queries have waited PG_HOLD_MS */
@@ -216,7 +220,11 @@ static void q_finish(struct pg_query *q, enum store_pg_status st, const PGresult
     if (st != STORE_PG_OK)
         cm_metric_store_error(CM_STORE_POSTGRES);
     evtimer_del(q->timer);
+    struct store_pg *p = q->pool;
+    int saved = p->cb_pid;
+    p->cb_pid = q->backend_pid;
     q->cb(q->arg, st, st == STORE_PG_OK ? res : NULL, msg ? msg : store_pg_status_name(st));
+    p->cb_pid = saved;
     q_free(q);
 }
 
@@ -495,6 +503,7 @@ static void conn_ready(struct pg_conn *c)
         return;
     }
     evtimer_del(c->timer);
+    bool was_down = p->n_up == 0;
     set_state(c, C_READY);
     c->backoff_ms = BACKOFF_MIN_MS;
     p->attempted = true;
@@ -502,6 +511,8 @@ static void conn_ready(struct pg_conn *c)
     conn_watch(c, EV_READ);
     update_up(p, NULL);
     dispatch(p);
+    if (was_down && p->on_up)
+        p->on_up(p->on_up_arg);
 }
 
 static void conn_connected(struct pg_conn *c)
@@ -1030,10 +1041,12 @@ static void conn_send_batch(struct pg_conn *c, struct pg_query **qs, unsigned n)
         conn_dead(c, PQerrorMessage(c->pg));
         return;
     }
+    int pid = PQbackendPID(c->pg);
     for (unsigned i = 0; i < n; i++) {
         c->batch[i] = qs[i];
         qs[i]->where = Q_RUNNING;
         qs[i]->conn = c;
+        qs[i]->backend_pid = pid;
         evtimer_add(qs[i]->timer, p->rtimeout);
     }
     c->nbatch = n;
@@ -1299,6 +1312,17 @@ void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param
     ql_push_tail(&p->queue, q);
     evtimer_add(q->timer, p->qtimeout);
     dispatch(p);
+}
+
+int store_pg_cb_backend_pid(const struct store_pg *p)
+{
+    return p ? p->cb_pid : 0;
+}
+
+void store_pg_on_up(struct store_pg *p, void (*cb)(void *arg), void *arg)
+{
+    p->on_up = cb;
+    p->on_up_arg = arg;
 }
 
 bool store_pg_up(const struct store_pg *p)

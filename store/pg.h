@@ -103,6 +103,16 @@ void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param
  * Thread-safe. */
 bool store_pg_up(const struct store_pg *p);
 
+/* Inside a store_pg_cb: the server process id of the connection the query
+ * was last sent on, 0 when it was never sent (it cannot have run). A query
+ * that failed with STORE_PG_TIMEOUT or STORE_PG_TRANSPORT may still commit
+ * while that server process lives. */
+int store_pg_cb_backend_pid(const struct store_pg *p);
+
+/* cb (may be NULL) runs on the loop each time a connection becomes ready
+ * while none was up before: Postgres answers again. */
+void store_pg_on_up(struct store_pg *p, void (*cb)(void *arg), void *arg);
+
 /* Decoders for binary results (big-endian). */
 int64_t store_pg_get_i64(const PGresult *res, int row, int col);
 int32_t store_pg_get_i32(const PGresult *res, int row, int col);

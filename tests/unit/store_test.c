@@ -395,7 +395,7 @@ static struct dres release(struct env *e, const struct req *r, uint64_t token)
 {
     struct dres d = {0};
     struct store_id id = mkid(r);
-    store_release(e->s, &id, token, done_cb, &d);
+    store_release(e->s, &id, token, 0, done_cb, &d);
     pump(e, &d.done, 10000);
     cr_assert(d.done);
     return d;
@@ -405,7 +405,7 @@ static struct dres mark_unknown(struct env *e, const struct req *r, uint64_t tok
 {
     struct dres d = {0};
     struct store_id id = mkid(r);
-    store_mark_unknown(e->s, &id, token, lease_ms, done_cb, &d);
+    store_mark_unknown(e->s, &id, token, lease_ms, 0, done_cb, &d);
     pump(e, &d.done, 10000);
     cr_assert(d.done);
     return d;
@@ -469,7 +469,7 @@ Test(store, migrate_is_idempotent)
 {
     migrate();
     migrate();
-    cr_assert_eq(psql_long("SELECT max(version) FROM idemgate_schema_version"), 1);
+    cr_assert_eq(psql_long("SELECT max(version) FROM idemgate_schema_version"), 2);
     /* primary key (route, key, scope), expires_at (cleaner), in-flight created_at (stuck gauge) */
     cr_assert_eq(psql_long("SELECT count(*) FROM pg_indexes WHERE tablename = 'idemgate_keys'"
                            " AND schemaname = current_schema()"),
@@ -514,7 +514,7 @@ Test(store, migrate_concurrently_from_three_processes)
     cr_assert_eq(psql_long(sql), 2);
     free(sql);
     sql = cm_asprintf("SELECT count(*) FROM %s.idemgate_schema_version", schema);
-    cr_assert_eq(psql_long(sql), 1);
+    cr_assert_eq(psql_long(sql), 2); /* versions 1 and 2, once each */
     free(sql);
     sql = cm_asprintf("DROP SCHEMA %s CASCADE", schema);
     free(psql(pg_url(), sql));
@@ -784,6 +784,31 @@ Test(store, orphaned_claim_becomes_unknown)
     cr_assert_eq(claim(&e, &r).v, STORE_NEW);
     wait_ms(&e, 350);
     cr_assert_eq(claim(&e, &r).v, STORE_UNKNOWN);
+    env_close(&e);
+}
+
+/* Retention applies to completed records only: an unknown outcome (marked, or an orphaned claim whose lease lapsed)
+ * past its retention still answers unknown on a reject route; it is never treated as new. */
+Test(store, unknown_outcomes_never_expire_into_new)
+{
+    migrate();
+    struct env e;
+    env_open(&e, pg_url(), NULL, 2);
+    char key[64], key2[64];
+    unique_key(key, sizeof key, "unk-ret");
+    unique_key(key2, sizeof key2, "orph-ret");
+    struct req r = basic_req(key), o = basic_req(key2);
+    r.lease_ms = o.lease_ms = 100;
+    r.retention_ms = o.retention_ms = 300;
+    struct cres c = claim(&e, &r);
+    cr_assert_eq(c.v, STORE_NEW);
+    cr_assert_eq(mark_unknown(&e, &r, c.token, 100).rows, 1);
+    cr_assert_eq(claim(&e, &o).v, STORE_NEW);
+    wait_ms(&e, 600);
+    struct cres c2 = claim(&e, &r);
+    cr_expect_eq(c2.v, STORE_UNKNOWN, "unknown outcome past retention: %s", store_verdict_name(c2.v));
+    struct cres c3 = claim(&e, &o);
+    cr_expect_eq(c3.v, STORE_UNKNOWN, "orphaned claim past retention: %s", store_verdict_name(c3.v));
     env_close(&e);
 }
 
@@ -1468,8 +1493,9 @@ Test(store, admin_list_release_purge)
 Test(store, cleaner_deletes_expired_and_counts_stuck, .timeout = 30)
 {
     migrate();
-    char key[64];
+    char key[64], ukey[64];
     unique_key(key, sizeof key, "clean");
+    unique_key(ukey, sizeof ukey, "clean-unk");
     char route[48];
     snprintf(route, sizeof route, "stuck_%016llx", (unsigned long long)cm_random_token());
     const char *names[] = {route};
@@ -1480,7 +1506,20 @@ Test(store, cleaner_deletes_expired_and_counts_stuck, .timeout = 30)
         struct req r = basic_req(key);
         r.lease_ms = 10;
         r.retention_ms = 10;
-        cr_assert_eq(claim(&e, &r).v, STORE_NEW);
+        struct cres c = claim(&e, &r);
+        cr_assert_eq(c.v, STORE_NEW);
+        struct cm_resp resp;
+        sample_resp(&resp);
+        cr_assert_eq(complete(&e, &r, c.token, &resp, 500).rows, 1);
+        cm_resp_free(&resp);
+        /* an unknown outcome past its retention and lease: the cleaner must keep it */
+        struct req u = basic_req(ukey);
+        u.route = route;
+        u.lease_ms = 10;
+        u.retention_ms = 10;
+        struct cres cu = claim(&e, &u);
+        cr_assert_eq(cu.v, STORE_NEW);
+        cr_assert_eq(mark_unknown(&e, &u, cu.token, 10).rows, 1);
         env_close(&e);
     }
     char *sql = cm_asprintf("INSERT INTO idemgate_keys (route, scope, key, fingerprint, state, token, lease_until,"
@@ -1518,6 +1557,10 @@ Test(store, cleaner_deletes_expired_and_counts_stuck, .timeout = 30)
     cr_assert(gone, "the expired record was not deleted");
     cr_assert(counted, "stuck gauge not set");
     free(want);
+    free(sql);
+    sql = cm_asprintf("SELECT count(*) FROM idemgate_keys WHERE route = '%s' AND key = '%s' AND state = 'unknown'",
+                      route, ukey);
+    cr_expect_eq(psql_long(sql), 1, "the cleaner deleted an unknown outcome past its retention");
     free(sql);
     sql = cm_asprintf("DELETE FROM idemgate_keys WHERE route = '%s'", route);
     free(psql(pg_url(), sql));
