@@ -1052,16 +1052,22 @@ static bool settle_retry_later(struct owner_op *w, enum store_pg_status st)
     return true;
 }
 
-/* Postgres answers again: every settle operation waiting for its next try goes now. */
+/* Postgres answers again: every settle operation waiting for its next try
+ * is sent now, ahead of any claim that arrives after this (a retry on an
+ * on_unknown: retry route must not take over a lease that lapsed while
+ * Postgres was away from an owner that holds the answer). */
 static void settle_kick(struct store *s)
 {
-    static const struct timeval zero = {0, 0};
-    for (struct op *o = s->ops; o; o = o->next) {
+    struct op *next;
+    for (struct op *o = s->ops; o; o = next) {
+        next = o->next;
         if (o->kind != OP_COMPLETE && o->kind != OP_RELEASE && o->kind != OP_MARK_UNKNOWN)
             continue;
         struct owner_op *w = (struct owner_op *)o;
-        if (w->timer && evtimer_pending(w->timer, NULL))
-            evtimer_add(w->timer, &zero);
+        if (w->timer && evtimer_pending(w->timer, NULL)) {
+            evtimer_del(w->timer);
+            settle_timer_cb(-1, 0, w);
+        }
     }
 }
 
