@@ -108,7 +108,9 @@ struct store_pg {
     bool reported;         /* a state was logged */
     bool reported_up;      /* the state logged last */
     atomic_bool up;
-    int cb_pid; /* backend_pid of the query being called back */
+    atomic_uint_least64_t ok_ms; /* the server last answered then (a result, a new connection) */
+    atomic_bool failing;         /* a connection broke, failed to connect or timed out after that */
+    int cb_pid;                  /* backend_pid of the query being called back */
     void (*on_up)(void *arg);
     void *on_up_arg;
     struct qlist queue;
@@ -242,6 +244,17 @@ static void q_defer_fail(struct store_pg *p, struct pg_query *q, enum store_pg_s
 
 /* ---- up/down bookkeeping */
 
+static void mark_ok(struct store_pg *p)
+{
+    atomic_store(&p->ok_ms, cm_now_ms());
+    atomic_store(&p->failing, false);
+}
+
+static void mark_failing(struct store_pg *p)
+{
+    atomic_store(&p->failing, true);
+}
+
 /* why: the last connection error, for the log line of a transition to down. */
 static void update_up(struct store_pg *p, const char *why)
 {
@@ -352,6 +365,7 @@ static void conn_connect_failed(struct pg_conn *c, const char *why_in)
     /* why_in may point into the PGconn that conn_close frees */
     snprintf(why, sizeof why, "%s", why_in ? why_in : "?");
     cm_log(CM_DEBUG, "postgres_connect_failed", "conn=%u error=%s", c->idx, cm_log_quote(msg, sizeof msg, why));
+    mark_failing(p);
     conn_close(c);
     conn_backoff(c);
     p->attempted = true;
@@ -390,6 +404,7 @@ static void conn_dead(struct pg_conn *c, const char *why_in)
     char msg[256], why[256];
     snprintf(why, sizeof why, "%s", why_in ? why_in : "?");
     cm_log(CM_WARN, "postgres_connection_lost", "conn=%u error=%s", c->idx, cm_log_quote(msg, sizeof msg, why));
+    mark_failing(p);
     batch_fail(c, STORE_PG_TRANSPORT, "postgres connection lost");
     conn_close(c);
     conn_backoff(c);
@@ -504,6 +519,7 @@ static void conn_ready(struct pg_conn *c)
     }
     evtimer_del(c->timer);
     bool was_down = p->n_up == 0;
+    mark_ok(p);
     set_state(c, C_READY);
     c->backoff_ms = BACKOFF_MIN_MS;
     p->attempted = true;
@@ -693,6 +709,8 @@ static void batch_done(struct pg_conn *c)
     }
     PGresult *sync_res = c->sync_res;
     c->sync_res = NULL;
+    if (PQstatus(c->pg) != CONNECTION_BAD)
+        mark_ok(p); /* the server answered the whole batch */
     c->nbatch = c->nsent = c->nread = 0;
     const char *fail_msg = NULL;
     enum store_pg_status fail_st = STORE_PG_OK;
@@ -1159,6 +1177,7 @@ static void query_timer_cb(evutil_socket_t fd, short what, void *arg)
         struct pg_conn *c = q->conn;
         cm_log(CM_WARN, "postgres_query_timeout", "conn=%u stmt=%s batch=%u", c->idx, p->opts.stmts[q->stmt].name,
                c->nbatch);
+        mark_failing(p);
         batch_fail(c, STORE_PG_TIMEOUT, "postgres query timeout");
         conn_close(c);
         conn_start(c);
@@ -1182,6 +1201,8 @@ struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_
         cm_asprintf("%s%s%s", PG_SESSION_SQL, opts->init_sql ? "; " : "", opts->init_sql ? opts->init_sql : "");
     p->opts.init_sql = p->init_sql;
     atomic_init(&p->up, false);
+    atomic_init(&p->ok_ms, 0);
+    atomic_init(&p->failing, true);
     p->qtv.tv_sec = (time_t)(opts->queue_timeout_ms / 1000);
     p->qtv.tv_usec = (suseconds_t)((opts->queue_timeout_ms % 1000) * 1000);
     p->rtv.tv_sec = (time_t)(opts->run_timeout_ms / 1000);
@@ -1312,6 +1333,20 @@ void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param
     ql_push_tail(&p->queue, q);
     evtimer_add(q->timer, p->qtimeout);
     dispatch(p);
+}
+
+bool store_pg_healthy(const struct store_pg *p, uint64_t max_age_ms)
+{
+    struct store_pg *m = (struct store_pg *)p;
+    if (!p || atomic_load(&m->failing))
+        return false;
+    uint64_t ok = atomic_load(&m->ok_ms);
+    return ok > 0 && cm_now_ms() - ok <= max_age_ms;
+}
+
+uint64_t store_pg_last_ok_ms(const struct store_pg *p)
+{
+    return p ? atomic_load(&((struct store_pg *)p)->ok_ms) : 0;
 }
 
 int store_pg_cb_backend_pid(const struct store_pg *p)

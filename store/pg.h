@@ -103,6 +103,13 @@ void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param
  * Thread-safe. */
 bool store_pg_up(const struct store_pg *p);
 
+/* True when the server answered within max_age_ms (a result, a new
+ * connection) and no connection broke, failed to connect or timed out since.
+ * Thread-safe. store_pg_last_ok_ms: when it last answered (cm_now_ms; 0:
+ * never). */
+bool store_pg_healthy(const struct store_pg *p, uint64_t max_age_ms);
+uint64_t store_pg_last_ok_ms(const struct store_pg *p);
+
 /* Inside a store_pg_cb: the server process id of the connection the query
  * was last sent on, 0 when it was never sent (it cannot have run). A query
  * that failed with STORE_PG_TIMEOUT or STORE_PG_TRANSPORT may still commit

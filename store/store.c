@@ -29,6 +29,9 @@
 #define DOUBT_MAX               1024 /* claims in doubt remembered per store (loop) */
 #define DOUBT_BACKOFF_MIN_MS    100
 #define DOUBT_BACKOFF_MAX_MS    2000
+#define PROBE_EVERY_MS          300  /* the health probe's period */
+#define PROBE_IDLE_MS           250  /* pings only when Postgres has not answered anything for this long */
+#define HEALTHY_WITHIN_MS       1000 /* /readyz: the last answer is at most this old */
 #define COMPLETE_BACKOFF_MIN_MS 50
 #define COMPLETE_BACKOFF_MAX_MS 1000
 #define CLEAN_FIRST_MS          1000
@@ -108,6 +111,7 @@ enum stmt_id {
     S_STUCK,
     S_DOUBT_ALIVE,
     S_DOUBT_RELEASE,
+    S_PING,
     S__COUNT
 };
 
@@ -261,6 +265,7 @@ static const struct store_pg_stmt stmts[S__COUNT] = {
     [S_STUCK] = {"idg_stuck", sql_stuck, 0, NULL, 0, NULL, NULL},
     [S_DOUBT_ALIVE] = {"idg_doubt_alive", sql_doubt_alive, 2, doubt_alive_types, 0, NULL, NULL},
     [S_DOUBT_RELEASE] = {"idg_doubt_release", sql_doubt_release, 4, release_types, 3, NULL, NULL},
+    [S_PING] = {"idg_ping", "SELECT 1", 0, NULL, 0, NULL, NULL},
 };
 
 /* ---- the store */
@@ -292,6 +297,8 @@ struct store {
     struct event *doubt_timer;
     uint64_t doubt_backoff_ms;
     bool doubt_busy; /* a query for doubt_head runs */
+    struct event *probe_timer;
+    bool probing; /* a ping runs */
 };
 
 /* A claim whose commit outcome the gateway does not know (its statement
@@ -1521,6 +1528,35 @@ static void clean_timer_cb(evutil_socket_t fd, short what, void *arg)
     store_pg_query(s->pg, S_CLEAN, NULL, 0, 1, clean_cb, s);
 }
 
+/* ---- health probe: Postgres answered within HEALTHY_WITHIN_MS */
+
+static void probe_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct store *s = arg;
+    (void)st; /* the pool records answers and failures itself */
+    (void)pr;
+    (void)msg;
+    s->probing = false;
+}
+
+/* Every PROBE_EVERY_MS: a cheap SELECT 1 when nothing else showed that the
+ * server answers (a busy pool proves it with every result). */
+static void probe_timer_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct store *s = arg;
+    (void)fd;
+    (void)what;
+    if (s->probing || cm_now_ms() - store_pg_last_ok_ms(s->pg) < PROBE_IDLE_MS)
+        return;
+    s->probing = true;
+    store_pg_query(s->pg, S_PING, NULL, 0, 1, probe_cb, s);
+}
+
+bool store_postgres_healthy(const struct store *s)
+{
+    return s && store_pg_healthy(s->pg, HEALTHY_WITHIN_MS);
+}
+
 /* ---- life cycle */
 
 /* Postgres answers again: what waited for it goes now. */
@@ -1564,8 +1600,11 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
     store_pg_on_up(s->pg, store_pg_back, s);
     s->clean_timer = evtimer_new(base, clean_timer_cb, s);
     s->doubt_timer = evtimer_new(base, doubt_timer_cb, s);
-    if (!s->clean_timer || !s->doubt_timer)
+    s->probe_timer = event_new(base, -1, EV_PERSIST, probe_timer_cb, s);
+    if (!s->clean_timer || !s->doubt_timer || !s->probe_timer)
         abort();
+    static const struct timeval probe_tv = {0, PROBE_EVERY_MS * 1000};
+    event_add(s->probe_timer, &probe_tv);
     s->doubt_backoff_ms = DOUBT_BACKOFF_MIN_MS;
     clean_schedule(s, CLEAN_FIRST_MS);
     return s;
@@ -1577,6 +1616,7 @@ void store_destroy(struct store *s)
         return;
     event_free(s->clean_timer);
     event_free(s->doubt_timer);
+    event_free(s->probe_timer);
     /* Both drop their pending callbacks; then the operations that waited on them go. */
     store_pg_destroy(s->pg);
     store_rd_destroy(s->rd);

@@ -30,8 +30,11 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
 /* Closes everything; pending operations are dropped without callbacks. */
 void store_destroy(struct store *s);
 
-/* Thread-safe readers for /readyz and metrics. */
+/* Thread-safe readers for /readyz and metrics. store_postgres_healthy: this
+ * store's pool heard from Postgres within the last second (a health probe
+ * pings it every 300 ms when nothing else did) and found no fault since. */
 bool store_postgres_up(const struct store *s);
+bool store_postgres_healthy(const struct store *s);
 bool store_redis_up(const struct store *s); /* false when Redis is not configured */
 bool store_redis_enabled(const struct store *s);
 

@@ -284,3 +284,76 @@ Test(pgfaults, the_lease_is_renewed_while_the_completion_is_retried, .fini = res
     cr_expect_eq(replays, 1, "the retry replays once the owner's completion is stored");
     cr_expect_eq(e2e_upstream_count(up, key), 1, "one execution");
 }
+
+/* ---- 5. /readyz tells the truth within a second, for every loop */
+
+/* Two loops, no traffic (idle connections that have not noticed anything): after pg-stop, /readyz answers 503
+ * within 1.5 s, ten times out of ten; after pg-start, 200 again. */
+Test(pgfaults, readyz_covers_every_loop_within_a_second, .fini = restore_postgres, .timeout = 240)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start(up, 2, 4, "key: required\n");
+    int in_time = 0;
+    for (int i = 0; i < 10; i++) {
+        cr_assert(e2e_gw_readyz_wait(gw, 200, 15000), "round %d: /readyz not 200 with Postgres up (last %ld)", i,
+                  e2e_gw_readyz(gw));
+        e2e_sleep_ms(400); /* every loop idle, probed */
+        cr_assert_eq(e2e_services("pg-stop"), 0, "pg-stop failed");
+        uint64_t t0 = e2e_now_ms();
+        bool down = e2e_gw_readyz_wait(gw, 503, 1500);
+        uint64_t took = e2e_now_ms() - t0;
+        if (down)
+            in_time++;
+        else
+            cr_log_error("round %d: /readyz still %ld %llu ms after pg-stop", i, e2e_gw_readyz(gw),
+                         (unsigned long long)took);
+        struct e2e_resp r;
+        e2e_get(gw->admin_port, "/readyz", &r);
+        if (r.status == 503)
+            cr_expect(strstr((const char *)r.body, "\"postgres\":\"down\"") != NULL, "body: %.200s",
+                      (const char *)r.body);
+        e2e_resp_free(&r);
+        cr_assert_eq(e2e_services("pg-start"), 0, "pg-start failed");
+    }
+    cr_expect_eq(in_time, 10, "/readyz went 503 within 1.5 s of pg-stop in %d of 10 rounds", in_time);
+    cr_expect(e2e_gw_readyz_wait(gw, 200, 15000), "/readyz 200 again after pg-start (last %ld)", e2e_gw_readyz(gw));
+}
+
+static int paused_pids[16];
+static int npaused;
+
+static void resume_all(void)
+{
+    for (int i = 0; i < npaused; i++)
+        (void)kill(paused_pids[i], SIGCONT);
+    npaused = 0;
+}
+
+/* The server processes of the gateway's connections are paused (a black-holed server: no FIN, no answer): within
+ * 1.5 s /readyz says so, however idle the loops are; resumed, 200 again. */
+Test(pgfaults, readyz_notices_a_server_that_stopped_answering, .fini = resume_all)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start(up, 2, 4, "key: required\n");
+    cr_assert(e2e_gw_readyz_wait(gw, 200, 15000), "/readyz not 200 with Postgres up");
+    e2e_sleep_ms(500);
+    char *s = psql("SELECT string_agg(pid::text, ' ') FROM pg_stat_activity WHERE application_name = 'idemgate'"
+                   " AND backend_type = 'client backend'");
+    for (char *p = s; *p && npaused < 16;) {
+        char *end = NULL;
+        long pid = strtol(p, &end, 10);
+        if (end == p)
+            break;
+        paused_pids[npaused++] = (int)pid;
+        p = end;
+    }
+    free(s);
+    cr_assert_geq(npaused, 2, "expected a connection per loop, got %d", npaused);
+    for (int i = 0; i < npaused; i++)
+        cr_assert_eq(kill(paused_pids[i], SIGSTOP), 0);
+    uint64_t t0 = e2e_now_ms();
+    cr_expect(e2e_gw_readyz_wait(gw, 503, 1500), "/readyz still %ld %llu ms after the server stopped answering",
+              e2e_gw_readyz(gw), (unsigned long long)(e2e_now_ms() - t0));
+    resume_all();
+    cr_expect(e2e_gw_readyz_wait(gw, 200, 15000), "/readyz 200 again once it answers (last %ld)", e2e_gw_readyz(gw));
+}
