@@ -42,6 +42,7 @@
 #define ADMIN_JSON_MAX          (4u << 20)
 #define RESP_BLOB_MAX           ((size_t)1 << 30)
 #define RKEY_LEN                (4 + 64)
+#define MARKER_LEN              41 /* "F" + fingerprint + token */
 #define MIGRATE_LOCK_ID         "7251983046512"
 #define SCHEMA_VERSION          2
 
@@ -331,7 +332,9 @@ struct claim_op {
     bool takeover;
     uint64_t token;
     int attempts;
-    bool marker_ours;               /* our SET NX placed the in-flight marker */
+    bool marker_ours;         /* our SET NX placed the in-flight marker */
+    uint8_t seen[MARKER_LEN]; /* the marker SET NX GET found instead (a cache refill compares against it) */
+    bool seen_marker;
     uint64_t sent_wall_ms;          /* the last attempt was sent then */
     int doubt_pids[CLAIM_ATTEMPTS]; /* attempts that may have committed (timeout, connection lost) */
     int ndoubt;
@@ -461,14 +464,6 @@ static void be64(uint8_t out[8], uint64_t v)
     }
 }
 
-static uint64_t get_be64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v = (v << 8) | p[i];
-    return v;
-}
-
 static void be32(uint8_t out[4], uint32_t v)
 {
     out[0] = (uint8_t)(v >> 24);
@@ -555,11 +550,30 @@ static void redis_pexpire(struct store *s, const char *rkey, uint64_t ms)
     redis_fire(s, 3, argv, lens);
 }
 
+/* The in-flight marker a claim places with SET NX: "F" + fingerprint +
+ * token. It never answers anything by itself (Postgres decides every
+ * verdict but a cached replay); it is what a cache write compares against. */
+static void make_marker(uint8_t out[MARKER_LEN], const uint8_t fp[32], uint64_t token)
+{
+    out[0] = 'F';
+    memcpy(out + 1, fp, 32);
+    be64(out + 33, token);
+}
+
+/* Writes the value only while the key still holds what the writer saw:
+ * an admin purge that deleted the record and then the Redis key in between
+ * (or anybody else who changed it) wins, and the purged answer is not put
+ * back. */
+static const char redis_cas_lua[] = "if redis.call('GET', KEYS[1]) == ARGV[1] then"
+                                    " return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) else return 0 end";
+
 /* Caches a completed answer: "C" + fingerprint + cm_resp_encode blob, for
- * ttl_ms, then calls cb (may be NULL) once. Returns false, without calling
- * cb, when nothing was sent. */
-static bool redis_cache_then(struct store *s, const char *rkey, const uint8_t fp[32], const void *blob, size_t blob_len,
-                             uint64_t ttl_ms, store_rd_cb cb, void *arg)
+ * ttl_ms, if the key still holds expect (expect_len bytes), then calls cb
+ * (may be NULL) once. Returns false, without calling cb, when nothing was
+ * sent. */
+static bool redis_cache_then(struct store *s, const char *rkey, const void *expect, size_t expect_len,
+                             const uint8_t fp[32], const void *blob, size_t blob_len, uint64_t ttl_ms, store_rd_cb cb,
+                             void *arg)
 {
     if (!s->rd || ttl_ms == 0 || !store_rd_up(s->rd))
         return false;
@@ -569,17 +583,11 @@ static bool redis_cache_then(struct store *s, const char *rkey, const uint8_t fp
     memcpy(val + 33, blob, blob_len);
     char px[24];
     snprintf(px, sizeof px, "%llu", (unsigned long long)ttl_ms);
-    const char *argv[5] = {"SET", rkey, val, "PX", px};
-    size_t lens[5] = {3, strlen(rkey), 1 + 32 + blob_len, 2, strlen(px)};
-    bool sent = store_rd_command(s->rd, cb, arg, 5, argv, lens);
+    const char *argv[7] = {"EVAL", redis_cas_lua, "1", rkey, expect, val, px};
+    size_t lens[7] = {4, sizeof redis_cas_lua - 1, 1, strlen(rkey), expect_len, 1 + 32 + blob_len, strlen(px)};
+    bool sent = store_rd_command(s->rd, cb, arg, 7, argv, lens);
     free(val);
     return sent;
-}
-
-static void redis_cache(struct store *s, const char *rkey, const uint8_t fp[32], const void *blob, size_t blob_len,
-                        uint64_t ttl_ms)
-{
-    (void)redis_cache_then(s, rkey, fp, blob, blob_len, ttl_ms, NULL, NULL);
 }
 
 /* ---- claim */
@@ -687,9 +695,14 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
             return;
         }
         res.verdict = STORE_REPLAY;
-        /* Redis missed it (flushed, evicted, down): put it back. */
+        /* Redis missed it (flushed, evicted, down): put it back, only over
+         * the marker this claim placed or saw (a purge meanwhile removed it). */
         uint64_t ttl = (uint64_t)store_pg_get_i64(pr, 0, 6);
-        redis_cache(s, c->rkey, c->fp, blob, blob_len, ttl);
+        uint8_t mine[MARKER_LEN];
+        make_marker(mine, c->fp, c->token);
+        if (c->marker_ours || c->seen_marker)
+            (void)redis_cache_then(s, c->rkey, c->marker_ours ? mine : c->seen, MARKER_LEN, c->fp, blob, blob_len, ttl,
+                                   NULL, NULL);
         claim_finish(c, &res);
         return;
     }
@@ -755,25 +768,16 @@ static void claim_redis_cb(void *arg, const struct redisReply *reply)
                 return;
             }
             cm_resp_free(&res.resp);
-        } else if (v[0] == 'F' && r->len == 41 && same) {
-            /* Our own fingerprint in flight: answer without Postgres only
-             * while the lease written in the marker still runs. */
-            uint64_t until = get_be64(v + 33);
-            uint64_t now = cm_wall_ms();
-            if (until > now) {
-                struct store_claim_res res;
-                memset(&res, 0, sizeof res);
-                cm_resp_init(&res.resp, 0);
-                res.from_redis = true;
-                res.verdict = STORE_IN_FLIGHT;
-                res.lease_remaining_ms = until - now;
-                claim_finish(c, &res);
-                return;
-            }
+        } else if (v[0] == 'F' && r->len == MARKER_LEN) {
+            /* Somebody's in-flight marker. It never answers 409 by itself:
+             * one left by a SET NX that timed out, a claim that failed or a
+             * completion that could not be written would refuse a free key
+             * for up to a lease. Postgres decides; a refill compares to it. */
+            memcpy(c->seen, v, MARKER_LEN);
+            c->seen_marker = true;
         }
     }
-    /* Error, timeout, another fingerprint's marker, stale marker, anything
-     * unexpected: Postgres decides. */
+    /* Error, timeout, a marker, anything unexpected: Postgres decides. */
     claim_pg(c);
 }
 
@@ -796,10 +800,8 @@ void store_claim(struct store *s, const struct store_claim_req *req, store_claim
     redis_key(c->route, c->scope, c->key, c->key_len, c->rkey);
     if (s->rd) {
         /* SET NX GET: places our marker, or returns what is there (Redis >= 7). */
-        uint8_t marker[41];
-        marker[0] = 'F';
-        memcpy(marker + 1, c->fp, 32);
-        be64(marker + 33, cm_wall_ms() + c->lease_ms);
+        uint8_t marker[MARKER_LEN];
+        make_marker(marker, c->fp, c->token);
         char px[24];
         snprintf(px, sizeof px, "%llu", (unsigned long long)c->lease_ms);
         const char *argv[7] = {"SET", c->rkey, (const char *)marker, "NX", "PX", px, "GET"};
@@ -1103,8 +1105,10 @@ static void complete_pg_cb(void *arg, enum store_pg_status st, const PGresult *p
              * until it lands, the in-flight marker would make another
              * instance answer 409 to a retry of an answered request. */
             w->rows = rows;
-            if (redis_cache_then(s, w->rkey, (const uint8_t *)PQgetvalue(pr, 0, 0), w->blob, w->blob_len, ttl,
-                                 complete_cached_cb, w))
+            const uint8_t *fp = (const uint8_t *)PQgetvalue(pr, 0, 0);
+            uint8_t mine[MARKER_LEN];
+            make_marker(mine, fp, w->token);
+            if (redis_cache_then(s, w->rkey, mine, MARKER_LEN, fp, w->blob, w->blob_len, ttl, complete_cached_cb, w))
                 return;
         }
         owner_finish(w, true, rows);
@@ -1241,9 +1245,8 @@ void store_renew(struct store *s, const struct store_id *id, uint64_t token, uin
 {
     struct owner_op *w = owner_new(s, OP_RENEW, id, token, cb, arg);
     w->arg_ms = lease_ms;
-    /* Keep the marker alive as long as the lease (its embedded lease time is
-     * not moved, so Redis stops answering "in flight" by itself after the
-     * first lease and Postgres answers). */
+    /* Keep the marker (what the completion's cache write compares against)
+     * alive as long as the lease. */
     redis_pexpire(s, w->rkey, lease_ms);
     owner_send(w, S_RENEW, owner_pg_cb);
 }

@@ -555,7 +555,7 @@ static void verdicts(const char *redis)
     struct cres c2 = claim(&e, &r);
     cr_assert_eq(c2.v, STORE_IN_FLIGHT, "got %s", store_verdict_name(c2.v));
     cr_assert(c2.lease_ms > 0 && c2.lease_ms <= r.lease_ms, "lease %llu", (unsigned long long)c2.lease_ms);
-    cr_assert_eq(c2.from_redis, redis != NULL, "in flight answered from redis: %d", c2.from_redis);
+    cr_assert_not(c2.from_redis, "an in-flight marker never answers 409 alone: Postgres is asked");
 
     struct req other = r;
     fill(other.fp, 0xb2);
@@ -1052,6 +1052,102 @@ Test(store, two_stores_race_for_one_key)
     env_close(&b);
 }
 
+/* ---- Redis markers and cache refills */
+
+/* The store's Redis key of a record: "idg:" + hex(SHA-256(route NUL scope NUL key)). */
+static void test_rkey(const struct req *r, char out[69])
+{
+    struct cm_sha256 h;
+    uint8_t d[32];
+    cm_sha256_init(&h);
+    cm_sha256_update(&h, r->route, strlen(r->route));
+    cm_sha256_update(&h, "", 1);
+    cm_sha256_update(&h, r->scope, 32);
+    cm_sha256_update(&h, "", 1);
+    cm_sha256_update(&h, r->key, strlen(r->key));
+    cm_sha256_final(&h, d);
+    memcpy(out, "idg:", 4);
+    cm_hex(d, 32, out + 4);
+    out[68] = '\0';
+}
+
+/* A marker left behind (a SET NX whose reply timed out, a claim that failed, a completion that could not be
+ * written) for a key Postgres does not know: the claim must not be refused with 409 on the marker's word. */
+Test(store, a_left_over_marker_never_answers_in_flight_alone)
+{
+    migrate();
+    char *url = redis_url_db(6);
+    struct env e;
+    env_open(&e, pg_url(), url, 2);
+    wait_redis(&e);
+    char key[64], rk[69];
+    unique_key(key, sizeof key, "marker");
+    struct req r = basic_req(key);
+    test_rkey(&r, rk);
+    char marker[42];
+    marker[0] = 'F';
+    memset(marker + 1, 0xa1, 32); /* basic_req's fingerprint */
+    memset(marker + 33, 0x7f, 8); /* whatever follows, far in the future if read as a lease */
+    marker[41] = '\0';
+    const char *argv[] = {"redis-cli", "-u", url, "SET", rk, marker, "PX", "60000", NULL};
+    int st;
+    free(run_cmd(argv, &st));
+    cr_assert_eq(st, 0);
+    struct cres c = claim(&e, &r);
+    cr_expect_eq(c.v, STORE_NEW, "a left-over marker decided: %s", store_verdict_name(c.v));
+    cr_expect_not(c.from_redis);
+    env_close(&e);
+    free(url);
+}
+
+/* A replay served by Postgres refills the cache only while the key still holds the marker the claim placed: an
+ * admin purge that deleted the record and then the Redis key between the claim's read and the refill must not get
+ * the purged answer put back. The purge is simulated: the claim is held on a row lock, the test deletes the key. */
+Test(store, a_cache_refill_never_undoes_a_purge, .timeout = 30)
+{
+    migrate();
+    char *url = redis_url_db(7);
+    struct env e;
+    env_open(&e, pg_url(), url, 2);
+    wait_redis(&e);
+    char key[64], rk[69];
+    unique_key(key, sizeof key, "refill");
+    struct req r = basic_req(key);
+    test_rkey(&r, rk);
+    struct cres c1 = claim(&e, &r);
+    cr_assert_eq(c1.v, STORE_NEW);
+    struct cm_resp resp;
+    sample_resp(&resp);
+    cr_assert_eq(complete(&e, &r, c1.token, &resp, 1000).rows, 1);
+    wait_ms(&e, 100);
+    free(redis_cli(url, "DEL", rk)); /* Redis lost the cached answer */
+    char *sql = cm_asprintf("SELECT 1 FROM idemgate_keys WHERE key = '%s' FOR UPDATE; SELECT pg_sleep(1.5)", key);
+    pid_t locker = psql_background(sql);
+    wait_for_session(key);
+    struct cres c2;
+    memset(&c2, 0, sizeof c2);
+    struct store_claim_req q = mkreq(&r);
+    store_claim(e.s, &q, claim_cb, &c2);
+    wait_ms(&e, 300); /* its marker is in Redis, its statement waits for the lock */
+    char *ex = redis_cli(url, "EXISTS", rk);
+    cr_expect(strncmp(ex, "1", 1) == 0, "the claim's marker is in Redis (EXISTS %s)", ex);
+    free(ex);
+    free(redis_cli(url, "DEL", rk)); /* the purge's DEL */
+    pump(&e, &c2.done, 10000);
+    cr_assert(c2.done);
+    cr_expect_eq(c2.v, STORE_REPLAY, "%s", store_verdict_name(c2.v));
+    wait_ms(&e, 300); /* a refill would have landed */
+    ex = redis_cli(url, "EXISTS", rk);
+    cr_expect(strncmp(ex, "0", 1) == 0, "the refill put the answer back after the purge's DEL (EXISTS %s)", ex);
+    free(ex);
+    psql_wait(locker);
+    free(sql);
+    cres_free(&c2);
+    cm_resp_free(&resp);
+    env_close(&e);
+    free(url);
+}
+
 /* ---- Redis flushed, Redis down, Postgres down */
 
 Test(store, redis_flushed_never_yields_a_new_claim)
@@ -1223,7 +1319,9 @@ Test(store, redis_restart_reconnects_and_stays_correct, .timeout = 60)
     struct req r = basic_req(key);
     struct cres c1 = claim(&e, &r);
     cr_assert_eq(c1.v, STORE_NEW);
-    cr_assert(claim(&e, &r).from_redis);
+    struct cres c1b = claim(&e, &r);
+    cr_assert_eq(c1b.v, STORE_IN_FLIGHT);
+    cr_assert_not(c1b.from_redis, "the marker is there, but Postgres decides");
     stop_redis(rs); /* loses every marker */
     uint64_t end = cm_now_ms() + 3000;
     while (store_redis_up(e.s) && cm_now_ms() < end)
@@ -1239,10 +1337,15 @@ Test(store, redis_restart_reconnects_and_stays_correct, .timeout = 60)
     struct cm_resp resp;
     sample_resp(&resp);
     cr_assert_eq(complete(&e, &r, c1.token, &resp, 500).rows, 1);
+    /* the restarted Redis lost the claim's marker: the completion does not cache (it writes only over its own
+     * marker), the first replay comes from Postgres and refills the cache */
     struct cres c4 = claim(&e, &r);
     cr_assert_eq(c4.v, STORE_REPLAY);
-    cr_assert(c4.from_redis, "the cache works again after the reconnect");
+    struct cres c5 = claim(&e, &r);
+    cr_assert_eq(c5.v, STORE_REPLAY);
+    cr_assert(c5.from_redis, "the cache works again after the reconnect");
     cres_free(&c4);
+    cres_free(&c5);
     cm_resp_free(&resp);
     env_close(&e);
     stop_redis(rs);
