@@ -1690,6 +1690,34 @@ static void migrate_notice(void *arg, const char *message)
     free(m);
 }
 
+/* A claim acknowledged by a primary whose standby had not received it is
+ * gone after a failover: the retry finds no record and executes again. Only a
+ * synchronous standby (synchronous_standby_names set, synchronous_commit not
+ * off or local) makes a failover keep every acknowledged claim. */
+static void failover_check(PGconn *c)
+{
+    PGresult *r = PQexec(c, "SELECT current_setting('synchronous_standby_names'),"
+                            " current_setting('synchronous_commit')");
+    if (r && PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1) {
+        const char *names = PQgetvalue(r, 0, 0), *commit = PQgetvalue(r, 0, 1);
+        bool async = names[0] == '\0' || strcmp(commit, "off") == 0 || strcmp(commit, "local") == 0;
+        if (async) {
+            char qn[256], qc[64];
+            cm_log(CM_WARN, "failover_may_lose_claims",
+                   "synchronous_standby_names=%s synchronous_commit=%s detail=\"without a synchronous standby a"
+                   " failover can lose acknowledged claims: their retries execute again\"",
+                   cm_log_quote(qn, sizeof qn, names), cm_log_quote(qc, sizeof qc, commit));
+        } else {
+            cm_log(CM_INFO, "failover_synchronous", "synchronous_commit=%s", commit);
+        }
+    } else {
+        char q[256];
+        cm_log(CM_WARN, "failover_check_failed", "error=%s",
+               cm_log_quote(q, sizeof q, r ? PQresultErrorMessage(r) : PQerrorMessage(c)));
+    }
+    PQclear(r);
+}
+
 bool store_migrate(const char *postgres_url, uint64_t timeout_ms, char **err)
 {
     char ct[24], stmt_to[64];
@@ -1733,6 +1761,7 @@ bool store_migrate(const char *postgres_url, uint64_t timeout_ms, char **err)
     }
     if (!exec_ok(c, "SELECT pg_advisory_unlock(" MIGRATE_LOCK_ID ")", NULL, err))
         goto fail;
+    failover_check(c);
     PQfinish(c);
     return true;
 fail:

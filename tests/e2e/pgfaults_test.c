@@ -357,3 +357,26 @@ Test(pgfaults, readyz_notices_a_server_that_stopped_answering, .fini = resume_al
     resume_all();
     cr_expect(e2e_gw_readyz_wait(gw, 200, 15000), "/readyz 200 again once it answers (last %ld)", e2e_gw_readyz(gw));
 }
+
+/* ---- 9. the failover readiness warning */
+
+/* The test Postgres has no synchronous standby: a failover could lose acknowledged claims, and the gateway says so
+ * at start (level=warn). */
+Test(pgfaults, a_postgres_without_synchronous_standby_is_warned_about)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start(up, 1, 2, "key: required\n");
+    cr_expect(e2e_gw_log_wait(gw, "event=failover_may_lose_claims", 5000), "no failover warning at start");
+    char *log = e2e_gw_log(gw);
+    const char *line = strstr(log, "event=failover_may_lose_claims");
+    cr_expect(line != NULL);
+    if (line) {
+        const char *bol = line;
+        while (bol > log && bol[-1] != '\n')
+            bol--;
+        cr_expect(strstr(bol, "level=warn") != NULL && strstr(bol, "level=warn") < line, "not a warn line: %.300s",
+                  bol);
+        cr_expect(strstr(line, "synchronous_standby_names=") != NULL, "%.300s", line);
+    }
+    free(log);
+}

@@ -535,3 +535,28 @@ Test(pg_batch, a_batch_locks_rows_by_key_whatever_the_statement)
     exec_ok(f.admin, sql);
     teardown_pool(&f);
 }
+
+/* store.postgres may name several hosts (libpq multi-host, target_session_attrs=read-write, as for a failover
+ * pair): the pool's non-blocking connect goes on to the next host when one refuses (PQconnectPoll changes the
+ * socket) and its queries run. */
+Test(pg_batch, a_multi_host_url_connects_to_the_host_that_answers)
+{
+    struct fixture f;
+    setup_pool(&f, "multi", 16);
+    store_pg_destroy(f.pool);
+    const char *base = getenv("IDEMGATE_TEST_PG_URL");
+    const char *at = strchr(base, '@');
+    cr_assert(at && strncmp(base, "postgresql://", 13) == 0, "unexpected test URL %s", base);
+    char url[512];
+    snprintf(url, sizeof url, "%.*s127.0.0.1:1,%s%starget_session_attrs=read-write", (int)(at + 1 - base), base, at + 1,
+             strchr(base, '?') ? "&" : "?");
+    f.opts.conninfo = url;
+    f.pool = store_pg_create(f.base, &f.opts);
+    wait_up(&f);
+    struct result rs[1] = {0};
+    insert(&f, S_INSERT, 3, &rs[0]);
+    run_until(&f, rs, 1);
+    cr_expect_eq(rs[0].st, STORE_PG_OK, "%s", store_pg_status_name(rs[0].st));
+    cr_expect_eq(rs[0].k, 3);
+    teardown_pool(&f);
+}
