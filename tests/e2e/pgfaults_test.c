@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -379,4 +380,57 @@ Test(pgfaults, a_postgres_without_synchronous_standby_is_warned_about)
         cr_expect(strstr(line, "synchronous_standby_names=") != NULL, "%.300s", line);
     }
     free(log);
+}
+
+/* ---- 1. a COMMIT that fails is not a claim */
+
+static char trigger_fn[64];
+
+static void drop_commit_trigger(void)
+{
+    if (!trigger_fn[0])
+        return;
+    char sql[256];
+    snprintf(sql, sizeof sql, "DROP TRIGGER IF EXISTS %s_t ON idemgate_keys; DROP FUNCTION IF EXISTS %s()", trigger_fn,
+             trigger_fn);
+    free(psql(sql));
+    trigger_fn[0] = '\0';
+}
+
+/* A DEFERRABLE INITIALLY DEFERRED constraint trigger on the keys table refuses this test's keys at COMMIT: the
+ * claim statement succeeds, its transaction does not. The claim is 503 and nothing is forwarded (it was forwarded,
+ * its completion fenced out, and executed again once the marker expired); once the trigger is gone, one
+ * execution. */
+Test(pgfaults, a_claim_whose_commit_fails_forwards_nothing, .fini = drop_commit_trigger)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start(up, 1, 2, "key: required\nlease: 2s\non_unknown: reject\n");
+    char key[96];
+    e2e_mkkey(key, sizeof key, "commitfail");
+    snprintf(trigger_fn, sizeof trigger_fn, "pgf_commit_%ld", (long)getpid());
+    char sql[1024];
+    snprintf(sql, sizeof sql,
+             "CREATE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN IF NEW.key = '%s' THEN"
+             " RAISE EXCEPTION 'refused at commit'; END IF; RETURN NULL; END$$;"
+             "CREATE CONSTRAINT TRIGGER %s_t AFTER INSERT OR UPDATE ON idemgate_keys DEFERRABLE INITIALLY DEFERRED"
+             " FOR EACH ROW EXECUTE FUNCTION %s()",
+             trigger_fn, key, trigger_fn, trigger_fn);
+    free(psql(sql));
+    for (int i = 0; i < 3; i++) {
+        struct e2e_resp r;
+        post(gw->port, "/v1/pay/c", key, "{\"c\":1}", NULL, 10000, &r);
+        e2e_expect_problem(&r, 503, "store-unavailable", "a claim whose COMMIT fails");
+        e2e_resp_free(&r);
+        if (i == 1)
+            e2e_sleep_ms(2200); /* past the lease a Redis marker could have had */
+    }
+    cr_expect_eq(e2e_upstream_count(up, key), 0, "a claim that did not commit must forward nothing");
+    snprintf(sql, sizeof sql, "SELECT count(*) FROM idemgate_keys WHERE key = '%s'", key);
+    cr_expect_eq(psql_long(sql), 0, "no record");
+    drop_commit_trigger();
+    bool replayed = true;
+    long st = post_until_done(gw->port, "/v1/pay/c", key, "{\"c\":1}", 10000, &replayed);
+    cr_expect_eq(st, 200, "without the trigger the key executes (last %ld)", st);
+    cr_expect(!replayed);
+    cr_expect_eq(e2e_upstream_count(up, key), 1, "exactly one execution");
 }
