@@ -787,6 +787,7 @@ static void batch_done(struct pg_conn *c)
     PQclear(sync_res);
     for (unsigned i = nback; i-- > 0;) {
         qs[i]->where = Q_QUEUED;
+        qs[i]->backend_pid = 0; /* it was rolled back: nothing of it can commit any more */
         ql_push_head(&p->queue, qs[i]);
         evtimer_add(qs[i]->timer, p->qtimeout);
     }

@@ -59,8 +59,8 @@ static char *query_text(PGconn *c, const char *sql)
 
 /* ---- the pool under test */
 
-enum { S_INSERT, S_SLEEP, S_LONE, S_ISO, S_TOUCH, S__N };
-static char sql_insert[160], sql_insert_multi[320], sql_lone[160], sql_touch[160];
+enum { S_INSERT, S_SLEEP, S_LONE, S_ISO, S_TOUCH, S_SLOW_A, S_SLOW_B, S__N };
+static char sql_insert[160], sql_insert_multi[320], sql_lone[160], sql_touch[160], sql_slow[160];
 static const Oid int4_type[] = {OID_INT4};
 static const Oid int4_array_type[] = {OID_INT4_ARRAY};
 static struct store_pg_stmt stmts[S__N];
@@ -121,6 +121,10 @@ static void setup_pool(struct fixture *f, const char *name, unsigned max_batch)
     stmts[S_LONE] = (struct store_pg_stmt){"t_lone", sql_lone, 1, int4_type, 0, NULL, NULL};
     snprintf(sql_touch, sizeof sql_touch, "UPDATE %s SET id = id WHERE k = $1", table);
     stmts[S_TOUCH] = (struct store_pg_stmt){"t_touch", sql_touch, 1, int4_type, 1, NULL, NULL};
+    /* two statement kinds that wait 0.2 s before locking their row */
+    snprintf(sql_slow, sizeof sql_slow, "UPDATE %s SET id = id WHERE k = $1 AND pg_sleep(0.2) IS NOT NULL", table);
+    stmts[S_SLOW_A] = (struct store_pg_stmt){"t_slow_a", sql_slow, 1, int4_type, 1, NULL, NULL};
+    stmts[S_SLOW_B] = (struct store_pg_stmt){"t_slow_b", sql_slow, 1, int4_type, 1, NULL, NULL};
     stmts[S_ISO] = (struct store_pg_stmt){
         "t_iso", "SELECT current_setting('transaction_isolation'), current_setting('default_transaction_isolation')",
         0,       NULL,
@@ -558,5 +562,59 @@ Test(pg_batch, a_multi_host_url_connects_to_the_host_that_answers)
     run_until(&f, rs, 1);
     cr_expect_eq(rs[0].st, STORE_PG_OK, "%s", store_pg_status_name(rs[0].st));
     cr_expect_eq(rs[0].k, 3);
+    teardown_pool(&f);
+}
+
+static long deadlocks(PGconn *c)
+{
+    exec_ok(c, "SELECT pg_stat_clear_snapshot()");
+    char *s = query_text(c, "SELECT deadlocks::text FROM pg_stat_database WHERE datname = current_database()");
+    long v = strtol(s, NULL, 10);
+    free(s);
+    return v;
+}
+
+/* The deadlock itself: two pools at once, [A 10, B 20] against [B 10, A 20] (A and B two statement kinds, each
+ * locking its row 0.2 s after it starts). Ordered by statement first the second batch locks 20 then 10 while the
+ * first holds 10 and wants 20: Postgres detects a deadlock (pg_stat_database.deadlocks) and rolls one back. By key,
+ * both lock 10 first: one waits, no deadlock. */
+Test(pg_batch, opposite_batches_do_not_deadlock, .timeout = 60)
+{
+    struct fixture f;
+    setup_pool(&f, "deadlock", 16);
+    char sql[256];
+    snprintf(sql, sizeof sql, "INSERT INTO %s (k) VALUES (10), (20)", table);
+    exec_ok(f.admin, sql);
+    struct store_pg *other = store_pg_create(f.base, &f.opts);
+    wait_up(&f);
+    uint64_t deadline = cm_now_ms() + 15000;
+    while (!store_pg_up(other)) {
+        cr_assert(cm_now_ms() < deadline, "the second pool never came up");
+        event_base_loop(f.base, EVLOOP_ONCE);
+    }
+    long before = deadlocks(f.admin);
+    for (int round = 0; round < 2; round++) {
+        struct result rs[6] = {0};
+        occupy(&f, &rs[0]);
+        store_pg_query(other, S_SLEEP, NULL, 0, 0, query_cb, &rs[3]);
+        insert(&f, S_SLOW_A, 10, &rs[1]);
+        insert(&f, S_SLOW_B, 20, &rs[2]);
+        struct store_pg *keep = f.pool;
+        f.pool = other;
+        insert(&f, S_SLOW_A, 20, &rs[4]);
+        insert(&f, S_SLOW_B, 10, &rs[5]);
+        f.pool = keep;
+        run_until(&f, rs, 6);
+        for (int i = 0; i < 6; i++)
+            cr_expect_eq(rs[i].st, STORE_PG_OK, "round %d query %d: %s", round, i, store_pg_status_name(rs[i].st));
+    }
+    /* the statistics reach pg_stat_database within a second or so */
+    long after = before;
+    for (int i = 0; i < 20 && after == before; i++) {
+        usleep(100000);
+        after = deadlocks(f.admin);
+    }
+    cr_expect_eq(after, before, "%ld deadlocks between the two batches", after - before);
+    store_pg_destroy(other);
     teardown_pool(&f);
 }
