@@ -238,14 +238,16 @@ static const char sql_stuck[] = "SELECT route, count(*)::int8 FROM idemgate_keys
 
 /* Claims in doubt: is a server process that may still commit one of them
  * alive? It is asked to end (a process paused mid-claim would otherwise
- * commit it whenever it resumes); the claim is released only once every
+ * commit it whenever it resumes; only our own role's may be signalled,
+ * another's is waited for); the claim is released only once every
  * such process is gone, so that the release cannot run before the claim's
  * own commit. $2: when the doubtful attempt was sent (ms since the epoch):
  * a process started later reuses the number (a second of clock skew
  * allowed; a reused number only makes the release wait). */
-static const char sql_doubt_alive[] = "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity"
-                                      " WHERE pid = ANY ($1::int4[]) AND pid <> pg_backend_pid()"
-                                      " AND backend_start < to_timestamp($2 / 1000.0) + interval '1 s'";
+static const char sql_doubt_alive[] =
+    "SELECT pid, CASE WHEN usename = current_user THEN pg_terminate_backend(pid) END FROM pg_stat_activity"
+    " WHERE pid = ANY ($1::int4[]) AND pid <> pg_backend_pid()"
+    " AND backend_start < to_timestamp($2 / 1000.0) + interval '1 s'";
 static const Oid doubt_alive_types[] = {OID_INT4_ARRAY, OID_INT8};
 
 /* The release of a claim in doubt: only while it is in flight under its
