@@ -748,12 +748,18 @@ static void batch_done(struct pg_conn *c)
         fail_msg = "postgres connection lost";
         failed = 0;
     }
+    /* The Sync arrived on a live connection: the transaction's outcome is
+     * known (committed, or rolled back: a server-side statement_timeout
+     * included), so no query of it is in doubt. */
+    bool known = !lost[0] && PQstatus(c->pg) != CONNECTION_BAD;
     unsigned nback = 0; /* the queries to run again, in qs[0..nback) (a prefix already handled) */
     for (unsigned i = 0; i < ns; i++) {
         for (unsigned j = 0; j < sn[i]; j++) {
             struct pg_query *q = qs[sfirst[i] + j];
             q->where = Q_NEW;
             q->conn = NULL;
+            if (known)
+                q->backend_pid = 0;
             if (commit_failed && n > 1 && fail_st != STORE_PG_TRANSPORT) {
                 if (++q->requeues > PG_MAX_REQUEUE) {
                     q_finish(q, STORE_PG_TRANSIENT, NULL, "postgres batch rolled back at commit");

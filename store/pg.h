@@ -111,9 +111,10 @@ bool store_pg_healthy(const struct store_pg *p, uint64_t max_age_ms);
 uint64_t store_pg_last_ok_ms(const struct store_pg *p);
 
 /* Inside a store_pg_cb: the server process id of the connection the query
- * was last sent on, 0 when it was never sent (it cannot have run). A query
- * that failed with STORE_PG_TIMEOUT or STORE_PG_TRANSPORT may still commit
- * while that server process lives. */
+ * was last sent on when its outcome is not known, 0 when it is (it was never
+ * sent, or the server ended its transaction: committed or rolled back). A
+ * query that failed with STORE_PG_TIMEOUT or STORE_PG_TRANSPORT and a
+ * non-zero id may still commit while that server process lives. */
 int store_pg_cb_backend_pid(const struct store_pg *p);
 
 /* cb (may be NULL) runs on the loop each time a connection becomes ready

@@ -1407,9 +1407,27 @@ Test(store, postgres_down_fails_fast)
     free(url);
 }
 
+/* A gauge without labels from the rendered registry (-1 when absent). */
+static long gauge(const char *name)
+{
+    struct cm_buf m;
+    cm_buf_init(&m, 1 << 20);
+    cr_assert(cm_metrics_render(&m));
+    long v = -1;
+    char pat[128];
+    snprintf(pat, sizeof pat, "\n%s ", name);
+    const char *p = m.data ? strstr(m.data, pat) : NULL;
+    if (p)
+        v = strtol(p + strlen(pat), NULL, 10);
+    cm_buf_free(&m);
+    return v;
+}
+
 Test(store, query_timeout_fails_and_the_pool_recovers, .timeout = 60)
 {
     migrate();
+    const char *names[] = {"pay"};
+    cm_metrics_init(1, names);
     struct env e;
     env_open(&e, pg_url(), NULL, 2);
     char key[64];
@@ -1426,6 +1444,9 @@ Test(store, query_timeout_fails_and_the_pool_recovers, .timeout = 60)
     uint64_t took = cm_now_ms() - t0;
     cr_assert_eq(c2.v, STORE_UNAVAILABLE, "got %s", store_verdict_name(c2.v));
     cr_assert(took >= 3000 && took < 6500, "took %llu ms", (unsigned long long)took);
+    /* the server cancelled it (statement_timeout): its outcome is known, it is not a claim in doubt (whose check
+     * would find the pool's own, live server process and wait for it forever) */
+    cr_expect_eq(gauge("idemgate_claims_in_doubt"), 0, "a claim the server cancelled is in doubt");
     /* other keys go on meanwhile */
     char key2[64];
     unique_key(key2, sizeof key2, "lock2");
@@ -1437,6 +1458,7 @@ Test(store, query_timeout_fails_and_the_pool_recovers, .timeout = 60)
     struct cres c3 = claim(&e, &r);
     cr_assert_eq(c3.v, STORE_IN_FLIGHT, "got %s", store_verdict_name(c3.v));
     env_close(&e);
+    cm_metrics_reset();
 }
 
 Test(store, killed_connections_are_replaced)
