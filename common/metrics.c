@@ -45,6 +45,7 @@ static _Atomic uint64_t store_errors[CM_STORE__COUNT];
 static _Atomic int postgres_up;
 static _Atomic int redis_up;
 static _Atomic int64_t connections;
+static _Atomic int64_t claims_in_doubt;
 
 static const char *const outcome_names[CM_OUT__COUNT] = {
     [CM_OUT_FORWARDED] = "forwarded",
@@ -117,6 +118,7 @@ static void zero_globals(void)
     atomic_store_explicit(&postgres_up, 0, memory_order_relaxed);
     atomic_store_explicit(&redis_up, 0, memory_order_relaxed);
     atomic_store_explicit(&connections, 0, memory_order_relaxed);
+    atomic_store_explicit(&claims_in_doubt, 0, memory_order_relaxed);
 }
 
 void cm_metrics_reset(void)
@@ -241,6 +243,11 @@ void cm_metric_redis_up(bool up)
 void cm_metric_connections(int64_t delta)
 {
     atomic_fetch_add_explicit(&connections, delta, memory_order_relaxed);
+}
+
+void cm_metric_claims_in_doubt(int64_t delta)
+{
+    atomic_fetch_add_explicit(&claims_in_doubt, delta, memory_order_relaxed);
 }
 
 /* ---- rendering */
@@ -372,7 +379,10 @@ bool cm_metrics_render(struct cm_buf *out)
         !put_gauge(out, "idemgate_redis_up", "1 when Redis answers.",
                    atomic_load_explicit(&redis_up, memory_order_relaxed)) ||
         !put_gauge(out, "idemgate_connections", "Open client connections.",
-                   (long long)atomic_load_explicit(&connections, memory_order_relaxed)))
+                   (long long)atomic_load_explicit(&connections, memory_order_relaxed)) ||
+        !put_gauge(out, "idemgate_claims_in_doubt",
+                   "Claims whose commit outcome is not known yet (nothing was forwarded), waiting to be released.",
+                   (long long)atomic_load_explicit(&claims_in_doubt, memory_order_relaxed)))
         return false;
     return put_family(out, "idemgate_build_info", "gauge", "Build information.") &&
            put_labelled(out, "idemgate_build_info", "version", IDEMGATE_VERSION, 1);

@@ -56,6 +56,8 @@ void cm_metric_store_error(enum cm_store_label st);
 void cm_metric_postgres_up(bool up);
 void cm_metric_redis_up(bool up);
 void cm_metric_connections(int64_t delta); /* idemgate_connections gauge */
+/* idemgate_claims_in_doubt gauge: claims whose commit outcome is not known yet, waiting to be released. */
+void cm_metric_claims_in_doubt(int64_t delta);
 
 /* Appends the whole registry in Prometheus text format (0.0.4) to out.
  * Returns false when out's cap was exceeded. */

@@ -239,7 +239,7 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         return text(c, 200, "application/json", "{\"status\":\"ok\"}\n");
     if (strcmp(url, "/readyz") == 0) {
         struct store *st = gw_loop_store(a->loop);
-        bool pg = store_postgres_up(st) && gw_loop_schema_ready(a->loop);
+        bool pg = gw_loop_postgres_ready(a->loop);
         const char *redis = !store_redis_enabled(st) ? "disabled" : store_redis_up(st) ? "up" : "down";
         char *body = cm_asprintf("{\"status\":\"%s\",\"postgres\":\"%s\",\"redis\":\"%s\"}\n", pg ? "ready" : "unready",
                                  pg ? "up" : "down", redis);

@@ -42,6 +42,9 @@ const struct conf *gw_loop_conf(struct gw_loop *l);
 /* Set once the schema exists; idempotent requests get 503 until then. */
 void gw_loop_set_schema_ready(struct gw_loop *l, bool ready);
 bool gw_loop_schema_ready(struct gw_loop *l);
+/* True when every loop of the process (this one alone when it has no group) has its schema and heard from
+ * Postgres within the last second (store_postgres_healthy). Thread-safe. */
+bool gw_loop_postgres_ready(struct gw_loop *l);
 /* After this, new jobs are answered 503 at once (shutdown past the grace). */
 void gw_loop_set_closing(struct gw_loop *l);
 bool gw_loop_closing(struct gw_loop *l);

@@ -49,6 +49,7 @@ struct gw_loop {
     struct gw_job *active; /* running jobs (loop thread only) */
     atomic_size_t njobs;
     atomic_bool closing;
+    struct gw_loops *group; /* the loops of this process, or NULL (alone) */
 };
 
 static void drain(evutil_socket_t fd, short what, void *arg)
@@ -226,6 +227,20 @@ bool gw_loop_schema_ready(struct gw_loop *l)
     return atomic_load(&l->schema_ready);
 }
 
+/* Every loop's pool must have heard from Postgres within the last second:
+ * one loop whose idle connections have not noticed a stop yet must not
+ * answer for the others. */
+bool gw_loop_postgres_ready(struct gw_loop *l)
+{
+    size_t n = l->group ? l->group->n : 1;
+    for (size_t i = 0; i < n; i++) {
+        struct gw_loop *x = l->group ? l->group->v[i] : l;
+        if (!gw_loop_schema_ready(x) || !store_postgres_healthy(x->store))
+            return false;
+    }
+    return true;
+}
+
 void gw_loop_job_add(struct gw_loop *l, struct gw_job *job)
 {
     job->prev_active = NULL;
@@ -292,6 +307,7 @@ struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
             return NULL;
         }
         ls->v[i]->conf_share = share;
+        ls->v[i]->group = ls;
         ls->n++;
     }
     return ls;

@@ -205,18 +205,15 @@ static void idem_forward_done(void *arg, enum up_result r, struct cm_resp *resp,
     const struct conf_idem *im = &job->route->idem;
     job->transfer = NULL;
     cm_metric_upstream_seconds(secs);
-    /* The lease is no longer renewed from here: the record is settled next. */
-    if (job->renew_timer) {
-        event_free(job->renew_timer);
-        job->renew_timer = NULL;
-    }
+    /* The lease is renewed until the record is settled (finish() stops it):
+     * a completion retried while Postgres restarts must not let it lapse. */
     switch (r) {
     case UP_OK:
         if (is_release_status(job, resp->status)) {
             take_resp(job, resp);
             job->outcome = CM_OUT_RELEASED;
             job->store_pending = true;
-            store_release(st, &id, job->token, answer_after_store, job);
+            store_release(st, &id, job->token, im->lease_ms, answer_after_store, job);
             return;
         }
         job->up_resp = *resp;
@@ -230,7 +227,7 @@ static void idem_forward_done(void *arg, enum up_result r, struct cm_resp *resp,
                        "the upstream could not be reached; nothing was sent and the key was released");
         job->outcome = CM_OUT_UPSTREAM_UNAVAILABLE;
         job->store_pending = true;
-        store_release(st, &id, job->token, answer_after_store, job);
+        store_release(st, &id, job->token, im->lease_ms, answer_after_store, job);
         return;
     case UP_TIMEOUT:
         gw_job_problem(job, 504, "upstream-timeout", "Upstream timeout",
@@ -260,7 +257,7 @@ static void idem_forward_done(void *arg, enum up_result r, struct cm_resp *resp,
         break;
     }
     job->store_pending = true;
-    store_mark_unknown(st, &id, job->token, im->lease_ms, answer_after_store, job);
+    store_mark_unknown(st, &id, job->token, im->lease_ms, im->lease_ms, answer_after_store, job);
 }
 
 static void renewed(void *arg, bool ok, long rows)
@@ -309,7 +306,7 @@ static void claimed(void *arg, struct store_claim_res *res)
             job->outcome = CM_OUT_UPSTREAM_UNAVAILABLE;
             struct store_id id = job_id(job);
             job->store_pending = true;
-            store_release(gw_loop_store(job->loop), &id, job->token, answer_after_store, job);
+            store_release(gw_loop_store(job->loop), &id, job->token, im->lease_ms, answer_after_store, job);
         }
         return;
     }

@@ -22,6 +22,10 @@
 #define PG_MAX_REQUEUE      3 /* then a rolled-back query gets STORE_PG_TRANSIENT */
 #define PG_MULTI_MAX_PARAMS 16
 #define PG_MULTI_MAX_BYTES  (64u << 20) /* one array parameter of a multi-row statement */
+/* Every connection runs its transactions at READ COMMITTED whatever the
+ * database's or role's default is: the claim's read-back and the batches'
+ * rerun rules assume it. */
+#define PG_SESSION_SQL "SET default_transaction_isolation = 'read committed'"
 
 enum conn_state {
     C_DOWN,       /* no connection, none scheduled (opened on demand) */
@@ -52,7 +56,9 @@ struct pg_query {
     enum store_pg_status deferred_st;
     const char *deferred_msg;
     bool no_multi;     /* its multi-row statement failed once: run it alone */
+    bool alone;        /* the COMMIT of its batch failed: run it in a transaction of its own */
     unsigned requeues; /* times put back after its batch rolled back */
+    int backend_pid;   /* of the connection it was last sent on (0: never sent) */
 };
 
 struct pg_conn {
@@ -76,7 +82,8 @@ struct pg_conn {
     /* The statements sent for it: statement i covers batch[sfirst[i]] and
      * the sn[i] - 1 queries after it (sn > 1: the multi-row form). */
     unsigned *sfirst, *sn;
-    PGresult **bres; /* first result of each statement */
+    PGresult **bres;    /* first result of each statement */
+    PGresult *sync_res; /* an error after the last statement: the implicit COMMIT failed at Sync */
     unsigned nsent;
     unsigned nread;
     uint64_t busy_since_ms; /* when the batch was sent */
@@ -91,6 +98,7 @@ struct store_pg {
     struct event_base *base;
     struct store_pg_opts opts;
     char *conninfo;
+    char *init_sql;     /* PG_SESSION_SQL, then opts.init_sql */
     char **multi_names; /* per statement: name of its multi-row form, or NULL */
     struct pg_conn *conns;
     unsigned n_up;         /* READY or BUSY */
@@ -100,6 +108,11 @@ struct store_pg {
     bool reported;         /* a state was logged */
     bool reported_up;      /* the state logged last */
     atomic_bool up;
+    atomic_uint_least64_t ok_ms; /* the server last answered then (a result, a new connection) */
+    atomic_bool failing;         /* a connection broke, failed to connect or timed out after that */
+    int cb_pid;                  /* backend_pid of the query being called back */
+    void (*on_up)(void *arg);
+    void *on_up_arg;
     struct qlist queue;
     struct qlist deferred;
     struct event *hold;             /* dispatch again once the held queries have waited PG_HOLD_MS */
@@ -209,7 +222,11 @@ static void q_finish(struct pg_query *q, enum store_pg_status st, const PGresult
     if (st != STORE_PG_OK)
         cm_metric_store_error(CM_STORE_POSTGRES);
     evtimer_del(q->timer);
+    struct store_pg *p = q->pool;
+    int saved = p->cb_pid;
+    p->cb_pid = q->backend_pid;
     q->cb(q->arg, st, st == STORE_PG_OK ? res : NULL, msg ? msg : store_pg_status_name(st));
+    p->cb_pid = saved;
     q_free(q);
 }
 
@@ -226,6 +243,17 @@ static void q_defer_fail(struct store_pg *p, struct pg_query *q, enum store_pg_s
 }
 
 /* ---- up/down bookkeeping */
+
+static void mark_ok(struct store_pg *p)
+{
+    atomic_store(&p->ok_ms, cm_now_ms());
+    atomic_store(&p->failing, false);
+}
+
+static void mark_failing(struct store_pg *p)
+{
+    atomic_store(&p->failing, true);
+}
 
 /* why: the last connection error, for the log line of a transition to down. */
 static void update_up(struct store_pg *p, const char *why)
@@ -311,6 +339,8 @@ static void conn_close(struct pg_conn *c)
             c->bres[i] = NULL;
         }
     }
+    PQclear(c->sync_res);
+    c->sync_res = NULL;
     if (c->pg) {
         PQfinish(c->pg);
         c->pg = NULL;
@@ -335,6 +365,7 @@ static void conn_connect_failed(struct pg_conn *c, const char *why_in)
     /* why_in may point into the PGconn that conn_close frees */
     snprintf(why, sizeof why, "%s", why_in ? why_in : "?");
     cm_log(CM_DEBUG, "postgres_connect_failed", "conn=%u error=%s", c->idx, cm_log_quote(msg, sizeof msg, why));
+    mark_failing(p);
     conn_close(c);
     conn_backoff(c);
     p->attempted = true;
@@ -355,6 +386,8 @@ static void batch_fail(struct pg_conn *c, enum store_pg_status st, const char *m
             c->bres[i] = NULL;
         }
     }
+    PQclear(c->sync_res);
+    c->sync_res = NULL;
     for (unsigned i = 0; i < c->nbatch; i++) {
         struct pg_query *q = c->batch[i];
         c->batch[i] = NULL;
@@ -371,6 +404,7 @@ static void conn_dead(struct pg_conn *c, const char *why_in)
     char msg[256], why[256];
     snprintf(why, sizeof why, "%s", why_in ? why_in : "?");
     cm_log(CM_WARN, "postgres_connection_lost", "conn=%u error=%s", c->idx, cm_log_quote(msg, sizeof msg, why));
+    mark_failing(p);
     batch_fail(c, STORE_PG_TRANSPORT, "postgres connection lost");
     conn_close(c);
     conn_backoff(c);
@@ -484,6 +518,8 @@ static void conn_ready(struct pg_conn *c)
         return;
     }
     evtimer_del(c->timer);
+    bool was_down = p->n_up == 0;
+    mark_ok(p);
     set_state(c, C_READY);
     c->backoff_ms = BACKOFF_MIN_MS;
     p->attempted = true;
@@ -491,6 +527,8 @@ static void conn_ready(struct pg_conn *c)
     conn_watch(c, EV_READ);
     update_up(p, NULL);
     dispatch(p);
+    if (was_down && p->on_up)
+        p->on_up(p->on_up_arg);
 }
 
 static void conn_connected(struct pg_conn *c)
@@ -669,6 +707,10 @@ static void batch_done(struct pg_conn *c)
         sn[i] = c->sn[i];
         c->bres[i] = NULL;
     }
+    PGresult *sync_res = c->sync_res;
+    c->sync_res = NULL;
+    if (PQstatus(c->pg) != CONNECTION_BAD)
+        mark_ok(p); /* the server answered the whole batch */
     c->nbatch = c->nsent = c->nread = 0;
     const char *fail_msg = NULL;
     enum store_pg_status fail_st = STORE_PG_OK;
@@ -682,6 +724,23 @@ static void batch_done(struct pg_conn *c)
             fail_msg = msg;
         }
     }
+    /* Every statement succeeded but the COMMIT failed (a deferred constraint,
+     * a serialization failure at commit): the whole transaction rolled back.
+     * Alone, the query gets that error; in a batch nobody knows whose row
+     * caused it, so every query runs again in a transaction of its own. */
+    bool commit_failed = failed == ns && sync_res;
+    char commit_msg[256] = "";
+    if (commit_failed) {
+        const char *msg = NULL;
+        fail_st = classify(sync_res, &msg);
+        snprintf(commit_msg, sizeof commit_msg, "postgres commit failed: %s", msg ? msg : "?");
+        fail_msg = commit_msg;
+        if (fail_st == STORE_PG_OK)
+            fail_st = STORE_PG_SQL_ERROR;
+        cm_log(CM_WARN, "postgres_commit_failed", "conn=%u batch=%u status=%s", c->idx, n,
+               store_pg_status_name(fail_st));
+        failed = 0;
+    }
     char lost[256] = "";
     if (PQstatus(c->pg) == CONNECTION_BAD) {
         snprintf(lost, sizeof lost, "%s", PQerrorMessage(c->pg));
@@ -689,13 +748,28 @@ static void batch_done(struct pg_conn *c)
         fail_msg = "postgres connection lost";
         failed = 0;
     }
+    /* The Sync arrived on a live connection: the transaction's outcome is
+     * known (committed, or rolled back: a server-side statement_timeout
+     * included), so no query of it is in doubt. */
+    bool known = !lost[0] && PQstatus(c->pg) != CONNECTION_BAD;
     unsigned nback = 0; /* the queries to run again, in qs[0..nback) (a prefix already handled) */
     for (unsigned i = 0; i < ns; i++) {
         for (unsigned j = 0; j < sn[i]; j++) {
             struct pg_query *q = qs[sfirst[i] + j];
             q->where = Q_NEW;
             q->conn = NULL;
-            if (failed == ns && sn[i] == 1) {
+            if (known)
+                q->backend_pid = 0;
+            if (commit_failed && n > 1 && fail_st != STORE_PG_TRANSPORT) {
+                if (++q->requeues > PG_MAX_REQUEUE) {
+                    q_finish(q, STORE_PG_TRANSIENT, NULL, "postgres batch rolled back at commit");
+                } else {
+                    q->alone = true;
+                    qs[nback++] = q;
+                }
+            } else if (commit_failed) {
+                q_finish(q, fail_st, NULL, fail_msg);
+            } else if (failed == ns && sn[i] == 1) {
                 q_finish(q, STORE_PG_OK, rs[i], NULL);
             } else if (failed == ns) {
                 PGresult *mine = split_rows(rs[i], (long)j + 1);
@@ -716,8 +790,10 @@ static void batch_done(struct pg_conn *c)
         if (rs[i])
             PQclear(rs[i]);
     }
+    PQclear(sync_res);
     for (unsigned i = nback; i-- > 0;) {
         qs[i]->where = Q_QUEUED;
+        qs[i]->backend_pid = 0; /* it was rolled back: nothing of it can commit any more */
         ql_push_head(&p->queue, qs[i]);
         evtimer_add(qs[i]->timer, p->qtimeout);
     }
@@ -764,10 +840,13 @@ static void conn_io_busy(struct pg_conn *c, short what)
                 setup_done(c);
                 return;
             }
-            if (!c->res)
-                c->res = r;
-            else
+            if (!c->res || (PQresultStatus(c->res) == PGRES_COMMAND_OK && PQresultStatus(r) != PGRES_COMMAND_OK)) {
+                if (c->res)
+                    PQclear(c->res);
+                c->res = r; /* the first result, or the first error of a multi-statement init */
+            } else {
                 PQclear(r);
+            }
             continue;
         }
         if (!r) { /* the end of one statement's results */
@@ -782,6 +861,9 @@ static void conn_io_busy(struct pg_conn *c, short what)
         }
         if (c->nread < c->nsent && !c->bres[c->nread])
             c->bres[c->nread] = r;
+        else if (c->nread >= c->nsent && !c->sync_res && PQresultStatus(r) != PGRES_COMMAND_OK &&
+                 PQresultStatus(r) != PGRES_TUPLES_OK)
+            c->sync_res = r; /* after every statement, before the Sync: the COMMIT failed */
         else
             PQclear(r);
     }
@@ -836,10 +918,13 @@ static void conn_timer_cb(evutil_socket_t fd, short what, void *arg)
         conn_connect_failed(c, "connect timeout");
 }
 
-/* Orders a batch by statement, then by the rows the statements touch (their
- * first batch_key parameters): queries of one statement on distinct rows sit
- * together (one multi-row statement), rows are locked in the same order by
- * every batch, and queries on the same row keep their order. */
+/* Orders a batch by the rows the statements touch (their first batch_key
+ * parameters), whatever the statement: every batch locks rows in one order
+ * (by statement first, [claim K1, complete K2] against [claim K2, complete
+ * K1] locked in opposite orders and could deadlock). The sort is stable, so
+ * queries on the same row keep their order; neighbours of one statement on
+ * distinct rows go as one multi-row statement, which locks them in that
+ * order too. */
 static int q_row_cmp(const struct store_pg *p, const struct pg_query *a, const struct pg_query *b)
 {
     unsigned ka = p->opts.stmts[a->stmt].batch_key, kb = p->opts.stmts[b->stmt].batch_key;
@@ -853,13 +938,6 @@ static int q_row_cmp(const struct store_pg *p, const struct pg_query *a, const s
             return la < lb ? -1 : 1;
     }
     return 0;
-}
-
-static int q_batch_cmp(const struct store_pg *p, const struct pg_query *a, const struct pg_query *b)
-{
-    if (a->stmt != b->stmt)
-        return a->stmt < b->stmt ? -1 : 1;
-    return q_row_cmp(p, a, b);
 }
 
 /* May q go into its statement's multi-row form? */
@@ -955,7 +1033,7 @@ static void conn_send_batch(struct pg_conn *c, struct pg_query **qs, unsigned n)
     for (unsigned i = 1; i < n; i++) { /* insertion sort: stable, n <= max_batch */
         struct pg_query *q = qs[i];
         unsigned j = i;
-        for (; j > 0 && q_batch_cmp(p, qs[j - 1], q) > 0; j--)
+        for (; j > 0 && q_row_cmp(p, qs[j - 1], q) > 0; j--)
             qs[j] = qs[j - 1];
         qs[j] = q;
     }
@@ -988,10 +1066,12 @@ static void conn_send_batch(struct pg_conn *c, struct pg_query **qs, unsigned n)
         conn_dead(c, PQerrorMessage(c->pg));
         return;
     }
+    int pid = PQbackendPID(c->pg);
     for (unsigned i = 0; i < n; i++) {
         c->batch[i] = qs[i];
         qs[i]->where = Q_RUNNING;
         qs[i]->conn = c;
+        qs[i]->backend_pid = pid;
         evtimer_add(qs[i]->timer, p->rtimeout);
     }
     c->nbatch = n;
@@ -1010,7 +1090,7 @@ static unsigned take_batch(struct store_pg *p, struct pg_query **qs, size_t want
     unsigned n = 0;
     while (p->queue.head && n < want) {
         struct pg_query *q = p->queue.head;
-        bool batchable = p->opts.stmts[q->stmt].batch_key > 0;
+        bool batchable = p->opts.stmts[q->stmt].batch_key > 0 && !q->alone;
         if (n > 0 && !batchable)
             break;
         ql_remove(&p->queue, q);
@@ -1104,6 +1184,7 @@ static void query_timer_cb(evutil_socket_t fd, short what, void *arg)
         struct pg_conn *c = q->conn;
         cm_log(CM_WARN, "postgres_query_timeout", "conn=%u stmt=%s batch=%u", c->idx, p->opts.stmts[q->stmt].name,
                c->nbatch);
+        mark_failing(p);
         batch_fail(c, STORE_PG_TIMEOUT, "postgres query timeout");
         conn_close(c);
         conn_start(c);
@@ -1123,7 +1204,12 @@ struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_
     if (p->opts.size == 0)
         p->opts.size = 1;
     p->conninfo = cm_strdup(opts->conninfo);
+    p->init_sql =
+        cm_asprintf("%s%s%s", PG_SESSION_SQL, opts->init_sql ? "; " : "", opts->init_sql ? opts->init_sql : "");
+    p->opts.init_sql = p->init_sql;
     atomic_init(&p->up, false);
+    atomic_init(&p->ok_ms, 0);
+    atomic_init(&p->failing, true);
     p->qtv.tv_sec = (time_t)(opts->queue_timeout_ms / 1000);
     p->qtv.tv_usec = (suseconds_t)((opts->queue_timeout_ms % 1000) * 1000);
     p->rtv.tv_sec = (time_t)(opts->run_timeout_ms / 1000);
@@ -1206,6 +1292,7 @@ void store_pg_destroy(struct store_pg *p)
     event_free(p->hold);
     free(p->conns);
     free(p->conninfo);
+    free(p->init_sql);
     free(p);
 }
 
@@ -1253,6 +1340,31 @@ void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param
     ql_push_tail(&p->queue, q);
     evtimer_add(q->timer, p->qtimeout);
     dispatch(p);
+}
+
+bool store_pg_healthy(const struct store_pg *p, uint64_t max_age_ms)
+{
+    struct store_pg *m = (struct store_pg *)p;
+    if (!p || atomic_load(&m->failing))
+        return false;
+    uint64_t ok = atomic_load(&m->ok_ms);
+    return ok > 0 && cm_now_ms() - ok <= max_age_ms;
+}
+
+uint64_t store_pg_last_ok_ms(const struct store_pg *p)
+{
+    return p ? atomic_load(&((struct store_pg *)p)->ok_ms) : 0;
+}
+
+int store_pg_cb_backend_pid(const struct store_pg *p)
+{
+    return p ? p->cb_pid : 0;
+}
+
+void store_pg_on_up(struct store_pg *p, void (*cb)(void *arg), void *arg)
+{
+    p->on_up = cb;
+    p->on_up_arg = arg;
 }
 
 bool store_pg_up(const struct store_pg *p)

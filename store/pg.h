@@ -21,8 +21,9 @@ struct store_pg;
  * while every connection is busy, batchable queries wait together, and the
  * next free connection sends up to max_batch of them in one pipeline with one
  * Sync, so they share one implicit transaction (one commit, one round trip).
- * A batch is ordered by statement, then by those N parameters (rows locked
- * in one order); it commits or rolls back as a whole.
+ * A batch is ordered by those N parameters whatever the statement (every
+ * batch locks rows in one order); it commits or rolls back as a whole, the
+ * COMMIT included.
  * multi_sql (optional, batchable statements with binary parameters): the same
  * statement for several distinct rows at once, each parameter an array
  * (multi_types) of the queries' values, each result row led by the 1-based
@@ -101,6 +102,24 @@ void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param
 /* True when at least one connection is up, or the last attempt succeeded.
  * Thread-safe. */
 bool store_pg_up(const struct store_pg *p);
+
+/* True when the server answered within max_age_ms (a result, a new
+ * connection) and no connection broke, failed to connect or timed out since.
+ * Thread-safe. store_pg_last_ok_ms: when it last answered (cm_now_ms; 0:
+ * never). */
+bool store_pg_healthy(const struct store_pg *p, uint64_t max_age_ms);
+uint64_t store_pg_last_ok_ms(const struct store_pg *p);
+
+/* Inside a store_pg_cb: the server process id of the connection the query
+ * was last sent on when its outcome is not known, 0 when it is (it was never
+ * sent, or the server ended its transaction: committed or rolled back). A
+ * query that failed with STORE_PG_TIMEOUT or STORE_PG_TRANSPORT and a
+ * non-zero id may still commit while that server process lives. */
+int store_pg_cb_backend_pid(const struct store_pg *p);
+
+/* cb (may be NULL) runs on the loop each time a connection becomes ready
+ * while none was up before: Postgres answers again. */
+void store_pg_on_up(struct store_pg *p, void (*cb)(void *arg), void *arg);
 
 /* Decoders for binary results (big-endian). */
 int64_t store_pg_get_i64(const PGresult *res, int row, int col);

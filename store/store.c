@@ -25,7 +25,13 @@
 #define MAX_QUEUE               65536
 #define MAX_BATCH               16 /* queries sharing one transaction while the pool is busy (store/pg.h) */
 #define CLAIM_ATTEMPTS          5
-#define OWNER_ATTEMPTS          3 /* renew, release, mark_unknown: tries after a rollback */
+#define OWNER_ATTEMPTS          3    /* renew: tries after a rollback */
+#define DOUBT_MAX               1024 /* claims in doubt remembered per store (loop) */
+#define DOUBT_BACKOFF_MIN_MS    100
+#define DOUBT_BACKOFF_MAX_MS    2000
+#define PROBE_EVERY_MS          300  /* the health probe's period */
+#define PROBE_IDLE_MS           250  /* pings only when Postgres has not answered anything for this long */
+#define HEALTHY_WITHIN_MS       1000 /* /readyz: the last answer is at most this old */
 #define COMPLETE_BACKOFF_MIN_MS 50
 #define COMPLETE_BACKOFF_MAX_MS 1000
 #define CLEAN_FIRST_MS          1000
@@ -36,8 +42,9 @@
 #define ADMIN_JSON_MAX          (4u << 20)
 #define RESP_BLOB_MAX           ((size_t)1 << 30)
 #define RKEY_LEN                (4 + 64)
+#define MARKER_LEN              41 /* "F" + fingerprint + token */
 #define MIGRATE_LOCK_ID         "7251983046512"
-#define SCHEMA_VERSION          1
+#define SCHEMA_VERSION          2
 
 #define OID_BOOL        16
 #define OID_BYTEA       17
@@ -73,10 +80,24 @@ static const char schema_v1[] =
     "CREATE INDEX IF NOT EXISTS idemgate_keys_in_flight ON idemgate_keys (created_at) WHERE state = 'in_flight';"
     "INSERT INTO idemgate_schema_version (version) VALUES (1) ON CONFLICT DO NOTHING;";
 
+/* v2: retention applies to completed records only; the cleaner and the
+ * stuck gauge (in flight or unknown) each get a partial index. */
+static const char schema_v2[] =
+    "CREATE INDEX IF NOT EXISTS idemgate_keys_completed_expires_at ON idemgate_keys (expires_at)"
+    " WHERE state = 'completed';"
+    "CREATE INDEX IF NOT EXISTS idemgate_keys_unsettled ON idemgate_keys (created_at)"
+    " WHERE state IN ('in_flight', 'unknown');"
+    "DROP INDEX IF EXISTS idemgate_keys_expires_at;"
+    "DROP INDEX IF EXISTS idemgate_keys_in_flight;"
+    "INSERT INTO idemgate_schema_version (version) VALUES (2) ON CONFLICT DO NOTHING;";
+
 #define TS(col) "to_char(" col " AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+/* Retention applies to completed records only: an unknown outcome (or an
+ * orphaned claim) never expires into "new"; it stays until an operator
+ * releases or purges it, or (on_unknown: retry) a retry takes it over. */
 #define TAKEABLE(p)                                                                                                    \
-    "(" p "expires_at < now() AND " p "lease_until < now()) OR ($8 AND " p "state IN ('in_flight', 'unknown') AND " p  \
-    "lease_until < now() AND " p "fingerprint = $4)"
+    "(" p "state = 'completed' AND " p "expires_at < now() AND " p "lease_until < now()) OR ($8 AND " p                \
+    "state IN ('in_flight', 'unknown') AND " p "lease_until < now() AND " p "fingerprint = $4)"
 
 enum stmt_id {
     S_CLAIM,
@@ -89,6 +110,9 @@ enum stmt_id {
     S_ADMIN_RELEASE,
     S_CLEAN,
     S_STUCK,
+    S_DOUBT_ALIVE,
+    S_DOUBT_RELEASE,
+    S_PING,
     S__COUNT
 };
 
@@ -145,7 +169,7 @@ static const char sql_claim_multi[] =
     " ON CONFLICT (route, scope, key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',"
     " token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,"
     " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL"
-    " WHERE (k.expires_at < now() AND k.lease_until < now()) OR ((SELECT u.takeover FROM u WHERE u.route = k.route"
+    " WHERE (k.state = 'completed' AND k.expires_at < now() AND k.lease_until < now()) OR ((SELECT u.takeover FROM u WHERE u.route = k.route"
     " AND u.scope = k.scope AND u.key = k.key) AND k.state IN ('in_flight', 'unknown') AND k.lease_until < now()"
     " AND k.fingerprint = EXCLUDED.fingerprint)"
     " RETURNING k.route, k.scope, k.key, k.token)"
@@ -155,7 +179,7 @@ static const char sql_claim_multi[] =
     " SELECT u.n, t.state, t.token, t.fingerprint, t.status, t.response,"
     " greatest(0, ceil(extract(epoch FROM t.lease_until - now()) * 1000))::int8,"
     " greatest(0, floor(extract(epoch FROM t.expires_at - now()) * 1000))::int8,"
-    " (t.expires_at < now() AND t.lease_until < now()) OR (u.takeover AND t.state IN ('in_flight', 'unknown')"
+    " (t.state = 'completed' AND t.expires_at < now() AND t.lease_until < now()) OR (u.takeover AND t.state IN ('in_flight', 'unknown')"
     " AND t.lease_until < now() AND t.fingerprint = u.fp),"
     " t.lease_until >= now()"
     " FROM u JOIN idemgate_keys t ON t.route = u.route AND t.scope = u.scope AND t.key = u.key"
@@ -205,12 +229,31 @@ static const char sql_admin_release[] =
 
 /* A TID scan over at most 1000 rows found through the expires_at index. */
 static const char sql_clean[] = "DELETE FROM idemgate_keys WHERE ctid = ANY (ARRAY(SELECT ctid FROM idemgate_keys"
-                                " WHERE expires_at < now() AND lease_until < now() LIMIT 1000))"
-                                " AND expires_at < now() AND lease_until < now()";
+                                " WHERE expires_at < now() AND lease_until < now() AND state = 'completed' LIMIT 1000))"
+                                " AND expires_at < now() AND lease_until < now() AND state = 'completed'";
 
 static const char sql_stuck[] = "SELECT route, count(*)::int8 FROM idemgate_keys"
-                                " WHERE state = 'in_flight' AND created_at < now() - interval '5 minutes'"
+                                " WHERE state IN ('in_flight', 'unknown') AND created_at < now() - interval '5 minutes'"
                                 " GROUP BY route";
+
+/* Claims in doubt: is a server process that may still commit one of them
+ * alive? It is asked to end (a process paused mid-claim would otherwise
+ * commit it whenever it resumes; only our own role's may be signalled,
+ * another's is waited for); the claim is released only once every
+ * such process is gone, so that the release cannot run before the claim's
+ * own commit. $2: when the doubtful attempt was sent (ms since the epoch):
+ * a process started later reuses the number (a second of clock skew
+ * allowed; a reused number only makes the release wait). */
+static const char sql_doubt_alive[] =
+    "SELECT pid, CASE WHEN usename = current_user THEN pg_terminate_backend(pid) END FROM pg_stat_activity"
+    " WHERE pid = ANY ($1::int4[]) AND pid <> pg_backend_pid()"
+    " AND backend_start < to_timestamp($2 / 1000.0) + interval '1 s'";
+static const Oid doubt_alive_types[] = {OID_INT4_ARRAY, OID_INT8};
+
+/* The release of a claim in doubt: only while it is in flight under its
+ * token (nothing was ever forwarded under it). */
+static const char sql_doubt_release[] = "DELETE FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3"
+                                        " AND token = $4 AND state = 'in_flight'";
 
 static const struct store_pg_stmt stmts[S__COUNT] = {
     [S_CLAIM] = {"idg_claim", sql_claim, 8, claim_types, 3, sql_claim_multi, claim_multi_types},
@@ -223,6 +266,9 @@ static const struct store_pg_stmt stmts[S__COUNT] = {
     [S_ADMIN_RELEASE] = {"idg_admin_release", sql_admin_release, 2, admin_types, 0, NULL, NULL},
     [S_CLEAN] = {"idg_clean", sql_clean, 0, NULL, 0, NULL, NULL},
     [S_STUCK] = {"idg_stuck", sql_stuck, 0, NULL, 0, NULL, NULL},
+    [S_DOUBT_ALIVE] = {"idg_doubt_alive", sql_doubt_alive, 2, doubt_alive_types, 0, NULL, NULL},
+    [S_DOUBT_RELEASE] = {"idg_doubt_release", sql_doubt_release, 4, release_types, 3, NULL, NULL},
+    [S_PING] = {"idg_ping", "SELECT 1", 0, NULL, 0, NULL, NULL},
 };
 
 /* ---- the store */
@@ -248,6 +294,31 @@ struct store {
     int clean_batches;
     uint64_t cleaned;
     struct op *ops;
+    /* Claims in doubt (FIFO, at most DOUBT_MAX): released one at a time by doubt_timer. */
+    struct doubt *doubt_head, *doubt_tail;
+    size_t ndoubt;
+    struct event *doubt_timer;
+    uint64_t doubt_backoff_ms;
+    bool doubt_busy; /* a query for doubt_head runs */
+    struct event *probe_timer;
+    bool probing; /* a ping runs */
+};
+
+/* A claim whose commit outcome the gateway does not know (its statement
+ * timed out or its connection broke, and no later attempt settled it):
+ * nothing was forwarded under its token, so it is released, fenced by the
+ * token, once the server processes that may still commit it are gone. */
+struct doubt {
+    struct doubt *next;
+    char *route;
+    char *key;
+    size_t key_len;
+    uint8_t scope[32];
+    uint64_t token;
+    int pids[CLAIM_ATTEMPTS]; /* server processes of the doubtful attempts */
+    int npids;
+    uint64_t sent_wall_ms; /* when the first doubtful attempt was sent */
+    int tries;
 };
 
 struct claim_op {
@@ -263,7 +334,13 @@ struct claim_op {
     bool takeover;
     uint64_t token;
     int attempts;
-    bool marker_ours; /* our SET NX placed the in-flight marker */
+    bool marker_ours;         /* our SET NX placed the in-flight marker */
+    uint8_t seen[MARKER_LEN]; /* the marker SET NX GET found instead (a cache refill compares against it) */
+    bool seen_marker;
+    uint64_t sent_wall_ms;          /* the last attempt was sent then */
+    int doubt_pids[CLAIM_ATTEMPTS]; /* attempts that may have committed (timeout, connection lost) */
+    int ndoubt;
+    uint64_t doubt_wall_ms;
     char rkey[RKEY_LEN + 1];
     store_claim_cb cb;
     void *arg;
@@ -389,14 +466,6 @@ static void be64(uint8_t out[8], uint64_t v)
     }
 }
 
-static uint64_t get_be64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v = (v << 8) | p[i];
-    return v;
-}
-
 static void be32(uint8_t out[4], uint32_t v)
 {
     out[0] = (uint8_t)(v >> 24);
@@ -483,11 +552,30 @@ static void redis_pexpire(struct store *s, const char *rkey, uint64_t ms)
     redis_fire(s, 3, argv, lens);
 }
 
+/* The in-flight marker a claim places with SET NX: "F" + fingerprint +
+ * token. It never answers anything by itself (Postgres decides every
+ * verdict but a cached replay); it is what a cache write compares against. */
+static void make_marker(uint8_t out[MARKER_LEN], const uint8_t fp[32], uint64_t token)
+{
+    out[0] = 'F';
+    memcpy(out + 1, fp, 32);
+    be64(out + 33, token);
+}
+
+/* Writes the value only while the key still holds what the writer saw:
+ * an admin purge that deleted the record and then the Redis key in between
+ * (or anybody else who changed it) wins, and the purged answer is not put
+ * back. */
+static const char redis_cas_lua[] = "if redis.call('GET', KEYS[1]) == ARGV[1] then"
+                                    " return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) else return 0 end";
+
 /* Caches a completed answer: "C" + fingerprint + cm_resp_encode blob, for
- * ttl_ms, then calls cb (may be NULL) once. Returns false, without calling
- * cb, when nothing was sent. */
-static bool redis_cache_then(struct store *s, const char *rkey, const uint8_t fp[32], const void *blob, size_t blob_len,
-                             uint64_t ttl_ms, store_rd_cb cb, void *arg)
+ * ttl_ms, if the key still holds expect (expect_len bytes), then calls cb
+ * (may be NULL) once. Returns false, without calling cb, when nothing was
+ * sent. */
+static bool redis_cache_then(struct store *s, const char *rkey, const void *expect, size_t expect_len,
+                             const uint8_t fp[32], const void *blob, size_t blob_len, uint64_t ttl_ms, store_rd_cb cb,
+                             void *arg)
 {
     if (!s->rd || ttl_ms == 0 || !store_rd_up(s->rd))
         return false;
@@ -497,26 +585,25 @@ static bool redis_cache_then(struct store *s, const char *rkey, const uint8_t fp
     memcpy(val + 33, blob, blob_len);
     char px[24];
     snprintf(px, sizeof px, "%llu", (unsigned long long)ttl_ms);
-    const char *argv[5] = {"SET", rkey, val, "PX", px};
-    size_t lens[5] = {3, strlen(rkey), 1 + 32 + blob_len, 2, strlen(px)};
-    bool sent = store_rd_command(s->rd, cb, arg, 5, argv, lens);
+    const char *argv[7] = {"EVAL", redis_cas_lua, "1", rkey, expect, val, px};
+    size_t lens[7] = {4, sizeof redis_cas_lua - 1, 1, strlen(rkey), expect_len, 1 + 32 + blob_len, strlen(px)};
+    bool sent = store_rd_command(s->rd, cb, arg, 7, argv, lens);
     free(val);
     return sent;
-}
-
-static void redis_cache(struct store *s, const char *rkey, const uint8_t fp[32], const void *blob, size_t blob_len,
-                        uint64_t ttl_ms)
-{
-    (void)redis_cache_then(s, rkey, fp, blob, blob_len, ttl_ms, NULL, NULL);
 }
 
 /* ---- claim */
 
 static void claim_pg(struct claim_op *c);
+static void doubt_add(struct store *s, const struct claim_op *c);
 
 static void claim_finish(struct claim_op *c, struct store_claim_res *res)
 {
     struct store *s = c->h.s;
+    /* An attempt that may still commit, and no later one that made the key
+     * ours: remember the claim and release it once that is settled. */
+    if (c->ndoubt > 0 && res->verdict != STORE_NEW)
+        doubt_add(s, c);
     /* Our marker must not outlive a claim that did not take the key: it
      * would answer "in flight" for a record that is not ours. */
     if (c->marker_ours && res->verdict != STORE_NEW && res->verdict != STORE_REPLAY)
@@ -544,6 +631,12 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
     if (st != STORE_PG_OK) {
         if (st != STORE_PG_UNAVAILABLE && st != STORE_PG_OVERLOAD)
             log_pg_failure("claim", st, msg);
+        int pid = store_pg_cb_backend_pid(s->pg);
+        if ((st == STORE_PG_TIMEOUT || st == STORE_PG_TRANSPORT) && pid > 0 && c->ndoubt < CLAIM_ATTEMPTS) {
+            if (c->ndoubt == 0)
+                c->doubt_wall_ms = c->sent_wall_ms;
+            c->doubt_pids[c->ndoubt++] = pid;
+        }
         /* A broken link or a rolled-back statement: run it again. Should the
          * lost attempt have committed, the next one finds the record under
          * our own token and reports it as ours. */
@@ -604,9 +697,14 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
             return;
         }
         res.verdict = STORE_REPLAY;
-        /* Redis missed it (flushed, evicted, down): put it back. */
+        /* Redis missed it (flushed, evicted, down): put it back, only over
+         * the marker this claim placed or saw (a purge meanwhile removed it). */
         uint64_t ttl = (uint64_t)store_pg_get_i64(pr, 0, 6);
-        redis_cache(s, c->rkey, c->fp, blob, blob_len, ttl);
+        uint8_t mine[MARKER_LEN];
+        make_marker(mine, c->fp, c->token);
+        if (c->marker_ours || c->seen_marker)
+            (void)redis_cache_then(s, c->rkey, c->marker_ours ? mine : c->seen, MARKER_LEN, c->fp, blob, blob_len, ttl,
+                                   NULL, NULL);
         claim_finish(c, &res);
         return;
     }
@@ -640,6 +738,7 @@ static void claim_pg(struct claim_op *c)
         {ret, 8, true},
         {&takeover, 1, true},
     };
+    c->sent_wall_ms = cm_wall_ms();
     store_pg_query(s->pg, S_CLAIM, p, 8, 1, claim_pg_cb, c);
 }
 
@@ -671,25 +770,16 @@ static void claim_redis_cb(void *arg, const struct redisReply *reply)
                 return;
             }
             cm_resp_free(&res.resp);
-        } else if (v[0] == 'F' && r->len == 41 && same) {
-            /* Our own fingerprint in flight: answer without Postgres only
-             * while the lease written in the marker still runs. */
-            uint64_t until = get_be64(v + 33);
-            uint64_t now = cm_wall_ms();
-            if (until > now) {
-                struct store_claim_res res;
-                memset(&res, 0, sizeof res);
-                cm_resp_init(&res.resp, 0);
-                res.from_redis = true;
-                res.verdict = STORE_IN_FLIGHT;
-                res.lease_remaining_ms = until - now;
-                claim_finish(c, &res);
-                return;
-            }
+        } else if (v[0] == 'F' && r->len == MARKER_LEN) {
+            /* Somebody's in-flight marker. It never answers 409 by itself:
+             * one left by a SET NX that timed out, a claim that failed or a
+             * completion that could not be written would refuse a free key
+             * for up to a lease. Postgres decides; a refill compares to it. */
+            memcpy(c->seen, v, MARKER_LEN);
+            c->seen_marker = true;
         }
     }
-    /* Error, timeout, another fingerprint's marker, stale marker, anything
-     * unexpected: Postgres decides. */
+    /* Error, timeout, a marker, anything unexpected: Postgres decides. */
     claim_pg(c);
 }
 
@@ -712,10 +802,8 @@ void store_claim(struct store *s, const struct store_claim_req *req, store_claim
     redis_key(c->route, c->scope, c->key, c->key_len, c->rkey);
     if (s->rd) {
         /* SET NX GET: places our marker, or returns what is there (Redis >= 7). */
-        uint8_t marker[41];
-        marker[0] = 'F';
-        memcpy(marker + 1, c->fp, 32);
-        be64(marker + 33, cm_wall_ms() + c->lease_ms);
+        uint8_t marker[MARKER_LEN];
+        make_marker(marker, c->fp, c->token);
         char px[24];
         snprintf(px, sizeof px, "%llu", (unsigned long long)c->lease_ms);
         const char *argv[7] = {"SET", c->rkey, (const char *)marker, "NX", "PX", px, "GET"};
@@ -724,6 +812,182 @@ void store_claim(struct store *s, const struct store_claim_req *req, store_claim
             return;
     }
     claim_pg(c);
+}
+
+/* ---- claims in doubt */
+
+static void doubt_free(struct doubt *d)
+{
+    free(d->route);
+    free(d->key);
+    free(d);
+}
+
+static void doubt_schedule(struct store *s, uint64_t ms)
+{
+    if (!s->doubt_head || s->doubt_busy)
+        return;
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    evtimer_add(s->doubt_timer, &tv);
+}
+
+static void doubt_push(struct store *s, struct doubt *d)
+{
+    d->next = NULL;
+    if (s->doubt_tail)
+        s->doubt_tail->next = d;
+    else
+        s->doubt_head = d;
+    s->doubt_tail = d;
+}
+
+static struct doubt *doubt_pop(struct store *s)
+{
+    struct doubt *d = s->doubt_head;
+    if (d) {
+        s->doubt_head = d->next;
+        if (!s->doubt_head)
+            s->doubt_tail = NULL;
+        d->next = NULL;
+    }
+    return d;
+}
+
+/* Remembers (id, token) for release; pids: server processes that may still
+ * commit the claim (none: nothing can commit it any more, e.g. a release
+ * that could not be written). At DOUBT_MAX the oldest entry not being worked
+ * on is dropped: that claim stays in flight until its lease lapses, then
+ * reads as an unknown outcome (idemgate_stuck_processing counts it after 5
+ * minutes); the log line says so. */
+static void doubt_remember(struct store *s, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
+                           uint64_t token, const int *pids, int npids, uint64_t sent_wall_ms)
+{
+    if (s->ndoubt >= DOUBT_MAX) {
+        struct doubt *old = s->doubt_head;
+        if (s->doubt_busy) { /* the head's query is running: drop the one after it */
+            old = s->doubt_head->next;
+            s->doubt_head->next = old->next;
+            if (s->doubt_tail == old)
+                s->doubt_tail = s->doubt_head;
+        } else {
+            (void)doubt_pop(s);
+        }
+        cm_log(CM_ERROR, "claim_in_doubt_dropped", "route=%s limit=%d effect=stays_in_flight_then_unknown", old->route,
+               DOUBT_MAX);
+        doubt_free(old);
+        s->ndoubt--;
+        cm_metric_claims_in_doubt(-1);
+    }
+    struct doubt *d = cm_calloc(1, sizeof *d);
+    d->route = cm_strdup(route);
+    d->key = cm_strndup(key, key_len);
+    d->key_len = key_len;
+    memcpy(d->scope, scope, 32);
+    d->token = token;
+    for (int i = 0; i < npids && i < CLAIM_ATTEMPTS; i++)
+        d->pids[d->npids++] = pids[i];
+    d->sent_wall_ms = sent_wall_ms;
+    doubt_push(s, d);
+    s->ndoubt++;
+    cm_metric_claims_in_doubt(1);
+    cm_log(CM_WARN, "claim_in_doubt", "route=%s processes=%d in_doubt=%zu", route, d->npids, s->ndoubt);
+    doubt_schedule(s, s->doubt_backoff_ms);
+}
+
+static void doubt_add(struct store *s, const struct claim_op *c)
+{
+    doubt_remember(s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt, c->doubt_wall_ms);
+}
+
+/* Postgres failed: try again later, with backoff. */
+static void doubt_retry(struct store *s)
+{
+    s->doubt_busy = false;
+    uint64_t ms = s->doubt_backoff_ms;
+    s->doubt_backoff_ms = ms * 2 > DOUBT_BACKOFF_MAX_MS ? DOUBT_BACKOFF_MAX_MS : ms * 2;
+    doubt_schedule(s, ms);
+}
+
+static void doubt_released_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct store *s = arg;
+    if (st != STORE_PG_OK) {
+        if (st == STORE_PG_SQL_ERROR)
+            log_pg_failure("release_in_doubt", st, msg);
+        doubt_retry(s);
+        return;
+    }
+    struct doubt *d = doubt_pop(s);
+    s->ndoubt--;
+    cm_metric_claims_in_doubt(-1);
+    cm_log(CM_INFO, "claim_in_doubt_released", "route=%s rows=%ld tries=%d in_doubt=%zu", d->route, cmd_rows(pr),
+           d->tries, s->ndoubt);
+    doubt_free(d);
+    s->doubt_busy = false;
+    s->doubt_backoff_ms = DOUBT_BACKOFF_MIN_MS;
+    doubt_schedule(s, 0);
+}
+
+static void doubt_release(struct store *s, struct doubt *d)
+{
+    uint8_t tok[8];
+    be64(tok, d->token);
+    struct store_pg_param p[4] = {
+        {d->route, strlen(d->route), true},
+        {d->scope, 32, true},
+        {d->key, d->key_len, true},
+        {tok, 8, true},
+    };
+    store_pg_query(s->pg, S_DOUBT_RELEASE, p, 4, 1, doubt_released_cb, s);
+}
+
+static void doubt_alive_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct store *s = arg;
+    struct doubt *d = s->doubt_head;
+    if (st != STORE_PG_OK) {
+        if (st == STORE_PG_SQL_ERROR)
+            log_pg_failure("doubt_alive", st, msg);
+        doubt_retry(s);
+        return;
+    }
+    if (PQntuples(pr) > 0) {
+        /* A process that may still commit it lives (paused, or slow): it
+         * was asked to end. The others go first meanwhile. */
+        if (d->tries == 1)
+            cm_log(CM_WARN, "claim_in_doubt_waiting", "route=%s processes=%d", d->route, PQntuples(pr));
+        if (s->doubt_head != s->doubt_tail)
+            doubt_push(s, doubt_pop(s));
+        doubt_retry(s);
+        return;
+    }
+    doubt_release(s, d);
+}
+
+static void doubt_timer_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct store *s = arg;
+    (void)fd;
+    (void)what;
+    struct doubt *d = s->doubt_head;
+    if (!d || s->doubt_busy)
+        return;
+    s->doubt_busy = true;
+    d->tries++;
+    if (d->npids == 0) {
+        doubt_release(s, d);
+        return;
+    }
+    char arr[CLAIM_ATTEMPTS * 12 + 4];
+    size_t off = 0;
+    arr[off++] = '{';
+    for (int i = 0; i < d->npids; i++)
+        off += (size_t)snprintf(arr + off, sizeof arr - off, "%s%d", i ? "," : "", d->pids[i]);
+    snprintf(arr + off, sizeof arr - off, "}");
+    uint8_t since[8];
+    be64(since, d->sent_wall_ms);
+    struct store_pg_param p[2] = {{arr, strlen(arr), false}, {since, 8, true}};
+    store_pg_query(s->pg, S_DOUBT_ALIVE, p, 2, 1, doubt_alive_cb, s);
 }
 
 /* ---- owner operations */
@@ -754,7 +1018,69 @@ static void owner_finish(struct owner_op *w, bool ok, long rows)
 
 static void owner_send(struct owner_op *w, enum stmt_id stmt, store_pg_cb cb);
 
-static void complete_timer_cb(evutil_socket_t fd, short what, void *arg);
+static void settle_timer_cb(evutil_socket_t fd, short what, void *arg);
+
+static const char *owner_op_name(const struct owner_op *w)
+{
+    switch (w->h.kind) {
+    case OP_COMPLETE:
+        return "complete";
+    case OP_RENEW:
+        return "renew";
+    case OP_RELEASE:
+        return "release";
+    case OP_MARK_UNKNOWN:
+        return "mark_unknown";
+    default:
+        return "?";
+    }
+}
+
+/* A settle operation (complete, release, mark unknown) retries what another
+ * try may fix, with backoff (50 ms doubling to 1 s) until retry_for_ms from
+ * its start; when Postgres answers again (store_pg_on_up) the waiting ones go
+ * at once, before the lease they keep renewing could lapse. */
+static void settle_init(struct owner_op *w, uint64_t retry_for_ms)
+{
+    w->backoff_ms = COMPLETE_BACKOFF_MIN_MS;
+    w->deadline_ms = cm_now_ms() + retry_for_ms;
+    w->timer = evtimer_new(w->h.s->base, settle_timer_cb, w);
+    if (!w->timer)
+        abort();
+}
+
+/* Returns true when another try was scheduled. */
+static bool settle_retry_later(struct owner_op *w, enum store_pg_status st)
+{
+    uint64_t now = cm_now_ms();
+    if (st == STORE_PG_SQL_ERROR || now + w->backoff_ms >= w->deadline_ms)
+        return false;
+    cm_log(CM_DEBUG, "store_settle_retry", "op=%s attempt=%d status=%s backoff_ms=%llu", owner_op_name(w), w->attempts,
+           store_pg_status_name(st), (unsigned long long)w->backoff_ms);
+    struct timeval tv = {(time_t)(w->backoff_ms / 1000), (suseconds_t)((w->backoff_ms % 1000) * 1000)};
+    w->backoff_ms = w->backoff_ms * 2 > COMPLETE_BACKOFF_MAX_MS ? COMPLETE_BACKOFF_MAX_MS : w->backoff_ms * 2;
+    evtimer_add(w->timer, &tv);
+    return true;
+}
+
+/* Postgres answers again: every settle operation waiting for its next try
+ * is sent now, ahead of any claim that arrives after this (a retry on an
+ * on_unknown: retry route must not take over a lease that lapsed while
+ * Postgres was away from an owner that holds the answer). */
+static void settle_kick(struct store *s)
+{
+    struct op *next;
+    for (struct op *o = s->ops; o; o = next) {
+        next = o->next;
+        if (o->kind != OP_COMPLETE && o->kind != OP_RELEASE && o->kind != OP_MARK_UNKNOWN)
+            continue;
+        struct owner_op *w = (struct owner_op *)o;
+        if (w->timer && evtimer_pending(w->timer, NULL)) {
+            evtimer_del(w->timer);
+            settle_timer_cb(-1, 0, w);
+        }
+    }
+}
 
 /* The completed answer's cache write is done (or failed: then the stale
  * in-flight marker is dropped, best effort, so Postgres is asked next). */
@@ -781,22 +1107,17 @@ static void complete_pg_cb(void *arg, enum store_pg_status st, const PGresult *p
              * until it lands, the in-flight marker would make another
              * instance answer 409 to a retry of an answered request. */
             w->rows = rows;
-            if (redis_cache_then(s, w->rkey, (const uint8_t *)PQgetvalue(pr, 0, 0), w->blob, w->blob_len, ttl,
-                                 complete_cached_cb, w))
+            const uint8_t *fp = (const uint8_t *)PQgetvalue(pr, 0, 0);
+            uint8_t mine[MARKER_LEN];
+            make_marker(mine, fp, w->token);
+            if (redis_cache_then(s, w->rkey, mine, MARKER_LEN, fp, w->blob, w->blob_len, ttl, complete_cached_cb, w))
                 return;
         }
         owner_finish(w, true, rows);
         return;
     }
-    uint64_t now = cm_now_ms();
-    if (st != STORE_PG_SQL_ERROR && now + w->backoff_ms < w->deadline_ms) {
-        cm_log(CM_DEBUG, "store_complete_retry", "attempt=%d status=%s backoff_ms=%llu", w->attempts,
-               store_pg_status_name(st), (unsigned long long)w->backoff_ms);
-        struct timeval tv = {(time_t)(w->backoff_ms / 1000), (suseconds_t)((w->backoff_ms % 1000) * 1000)};
-        w->backoff_ms = w->backoff_ms * 2 > COMPLETE_BACKOFF_MAX_MS ? COMPLETE_BACKOFF_MAX_MS : w->backoff_ms * 2;
-        evtimer_add(w->timer, &tv);
+    if (settle_retry_later(w, st))
         return;
-    }
     log_pg_failure("complete", st, msg);
     owner_finish(w, false, 0);
 }
@@ -822,11 +1143,18 @@ static void complete_send(struct owner_op *w)
     store_pg_query(s->pg, S_COMPLETE, p, 7, 1, complete_pg_cb, w);
 }
 
-static void complete_timer_cb(evutil_socket_t fd, short what, void *arg)
+static void owner_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg);
+
+static void settle_timer_cb(evutil_socket_t fd, short what, void *arg)
 {
     struct owner_op *w = arg;
     (void)fd;
     (void)what;
+    if (w->h.kind == OP_RELEASE || w->h.kind == OP_MARK_UNKNOWN) {
+        w->attempts++;
+        owner_send(w, w->h.kind == OP_RELEASE ? S_RELEASE : S_MARK_UNKNOWN, owner_pg_cb);
+        return;
+    }
     if (w->encode_failed) {
         cm_log(CM_ERROR, "store_error", "op=complete status=encode_failed");
         owner_finish(w, false, 0);
@@ -841,11 +1169,7 @@ void store_complete(struct store *s, const struct store_id *id, uint64_t token, 
     struct owner_op *w = owner_new(s, OP_COMPLETE, id, token, cb, arg);
     w->arg_ms = retention_ms;
     w->status = resp->status;
-    w->backoff_ms = COMPLETE_BACKOFF_MIN_MS;
-    w->deadline_ms = cm_now_ms() + retry_for_ms;
-    w->timer = evtimer_new(s->base, complete_timer_cb, w);
-    if (!w->timer)
-        abort();
+    settle_init(w, retry_for_ms);
     struct cm_buf b;
     cm_buf_init(&b, RESP_BLOB_MAX);
     if (!cm_resp_encode(resp, &b)) {
@@ -870,14 +1194,22 @@ static void owner_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
 {
     struct owner_op *w = arg;
     struct store *s = w->h.s;
-    if (st == STORE_PG_TRANSIENT && ++w->attempts < OWNER_ATTEMPTS) {
+    if (w->h.kind == OP_RENEW && st == STORE_PG_TRANSIENT && ++w->attempts < OWNER_ATTEMPTS) {
         /* rolled back (a deadlock, or another statement of its batch failed): nothing was done */
-        enum stmt_id stmt = w->h.kind == OP_RENEW ? S_RENEW : w->h.kind == OP_RELEASE ? S_RELEASE : S_MARK_UNKNOWN;
-        owner_send(w, stmt, owner_pg_cb);
+        owner_send(w, S_RENEW, owner_pg_cb);
         return;
     }
+    if (st != STORE_PG_OK && w->h.kind != OP_RENEW && settle_retry_later(w, st))
+        return;
     if (st != STORE_PG_OK) {
-        log_pg_failure(w->h.kind == OP_RENEW ? "renew" : w->h.kind == OP_RELEASE ? "release" : "mark_unknown", st, msg);
+        log_pg_failure(owner_op_name(w), st, msg);
+        if (w->h.kind == OP_RELEASE && st != STORE_PG_SQL_ERROR) {
+            /* Nothing was executed under this claim (or the upstream asked
+             * for a release): the release is not given up, it waits in the
+             * list of claims in doubt, so the key never reads as an unknown
+             * outcome while this process runs. */
+            doubt_remember(s, w->route, w->scope, w->key, w->key_len, w->token, NULL, 0, 0);
+        }
         owner_finish(w, false, 0);
         return;
     }
@@ -915,24 +1247,28 @@ void store_renew(struct store *s, const struct store_id *id, uint64_t token, uin
 {
     struct owner_op *w = owner_new(s, OP_RENEW, id, token, cb, arg);
     w->arg_ms = lease_ms;
-    /* Keep the marker alive as long as the lease (its embedded lease time is
-     * not moved, so Redis stops answering "in flight" by itself after the
-     * first lease and Postgres answers). */
+    /* Keep the marker (what the completion's cache write compares against)
+     * alive as long as the lease. */
     redis_pexpire(s, w->rkey, lease_ms);
     owner_send(w, S_RENEW, owner_pg_cb);
 }
 
-void store_release(struct store *s, const struct store_id *id, uint64_t token, store_done_cb cb, void *arg)
+void store_release(struct store *s, const struct store_id *id, uint64_t token, uint64_t retry_for_ms, store_done_cb cb,
+                   void *arg)
 {
     struct owner_op *w = owner_new(s, OP_RELEASE, id, token, cb, arg);
+    settle_init(w, retry_for_ms);
+    w->attempts = 1;
     owner_send(w, S_RELEASE, owner_pg_cb);
 }
 
-void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms, store_done_cb cb,
-                        void *arg)
+void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms,
+                        uint64_t retry_for_ms, store_done_cb cb, void *arg)
 {
     struct owner_op *w = owner_new(s, OP_MARK_UNKNOWN, id, token, cb, arg);
     w->arg_ms = lease_ms;
+    settle_init(w, retry_for_ms);
+    w->attempts = 1;
     redis_pexpire(s, w->rkey, lease_ms);
     owner_send(w, S_MARK_UNKNOWN, owner_pg_cb);
 }
@@ -1197,7 +1533,46 @@ static void clean_timer_cb(evutil_socket_t fd, short what, void *arg)
     store_pg_query(s->pg, S_CLEAN, NULL, 0, 1, clean_cb, s);
 }
 
+/* ---- health probe: Postgres answered within HEALTHY_WITHIN_MS */
+
+static void probe_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct store *s = arg;
+    (void)st; /* the pool records answers and failures itself */
+    (void)pr;
+    (void)msg;
+    s->probing = false;
+}
+
+/* Every PROBE_EVERY_MS: a cheap SELECT 1 when nothing else showed that the
+ * server answers (a busy pool proves it with every result). */
+static void probe_timer_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct store *s = arg;
+    (void)fd;
+    (void)what;
+    if (s->probing || cm_now_ms() - store_pg_last_ok_ms(s->pg) < PROBE_IDLE_MS)
+        return;
+    s->probing = true;
+    store_pg_query(s->pg, S_PING, NULL, 0, 1, probe_cb, s);
+}
+
+bool store_postgres_healthy(const struct store *s)
+{
+    return s && store_pg_healthy(s->pg, HEALTHY_WITHIN_MS);
+}
+
 /* ---- life cycle */
+
+/* Postgres answers again: what waited for it goes now. */
+static void store_pg_back(void *arg)
+{
+    struct store *s = arg;
+    settle_kick(s);
+    s->doubt_backoff_ms = DOUBT_BACKOFF_MIN_MS;
+    if (s->doubt_head && !s->doubt_busy)
+        doubt_schedule(s, 0);
+}
 
 struct store *store_create(struct event_base *base, const struct conf *conf, char **err)
 {
@@ -1227,9 +1602,15 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
     s->pg_opts.stmts = stmts;
     s->pg_opts.nstmts = S__COUNT;
     s->pg = store_pg_create(base, &s->pg_opts);
+    store_pg_on_up(s->pg, store_pg_back, s);
     s->clean_timer = evtimer_new(base, clean_timer_cb, s);
-    if (!s->clean_timer)
+    s->doubt_timer = evtimer_new(base, doubt_timer_cb, s);
+    s->probe_timer = event_new(base, -1, EV_PERSIST, probe_timer_cb, s);
+    if (!s->clean_timer || !s->doubt_timer || !s->probe_timer)
         abort();
+    static const struct timeval probe_tv = {0, PROBE_EVERY_MS * 1000};
+    event_add(s->probe_timer, &probe_tv);
+    s->doubt_backoff_ms = DOUBT_BACKOFF_MIN_MS;
     clean_schedule(s, CLEAN_FIRST_MS);
     return s;
 }
@@ -1239,9 +1620,18 @@ void store_destroy(struct store *s)
     if (!s)
         return;
     event_free(s->clean_timer);
+    event_free(s->doubt_timer);
+    event_free(s->probe_timer);
     /* Both drop their pending callbacks; then the operations that waited on them go. */
     store_pg_destroy(s->pg);
     store_rd_destroy(s->rd);
+    if (s->ndoubt > 0)
+        cm_log(CM_WARN, "claims_in_doubt_left", "n=%zu effect=stay_in_flight_then_unknown", s->ndoubt);
+    struct doubt *d;
+    while ((d = doubt_pop(s)) != NULL) {
+        doubt_free(d);
+        cm_metric_claims_in_doubt(-1);
+    }
     struct op *o;
     while ((o = s->ops) != NULL) {
         op_unlink(o);
@@ -1302,6 +1692,34 @@ static void migrate_notice(void *arg, const char *message)
     free(m);
 }
 
+/* A claim acknowledged by a primary whose standby had not received it is
+ * gone after a failover: the retry finds no record and executes again. Only a
+ * synchronous standby (synchronous_standby_names set, synchronous_commit not
+ * off or local) makes a failover keep every acknowledged claim. */
+static void failover_check(PGconn *c)
+{
+    PGresult *r = PQexec(c, "SELECT current_setting('synchronous_standby_names'),"
+                            " current_setting('synchronous_commit')");
+    if (r && PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1) {
+        const char *names = PQgetvalue(r, 0, 0), *commit = PQgetvalue(r, 0, 1);
+        bool async = names[0] == '\0' || strcmp(commit, "off") == 0 || strcmp(commit, "local") == 0;
+        if (async) {
+            char qn[256], qc[64];
+            cm_log(CM_WARN, "failover_may_lose_claims",
+                   "synchronous_standby_names=%s synchronous_commit=%s detail=\"without a synchronous standby a"
+                   " failover can lose acknowledged claims: their retries execute again\"",
+                   cm_log_quote(qn, sizeof qn, names), cm_log_quote(qc, sizeof qc, commit));
+        } else {
+            cm_log(CM_INFO, "failover_synchronous", "synchronous_commit=%s", commit);
+        }
+    } else {
+        char q[256];
+        cm_log(CM_WARN, "failover_check_failed", "error=%s",
+               cm_log_quote(q, sizeof q, r ? PQresultErrorMessage(r) : PQerrorMessage(c)));
+    }
+    PQclear(r);
+}
+
 bool store_migrate(const char *postgres_url, uint64_t timeout_ms, char **err)
 {
     char ct[24], stmt_to[64];
@@ -1336,8 +1754,8 @@ bool store_migrate(const char *postgres_url, uint64_t timeout_ms, char **err)
     PQclear(r);
     r = NULL;
     if (version < SCHEMA_VERSION) {
-        /* One simple query: its statements run in one implicit transaction. */
-        if (!exec_ok(c, schema_v1, NULL, err))
+        /* One simple query each: its statements run in one implicit transaction. */
+        if ((version < 1 && !exec_ok(c, schema_v1, NULL, err)) || !exec_ok(c, schema_v2, NULL, err))
             goto fail;
         cm_log(CM_INFO, "schema_migrated", "from=%ld to=%d", version, SCHEMA_VERSION);
     } else {
@@ -1345,6 +1763,7 @@ bool store_migrate(const char *postgres_url, uint64_t timeout_ms, char **err)
     }
     if (!exec_ok(c, "SELECT pg_advisory_unlock(" MIGRATE_LOCK_ID ")", NULL, err))
         goto fail;
+    failover_check(c);
     PQfinish(c);
     return true;
 fail:

@@ -30,8 +30,11 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
 /* Closes everything; pending operations are dropped without callbacks. */
 void store_destroy(struct store *s);
 
-/* Thread-safe readers for /readyz and metrics. */
+/* Thread-safe readers for /readyz and metrics. store_postgres_healthy: this
+ * store's pool heard from Postgres within the last second (a health probe
+ * pings it every 300 ms when nothing else did) and found no fault since. */
 bool store_postgres_up(const struct store *s);
+bool store_postgres_healthy(const struct store *s);
 bool store_redis_up(const struct store *s); /* false when Redis is not configured */
 bool store_redis_enabled(const struct store *s);
 
@@ -75,7 +78,10 @@ struct store_claim_res {
 typedef void (*store_claim_cb)(void *arg, struct store_claim_res *res);
 
 /* Looks the key up (Redis first when enabled, then the Postgres claim: one
- * INSERT .. ON CONFLICT statement) and calls cb exactly once. */
+ * INSERT .. ON CONFLICT statement) and calls cb exactly once. A claim whose
+ * commit outcome is not known (its statement timed out or its connection
+ * broke: STORE_UNAVAILABLE) is remembered and released, fenced by its
+ * token, as soon as no server process can commit it any more. */
 void store_claim(struct store *s, const struct store_claim_req *req, store_claim_cb cb, void *arg);
 
 /* Owner operations, fenced by token: they change the record only while it
@@ -92,12 +98,17 @@ void store_complete(struct store *s, const struct store_id *id, uint64_t token, 
 void store_renew(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms, store_done_cb cb,
                  void *arg);
 /* Deletes the record (nothing was executed, or a release status): the next
- * request with the key executes. Also drops the Redis marker. */
-void store_release(struct store *s, const struct store_id *id, uint64_t token, store_done_cb cb, void *arg);
+ * request with the key executes. Also drops the Redis marker. Retries as
+ * store_complete for up to retry_for_ms; when it still fails (ok=false) the
+ * release is not lost: it joins the claims in doubt and is written as soon
+ * as Postgres answers again (idemgate_claims_in_doubt). */
+void store_release(struct store *s, const struct store_id *id, uint64_t token, uint64_t retry_for_ms, store_done_cb cb,
+                   void *arg);
 /* Marks an unknown outcome (timeout or no response after sending): state
- * unknown, lease_until = now + lease_ms; never released by itself. */
-void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms, store_done_cb cb,
-                        void *arg);
+ * unknown, lease_until = now + lease_ms; never released by itself. Retries
+ * as store_complete for up to retry_for_ms. */
+void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms,
+                        uint64_t retry_for_ms, store_done_cb cb, void *arg);
 
 /* Admin operations over every scope of (route, key). cb gets an HTTP status
  * and a JSON body (heap, the callee takes it):

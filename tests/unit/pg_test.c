@@ -59,8 +59,8 @@ static char *query_text(PGconn *c, const char *sql)
 
 /* ---- the pool under test */
 
-enum { S_INSERT, S_SLEEP, S_LONE, S__N };
-static char sql_insert[160], sql_insert_multi[320], sql_lone[160];
+enum { S_INSERT, S_SLEEP, S_LONE, S_ISO, S_TOUCH, S_SLOW_A, S_SLOW_B, S__N };
+static char sql_insert[160], sql_insert_multi[320], sql_lone[160], sql_touch[160], sql_slow[160];
 static const Oid int4_type[] = {OID_INT4};
 static const Oid int4_array_type[] = {OID_INT4_ARRAY};
 static struct store_pg_stmt stmts[S__N];
@@ -119,6 +119,17 @@ static void setup_pool(struct fixture *f, const char *name, unsigned max_batch)
         (struct store_pg_stmt){"t_insert", sql_insert, 1, int4_type, 1, sql_insert_multi, int4_array_type};
     stmts[S_SLEEP] = (struct store_pg_stmt){"t_sleep", "SELECT pg_sleep(0.3)", 0, NULL, 0, NULL, NULL};
     stmts[S_LONE] = (struct store_pg_stmt){"t_lone", sql_lone, 1, int4_type, 0, NULL, NULL};
+    snprintf(sql_touch, sizeof sql_touch, "UPDATE %s SET id = id WHERE k = $1", table);
+    stmts[S_TOUCH] = (struct store_pg_stmt){"t_touch", sql_touch, 1, int4_type, 1, NULL, NULL};
+    /* two statement kinds that wait 0.2 s before locking their row */
+    snprintf(sql_slow, sizeof sql_slow, "UPDATE %s SET id = id WHERE k = $1 AND pg_sleep(0.2) IS NOT NULL", table);
+    stmts[S_SLOW_A] = (struct store_pg_stmt){"t_slow_a", sql_slow, 1, int4_type, 1, NULL, NULL};
+    stmts[S_SLOW_B] = (struct store_pg_stmt){"t_slow_b", sql_slow, 1, int4_type, 1, NULL, NULL};
+    stmts[S_ISO] = (struct store_pg_stmt){
+        "t_iso", "SELECT current_setting('transaction_isolation'), current_setting('default_transaction_isolation')",
+        0,       NULL,
+        0,       NULL,
+        NULL};
     f->base = event_base_new();
     cr_assert(f->base);
     f->opts = (struct store_pg_opts){
@@ -356,5 +367,254 @@ Test(pg_batch, index_plans_on_an_empty_table)
     free(pinned);
     snprintf(sql, sizeof sql, "DROP TABLE IF EXISTS %s_k", table);
     exec_ok(f.admin, sql);
+    teardown_pool(&f);
+}
+
+/* A DEFERRABLE INITIALLY DEFERRED constraint trigger that raises for k = 13: the error comes at the implicit
+ * COMMIT (at Sync), after every statement succeeded. The transaction rolled back: no query of it may get OK. */
+static void add_commit_trigger(struct fixture *f)
+{
+    char sql[1024];
+    snprintf(sql, sizeof sql,
+             "CREATE OR REPLACE FUNCTION %s_d() RETURNS trigger LANGUAGE plpgsql AS"
+             " $$BEGIN IF NEW.k = 13 THEN RAISE EXCEPTION 'k 13 refused at commit'; END IF; RETURN NULL; END$$;"
+             "CREATE CONSTRAINT TRIGGER %s_dt AFTER INSERT ON %s DEFERRABLE INITIALLY DEFERRED"
+             " FOR EACH ROW EXECUTE FUNCTION %s_d()",
+             table, table, table, table);
+    exec_ok(f->admin, sql);
+}
+
+static void drop_commit_trigger(struct fixture *f)
+{
+    char sql[256];
+    snprintf(sql, sizeof sql, "DROP TRIGGER IF EXISTS %s_dt ON %s; DROP FUNCTION IF EXISTS %s_d()", table, table,
+             table);
+    exec_ok(f->admin, sql);
+}
+
+Test(pg_batch, a_failed_commit_alone_is_an_error)
+{
+    struct fixture f;
+    setup_pool(&f, "commit1", 16);
+    add_commit_trigger(&f);
+    wait_up(&f);
+    struct result rs[2] = {0};
+    insert(&f, S_INSERT, 13, &rs[0]);
+    run_until(&f, rs, 1);
+    cr_expect_neq(rs[0].st, STORE_PG_OK, "the COMMIT failed: the query must not get OK");
+    insert(&f, S_INSERT, 14, &rs[1]);
+    run_until(&f, rs + 1, 1);
+    cr_expect_eq(rs[1].st, STORE_PG_OK, "the connection works after the failed commit: %s",
+                 store_pg_status_name(rs[1].st));
+    char sql[160];
+    snprintf(sql, sizeof sql, "SELECT coalesce(string_agg(k::text, ',' ORDER BY k), '') FROM %s", table);
+    char *s = query_text(f.admin, sql);
+    cr_expect_str_eq(s, "14", "rows: %s", s);
+    free(s);
+    drop_commit_trigger(&f);
+    teardown_pool(&f);
+}
+
+Test(pg_batch, a_failed_commit_fails_or_reruns_every_query_of_the_batch)
+{
+    struct fixture f;
+    setup_pool(&f, "commitn", 16);
+    add_commit_trigger(&f);
+    wait_up(&f);
+    struct result rs[5] = {0};
+    occupy(&f, &rs[0]);
+    insert(&f, S_INSERT, 5, &rs[1]);
+    insert(&f, S_INSERT, 13, &rs[2]);
+    insert(&f, S_LONE, 6, &rs[3]);
+    insert(&f, S_INSERT, 7, &rs[4]);
+    run_until(&f, rs, 5);
+    cr_expect_eq(rs[0].st, STORE_PG_OK);
+    cr_expect_neq(rs[2].st, STORE_PG_OK, "the insert whose commit fails must not get OK");
+    char sql[160];
+    snprintf(sql, sizeof sql, "SELECT coalesce(string_agg(k::text, ',' ORDER BY k), '') FROM %s", table);
+    char *s = query_text(f.admin, sql);
+    /* every query that got OK has its row; the one that did not has none */
+    char want[64] = "";
+    const int32_t ks[4] = {5, 6, 7, 13};
+    const int idx[4] = {1, 3, 4, 2};
+    for (int i = 0; i < 4; i++) {
+        if (rs[idx[i]].st == STORE_PG_OK) {
+            size_t l = strlen(want);
+            snprintf(want + l, sizeof want - l, "%s%d", l ? "," : "", ks[i]);
+        }
+    }
+    cr_expect_str_eq(s, want, "rows %s, but the queries told OK: %s", s, want);
+    cr_expect_eq(rs[1].st, STORE_PG_OK, "5 is innocent: run again, it succeeds (%s)", store_pg_status_name(rs[1].st));
+    cr_expect_eq(rs[4].st, STORE_PG_OK, "7 is innocent: run again, it succeeds (%s)", store_pg_status_name(rs[4].st));
+    free(s);
+    drop_commit_trigger(&f);
+    teardown_pool(&f);
+}
+
+struct iso_result {
+    int done;
+    enum store_pg_status st;
+    char iso[64];
+};
+
+static void iso_cb(void *arg, enum store_pg_status st, const PGresult *res, const char *msg)
+{
+    struct iso_result *r = arg;
+    (void)msg;
+    r->done++;
+    r->st = st;
+    if (res && PQntuples(res) == 1)
+        snprintf(r->iso, sizeof r->iso, "%s/%s", PQgetvalue(res, 0, 0), PQgetvalue(res, 0, 1));
+}
+
+/* A database (here: a session option) whose default isolation is serializable: the pool's transactions still run
+ * at READ COMMITTED. */
+Test(pg_batch, transactions_run_at_read_committed_whatever_the_default)
+{
+    struct fixture f;
+    setup_pool(&f, "iso", 16);
+    store_pg_destroy(f.pool);
+    char url[512];
+    const char *base = getenv("IDEMGATE_TEST_PG_URL");
+    snprintf(url, sizeof url, "%s%soptions=-c%%20default_transaction_isolation%%3Dserializable", base,
+             strchr(base, '?') ? "&" : "?");
+    f.opts.conninfo = url;
+    f.pool = store_pg_create(f.base, &f.opts);
+    wait_up(&f);
+    struct iso_result r = {0};
+    store_pg_query(f.pool, S_ISO, NULL, 0, 0, iso_cb, &r);
+    uint64_t deadline = cm_now_ms() + 15000;
+    while (!r.done) {
+        cr_assert(cm_now_ms() < deadline, "no answer in 15 s");
+        event_base_loop(f.base, EVLOOP_ONCE);
+    }
+    cr_expect_eq(r.st, STORE_PG_OK, "%s", store_pg_status_name(r.st));
+    cr_expect_str_eq(r.iso, "read committed/read committed", "isolation: %s", r.iso);
+    /* and the connection's server default really was serializable (so that this test can tell) */
+    PGconn *c = PQconnectdb(url);
+    cr_assert_eq(PQstatus(c), CONNECTION_OK, "%s", PQerrorMessage(c));
+    char *s = query_text(c, "SELECT current_setting('transaction_isolation')");
+    cr_expect_str_eq(s, "serializable", "without the pool's setting: %s", s);
+    free(s);
+    PQfinish(c);
+    teardown_pool(&f);
+}
+
+/* Rows are locked in one order by every batch whatever the statements: by key first. [insert 20, touch 10] and
+ * [insert 10, touch 20] (two kinds, as [claim K1, complete K2] against [claim K2, complete K1]) must both run key 10
+ * first; sorted by statement first they lock in opposite orders and can deadlock. */
+Test(pg_batch, a_batch_locks_rows_by_key_whatever_the_statement)
+{
+    struct fixture f;
+    setup_pool(&f, "lockorder", 16);
+    char sql[1024];
+    snprintf(sql, sizeof sql,
+             "DROP TABLE IF EXISTS %s_l; CREATE TABLE %s_l (id bigserial, what text, k int);"
+             "CREATE OR REPLACE FUNCTION %s_lf() RETURNS trigger LANGUAGE plpgsql AS"
+             " $$BEGIN INSERT INTO %s_l (what, k) VALUES (lower(TG_OP), NEW.k); RETURN NULL; END$$;"
+             "CREATE TRIGGER %s_lt AFTER INSERT OR UPDATE ON %s FOR EACH ROW EXECUTE FUNCTION %s_lf();"
+             "INSERT INTO %s (k) VALUES (10), (20), (30), (40)",
+             table, table, table, table, table, table, table, table);
+    exec_ok(f.admin, sql);
+    snprintf(sql, sizeof sql, "TRUNCATE %s_l", table);
+    exec_ok(f.admin, sql);
+    wait_up(&f);
+    struct result rs[6] = {0};
+    occupy(&f, &rs[0]);
+    insert(&f, S_INSERT, 50, &rs[1]);
+    insert(&f, S_TOUCH, 10, &rs[2]);
+    run_until(&f, rs, 3);
+    occupy(&f, &rs[3]);
+    insert(&f, S_TOUCH, 40, &rs[4]);
+    insert(&f, S_INSERT, 5, &rs[5]);
+    run_until(&f, rs + 3, 3);
+    for (int i = 0; i < 6; i++)
+        cr_expect_eq(rs[i].st, STORE_PG_OK, "query %d: %s", i, store_pg_status_name(rs[i].st));
+    snprintf(sql, sizeof sql, "SELECT string_agg(what || k, ',' ORDER BY id) FROM %s_l", table);
+    char *s = query_text(f.admin, sql);
+    cr_expect_str_eq(s, "update10,insert50,insert5,update40", "row order of the two batches: %s", s);
+    free(s);
+    snprintf(sql, sizeof sql, "DROP TABLE IF EXISTS %s_l CASCADE; DROP FUNCTION IF EXISTS %s_lf() CASCADE", table,
+             table);
+    exec_ok(f.admin, sql);
+    teardown_pool(&f);
+}
+
+/* store.postgres may name several hosts (libpq multi-host, target_session_attrs=read-write, as for a failover
+ * pair): the pool's non-blocking connect goes on to the next host when one refuses (PQconnectPoll changes the
+ * socket) and its queries run. */
+Test(pg_batch, a_multi_host_url_connects_to_the_host_that_answers)
+{
+    struct fixture f;
+    setup_pool(&f, "multi", 16);
+    store_pg_destroy(f.pool);
+    const char *base = getenv("IDEMGATE_TEST_PG_URL");
+    const char *at = strchr(base, '@');
+    cr_assert(at && strncmp(base, "postgresql://", 13) == 0, "unexpected test URL %s", base);
+    char url[512];
+    snprintf(url, sizeof url, "%.*s127.0.0.1:1,%s%starget_session_attrs=read-write", (int)(at + 1 - base), base, at + 1,
+             strchr(base, '?') ? "&" : "?");
+    f.opts.conninfo = url;
+    f.pool = store_pg_create(f.base, &f.opts);
+    wait_up(&f);
+    struct result rs[1] = {0};
+    insert(&f, S_INSERT, 3, &rs[0]);
+    run_until(&f, rs, 1);
+    cr_expect_eq(rs[0].st, STORE_PG_OK, "%s", store_pg_status_name(rs[0].st));
+    cr_expect_eq(rs[0].k, 3);
+    teardown_pool(&f);
+}
+
+static long deadlocks(PGconn *c)
+{
+    exec_ok(c, "SELECT pg_stat_clear_snapshot()");
+    char *s = query_text(c, "SELECT deadlocks::text FROM pg_stat_database WHERE datname = current_database()");
+    long v = strtol(s, NULL, 10);
+    free(s);
+    return v;
+}
+
+/* The deadlock itself: two pools at once, [A 10, B 20] against [B 10, A 20] (A and B two statement kinds, each
+ * locking its row 0.2 s after it starts). Ordered by statement first the second batch locks 20 then 10 while the
+ * first holds 10 and wants 20: Postgres detects a deadlock (pg_stat_database.deadlocks) and rolls one back. By key,
+ * both lock 10 first: one waits, no deadlock. */
+Test(pg_batch, opposite_batches_do_not_deadlock, .timeout = 60)
+{
+    struct fixture f;
+    setup_pool(&f, "deadlock", 16);
+    char sql[256];
+    snprintf(sql, sizeof sql, "INSERT INTO %s (k) VALUES (10), (20)", table);
+    exec_ok(f.admin, sql);
+    struct store_pg *other = store_pg_create(f.base, &f.opts);
+    wait_up(&f);
+    uint64_t deadline = cm_now_ms() + 15000;
+    while (!store_pg_up(other)) {
+        cr_assert(cm_now_ms() < deadline, "the second pool never came up");
+        event_base_loop(f.base, EVLOOP_ONCE);
+    }
+    long before = deadlocks(f.admin);
+    for (int round = 0; round < 2; round++) {
+        struct result rs[6] = {0};
+        occupy(&f, &rs[0]);
+        store_pg_query(other, S_SLEEP, NULL, 0, 0, query_cb, &rs[3]);
+        insert(&f, S_SLOW_A, 10, &rs[1]);
+        insert(&f, S_SLOW_B, 20, &rs[2]);
+        struct store_pg *keep = f.pool;
+        f.pool = other;
+        insert(&f, S_SLOW_A, 20, &rs[4]);
+        insert(&f, S_SLOW_B, 10, &rs[5]);
+        f.pool = keep;
+        run_until(&f, rs, 6);
+        for (int i = 0; i < 6; i++)
+            cr_expect_eq(rs[i].st, STORE_PG_OK, "round %d query %d: %s", round, i, store_pg_status_name(rs[i].st));
+    }
+    /* the statistics reach pg_stat_database within a second or so */
+    long after = before;
+    for (int i = 0; i < 20 && after == before; i++) {
+        usleep(100000);
+        after = deadlocks(f.admin);
+    }
+    cr_expect_eq(after, before, "%ld deadlocks between the two batches", after - before);
+    store_pg_destroy(other);
     teardown_pool(&f);
 }

@@ -398,7 +398,7 @@ static struct dres release(struct env *e, const struct req *r, uint64_t token)
 {
     struct dres d = {0};
     struct store_id id = mkid(r);
-    store_release(e->s, &id, token, done_cb, &d);
+    store_release(e->s, &id, token, 0, done_cb, &d);
     pump(e, &d.done, 10000);
     cr_assert(d.done);
     return d;
@@ -408,7 +408,7 @@ static struct dres mark_unknown(struct env *e, const struct req *r, uint64_t tok
 {
     struct dres d = {0};
     struct store_id id = mkid(r);
-    store_mark_unknown(e->s, &id, token, lease_ms, done_cb, &d);
+    store_mark_unknown(e->s, &id, token, lease_ms, 0, done_cb, &d);
     pump(e, &d.done, 10000);
     cr_assert(d.done);
     return d;
@@ -472,7 +472,7 @@ Test(store, migrate_is_idempotent)
 {
     migrate();
     migrate();
-    cr_assert_eq(psql_long("SELECT max(version) FROM idemgate_schema_version"), 1);
+    cr_assert_eq(psql_long("SELECT max(version) FROM idemgate_schema_version"), 2);
     /* primary key (route, key, scope), expires_at (cleaner), in-flight created_at (stuck gauge) */
     cr_assert_eq(psql_long("SELECT count(*) FROM pg_indexes WHERE tablename = 'idemgate_keys'"
                            " AND schemaname = current_schema()"),
@@ -517,7 +517,7 @@ Test(store, migrate_concurrently_from_three_processes)
     cr_assert_eq(psql_long(sql), 2);
     free(sql);
     sql = cm_asprintf("SELECT count(*) FROM %s.idemgate_schema_version", schema);
-    cr_assert_eq(psql_long(sql), 1);
+    cr_assert_eq(psql_long(sql), 2); /* versions 1 and 2, once each */
     free(sql);
     sql = cm_asprintf("DROP SCHEMA %s CASCADE", schema);
     free(psql(pg_url(), sql));
@@ -558,7 +558,7 @@ static void verdicts(const char *redis)
     struct cres c2 = claim(&e, &r);
     cr_assert_eq(c2.v, STORE_IN_FLIGHT, "got %s", store_verdict_name(c2.v));
     cr_assert(c2.lease_ms > 0 && c2.lease_ms <= r.lease_ms, "lease %llu", (unsigned long long)c2.lease_ms);
-    cr_assert_eq(c2.from_redis, redis != NULL, "in flight answered from redis: %d", c2.from_redis);
+    cr_assert_not(c2.from_redis, "an in-flight marker never answers 409 alone: Postgres is asked");
 
     struct req other = r;
     fill(other.fp, 0xb2);
@@ -787,6 +787,31 @@ Test(store, orphaned_claim_becomes_unknown)
     cr_assert_eq(claim(&e, &r).v, STORE_NEW);
     wait_ms(&e, 350);
     cr_assert_eq(claim(&e, &r).v, STORE_UNKNOWN);
+    env_close(&e);
+}
+
+/* Retention applies to completed records only: an unknown outcome (marked, or an orphaned claim whose lease lapsed)
+ * past its retention still answers unknown on a reject route; it is never treated as new. */
+Test(store, unknown_outcomes_never_expire_into_new)
+{
+    migrate();
+    struct env e;
+    env_open(&e, pg_url(), NULL, 2);
+    char key[64], key2[64];
+    unique_key(key, sizeof key, "unk-ret");
+    unique_key(key2, sizeof key2, "orph-ret");
+    struct req r = basic_req(key), o = basic_req(key2);
+    r.lease_ms = o.lease_ms = 100;
+    r.retention_ms = o.retention_ms = 300;
+    struct cres c = claim(&e, &r);
+    cr_assert_eq(c.v, STORE_NEW);
+    cr_assert_eq(mark_unknown(&e, &r, c.token, 100).rows, 1);
+    cr_assert_eq(claim(&e, &o).v, STORE_NEW);
+    wait_ms(&e, 600);
+    struct cres c2 = claim(&e, &r);
+    cr_expect_eq(c2.v, STORE_UNKNOWN, "unknown outcome past retention: %s", store_verdict_name(c2.v));
+    struct cres c3 = claim(&e, &o);
+    cr_expect_eq(c3.v, STORE_UNKNOWN, "orphaned claim past retention: %s", store_verdict_name(c3.v));
     env_close(&e);
 }
 
@@ -1030,6 +1055,102 @@ Test(store, two_stores_race_for_one_key)
     env_close(&b);
 }
 
+/* ---- Redis markers and cache refills */
+
+/* The store's Redis key of a record: "idg:" + hex(SHA-256(route NUL scope NUL key)). */
+static void test_rkey(const struct req *r, char out[69])
+{
+    struct cm_sha256 h;
+    uint8_t d[32];
+    cm_sha256_init(&h);
+    cm_sha256_update(&h, r->route, strlen(r->route));
+    cm_sha256_update(&h, "", 1);
+    cm_sha256_update(&h, r->scope, 32);
+    cm_sha256_update(&h, "", 1);
+    cm_sha256_update(&h, r->key, strlen(r->key));
+    cm_sha256_final(&h, d);
+    memcpy(out, "idg:", 4);
+    cm_hex(d, 32, out + 4);
+    out[68] = '\0';
+}
+
+/* A marker left behind (a SET NX whose reply timed out, a claim that failed, a completion that could not be
+ * written) for a key Postgres does not know: the claim must not be refused with 409 on the marker's word. */
+Test(store, a_left_over_marker_never_answers_in_flight_alone)
+{
+    migrate();
+    char *url = redis_url_db(6);
+    struct env e;
+    env_open(&e, pg_url(), url, 2);
+    wait_redis(&e);
+    char key[64], rk[69];
+    unique_key(key, sizeof key, "marker");
+    struct req r = basic_req(key);
+    test_rkey(&r, rk);
+    char marker[42];
+    marker[0] = 'F';
+    memset(marker + 1, 0xa1, 32); /* basic_req's fingerprint */
+    memset(marker + 33, 0x7f, 8); /* whatever follows, far in the future if read as a lease */
+    marker[41] = '\0';
+    const char *argv[] = {"redis-cli", "-u", url, "SET", rk, marker, "PX", "60000", NULL};
+    int st;
+    free(run_cmd(argv, &st));
+    cr_assert_eq(st, 0);
+    struct cres c = claim(&e, &r);
+    cr_expect_eq(c.v, STORE_NEW, "a left-over marker decided: %s", store_verdict_name(c.v));
+    cr_expect_not(c.from_redis);
+    env_close(&e);
+    free(url);
+}
+
+/* A replay served by Postgres refills the cache only while the key still holds the marker the claim placed: an
+ * admin purge that deleted the record and then the Redis key between the claim's read and the refill must not get
+ * the purged answer put back. The purge is simulated: the claim is held on a row lock, the test deletes the key. */
+Test(store, a_cache_refill_never_undoes_a_purge, .timeout = 30)
+{
+    migrate();
+    char *url = redis_url_db(7);
+    struct env e;
+    env_open(&e, pg_url(), url, 2);
+    wait_redis(&e);
+    char key[64], rk[69];
+    unique_key(key, sizeof key, "refill");
+    struct req r = basic_req(key);
+    test_rkey(&r, rk);
+    struct cres c1 = claim(&e, &r);
+    cr_assert_eq(c1.v, STORE_NEW);
+    struct cm_resp resp;
+    sample_resp(&resp);
+    cr_assert_eq(complete(&e, &r, c1.token, &resp, 1000).rows, 1);
+    wait_ms(&e, 100);
+    free(redis_cli(url, "DEL", rk)); /* Redis lost the cached answer */
+    char *sql = cm_asprintf("SELECT 1 FROM idemgate_keys WHERE key = '%s' FOR UPDATE; SELECT pg_sleep(1.5)", key);
+    pid_t locker = psql_background(sql);
+    wait_for_session(key);
+    struct cres c2;
+    memset(&c2, 0, sizeof c2);
+    struct store_claim_req q = mkreq(&r);
+    store_claim(e.s, &q, claim_cb, &c2);
+    wait_ms(&e, 300); /* its marker is in Redis, its statement waits for the lock */
+    char *ex = redis_cli(url, "EXISTS", rk);
+    cr_expect(strncmp(ex, "1", 1) == 0, "the claim's marker is in Redis (EXISTS %s)", ex);
+    free(ex);
+    free(redis_cli(url, "DEL", rk)); /* the purge's DEL */
+    pump(&e, &c2.done, 10000);
+    cr_assert(c2.done);
+    cr_expect_eq(c2.v, STORE_REPLAY, "%s", store_verdict_name(c2.v));
+    wait_ms(&e, 300); /* a refill would have landed */
+    ex = redis_cli(url, "EXISTS", rk);
+    cr_expect(strncmp(ex, "0", 1) == 0, "the refill put the answer back after the purge's DEL (EXISTS %s)", ex);
+    free(ex);
+    psql_wait(locker);
+    free(sql);
+    cres_free(&c2);
+    cm_resp_free(&resp);
+    env_close(&e);
+    free(url);
+}
+
 /* ---- Redis flushed, Redis down, Postgres down */
 
 Test(store, redis_flushed_never_yields_a_new_claim)
@@ -1201,7 +1322,9 @@ Test(store, redis_restart_reconnects_and_stays_correct, .timeout = 60)
     struct req r = basic_req(key);
     struct cres c1 = claim(&e, &r);
     cr_assert_eq(c1.v, STORE_NEW);
-    cr_assert(claim(&e, &r).from_redis);
+    struct cres c1b = claim(&e, &r);
+    cr_assert_eq(c1b.v, STORE_IN_FLIGHT);
+    cr_assert_not(c1b.from_redis, "the marker is there, but Postgres decides");
     stop_redis(rs); /* loses every marker */
     uint64_t end = cm_now_ms() + 3000;
     while (store_redis_up(e.s) && cm_now_ms() < end)
@@ -1217,10 +1340,15 @@ Test(store, redis_restart_reconnects_and_stays_correct, .timeout = 60)
     struct cm_resp resp;
     sample_resp(&resp);
     cr_assert_eq(complete(&e, &r, c1.token, &resp, 500).rows, 1);
+    /* the restarted Redis lost the claim's marker: the completion does not cache (it writes only over its own
+     * marker), the first replay comes from Postgres and refills the cache */
     struct cres c4 = claim(&e, &r);
     cr_assert_eq(c4.v, STORE_REPLAY);
-    cr_assert(c4.from_redis, "the cache works again after the reconnect");
+    struct cres c5 = claim(&e, &r);
+    cr_assert_eq(c5.v, STORE_REPLAY);
+    cr_assert(c5.from_redis, "the cache works again after the reconnect");
     cres_free(&c4);
+    cres_free(&c5);
     cm_resp_free(&resp);
     env_close(&e);
     stop_redis(rs);
@@ -1283,9 +1411,27 @@ Test(store, postgres_down_fails_fast)
     free(url);
 }
 
+/* A gauge without labels from the rendered registry (-1 when absent). */
+static long gauge(const char *name)
+{
+    struct cm_buf m;
+    cm_buf_init(&m, 1 << 20);
+    cr_assert(cm_metrics_render(&m));
+    long v = -1;
+    char pat[128];
+    snprintf(pat, sizeof pat, "\n%s ", name);
+    const char *p = m.data ? strstr(m.data, pat) : NULL;
+    if (p)
+        v = strtol(p + strlen(pat), NULL, 10);
+    cm_buf_free(&m);
+    return v;
+}
+
 Test(store, query_timeout_fails_and_the_pool_recovers, .timeout = 60)
 {
     migrate();
+    const char *names[] = {"pay"};
+    cm_metrics_init(1, names);
     struct env e;
     env_open(&e, pg_url(), NULL, 2);
     char key[64];
@@ -1302,6 +1448,9 @@ Test(store, query_timeout_fails_and_the_pool_recovers, .timeout = 60)
     uint64_t took = cm_now_ms() - t0;
     cr_assert_eq(c2.v, STORE_UNAVAILABLE, "got %s", store_verdict_name(c2.v));
     cr_assert(took >= 3000 && took < 6500, "took %llu ms", (unsigned long long)took);
+    /* the server cancelled it (statement_timeout): its outcome is known, it is not a claim in doubt (whose check
+     * would find the pool's own, live server process and wait for it forever) */
+    cr_expect_eq(gauge("idemgate_claims_in_doubt"), 0, "a claim the server cancelled is in doubt");
     /* other keys go on meanwhile */
     char key2[64];
     unique_key(key2, sizeof key2, "lock2");
@@ -1313,6 +1462,7 @@ Test(store, query_timeout_fails_and_the_pool_recovers, .timeout = 60)
     struct cres c3 = claim(&e, &r);
     cr_assert_eq(c3.v, STORE_IN_FLIGHT, "got %s", store_verdict_name(c3.v));
     env_close(&e);
+    cm_metrics_reset();
 }
 
 Test(store, killed_connections_are_replaced)
@@ -1472,8 +1622,9 @@ Test(store, admin_list_release_purge)
 Test(store, cleaner_deletes_expired_and_counts_stuck, .timeout = 30)
 {
     migrate();
-    char key[64];
+    char key[64], ukey[64];
     unique_key(key, sizeof key, "clean");
+    unique_key(ukey, sizeof ukey, "clean-unk");
     char route[48];
     snprintf(route, sizeof route, "stuck_%016llx", (unsigned long long)cm_random_token());
     const char *names[] = {route};
@@ -1484,7 +1635,20 @@ Test(store, cleaner_deletes_expired_and_counts_stuck, .timeout = 30)
         struct req r = basic_req(key);
         r.lease_ms = 10;
         r.retention_ms = 10;
-        cr_assert_eq(claim(&e, &r).v, STORE_NEW);
+        struct cres c = claim(&e, &r);
+        cr_assert_eq(c.v, STORE_NEW);
+        struct cm_resp resp;
+        sample_resp(&resp);
+        cr_assert_eq(complete(&e, &r, c.token, &resp, 500).rows, 1);
+        cm_resp_free(&resp);
+        /* an unknown outcome past its retention and lease: the cleaner must keep it */
+        struct req u = basic_req(ukey);
+        u.route = route;
+        u.lease_ms = 10;
+        u.retention_ms = 10;
+        struct cres cu = claim(&e, &u);
+        cr_assert_eq(cu.v, STORE_NEW);
+        cr_assert_eq(mark_unknown(&e, &u, cu.token, 10).rows, 1);
         env_close(&e);
     }
     char *sql = cm_asprintf("INSERT INTO idemgate_keys (route, scope, key, fingerprint, state, token, lease_until,"
@@ -1522,6 +1686,10 @@ Test(store, cleaner_deletes_expired_and_counts_stuck, .timeout = 30)
     cr_assert(gone, "the expired record was not deleted");
     cr_assert(counted, "stuck gauge not set");
     free(want);
+    free(sql);
+    sql = cm_asprintf("SELECT count(*) FROM idemgate_keys WHERE route = '%s' AND key = '%s' AND state = 'unknown'",
+                      route, ukey);
+    cr_expect_eq(psql_long(sql), 1, "the cleaner deleted an unknown outcome past its retention");
     free(sql);
     sql = cm_asprintf("DELETE FROM idemgate_keys WHERE route = '%s'", route);
     free(psql(pg_url(), sql));
