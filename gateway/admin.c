@@ -196,7 +196,7 @@ static enum MHD_Result keys_endpoint(struct gw_admin *a, struct MHD_Connection *
 static enum MHD_Result status_json(struct gw_admin *a, struct MHD_Connection *c)
 {
     struct store *st = gw_loop_store(a->loop);
-    bool pg = store_postgres_up(st) && gw_loop_schema_ready(a->loop);
+    bool pg = gw_loop_postgres_ready(a->loop); /* what /readyz says */
     const char *redis = !store_redis_enabled(st) ? "disabled" : store_redis_up(st) ? "up" : "down";
     struct cm_buf out;
     cm_buf_init(&out, 4 * 1024 * 1024);
