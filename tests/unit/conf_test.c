@@ -125,7 +125,7 @@ Test(conf, example_config_loads)
     cr_expect_eq(o->methods, CONF_M_POST | CONF_M_PUT | CONF_M_PATCH);
     cr_expect_eq(o->idem.key, CONF_KEY_OPTIONAL);
     cr_expect_eq(o->idem.on_in_flight, CONF_IN_FLIGHT_WAIT);
-    cr_expect_eq(o->idem.scope_n, 0);
+    cr_expect_eq(o->idem.scope_n, 1, "the example scopes every idempotent route");
 
     cr_expect(c->has_default_upstream);
     cr_expect_eq(c->default_upstream, 0);
