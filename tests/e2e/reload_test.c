@@ -48,7 +48,7 @@ static const char *const conf_b =
     E2E_CONF_ROUTE("x", "/v1/x", "two")
     "      key: optional\n";
 
-/* A with a bad size on line 17 (the max_body of route x). */
+/* A with a bad size on line 21 (the max_body of route x). */
 static const char *const conf_broken =
     CONF_PORTS_STORE("4")
     "upstreams:\n"
@@ -158,14 +158,15 @@ static char probe(const struct rig *r, const char *path)
 
 /* ---- the load: threads with one keep-alive connection each (libcurl easy handle), bounded by count and time */
 
-#define LOAD_THREADS     4
-#define LOAD_MAX_PER     20000
-#define LOAD_MAX_MS      60000
-#define LOAD_TIMEOUT_MS  5000L
-#define ECHO_CAP         128
+#define LOAD_THREADS    4
+#define LOAD_MAX_PER    20000
+#define LOAD_MAX_MS     60000
+#define LOAD_TIMEOUT_MS 5000L
+#define ECHO_CAP        128
 
 struct load {
     uint16_t port;
+    unsigned long run; /* keys are unique per run: Postgres keeps the records of earlier runs */
     atomic_bool stop;
     int id;
     /* results */
@@ -218,7 +219,7 @@ static void *load_main(void *arg)
         snprintf(url, sizeof url, "http://127.0.0.1:%u%s", (unsigned)L->port, to_b ? "/v1/b" : "/v1/x");
         struct curl_slist *hl = NULL;
         if (post) {
-            snprintf(keyhdr, sizeof keyhdr, "Idempotency-Key: load-%d-%ld", L->id, i);
+            snprintf(keyhdr, sizeof keyhdr, "Idempotency-Key: load-%lx-%d-%ld", L->run, L->id, i);
             hl = curl_slist_append(hl, keyhdr);
         }
         e.echo[0] = '\0';
@@ -295,6 +296,7 @@ Test(reload, load_across_20_reloads_no_failure_no_mix)
     for (int i = 0; i < LOAD_THREADS; i++) {
         L[i].port = r.gw->port;
         L[i].id = i;
+        L[i].run = (unsigned long)e2e_now_ms() ^ ((unsigned long)getpid() << 20);
         cr_assert_eq(pthread_create(&th[i], NULL, load_main, &L[i]), 0);
     }
     e2e_sleep_ms(300);
@@ -354,7 +356,7 @@ Test(reload, load_across_20_reloads_no_failure_no_mix)
     cr_expect_eq(log_count(r.gw, "event=reloaded"), 20 - failed_lines);
     /* the broken file's line names the file, the line and the key */
     char want[600];
-    snprintf(want, sizeof want, "event=reload_failed file=%s error=\"%s:17: ", r.gw->conf_path, r.gw->conf_path);
+    snprintf(want, sizeof want, "event=reload_failed file=\"%s\" error=\"%s:21: ", r.gw->conf_path, r.gw->conf_path);
     cr_expect(e2e_gw_log_contains(r.gw, want), "no '%s' in the log", want);
     cr_expect(e2e_gw_log_contains(r.gw, "max_body"), "the failure names the key");
     /* metrics by route name across index shifts: route x counted every /v1/x answer, only_b exists */
@@ -396,18 +398,20 @@ Test(reload, replay_after_reload)
     struct rig r;
     rig_start(&r);
     struct e2e_resp first, again;
-    e2e_http_key(r.gw->port, "POST", "/v1/x", "k-reload", NULL, "{\"n\":1}", 0, &first);
+    char key[64];
+    snprintf(key, sizeof key, "k-reload-%llx-%d", (unsigned long long)e2e_now_ms(), (int)getpid());
+    e2e_http_key(r.gw->port, "POST", "/v1/x", key, NULL, "{\"n\":1}", 0, &first);
     cr_assert_eq(first.status, 200);
     reload_to(&r, conf_b);
     cr_assert(e2e_gw_log_contains(r.gw, "event=reloaded"));
-    e2e_http_key(r.gw->port, "POST", "/v1/x", "k-reload", NULL, "{\"n\":1}", 0, &again);
+    e2e_http_key(r.gw->port, "POST", "/v1/x", key, NULL, "{\"n\":1}", 0, &again);
     cr_expect_eq(again.status, 200);
     cr_expect(e2e_resp_is_replay(&again), "the retry after the reload is a replay");
     const char *echo = e2e_resp_header(&again, "X-Echo-Uri");
     cr_expect(echo && strcmp(echo, "/a/v1/x") == 0, "the stored answer (from A) is replayed (echo %s)",
               echo ? echo : "none");
-    cr_expect_eq(e2e_upstream_count(r.u1, "k-reload"), 1);
-    cr_expect_eq(e2e_upstream_count(r.u2, "k-reload"), 0, "not executed again on the new upstream");
+    cr_expect_eq(e2e_upstream_count(r.u1, key), 1);
+    cr_expect_eq(e2e_upstream_count(r.u2, key), 0, "not executed again on the new upstream");
     e2e_resp_free(&first);
     e2e_resp_free(&again);
     cr_expect_eq(e2e_gw_stop(r.gw, 10000), 0);
