@@ -339,9 +339,6 @@ Test(reload, load_across_20_reloads_no_failure_no_mix)
         max_s = L[i].max_s > max_s ? L[i].max_s : max_s;
         cr_expect_eq(L[i].failed, 0, "load thread %d: %ld failed; first: %s", i, L[i].failed, L[i].first_failure);
     }
-    cr_log_warn("reload load: requests=%ld reloads=20 (failed files=%zu) failures=%ld under_a=%ld under_b=%ld "
-                "404_under_a=%ld max_latency_ms=%.1f",
-                sent, failed_lines, failed, got_a, got_b, got_404, max_s * 1000);
     fprintf(stderr,
             "reload load: requests=%ld reloads=20 (broken=%zu) failures=%ld under_a=%ld under_b=%ld 404=%ld "
             "max_latency_ms=%.1f\n",
