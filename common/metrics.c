@@ -2,6 +2,7 @@
 #include "common/metrics.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,15 +30,27 @@ struct route_ctr {
     _Atomic uint64_t stuck_processing;
 };
 
-/* Routes 0..nroutes-1 as configured, then "_default", then "_none". */
-struct registry {
-    size_t nroutes;
-    char **names;
-    struct route_ctr *rc; /* nroutes + 2 entries */
+/* Route names get a slot each, in the order they were first seen (the routes at start, then the new names of each
+ * reload), and keep it until cm_metrics_reset: a renamed or removed route keeps its counters, and a loop still
+ * counting under an old configuration never reads freed memory. Slots live in fixed chunks that are never moved,
+ * so readers need no lock: they load nroutes (acquire) and only touch slots below it. "_default" and "_none" have
+ * their own slots. */
+#define ROUTE_CHUNK  64
+#define ROUTE_CHUNKS 256 /* at most 16384 route names over the life of the process */
+
+struct route_slot {
+    char *name;
+    struct route_ctr c;
 };
 
-static struct route_ctr fallback_rc[2];
-static struct registry reg = {0, NULL, fallback_rc};
+struct registry {
+    _Atomic size_t nroutes;
+    struct route_slot *_Atomic chunk[ROUTE_CHUNKS];
+    pthread_mutex_t mu; /* one writer at a time */
+};
+
+static struct route_ctr fallback_rc[2]; /* "_default", "_none" */
+static struct registry reg = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static struct hist upstream_hist;
 static struct hist store_hist[CM_STORE__COUNT];
@@ -123,47 +136,79 @@ static void zero_globals(void)
 
 void cm_metrics_reset(void)
 {
-    if (reg.rc != fallback_rc) {
-        for (size_t i = 0; i < reg.nroutes; i++)
-            free(reg.names[i]);
-        free(reg.names);
-        free(reg.rc);
+    size_t n = atomic_load(&reg.nroutes);
+    for (size_t i = 0; i < n; i++)
+        free(reg.chunk[i / ROUTE_CHUNK][i % ROUTE_CHUNK].name);
+    for (size_t k = 0; k < ROUTE_CHUNKS; k++) {
+        free(reg.chunk[k]);
+        atomic_store(&reg.chunk[k], NULL);
     }
-    reg.nroutes = 0;
-    reg.names = NULL;
-    reg.rc = fallback_rc;
+    atomic_store(&reg.nroutes, 0);
     zero_globals();
+}
+
+/* Appends a slot for name; the caller holds reg.mu. Returns its index, or CM_ROUTE_NONE when the registry is full. */
+static size_t slot_append(const char *name)
+{
+    size_t n = atomic_load(&reg.nroutes);
+    if (n >= (size_t)ROUTE_CHUNK * ROUTE_CHUNKS)
+        return CM_ROUTE_NONE;
+    if (!reg.chunk[n / ROUTE_CHUNK])
+        atomic_store(&reg.chunk[n / ROUTE_CHUNK], cm_calloc(ROUTE_CHUNK, sizeof(struct route_slot)));
+    struct route_slot *sl = &reg.chunk[n / ROUTE_CHUNK][n % ROUTE_CHUNK];
+    sl->name = cm_strdup(name ? name : "");
+    zero_route(&sl->c);
+    atomic_store_explicit(&reg.nroutes, n + 1, memory_order_release);
+    return n;
+}
+
+static struct route_slot *slot_at(size_t i)
+{
+    return &reg.chunk[i / ROUTE_CHUNK][i % ROUTE_CHUNK];
 }
 
 void cm_metrics_init(size_t nroutes, const char *const *route_names)
 {
     cm_metrics_reset();
-    if (nroutes > 0) {
-        reg.names = cm_calloc(nroutes, sizeof(*reg.names));
-        for (size_t i = 0; i < nroutes; i++)
-            reg.names[i] = cm_strdup(route_names && route_names[i] ? route_names[i] : "");
-    }
-    reg.rc = cm_calloc(nroutes + 2, sizeof(*reg.rc));
-    for (size_t i = 0; i < nroutes + 2; i++)
-        zero_route(&reg.rc[i]);
-    reg.nroutes = nroutes;
+    pthread_mutex_lock(&reg.mu);
+    for (size_t i = 0; i < nroutes; i++)
+        (void)slot_append(route_names ? route_names[i] : "");
+    pthread_mutex_unlock(&reg.mu);
 }
 
-/* Any index that is neither a configured route nor CM_ROUTE_DEFAULT counts as "_none". */
+size_t cm_metrics_route(const char *name)
+{
+    pthread_mutex_lock(&reg.mu);
+    size_t n = atomic_load(&reg.nroutes);
+    size_t found = CM_ROUTE_NONE;
+    for (size_t i = 0; i < n && found == CM_ROUTE_NONE; i++)
+        if (strcmp(slot_at(i)->name, name) == 0)
+            found = i;
+    if (found == CM_ROUTE_NONE)
+        found = slot_append(name);
+    pthread_mutex_unlock(&reg.mu);
+    return found;
+}
+
+/* Any index that is neither a route slot nor CM_ROUTE_DEFAULT counts as "_none". */
 static struct route_ctr *route_of(size_t route)
 {
-    if (route < reg.nroutes)
-        return &reg.rc[route];
-    if (route == CM_ROUTE_DEFAULT)
-        return &reg.rc[reg.nroutes];
-    return &reg.rc[reg.nroutes + 1];
+    if (route < atomic_load_explicit(&reg.nroutes, memory_order_acquire))
+        return &slot_at(route)->c;
+    return &fallback_rc[route == CM_ROUTE_DEFAULT ? 0 : 1];
 }
 
-static const char *route_name(size_t i)
+/* Rendering walks slots 0..n-1 of a snapshot n, then "_default" (n) and "_none" (n + 1). */
+static struct route_ctr *rc_at(size_t n, size_t i)
 {
-    if (i < reg.nroutes)
-        return reg.names[i];
-    return i == reg.nroutes ? "_default" : "_none";
+    return i < n ? &slot_at(i)->c : &fallback_rc[i == n ? 0 : 1];
+}
+
+static const char *route_name(size_t n, size_t i)
+{
+    if (i < n)
+        return slot_at(i)->name;
+    return i == n ? "_default" : "_none";
 }
 
 void cm_metric_request(size_t route, enum cm_outcome o)
@@ -289,9 +334,10 @@ static bool put_route_family(struct cm_buf *out, const char *name, const char *h
 {
     if (!put_family(out, name, gauge ? "gauge" : "counter", help))
         return false;
-    for (size_t i = 0; i < reg.nroutes + 2; i++) {
-        _Atomic uint64_t *c = (_Atomic uint64_t *)((char *)&reg.rc[i] + field_off);
-        if (!put_labelled(out, name, "route", route_name(i), ctr_get(c)))
+    size_t nr = atomic_load_explicit(&reg.nroutes, memory_order_acquire);
+    for (size_t i = 0; i < nr + 2; i++) {
+        _Atomic uint64_t *c = (_Atomic uint64_t *)((char *)rc_at(nr, i) + field_off);
+        if (!put_labelled(out, name, "route", route_name(nr, i), ctr_get(c)))
             return false;
     }
     return true;
@@ -339,11 +385,12 @@ bool cm_metrics_render(struct cm_buf *out)
     const char *n = "idemgate_requests_total";
     if (!put_family(out, n, "counter", "Requests answered, by route and outcome."))
         return false;
-    for (size_t i = 0; i < reg.nroutes + 2; i++) {
+    size_t nr = atomic_load_explicit(&reg.nroutes, memory_order_acquire);
+    for (size_t i = 0; i < nr + 2; i++) {
         for (size_t o = 0; o < CM_OUT__COUNT; o++) {
-            if (!cm_buf_appendf(out, "%s{route=\"", n) || !put_label_value(out, route_name(i)) ||
+            if (!cm_buf_appendf(out, "%s{route=\"", n) || !put_label_value(out, route_name(nr, i)) ||
                 !cm_buf_appendf(out, "\",outcome=\"%s\"} %llu\n", outcome_names[o],
-                                (unsigned long long)ctr_get(&reg.rc[i].requests[o])))
+                                (unsigned long long)ctr_get(&rc_at(nr, i)->requests[o])))
                 return false;
         }
     }
@@ -416,15 +463,16 @@ bool cm_metrics_status_json(struct cm_buf *out, const char *postgres_state, cons
 {
     if (!cm_buf_append(out, "{\"routes\":[", 11))
         return false;
-    for (size_t i = 0; i < reg.nroutes + 2; i++) {
-        struct route_ctr *rc = &reg.rc[i];
+    size_t nr = atomic_load_explicit(&reg.nroutes, memory_order_acquire);
+    for (size_t i = 0; i < nr + 2; i++) {
+        struct route_ctr *rc = rc_at(nr, i);
         uint64_t total = 0;
         for (size_t o = 0; o < CM_OUT__COUNT; o++)
             total += ctr_get(&rc->requests[o]);
-        if (i >= reg.nroutes && total == 0)
+        if (i >= nr && total == 0)
             continue; /* _default and _none only once they saw a request */
         if ((i && out->data[out->len - 1] != '[' && !cm_buf_append(out, ",", 1)) ||
-            !cm_buf_append(out, "{\"name\":\"", 9) || !put_label_value(out, route_name(i)) ||
+            !cm_buf_append(out, "{\"name\":\"", 9) || !put_label_value(out, route_name(nr, i)) ||
             !cm_buf_appendf(out, "\",\"requests\":%llu,\"outcomes\":{", (unsigned long long)total))
             return false;
         for (size_t o = 0; o < CM_OUT__COUNT; o++)

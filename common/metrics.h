@@ -1,6 +1,6 @@
 /* metrics.h - the process-wide Prometheus registry: lock-free counters,
  * gauges and histograms updated from any thread, rendered by the admin
- * listener. Route labels are fixed at start (route index). */
+ * listener. A route's counters are found by its slot (cm_metrics_route), which its name keeps across reloads. */
 #ifndef IDEMGATE_METRICS_H
 #define IDEMGATE_METRICS_H
 
@@ -43,6 +43,11 @@ enum cm_store_label { CM_STORE_POSTGRES, CM_STORE_REDIS, CM_STORE__COUNT };
  * before any other thread runs; cm_metrics_reset frees it (tests). */
 void cm_metrics_init(size_t nroutes, const char *const *route_names);
 void cm_metrics_reset(void);
+/* The slot of route name name for the cm_metric_* calls: the one it got before (at init or an earlier call), else a
+ * new one with zeroed counters. Slots and their names are never freed before cm_metrics_reset, so a thread may
+ * count under a slot from an older configuration. Safe from any thread. Returns CM_ROUTE_NONE when the registry
+ * is full (16384 names; the counts then go to "_none"). */
+size_t cm_metrics_route(const char *name);
 
 void cm_metric_request(size_t route, enum cm_outcome o);
 void cm_metric_dedup_hit(size_t route);

@@ -1826,3 +1826,43 @@ struct conf *conf_load(const char *file, char **err)
     cm_buf_free(&b);
     return c;
 }
+
+static bool str_eq(const char *a, const char *b)
+{
+    return a == b || (a && b && strcmp(a, b) == 0);
+}
+
+static bool addr_eq(const struct conf_addr *a, const struct conf_addr *b)
+{
+    return a->port == b->port && str_eq(a->host, b->host);
+}
+
+size_t conf_restart_keys(const struct conf *old, const struct conf *neu, const char **keys, size_t max)
+{
+    const struct {
+        const char *key;
+        bool same;
+    } t[] = {
+        {"listen", addr_eq(&old->listen, &neu->listen)},
+        {"admin.listen", old->admin_enabled == neu->admin_enabled &&
+                             (!old->admin_enabled || addr_eq(&old->admin_listen, &neu->admin_listen))},
+        {"store.postgres", str_eq(old->postgres_url, neu->postgres_url)},
+        {"store.pool", old->pool == neu->pool},
+        {"store.redis", str_eq(old->redis_url, neu->redis_url)},
+        {"store.redis_timeout", old->redis_timeout_ms == neu->redis_timeout_ms},
+        {"threads", old->threads == neu->threads},
+        {"max_connections", old->max_connections == neu->max_connections},
+        {"client_timeout", old->client_timeout_ms == neu->client_timeout_ms},
+        {"max_header_bytes", old->max_header_bytes == neu->max_header_bytes},
+        {"max_response_header_bytes", old->max_response_header_bytes == neu->max_response_header_bytes},
+    };
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
+        if (t[i].same)
+            continue;
+        if (n < max)
+            keys[n] = t[i].key;
+        n++;
+    }
+    return n;
+}

@@ -48,7 +48,7 @@ struct gw_front {
     struct conn_track *tracks;
     pthread_t watchdog;
     atomic_bool stop;
-    const struct conf *conf;
+    const struct conf *conf; /* the start-time configuration: listen, pool size, limits that need a restart */
     struct shard *shards;
     size_t nshards;
     MHD_socket lsock; /* the listening socket, shared by every daemon */
@@ -57,7 +57,6 @@ struct gw_front {
     atomic_long connections;
     atomic_long suspended; /* requests handed to the loop and not answered yet */
     atomic_bool shutting_down;
-    struct gw_jwt *jwt; /* verifier of jwt:CLAIM scopes, NULL without a jwt: block */
 };
 
 /* Front-side state of one request; the job is what travels to the loop. */
@@ -74,6 +73,7 @@ struct req {
     enum cm_target_result target_res;
     const char *target_why;
     struct gw_jwt_claims *jwt; /* the verified bearer token of a jwt:CLAIM scope, NULL otherwise */
+    struct gw_conf *cref;      /* the configuration this request is served under (one reference) */
 };
 
 static struct conn_track *track_of(struct MHD_Connection *c);
@@ -93,7 +93,9 @@ static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
     struct shard *sh = cls;
     struct req *r = cm_calloc(1, sizeof *r);
     r->shard = sh;
-    r->job.conf = sh->f->conf;
+    /* From here to its end the request sees this configuration only, whatever a reload swaps in meanwhile. */
+    r->cref = gw_conf_ref(gw_loop_current(sh->loop));
+    r->job.conf = r->cref->conf;
     r->job.route_index = CM_ROUTE_NONE;
     /* Validated and normalised once, here: what is routed, fingerprinted and forwarded is this form. */
     struct cm_target t;
@@ -101,7 +103,7 @@ static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
     r->target_len = uri ? strlen(uri) : 0;
     r->target_why = "no request target";
     r->target_res =
-        uri ? cm_target_parse(uri, r->target_len, sh->f->conf->max_header_bytes, &t, &r->target_why) : CM_TARGET_BAD;
+        uri ? cm_target_parse(uri, r->target_len, r->job.conf->max_header_bytes, &t, &r->target_why) : CM_TARGET_BAD;
     if (r->target_res == CM_TARGET_OK) {
         r->job.uri = t.uri;
         r->job.path = t.path;
@@ -137,6 +139,7 @@ static void req_free(struct req *r)
     cm_buf_free(&r->job.resp_body);
     cm_resp_free(&r->job.up_resp);
     gw_jwt_claims_free(r->jwt);
+    gw_conf_unref(r->cref);
     free(r);
 }
 
@@ -605,14 +608,15 @@ static bool route_needs_jwt(const struct conf_route *route)
 
 /* Verifies the bearer token for the route's jwt:CLAIM scope parts and keeps its claims in r->jwt. Returns NULL, or
  * why the request is refused (401 invalid-credentials; the reason names no token byte). */
-static const char *jwt_check(struct req *r, struct gw_front *f, const struct conf_route *route)
+static const char *jwt_check(struct req *r, const struct conf_route *route)
 {
-    if (!f->jwt)
+    const struct gw_jwt *jwt = r->cref->jwt;
+    if (!jwt)
         return "the gateway has no key to verify tokens";
     if (header_count(&r->in_hdrs, "Authorization") > 1)
         return "more than one Authorization header";
     enum gw_jwt_result jr =
-        gw_jwt_verify(f->jwt, cm_hdrs_get(&r->in_hdrs, "Authorization"), (int64_t)(cm_wall_ms() / 1000), &r->jwt);
+        gw_jwt_verify(jwt, cm_hdrs_get(&r->in_hdrs, "Authorization"), (int64_t)(cm_wall_ms() / 1000), &r->jwt);
     if (jr != GW_JWT_OK) {
         cm_log(CM_INFO, "jwt_refused", "route=%s reason=%s", route->name, gw_jwt_result_name(jr));
         switch (jr) {
@@ -652,8 +656,7 @@ static const char *jwt_check(struct req *r, struct gw_front *f, const struct con
  * the result of queueing an early answer (r->stage == STAGE_ANSWERED). */
 static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const char *method, const char *version)
 {
-    struct gw_front *f = r->shard->f;
-    const struct conf *conf = f->conf;
+    const struct conf *conf = r->job.conf;
     struct gw_job *job = &r->job;
     job->method = cm_strdup(method);
     job->finish = job_finish;
@@ -682,7 +685,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     const struct conf_route *route = conf_match_route(conf, job->path);
     if (route) {
         job->route = route;
-        job->route_index = (size_t)(route - conf->routes);
+        job->route_index = r->cref->route_slot[route - conf->routes]; /* its name's metrics slot */
         job->upstream = &conf->upstreams[route->upstream];
     } else if (conf->has_default_upstream) {
         job->route_index = CM_ROUTE_DEFAULT;
@@ -694,7 +697,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     /* SPEC 9: on a route whose scope needs a JWT, its idempotent methods check the token first (401 before any 400) */
     bool keyed = route && route->idem.key != CONF_KEY_OFF && (route->methods & conf_method_bit(method));
     if (keyed && route_needs_jwt(route)) {
-        const char *why = jwt_check(r, f, route);
+        const char *why = jwt_check(r, route);
         if (why) {
             gw_job_problem(job, 401, "invalid-credentials", "Invalid credentials", why);
             cm_hdrs_add(&job->resp_hdrs, "WWW-Authenticate", "Bearer error=\"invalid_token\"");
@@ -986,7 +989,6 @@ static void front_free(struct gw_front *f)
     if (f->lsock != MHD_INVALID_SOCKET && !f->lsock_closed)
         close(f->lsock);
     free(f->shards);
-    gw_jwt_destroy(f->jwt);
     pthread_mutex_destroy(&f->mu);
     free(f);
 }
@@ -998,13 +1000,7 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
     pthread_mutex_init(&f->mu, NULL);
     f->lsock = MHD_INVALID_SOCKET;
     struct sockaddr_storage ss;
-    if (conf->jwt.enabled && !(f->jwt = gw_jwt_create(&conf->jwt, err))) {
-        pthread_mutex_destroy(&f->mu);
-        free(f);
-        return NULL;
-    }
     if (!make_addr(&conf->listen, &ss, err)) {
-        gw_jwt_destroy(f->jwt);
         pthread_mutex_destroy(&f->mu);
         free(f);
         return NULL;

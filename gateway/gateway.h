@@ -19,6 +19,27 @@ struct up_client;
 struct store;
 struct gw_loop;
 struct renew_ticket;
+struct gw_jwt;
+
+/* ---- the configuration in force: immutable and reference-counted. Each loop holds the one it serves new requests
+ * with; each request takes a reference when the front accepts its head and drops it when the request is freed, so
+ * a request finishes under the configuration it started with and the old one goes with its last request. */
+struct gw_conf {
+    struct conf *conf;  /* owned */
+    struct gw_jwt *jwt; /* the verifier of jwt:CLAIM scopes, NULL without a jwt: block; owned */
+    size_t *route_slot; /* metrics slot of each route (cm_metrics_route of its name), conf->routes_n entries */
+    atomic_long refs;
+};
+/* Loads and validates file completely (conf_load, then its JWT keys). Returns the handle with one reference, or
+ * NULL + *err "FILE:LINE: KEY: ..." or the key loader's message (heap, caller frees). */
+struct gw_conf *gw_conf_load(const char *file, char **err);
+/* Gives each route its metrics slot (by name; cm_metrics_route). Call once the configuration is going to serve,
+ * before any loop has it. */
+void gw_conf_label(struct gw_conf *c);
+/* Another reference to c (any thread); returns c. */
+struct gw_conf *gw_conf_ref(struct gw_conf *c);
+/* Drops a reference (any thread); the last one frees the handle and its conf. NULL is a no-op. */
+void gw_conf_unref(struct gw_conf *c);
 
 /* ---- the I/O loop: one thread running libevent, owning its HTTP daemon
  * (gateway/front.c), the curl multi handle, its share of the Postgres pool
@@ -38,7 +59,10 @@ struct up_client *gw_loop_upstream(struct gw_loop *l);
 /* This loop's share of an upstream's max_connections (the bound holds over all loops together). */
 size_t gw_loop_upstream_max(const struct gw_loop *l, const struct conf_upstream *u);
 struct store *gw_loop_store(struct gw_loop *l);
+/* The start-time configuration (this loop's share of the pool): what the store and the loop were built from. */
 const struct conf *gw_loop_conf(struct gw_loop *l);
+/* Loop thread only: the configuration new requests are served with (no reference is taken). */
+struct gw_conf *gw_loop_current(struct gw_loop *l);
 /* Set once the schema exists; idempotent requests get 503 until then. */
 void gw_loop_set_schema_ready(struct gw_loop *l, bool ready);
 bool gw_loop_schema_ready(struct gw_loop *l);
@@ -69,7 +93,12 @@ struct gw_loops {
 };
 /* Creates n loops (at most conf->pool). NULL + *err on failure. */
 struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err);
+/* Before gw_loops_start: every loop serves new requests with c (each takes a reference). */
+void gw_loops_install(struct gw_loops *ls, struct gw_conf *c);
 bool gw_loops_start(struct gw_loops *ls) CM_MUST_CHECK;
+/* Running loops: each swaps to c on its own thread, between two events (each takes a reference and drops its old
+ * one); waits up to timeout_ms for all of them. Returns false when a loop did not swap in time (it still will). */
+bool gw_loops_swap(struct gw_loops *ls, struct gw_conf *c, uint64_t timeout_ms) CM_MUST_CHECK;
 void gw_loops_destroy(struct gw_loops *ls); /* NULL is a no-op */
 size_t gw_loops_jobs(struct gw_loops *ls);
 void gw_loops_set_schema_ready(struct gw_loops *ls, bool ready);

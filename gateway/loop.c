@@ -20,6 +20,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "gateway/gateway.h"
 #include "store/store.h"
@@ -34,6 +35,7 @@ struct work {
 struct gw_loop {
     const struct conf *conf;
     struct conf *conf_share; /* shallow copy with this loop's share of the pool, or NULL */
+    struct gw_conf *cur;     /* what new requests are served with (loop thread; one reference) */
     size_t nloops;           /* loops sharing the upstreams' max_connections (1 alone) */
     struct event_base *base;
     struct event *wake;
@@ -178,6 +180,7 @@ void gw_loop_destroy(struct gw_loop *l)
     }
     /* Anything still queued after the break runs now, on this thread. */
     drain(-1, 0, l);
+    gw_conf_unref(l->cur);
     store_destroy(l->store);
     up_client_destroy(l->up);
     free(l->conf_share); /* shallow: the strings belong to the real conf */
@@ -215,6 +218,11 @@ struct store *gw_loop_store(struct gw_loop *l)
 const struct conf *gw_loop_conf(struct gw_loop *l)
 {
     return l->conf;
+}
+
+struct gw_conf *gw_loop_current(struct gw_loop *l)
+{
+    return l->cur;
 }
 
 void gw_loop_set_schema_ready(struct gw_loop *l, bool ready)
@@ -311,6 +319,68 @@ struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
         ls->n++;
     }
     return ls;
+}
+
+void gw_loops_install(struct gw_loops *ls, struct gw_conf *c)
+{
+    for (size_t i = 0; i < ls->n; i++) {
+        gw_conf_unref(ls->v[i]->cur);
+        ls->v[i]->cur = gw_conf_ref(c);
+    }
+}
+
+/* One swap over every loop; freed by whoever drops the last reference (the waiter or the last loop). */
+struct swap {
+    struct gw_conf *c;
+    atomic_size_t pending; /* loops that have not swapped yet */
+    atomic_size_t refs;
+};
+
+struct swap_item {
+    struct gw_loop *l;
+    struct swap *sw;
+};
+
+static void swap_release(struct swap *sw)
+{
+    if (atomic_fetch_sub(&sw->refs, 1) == 1) {
+        gw_conf_unref(sw->c);
+        free(sw);
+    }
+}
+
+/* Loop thread, between two events: requests already accepted keep their own reference to the old one. */
+static void swap_run(void *arg)
+{
+    struct swap_item *it = arg;
+    struct gw_conf *old = it->l->cur;
+    it->l->cur = gw_conf_ref(it->sw->c);
+    gw_conf_unref(old);
+    atomic_fetch_sub(&it->sw->pending, 1);
+    swap_release(it->sw);
+    free(it);
+}
+
+bool gw_loops_swap(struct gw_loops *ls, struct gw_conf *c, uint64_t timeout_ms)
+{
+    struct swap *sw = cm_calloc(1, sizeof *sw);
+    sw->c = gw_conf_ref(c);
+    atomic_store(&sw->pending, ls->n);
+    atomic_store(&sw->refs, ls->n + 1);
+    for (size_t i = 0; i < ls->n; i++) {
+        struct swap_item *it = cm_malloc(sizeof *it);
+        it->l = ls->v[i];
+        it->sw = sw;
+        gw_loop_submit(ls->v[i], swap_run, it);
+    }
+    uint64_t deadline = cm_now_ms() + timeout_ms;
+    while (atomic_load(&sw->pending) > 0 && cm_now_ms() < deadline) {
+        struct timespec ts = {0, 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    bool done = atomic_load(&sw->pending) == 0;
+    swap_release(sw);
+    return done;
 }
 
 bool gw_loops_start(struct gw_loops *ls)

@@ -12,7 +12,7 @@
 #include "common/metrics.h"
 #include "conf/conf.h"
 #include "gateway/gateway.h"
-#include "gateway/jwt.h"
+#include "gateway/reload.h"
 #include "store/store.h"
 
 #define MIGRATE_TIMEOUT_MS 5000
@@ -112,8 +112,12 @@ static bool jobs_busy(void *arg)
     return gw_front_suspended(r->front) > 0 || gw_loops_jobs(r->loops) > 0 || gw_admin_jobs(r->admin) > 0;
 }
 
-static int run(const struct conf *conf)
+/* Runs until SIGTERM/SIGINT; SIGHUP reloads file. gc is the start-time configuration (the caller keeps its
+ * reference: the store and the admin listener use it until the end). */
+static int run(const char *file, struct gw_conf *gc)
 {
+    const struct conf *conf = gc->conf;
+    struct gw_conf *cur = gw_conf_ref(gc); /* the configuration in force */
     char *err = NULL;
     char q[512];
     int rc = 1;
@@ -124,12 +128,6 @@ static int run(const struct conf *conf)
     bool mig_started = false;
     pthread_mutex_init(&mig.mu, NULL);
     pthread_cond_init(&mig.cv, NULL);
-
-    const char **names = cm_calloc(conf->routes_n + 1, sizeof *names);
-    for (size_t i = 0; i < conf->routes_n; i++)
-        names[i] = conf->routes[i].name;
-    cm_metrics_init(conf->routes_n, names);
-    free(names);
 
     /* Migrate before the pool connects, so its statements prepare at once;
      * when Postgres is not there yet, a thread keeps trying in the background
@@ -150,6 +148,7 @@ static int run(const struct conf *conf)
         cm_log(CM_ERROR, "start_failed", "error=%s", cm_log_quote(q, sizeof q, err ? err : "?"));
         goto out;
     }
+    gw_loops_install(loops, gc);
     if (!gw_loops_start(loops)) {
         cm_log(CM_ERROR, "start_failed", "error=\"cannot start the I/O thread\"");
         goto out;
@@ -191,14 +190,26 @@ static int run(const struct conf *conf)
     sigemptyset(&set);
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
     int sig = 0;
-    sigwait(&set, &sig);
+    for (;;) {
+        if (sigwait(&set, &sig) != 0)
+            continue;
+        if (sig != SIGHUP)
+            break;
+        struct gw_conf *neu = gw_reload(file, cur, loops);
+        if (neu) {
+            gw_conf_unref(cur);
+            cur = neu;
+        }
+    }
+    uint64_t grace_ms = cur->conf->shutdown_grace_ms;
     cm_log(CM_INFO, "stopping", "signal=%s grace_ms=%llu jobs=%zu", sig == SIGINT ? "SIGINT" : "SIGTERM",
-           (unsigned long long)conf->shutdown_grace_ms, gw_loops_jobs(loops));
+           (unsigned long long)grace_ms, gw_loops_jobs(loops));
 
     gw_front_quiesce(front);
     struct running r = {loops, front, admin};
-    if (!wait_until(jobs_busy, &r, cm_now_ms() + conf->shutdown_grace_ms)) {
+    if (!wait_until(jobs_busy, &r, cm_now_ms() + grace_ms)) {
         cm_log(CM_WARN, "grace_expired", "jobs=%zu", gw_loops_jobs(loops));
         gw_loops_abort_all(loops);
         /* Jobs waiting for the store finish within its own timeouts. */
@@ -227,6 +238,7 @@ out:
     gw_admin_stop(admin);
     gw_front_stop(front);
     gw_loops_destroy(loops);
+    gw_conf_unref(cur);
     pthread_mutex_destroy(&mig.mu);
     pthread_cond_destroy(&mig.cv);
     cm_metrics_reset();
@@ -263,34 +275,20 @@ int main(int argc, char **argv)
     }
     set_log_level();
     char *err = NULL;
-    struct conf *conf = conf_load(file, &err);
-    if (!conf) {
+    /* the JWT keys are part of the configuration: a bad JWKS or a missing secret fails here */
+    struct gw_conf *gc = gw_conf_load(file, &err);
+    if (!gc) {
         char q[2048];
         cm_log(CM_ERROR, "config_invalid", "file=%s error=%s", file, cm_log_quote(q, sizeof q, err ? err : "?"));
         free(err);
         return 1;
     }
+    const struct conf *conf = gc->conf;
     /* SPEC 9: an idempotent route without a scope shares one key space between all its clients. */
-    for (size_t i = 0; i < conf->routes_n; i++)
-        if (conf->routes[i].idem.key != CONF_KEY_OFF && conf->routes[i].idem.scope_n == 0)
-            cm_log(CM_WARN, "route_without_scope",
-                   "route=%s msg=\"idempotent route without a scope: all its clients share one key space (set "
-                   "idempotency.scope, e.g. [jwt:sub] or [header:Authorization])\"",
-                   conf->routes[i].name);
-    if (conf->jwt.enabled) { /* the keys are part of the configuration: a bad JWKS or a missing secret fails here */
-        struct gw_jwt *j = gw_jwt_create(&conf->jwt, &err);
-        if (!j) {
-            char q[2048];
-            cm_log(CM_ERROR, "config_invalid", "file=%s error=%s", file, cm_log_quote(q, sizeof q, err ? err : "?"));
-            free(err);
-            conf_destroy(conf);
-            return 1;
-        }
-        gw_jwt_destroy(j);
-    }
+    gw_warn_unscoped(conf);
     if (check) {
         cm_log(CM_INFO, "config_ok", "file=%s routes=%zu upstreams=%zu", file, conf->routes_n, conf->upstreams_n);
-        conf_destroy(conf);
+        gw_conf_unref(gc);
         return 0;
     }
     raise_nofile();
@@ -299,8 +297,10 @@ int main(int argc, char **argv)
     sigemptyset(&set);
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &set, NULL); /* every thread inherits this; main takes them with sigwait */
-    int rc = run(conf);
-    conf_destroy(conf);
+    gw_conf_label(gc);
+    int rc = run(file, gc);
+    gw_conf_unref(gc);
     return rc;
 }

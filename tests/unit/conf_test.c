@@ -852,3 +852,57 @@ Test(conf, urls_parsed_into_fields)
         conf_redis_free(&r);
     }
 }
+
+/* conf_restart_keys: what a SIGHUP reload must refuse (table: a changed line, the key it names). */
+Test(conf, restart_keys_name_what_needs_a_restart)
+{
+    static const char *const base_head = "store:\n  postgres: postgresql://a@127.0.0.1/db\n";
+    static const char *const rest = "upstreams:\n  - name: api\n    url: http://127.0.0.1:9000\n"
+                                    "routes:\n  - name: pay\n    match:\n      path_prefix: /v1/pay\n"
+                                    "    upstream: api\n";
+    static const struct {
+        const char *extra; /* top-level lines added to the base */
+        const char *key;   /* NULL: reloadable */
+    } cases[] = {
+        {"listen: 127.0.0.1:8081\n", "listen"},
+        {"admin:\n  listen: 127.0.0.1:9091\n", "admin.listen"},
+        {"admin:\n  listen: \"off\"\n", "admin.listen"},
+        {"threads: 3\n", "threads"},
+        {"max_connections: 10\n", "max_connections"},
+        {"client_timeout: 5s\n", "client_timeout"},
+        {"max_header_bytes: 8KiB\n", "max_header_bytes"},
+        {"max_response_header_bytes: 8KiB\n", "max_response_header_bytes"},
+        {"shutdown_grace: 3s\n", NULL},
+        {"max_body: 2MiB\n", NULL},
+    };
+    char yaml[1024];
+    snprintf(yaml, sizeof yaml, "%s%s", base_head, rest);
+    struct conf *a = load_ok(yaml);
+    const char *keys[4];
+    cr_expect_eq(conf_restart_keys(a, a, keys, 4), 0);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(yaml, sizeof yaml, "%s%s%s", cases[i].extra, base_head, rest);
+        struct conf *b = load_ok(yaml);
+        size_t n = conf_restart_keys(a, b, keys, 4);
+        if (cases[i].key) {
+            cr_expect_eq(n, 1, "%s: %zu keys", cases[i].extra, n);
+            cr_expect(n >= 1 && strcmp(keys[0], cases[i].key) == 0, "%s: got %s", cases[i].extra, n ? keys[0] : "-");
+        } else {
+            cr_expect_eq(n, 0, "%s is reloadable", cases[i].extra);
+        }
+        conf_destroy(b);
+    }
+    /* the store block: each key named; more keys than room are counted */
+    struct conf *s = load_ok("store:\n  postgres: postgresql://b@127.0.0.1/db\n  pool: 3\n"
+                             "  redis: redis://127.0.0.1:6379/0\n  redis_timeout: 20ms\n"
+                             "listen: 127.0.0.1:8081\n"
+                             "upstreams:\n  - name: api\n    url: http://127.0.0.1:9000\n");
+    size_t n = conf_restart_keys(a, s, keys, 4);
+    cr_expect_eq(n, 5);
+    cr_expect_str_eq(keys[0], "listen");
+    cr_expect_str_eq(keys[1], "store.postgres");
+    cr_expect_str_eq(keys[2], "store.pool");
+    cr_expect_str_eq(keys[3], "store.redis");
+    conf_destroy(s);
+    conf_destroy(a);
+}

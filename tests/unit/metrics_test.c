@@ -460,3 +460,27 @@ Test(metrics, status_json, .init = setup, .fini = teardown)
     cr_expect_not_null(strstr(b.data, "{\"name\":\"_default\",\"requests\":1,"), "%s", b.data);
     cm_buf_free(&b);
 }
+
+/* Reload: a route keeps its slot (its counters) by name; new names get new slots, counted and rendered; an old name
+ * stays in the registry after its route is gone (a loop may still count under it). */
+Test(metrics, route_slots_by_name_across_reloads, .init = setup, .fini = teardown)
+{
+    cr_assert_eq(cm_metrics_route("payments"), 0);
+    cm_metric_request(0, CM_OUT_FORWARDED);
+    size_t fresh = cm_metrics_route("refunds");
+    cr_assert_eq(fresh, 2);
+    cr_assert_eq(cm_metrics_route("refunds"), 2, "the same name keeps its slot");
+    cr_assert_eq(cm_metrics_route(ROUTES[1]), 1);
+    cm_metric_request(fresh, CM_OUT_REPLAYED);
+    cm_metric_request(fresh, CM_OUT_REPLAYED);
+    cm_metric_request(cm_metrics_route("payments"), CM_OUT_FORWARDED);
+    char *text = render();
+    struct parsed p;
+    parse_text(text, &p);
+    cr_expect_eq(get(&p, "idemgate_requests_total", "route", "payments", "outcome", "forwarded", NULL), 2);
+    cr_expect_eq(get(&p, "idemgate_requests_total", "route", "refunds", "outcome", "replayed", NULL), 2);
+    cr_expect_eq(get(&p, "idemgate_dedup_hits_total", "route", "refunds", NULL), 0);
+    cr_expect_eq(get(&p, "idemgate_requests_total", "route", "_default", "outcome", "forwarded", NULL), 0);
+    free(p.s);
+    free(text);
+}

@@ -1,0 +1,166 @@
+/* reload.c - the configuration handle (immutable, reference-counted) and the SIGHUP reload that swaps it. */
+#include "gateway/reload.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "gateway/jwt.h"
+
+#define SWAP_TIMEOUT_MS 10000
+#define NAMES_MAX       1024 /* the names listed in event=reloaded */
+
+struct gw_conf *gw_conf_load(const char *file, char **err)
+{
+    struct conf *conf = conf_load(file, err);
+    if (!conf)
+        return NULL;
+    struct gw_conf *c = cm_calloc(1, sizeof *c);
+    c->conf = conf;
+    if (conf->jwt.enabled && !(c->jwt = gw_jwt_create(&conf->jwt, err))) {
+        conf_destroy(conf);
+        free(c);
+        return NULL;
+    }
+    atomic_store(&c->refs, 1);
+    return c;
+}
+
+void gw_conf_label(struct gw_conf *c)
+{
+    if (c->route_slot)
+        return;
+    c->route_slot = cm_calloc(c->conf->routes_n + 1, sizeof *c->route_slot);
+    for (size_t i = 0; i < c->conf->routes_n; i++)
+        c->route_slot[i] = cm_metrics_route(c->conf->routes[i].name);
+}
+
+struct gw_conf *gw_conf_ref(struct gw_conf *c)
+{
+    atomic_fetch_add(&c->refs, 1);
+    return c;
+}
+
+void gw_conf_unref(struct gw_conf *c)
+{
+    if (!c || atomic_fetch_sub(&c->refs, 1) != 1)
+        return;
+    gw_jwt_destroy(c->jwt);
+    free(c->route_slot);
+    conf_destroy(c->conf);
+    free(c);
+}
+
+void gw_warn_unscoped(const struct conf *conf)
+{
+    for (size_t i = 0; i < conf->routes_n; i++)
+        if (conf->routes[i].idem.key != CONF_KEY_OFF && conf->routes[i].idem.scope_n == 0)
+            cm_log(CM_WARN, "route_without_scope",
+                   "route=%s msg=\"idempotent route without a scope: all its clients share one key space (set "
+                   "idempotency.scope, e.g. [jwt:sub] or [header:Authorization])\"",
+                   conf->routes[i].name);
+}
+
+static const struct conf_route *route_named(const struct conf *c, const char *name)
+{
+    for (size_t i = 0; i < c->routes_n; i++)
+        if (strcmp(c->routes[i].name, name) == 0)
+            return &c->routes[i];
+    return NULL;
+}
+
+static const struct conf_upstream *upstream_named(const struct conf *c, const char *name)
+{
+    for (size_t i = 0; i < c->upstreams_n; i++)
+        if (strcmp(c->upstreams[i].name, name) == 0)
+            return &c->upstreams[i];
+    return NULL;
+}
+
+/* Appends name to a comma-separated list (silently stops at the buffer's cap: the list is for the log only). */
+static void list_add(struct cm_buf *b, const char *name)
+{
+    if (!cm_buf_appendf(b, "%s%s", b->len ? "," : "", name))
+        return;
+}
+
+/* Names in a's routes/upstreams missing from b's. */
+static void routes_missing(const struct conf *a, const struct conf *b, struct cm_buf *out)
+{
+    for (size_t i = 0; i < a->routes_n; i++)
+        if (!route_named(b, a->routes[i].name))
+            list_add(out, a->routes[i].name);
+}
+
+static void upstreams_missing(const struct conf *a, const struct conf *b, struct cm_buf *out)
+{
+    for (size_t i = 0; i < a->upstreams_n; i++)
+        if (!upstream_named(b, a->upstreams[i].name))
+            list_add(out, a->upstreams[i].name);
+}
+
+/* Logs event=reloaded with what changed: routes and upstreams added or removed (by name), upstreams whose URL
+ * changed, routes that now go to another upstream. */
+static void log_reloaded(const char *file, const struct conf *old, const struct conf *neu)
+{
+    struct cm_buf radd, rdel, uadd, udel, umoved, rmoved;
+    struct cm_buf *all[] = {&radd, &rdel, &uadd, &udel, &umoved, &rmoved};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        cm_buf_init(all[i], NAMES_MAX);
+    routes_missing(neu, old, &radd);
+    routes_missing(old, neu, &rdel);
+    upstreams_missing(neu, old, &uadd);
+    upstreams_missing(old, neu, &udel);
+    for (size_t i = 0; i < neu->upstreams_n; i++) {
+        const struct conf_upstream *o = upstream_named(old, neu->upstreams[i].name);
+        if (o && strcmp(o->url, neu->upstreams[i].url) != 0)
+            list_add(&umoved, neu->upstreams[i].name);
+    }
+    for (size_t i = 0; i < neu->routes_n; i++) {
+        const struct conf_route *o = route_named(old, neu->routes[i].name);
+        if (o && strcmp(old->upstreams[o->upstream].name, neu->upstreams[neu->routes[i].upstream].name) != 0)
+            list_add(&rmoved, neu->routes[i].name);
+    }
+    char q[6][NAMES_MAX + 8], fq[1024];
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        cm_log_quote(q[i], sizeof q[i], all[i]->len ? all[i]->data : "");
+    cm_log(CM_INFO, "reloaded",
+           "file=%s routes=%zu upstreams=%zu routes_added=%s routes_removed=%s upstreams_added=%s "
+           "upstreams_removed=%s upstreams_changed_url=%s routes_changed_upstream=%s",
+           cm_log_quote(fq, sizeof fq, file), neu->routes_n, neu->upstreams_n, q[0], q[1], q[2], q[3], q[4], q[5]);
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        cm_buf_free(all[i]);
+}
+
+static void log_failed(const char *file, char *err)
+{
+    char fq[1024], q[2048];
+    cm_log(CM_ERROR, "reload_failed", "file=%s error=%s", cm_log_quote(fq, sizeof fq, file),
+           cm_log_quote(q, sizeof q, err ? err : "?"));
+    free(err);
+}
+
+struct gw_conf *gw_reload(const char *file, struct gw_conf *cur, struct gw_loops *ls)
+{
+    char *err = NULL;
+    struct gw_conf *c = gw_conf_load(file, &err);
+    if (!c) {
+        log_failed(file, err);
+        return NULL;
+    }
+    const char *keys[16];
+    size_t nk = conf_restart_keys(cur->conf, c->conf, keys, sizeof keys / sizeof keys[0]);
+    if (nk > 0) { /* all or nothing: the rest of the file is not applied either */
+        char fq[1024];
+        for (size_t i = 0; i < nk && i < sizeof keys / sizeof keys[0]; i++)
+            cm_log(CM_WARN, "reload_refused", "key=%s msg=\"needs a restart\" file=%s", keys[i],
+                   cm_log_quote(fq, sizeof fq, file));
+        gw_conf_unref(c);
+        return NULL;
+    }
+    gw_conf_label(c); /* only now: a refused file adds no route label */
+    gw_warn_unscoped(c->conf);
+    if (!gw_loops_swap(ls, c, SWAP_TIMEOUT_MS))
+        cm_log(CM_WARN, "reload_slow", "msg=\"an I/O loop has not taken the new configuration yet; it will\"");
+    log_reloaded(file, cur->conf, c->conf);
+    return c;
+}
