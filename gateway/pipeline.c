@@ -379,8 +379,7 @@ static void forward_claimed(struct gw_job *job)
         job->outcome = CM_OUT_UPSTREAM_UNAVAILABLE;
         struct store_id id = job_id(job);
         job->store_pending = true;
-        store_release(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms, answer_after_store,
-                      job);
+        store_release(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms, answer_after_store, job);
     }
 }
 
@@ -531,8 +530,7 @@ static void guard_wait_tick(evutil_socket_t fd, short what, void *arg)
 }
 
 /* A refusal answered: the statement deleted the key's claim with it (no record is left). */
-static void guard_refuse(struct gw_job *job, const char *name, const char *title, const char *detail,
-                         int64_t applied)
+static void guard_refuse(struct gw_job *job, const char *name, const char *title, const char *detail, int64_t applied)
 {
     char extra[48];
     snprintf(extra, sizeof extra, "\"current\":%lld", (long long)applied);
@@ -610,8 +608,8 @@ static void guard_done(void *arg, const struct store_order_res *res)
             struct store_id id = job_id(job);
             job->outcome = CM_OUT_STORE_UNAVAILABLE;
             job->store_pending = true;
-            store_release(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms,
-                          answer_after_store, job);
+            store_release(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms, answer_after_store,
+                          job);
             return;
         }
         finish(job, CM_OUT_STORE_UNAVAILABLE);

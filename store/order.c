@@ -195,8 +195,8 @@ static void acquire_cb(void *arg, enum store_pg_status st, const PGresult *r, co
         else
             res.verdict = STORE_ORDER_GAP;
     } else {
-        cm_log(CM_WARN, "order_acquire_failed", "route=%s status=%s detail=\"%s\"", p->route,
-               store_pg_status_name(st), msg);
+        cm_log(CM_WARN, "order_acquire_failed", "route=%s status=%s detail=\"%s\"", p->route, store_pg_status_name(st),
+               msg);
     }
     store_order_cb cb = p->acb;
     void *cbarg = p->arg;
@@ -223,15 +223,9 @@ void store_order_acquire(struct store_order *o, const struct store_order_req *re
     snprintf(gap, sizeof gap, "%d", (int)req->on_gap);
     char *key = req->key ? cm_strndup(req->key, req->key_len) : NULL;
     struct store_pg_param params[10] = {
-        {p->route, strlen(p->route), false},
-        {p->scope, 32, true},
-        {p->resource, p->resource_len, false},
-        {seq, strlen(seq), false},
-        {tok, strlen(tok), false},
-        {lease, strlen(lease), false},
-        {now, strlen(now), false},
-        {gap, strlen(gap), false},
-        {req->may_wait ? "t" : "f", 1, false},
+        {p->route, strlen(p->route), false}, {p->scope, 32, true},      {p->resource, p->resource_len, false},
+        {seq, strlen(seq), false},           {tok, strlen(tok), false}, {lease, strlen(lease), false},
+        {now, strlen(now), false},           {gap, strlen(gap), false}, {req->may_wait ? "t" : "f", 1, false},
         {key, key ? strlen(key) : 0, false},
     };
     store_pg_query(o->pg, o->stmt_base + O_ACQUIRE, params, 10, 0, acquire_cb, p);
@@ -274,15 +268,14 @@ static void settle_send(struct oop *p)
     snprintf(a, sizeof a, "%llu", (unsigned long long)cm_wall_ms());
     snprintf(b, sizeof b, "%llu", (unsigned long long)p->deadline_ms);
     struct store_pg_param params[6] = {
-        {p->route, strlen(p->route), false}, {p->scope, 32, true}, {p->resource, p->resource_len, false},
+        {p->route, strlen(p->route), false}, {p->scope, 32, true},  {p->resource, p->resource_len, false},
         {tok, strlen(tok), false},           {a, strlen(a), false}, {b, strlen(b), false},
     };
     store_pg_query(p->o->pg, p->o->stmt_base + (size_t)p->stmt, params, p->stmt == O_RENEW ? 6 : 4, 0, settle_cb, p);
 }
 
 void store_order_settle(struct store_order *o, const struct store_order_id *id, uint64_t token,
-                        enum store_order_settle how, uint64_t retry_for_ms, void (*cb)(void *arg, bool ok),
-                        void *arg)
+                        enum store_order_settle how, uint64_t retry_for_ms, void (*cb)(void *arg, bool ok), void *arg)
 {
     struct oop *p = oop_new(o, id, token);
     p->stmt = how == STORE_SETTLE_APPLIED ? O_APPLIED : O_RELEASED;

@@ -84,8 +84,7 @@ enum store_order_settle {
  * retry_for_ms; a marker never cleared lapses after its lease and then
  * counts as applied). cb (may be NULL) gets ok=false when it gave up. */
 void store_order_settle(struct store_order *o, const struct store_order_id *id, uint64_t token,
-                        enum store_order_settle how, uint64_t retry_for_ms, void (*cb)(void *arg, bool ok),
-                        void *arg);
+                        enum store_order_settle how, uint64_t retry_for_ms, void (*cb)(void *arg, bool ok), void *arg);
 /* Extends the marker's lease to now + lease_ms (fenced; fire and forget). */
 void store_order_renew(struct store_order *o, const struct store_order_id *id, uint64_t token, uint64_t lease_ms);
 

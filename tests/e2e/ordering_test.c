@@ -19,32 +19,32 @@ static char *conf(const char *sequence, const char *ord, const char *timeout)
     size_t n = 0;
     FILE *f = open_memstream(&t, &n);
     fprintf(f,
-            E2E_CONF_HEAD "upstreams:\n" E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "%s") "routes:\n"
-                          "  - name: acct\n"
-                          "    match:\n"
-                          "      path_prefix: /v1/accounts\n"
-                          "    upstream: api\n"
-                          "    idempotency:\n"
-                          "      key: optional\n"
-                          "      release_statuses: [503]\n"
-                          "      lease: 3s\n"
-                          "    ordering:\n"
-                          "      resource: /v1/accounts/{id}/address\n"
-                          "      sequence: %s\n"
-                          "%s"
-                          "  - name: plain\n"
-                          "    match:\n"
-                          "      path_prefix: /v1/plain\n"
-                          "    upstream: api\n"
-                          "    idempotency:\n"
-                          "      key: optional\n",
+            E2E_CONF_HEAD "upstreams:\n" E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}",
+                                                           "%s") "routes:\n"
+                                                                 "  - name: acct\n"
+                                                                 "    match:\n"
+                                                                 "      path_prefix: /v1/accounts\n"
+                                                                 "    upstream: api\n"
+                                                                 "    idempotency:\n"
+                                                                 "      key: optional\n"
+                                                                 "      release_statuses: [503]\n"
+                                                                 "      lease: 3s\n"
+                                                                 "    ordering:\n"
+                                                                 "      resource: /v1/accounts/{id}/address\n"
+                                                                 "      sequence: %s\n"
+                                                                 "%s"
+                                                                 "  - name: plain\n"
+                                                                 "    match:\n"
+                                                                 "      path_prefix: /v1/plain\n"
+                                                                 "    upstream: api\n"
+                                                                 "    idempotency:\n"
+                                                                 "      key: optional\n",
             timeout ? timeout : "5s", sequence ? sequence : "header:X-Sequence", ord ? ord : "");
     fclose(f);
     return t;
 }
 
-static struct e2e_gw *start(const struct e2e_upstream *up, const char *sequence, const char *ord,
-                            const char *timeout)
+static struct e2e_gw *start(const struct e2e_upstream *up, const char *sequence, const char *ord, const char *timeout)
 {
     char *t = conf(sequence, ord, timeout);
     struct e2e_gw_opts o = {.up = up, .wait_ready = true};
@@ -364,8 +364,14 @@ Test(ordering, sequence_from_json_body)
     expect_current(&r, "stale-sequence", 3, "json v2 after v3");
     e2e_resp_free(&r);
     static const char *const bad[] = {
-        "{\"meta\":{\"version\":\"4\"}}", "{\"meta\":{\"version\":4.0}}", "{\"meta\":{}}", "not json", "",
-        "{\"meta\":{\"version\":0}}",     "{\"meta\":{\"version\":-4}}", "{\"meta\":{\"version\":9223372036854775808}}",
+        "{\"meta\":{\"version\":\"4\"}}",
+        "{\"meta\":{\"version\":4.0}}",
+        "{\"meta\":{}}",
+        "not json",
+        "",
+        "{\"meta\":{\"version\":0}}",
+        "{\"meta\":{\"version\":-4}}",
+        "{\"meta\":{\"version\":9223372036854775808}}",
         "{\"meta\":{\"version\":4},\"meta\":{\"version\":5}}",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -382,7 +388,7 @@ Test(ordering, bad_sequences_are_400)
     struct e2e_gw *gw = start(up, NULL, NULL, NULL);
     char p[160];
     resource(p, sizeof p, "bad");
-    static const char *const bad[] = {"0", "-1", "+1", "9223372036854775808", "99999999999999999999", "abc", "011",
+    static const char *const bad[] = {"0",   "-1",  "+1", "9223372036854775808", "99999999999999999999", "abc", "011",
                                       "1.5", "1 2", ""};
     struct e2e_resp r;
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -480,7 +486,8 @@ Test(ordering, latency_with_and_without_guard)
     }
     qsort(with, N, sizeof with[0], cmp_u64);
     qsort(without, N, sizeof without[0], cmp_u64);
-    fprintf(stderr, "ordering_latency n=%d p50_with_guard_us=%llu p50_without_us=%llu p90_with_us=%llu p90_without_us=%llu\n",
+    fprintf(stderr,
+            "ordering_latency n=%d p50_with_guard_us=%llu p50_without_us=%llu p90_with_us=%llu p90_without_us=%llu\n",
             N, (unsigned long long)with[N / 2], (unsigned long long)without[N / 2],
             (unsigned long long)with[N * 9 / 10], (unsigned long long)without[N * 9 / 10]);
 }
