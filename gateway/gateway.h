@@ -132,6 +132,7 @@ struct gw_job {
     size_t resource_len;
     uint64_t order_token;       /* fences the resource's in-flight marker */
     bool order_held;            /* this job holds the marker (settled before the answer) */
+    bool order_waiting;         /* a guard retry is scheduled (the key's claim is still held) */
     bool gap_counted;           /* idemgate_sequence_gaps_total counted it once */
     bool ordered_may_wait;      /* the last guard statement was sent within hold (a refusal not final) */
     uint64_t order_deadline_ms; /* hold bound of the in-flight and gap waits */

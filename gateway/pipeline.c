@@ -500,6 +500,18 @@ static void guard_settled(void *arg, bool ok)
  * and counts as applied. */
 static bool guard_settle(struct gw_job *job, enum cm_outcome outcome)
 {
+    if (job->order_waiting) {
+        /* ended while waiting for the resource (shutdown): nothing was sent, the key's claim goes */
+        job->order_waiting = false;
+        guard_stop_timers(job);
+        job->outcome = outcome;
+        if (!job->idempotent)
+            return false;
+        struct store_id kid = job_id(job);
+        job->store_pending = true;
+        store_release(gw_loop_store(job->loop), &kid, job->token, job->route->idem.lease_ms, answer_after_store, job);
+        return true;
+    }
     if (!job->order_held)
         return false;
     job->order_held = false;
@@ -582,6 +594,7 @@ static void guard_done(void *arg, const struct store_order_res *res)
                 job->order_backoff_ms * 2 > GUARD_BACKOFF_MAX_MS ? GUARD_BACKOFF_MAX_MS : job->order_backoff_ms * 2;
             if (!job->order_timer)
                 job->order_timer = evtimer_new(gw_loop_base(job->loop), guard_wait_tick, job);
+            job->order_waiting = true;
             struct timeval tv = {(time_t)(d / 1000), (suseconds_t)((d % 1000) * 1000)};
             evtimer_add(job->order_timer, &tv);
             return;
@@ -620,6 +633,7 @@ static void guard_done(void *arg, const struct store_order_res *res)
 static void guard_try(struct gw_job *job)
 {
     const struct conf_ordering *o = &job->route->ordering;
+    job->order_waiting = false;
     struct store_order_req req;
     memset(&req, 0, sizeof req);
     req.id = guard_id(job);
