@@ -522,8 +522,10 @@ static bool guard_settle(struct gw_job *job, enum cm_outcome outcome)
     struct store_order_id id = guard_id(job);
     job->store_pending = true;
     store_order_settle(store_order_of(gw_loop_store(job->loop)), &id, job->order_token,
-                       released ? STORE_SETTLE_RELEASED : STORE_SETTLE_APPLIED, job->route->idem.lease_ms,
-                       guard_settled, job);
+                       released                      ? STORE_SETTLE_RELEASED
+                       : outcome == CM_OUT_FORWARDED ? STORE_SETTLE_APPLIED
+                                                     : STORE_SETTLE_UNKNOWN,
+                       job->route->idem.lease_ms, guard_settled, job);
     return true;
 }
 

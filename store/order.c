@@ -28,17 +28,26 @@ const char store_order_schema[] = "CREATE TABLE IF NOT EXISTS idemgate_order ("
                                   " inflight_seq bigint,"
                                   " inflight_token bigint,"
                                   " inflight_until timestamptz,"
+                                  " inflight_key text," /* the key of the marker's request (NULL: keyless) */
+                                  " applied_key text,"  /* the key of the request that set applied */
                                   " PRIMARY KEY (route, scope, resource))";
 
 /* Conditions on the existing row o for the request ($4 seq, $5 token, $7 now in ms since the epoch). A marker
  * whose lease lapsed (its owner is gone) counts as applied: its request may have been sent. */
-#define NOW_TS   "to_timestamp($7 / 1000.0)"
-#define LAPSED   "(o.inflight_token IS NOT NULL AND o.inflight_token <> $5 AND o.inflight_until < " NOW_TS ")"
-#define BUSY     "(o.inflight_token IS NOT NULL AND o.inflight_token <> $5 AND o.inflight_until >= " NOW_TS ")"
-#define EFF      "(CASE WHEN " LAPSED " THEN greatest(o.applied, o.inflight_seq) ELSE o.applied END)"
+#define NOW_TS "to_timestamp($7 / 1000.0)"
+#define LAPSED "(o.inflight_token IS NOT NULL AND o.inflight_token <> $5 AND o.inflight_until < " NOW_TS ")"
+#define BUSY   "(o.inflight_token IS NOT NULL AND o.inflight_token <> $5 AND o.inflight_until >= " NOW_TS ")"
+#define EFF    "(CASE WHEN " LAPSED " THEN greatest(o.applied, o.inflight_seq) ELSE o.applied END)"
+#define EFFKEY "(CASE WHEN " LAPSED " AND o.inflight_seq > o.applied THEN o.inflight_key ELSE o.applied_key END)"
+/* The same key as the request that set applied, with its sequence: a retry of that intent (on_unknown: retry
+ * taking over an unknown outcome), never stale. */
+#define SAMEKEY  "($10::text IS NOT NULL AND $4 = " EFF " AND " EFFKEY " = $10)"
 #define GAP(app) "(" app " > 0 AND $4 > " app " + 1)"
-#define OK       "(o.inflight_token = $5 OR (NOT " BUSY " AND $4 > " EFF " AND NOT (" GAP(EFF) " AND $8 <> 0)))"
-#define UNTIL    "to_timestamp(($7 + $6) / 1000.0)"
+#define OK                                                                                                             \
+    "(o.inflight_token = $5 OR (NOT " BUSY " AND ($4 > " EFF " OR " SAMEKEY ") AND NOT (" GAP(EFF) " AND $8 <> 0)))"
+#define UNTIL "to_timestamp(($7 + $6) / 1000.0)"
+/* After the decision (g: the row as the upsert left it): a stale request. */
+#define G_STALE "($4 < g.applied OR ($4 = g.applied AND NOT coalesce(g.applied_key = $10, false)))"
 
 /* $1 route, $2 scope, $3 resource, $4 seq, $5 token, $6 lease ms, $7 now ms, $8 on_gap (0 accept), $9 may wait,
  * $10 the key whose claim a final refusal deletes (NULL: none). The upsert always updates, so that it works on
@@ -46,34 +55,42 @@ const char store_order_schema[] = "CREATE TABLE IF NOT EXISTS idemgate_order ("
 /* clang-format off */
 static const char sql_acquire[] =
     "WITH g AS ("
-    " INSERT INTO idemgate_order AS o (route, scope, resource, applied, inflight_seq, inflight_token, inflight_until)"
-    " VALUES ($1, $2, $3, 0, $4, $5, " UNTIL ")"
+    " INSERT INTO idemgate_order AS o (route, scope, resource, applied, inflight_seq, inflight_token, inflight_until,"
+    " inflight_key)"
+    " VALUES ($1, $2, $3, 0, $4, $5, " UNTIL ", $10)"
     " ON CONFLICT (route, scope, resource) DO UPDATE SET"
     " applied = " EFF ","
+    " applied_key = " EFFKEY ","
     " inflight_seq = CASE WHEN " OK " THEN $4 WHEN " LAPSED " THEN NULL ELSE o.inflight_seq END,"
     " inflight_until = CASE WHEN " OK " THEN " UNTIL " WHEN " LAPSED " THEN NULL ELSE o.inflight_until END,"
+    " inflight_key = CASE WHEN " OK " THEN $10 WHEN " LAPSED " THEN NULL ELSE o.inflight_key END,"
     " inflight_token = CASE WHEN " OK " THEN $5 WHEN " LAPSED " THEN NULL ELSE o.inflight_token END"
-    " RETURNING o.applied, o.inflight_token, o.inflight_until),"
+    " RETURNING o.applied, o.inflight_token, o.inflight_until, o.applied_key),"
     " d AS (DELETE FROM idemgate_keys k USING g WHERE $10::text IS NOT NULL AND k.route = $1 AND k.scope = $2"
     " AND k.key = $10 AND k.token = $5 AND k.state = 'in_flight' AND g.inflight_token IS DISTINCT FROM $5"
-    " AND ($4 <= g.applied OR NOT $9 OR ($8 = 1 AND (g.inflight_token IS NULL OR g.inflight_token = $5)))"
+    " AND (" G_STALE " OR NOT $9 OR ($8 = 1 AND (g.inflight_token IS NULL OR g.inflight_token = $5)))"
     " RETURNING 1)"
     " SELECT g.applied, coalesce(g.inflight_token = $5, false), g.inflight_token IS NOT NULL,"
     " greatest(0, ceil(extract(epoch FROM g.inflight_until - " NOW_TS ") * 1000))::int8,"
-    " (SELECT count(*) FROM d) FROM g";
+    " (SELECT count(*) FROM d), " G_STALE " FROM g";
 /* clang-format on */
 
-static const char sql_applied[] =
-    "UPDATE idemgate_order SET applied = greatest(applied, inflight_seq), inflight_seq = NULL,"
-    " inflight_token = NULL, inflight_until = NULL"
-    " WHERE route = $1 AND scope = $2 AND resource = $3 AND inflight_token = $4";
+/* Completed: applied = max(applied, seq). Unknown outcome: the same, and its key is remembered, so that a retry
+ * under that key (on_unknown: retry) is not stale; a completed one is replayed or, past retention, stale. */
+#define SQL_SETTLE_APPLIED(key)                                                                                        \
+    "UPDATE idemgate_order SET applied = greatest(applied, inflight_seq),"                                             \
+    " applied_key = CASE WHEN inflight_seq >= applied THEN " key " ELSE applied_key END,"                              \
+    " inflight_seq = NULL, inflight_token = NULL, inflight_until = NULL, inflight_key = NULL"                          \
+    " WHERE route = $1 AND scope = $2 AND resource = $3 AND inflight_token = $4"
+static const char sql_applied[] = SQL_SETTLE_APPLIED("NULL");
+static const char sql_unknown[] = SQL_SETTLE_APPLIED("inflight_key");
 static const char sql_released[] = "UPDATE idemgate_order SET inflight_seq = NULL, inflight_token = NULL,"
-                                   " inflight_until = NULL"
+                                   " inflight_until = NULL, inflight_key = NULL"
                                    " WHERE route = $1 AND scope = $2 AND resource = $3 AND inflight_token = $4";
 static const char sql_renew[] = "UPDATE idemgate_order SET inflight_until = to_timestamp(($5 + $6) / 1000.0)"
                                 " WHERE route = $1 AND scope = $2 AND resource = $3 AND inflight_token = $4";
 
-enum { O_ACQUIRE, O_APPLIED, O_RELEASED, O_RENEW };
+enum { O_ACQUIRE, O_APPLIED, O_UNKNOWN, O_RELEASED, O_RENEW };
 
 static const Oid acquire_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8,
                                     OID_INT8, OID_INT8,  OID_INT4, OID_BOOL, OID_TEXT};
@@ -84,6 +101,7 @@ static const Oid renew_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_I
 static const struct store_pg_stmt order_stmts[STORE_ORDER_NSTMTS] = {
     [O_ACQUIRE] = {"idg_order_acquire", sql_acquire, 10, acquire_types, 0, NULL, NULL},
     [O_APPLIED] = {"idg_order_applied", sql_applied, 4, settle_types, 0, NULL, NULL},
+    [O_UNKNOWN] = {"idg_order_unknown", sql_unknown, 4, settle_types, 0, NULL, NULL},
     [O_RELEASED] = {"idg_order_released", sql_released, 4, settle_types, 0, NULL, NULL},
     [O_RENEW] = {"idg_order_renew", sql_renew, 6, renew_types, 0, NULL, NULL},
 };
@@ -188,7 +206,7 @@ static void acquire_cb(void *arg, enum store_pg_status st, const PGresult *r, co
         res.gap = res.applied > 0 && p->seq > res.applied + 1;
         if (mine)
             res.verdict = STORE_ORDER_OK;
-        else if (p->seq <= res.applied)
+        else if (PQgetvalue(r, 0, 5)[0] == 't')
             res.verdict = STORE_ORDER_STALE;
         else if (held)
             res.verdict = STORE_ORDER_IN_USE;
@@ -278,7 +296,7 @@ void store_order_settle(struct store_order *o, const struct store_order_id *id, 
                         enum store_order_settle how, uint64_t retry_for_ms, void (*cb)(void *arg, bool ok), void *arg)
 {
     struct oop *p = oop_new(o, id, token);
-    p->stmt = how == STORE_SETTLE_APPLIED ? O_APPLIED : O_RELEASED;
+    p->stmt = how == STORE_SETTLE_APPLIED ? O_APPLIED : how == STORE_SETTLE_UNKNOWN ? O_UNKNOWN : O_RELEASED;
     p->deadline_ms = cm_now_ms() + retry_for_ms;
     p->backoff_ms = SETTLE_BACKOFF_MIN_MS;
     p->scb = cb;

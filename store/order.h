@@ -18,7 +18,7 @@ struct event_base;
 /* ---- for store.c */
 
 /* Statements the pool prepares (appended to store.c's own). */
-#define STORE_ORDER_NSTMTS 4
+#define STORE_ORDER_NSTMTS 5
 const struct store_pg_stmt *store_order_stmts(void); /* STORE_ORDER_NSTMTS of them, static */
 /* The table, created idempotently at every migration (under its lock). */
 extern const char store_order_schema[];
@@ -77,7 +77,8 @@ typedef void (*store_order_cb)(void *arg, const struct store_order_res *res);
 void store_order_acquire(struct store_order *o, const struct store_order_req *req, store_order_cb cb, void *arg);
 
 enum store_order_settle {
-    STORE_SETTLE_APPLIED,  /* completed, or an unknown outcome: applied = max(applied, seq) */
+    STORE_SETTLE_APPLIED,  /* completed: applied = max(applied, seq) */
+    STORE_SETTLE_UNKNOWN,  /* an unknown outcome: applied too, and a retry under the same key is not stale */
     STORE_SETTLE_RELEASED, /* nothing executed: applied stays */
 };
 /* Clears the marker fenced by token (retried with backoff for up to

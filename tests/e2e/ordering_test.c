@@ -13,33 +13,38 @@ TestSuite(ordering, .init = e2e_setup, .fini = e2e_teardown, .timeout = 120);
 
 /* A guarded route "acct" on /v1/accounts (keys optional, release status 503) and a plain idempotent route "plain"
  * on /v1/plain. ord: the ordering block's extra lines (indented by six), e.g. "      on_gap: reject\n". */
+/* More lines of acct's idempotency block (indented by six); each test runs in its own process. */
+static const char *acct_idem = "";
+
 static char *conf(const char *sequence, const char *ord, const char *timeout)
 {
     char *t = NULL;
     size_t n = 0;
     FILE *f = open_memstream(&t, &n);
-    fprintf(f,
-            E2E_CONF_HEAD "upstreams:\n" E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}",
-                                                           "%s") "routes:\n"
-                                                                 "  - name: acct\n"
-                                                                 "    match:\n"
-                                                                 "      path_prefix: /v1/accounts\n"
-                                                                 "    upstream: api\n"
-                                                                 "    idempotency:\n"
-                                                                 "      key: optional\n"
-                                                                 "      release_statuses: [503]\n"
-                                                                 "      lease: 3s\n"
-                                                                 "    ordering:\n"
-                                                                 "      resource: /v1/accounts/{id}/address\n"
-                                                                 "      sequence: %s\n"
-                                                                 "%s"
-                                                                 "  - name: plain\n"
-                                                                 "    match:\n"
-                                                                 "      path_prefix: /v1/plain\n"
-                                                                 "    upstream: api\n"
-                                                                 "    idempotency:\n"
-                                                                 "      key: optional\n",
-            timeout ? timeout : "5s", sequence ? sequence : "header:X-Sequence", ord ? ord : "");
+    /* clang-format off */
+    fprintf(f, E2E_CONF_HEAD "upstreams:\n" E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "%s")
+            "routes:\n"
+            "  - name: acct\n"
+            "    match:\n"
+            "      path_prefix: /v1/accounts\n"
+            "    upstream: api\n"
+            "    idempotency:\n"
+            "      key: optional\n"
+            "      release_statuses: [503]\n"
+            "      lease: 3s\n"
+            "%s"
+            "    ordering:\n"
+            "      resource: /v1/accounts/{id}/address\n"
+            "      sequence: %s\n"
+            "%s"
+            "  - name: plain\n"
+            "    match:\n"
+            "      path_prefix: /v1/plain\n"
+            "    upstream: api\n"
+            "    idempotency:\n"
+            "      key: optional\n",
+            timeout ? timeout : "5s", acct_idem, sequence ? sequence : "header:X-Sequence", ord ? ord : "");
+    /* clang-format on */
     fclose(f);
     return t;
 }
@@ -347,6 +352,30 @@ Test(ordering, unknown_outcome_counts_as_applied)
     e2e_resp_free(&r);
     send_seq(gw->port, p, "12", k12, NULL, &r);
     cr_expect_eq(r.status, 200, "a later, higher sequence is accepted: %ld", r.status);
+    e2e_resp_free(&r);
+}
+
+Test(ordering, retry_taking_over_an_unknown_outcome_is_not_stale)
+{
+    acct_idem = "      on_unknown: retry\n";
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start(up, NULL, NULL, "1s");
+    char p[160], k11[96], kb[96];
+    resource(p, sizeof p, "takeover");
+    e2e_mkkey(k11, sizeof k11, "o11");
+    e2e_mkkey(kb, sizeof kb, "o11b");
+    struct e2e_resp r;
+    send_seq(gw->port, p, "11", k11, "X-Test-Delay-Ms: 1500", &r);
+    e2e_expect_problem(&r, 504, "upstream-timeout", "v11 times out");
+    e2e_resp_free(&r);
+    e2e_sleep_ms(3300); /* past the 3 s lease: on_unknown: retry takes the key over */
+    send_seq(gw->port, p, "11", k11, NULL, &r);
+    cr_expect_eq(r.status, 200, "the same key's retry is forwarded again, not stale: %ld %s", r.status,
+                 r.body ? (const char *)r.body : "");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, k11), 2);
+    send_seq(gw->port, p, "11", kb, NULL, &r);
+    expect_current(&r, "stale-sequence", 11, "v11 under another key");
     e2e_resp_free(&r);
 }
 
