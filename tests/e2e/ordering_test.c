@@ -334,19 +334,29 @@ Test(ordering, released_v11_leaves_applied_and_executes_again)
     e2e_resp_free(&r);
 }
 
+/* A fresh resource (path into p) whose v11 (key into k11) times out at the upstream (1 s timeout): an unknown outcome.
+ */
+static void v11_times_out(const struct e2e_upstream *up, const struct e2e_gw *gw, char *p, size_t pn, char *k11,
+                          size_t kn, const char *tag)
+{
+    resource(p, pn, tag);
+    e2e_mkkey(k11, kn, tag);
+    struct e2e_resp r;
+    send_seq(gw->port, p, "11", k11, "X-Test-Delay-Ms: 1500", &r);
+    e2e_expect_problem(&r, 504, "upstream-timeout", "v11 times out");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, k11), 1);
+}
+
 Test(ordering, unknown_outcome_counts_as_applied)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = start(up, NULL, NULL, "1s");
     char p[160], k11[96], k11b[96], k12[96];
-    resource(p, sizeof p, "unknown");
-    e2e_mkkey(k11, sizeof k11, "u11");
+    v11_times_out(up, gw, p, sizeof p, k11, sizeof k11, "unknown");
     e2e_mkkey(k11b, sizeof k11b, "u11b");
     e2e_mkkey(k12, sizeof k12, "u12");
     struct e2e_resp r;
-    send_seq(gw->port, p, "11", k11, "X-Test-Delay-Ms: 2500", &r);
-    e2e_expect_problem(&r, 504, "upstream-timeout", "v11 times out");
-    e2e_resp_free(&r);
     send_seq(gw->port, p, "11", k11b, NULL, &r);
     expect_current(&r, "stale-sequence", 11, "v11 under another key after an unknown v11");
     e2e_resp_free(&r);
@@ -361,13 +371,9 @@ Test(ordering, retry_taking_over_an_unknown_outcome_is_not_stale)
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *gw = start(up, NULL, NULL, "1s");
     char p[160], k11[96], kb[96];
-    resource(p, sizeof p, "takeover");
-    e2e_mkkey(k11, sizeof k11, "o11");
+    v11_times_out(up, gw, p, sizeof p, k11, sizeof k11, "takeover");
     e2e_mkkey(kb, sizeof kb, "o11b");
     struct e2e_resp r;
-    send_seq(gw->port, p, "11", k11, "X-Test-Delay-Ms: 1500", &r);
-    e2e_expect_problem(&r, 504, "upstream-timeout", "v11 times out");
-    e2e_resp_free(&r);
     e2e_sleep_ms(3300); /* past the 3 s lease: on_unknown: retry takes the key over */
     send_seq(gw->port, p, "11", k11, NULL, &r);
     cr_expect_eq(r.status, 200, "the same key's retry is forwarded again, not stale: %ld %s", r.status,
