@@ -28,6 +28,8 @@ struct route_ctr {
     _Atomic uint64_t in_flight_conflicts;
     _Atomic uint64_t completion_failures;
     _Atomic uint64_t stuck_processing;
+    _Atomic uint64_t stale_rejections; /* ordering guard: 409 stale-sequence */
+    _Atomic uint64_t sequence_gaps;    /* ordering guard: seq > applied + 1 */
 };
 
 /* Route names get a slot each, in the order they were first seen (the routes at start, then the new names of each
@@ -110,6 +112,8 @@ static void zero_route(struct route_ctr *r)
     atomic_store_explicit(&r->in_flight_conflicts, 0, memory_order_relaxed);
     atomic_store_explicit(&r->completion_failures, 0, memory_order_relaxed);
     atomic_store_explicit(&r->stuck_processing, 0, memory_order_relaxed);
+    atomic_store_explicit(&r->stale_rejections, 0, memory_order_relaxed);
+    atomic_store_explicit(&r->sequence_gaps, 0, memory_order_relaxed);
 }
 
 static void zero_hist(struct hist *h)
@@ -231,6 +235,16 @@ void cm_metric_parameter_conflict(size_t route)
 void cm_metric_in_flight_conflict(size_t route)
 {
     ctr_add(&route_of(route)->in_flight_conflicts, 1);
+}
+
+void cm_metric_stale_rejection(size_t route)
+{
+    ctr_add(&route_of(route)->stale_rejections, 1);
+}
+
+void cm_metric_sequence_gap(size_t route)
+{
+    ctr_add(&route_of(route)->sequence_gaps, 1);
 }
 
 void cm_metric_completion_failure(size_t route)
@@ -404,7 +418,13 @@ bool cm_metrics_render(struct cm_buf *out)
         !put_route_family(out, "idemgate_completion_failures_total", "Responses whose completion could not be stored.",
                           offsetof(struct route_ctr, completion_failures), false) ||
         !put_route_family(out, "idemgate_stuck_processing", "Records in flight for over 5 minutes.",
-                          offsetof(struct route_ctr, stuck_processing), true))
+                          offsetof(struct route_ctr, stuck_processing), true) ||
+        !put_route_family(out, "idemgate_stale_version_rejections_total",
+                          "Requests the ordering guard refused as stale (409 stale-sequence).",
+                          offsetof(struct route_ctr, stale_rejections), false) ||
+        !put_route_family(out, "idemgate_sequence_gaps_total",
+                          "Requests whose sequence skipped past applied + 1 (ordering guard).",
+                          offsetof(struct route_ctr, sequence_gaps), false))
         return false;
 
     if (!put_family(out, "idemgate_upstream_seconds", "histogram", "Upstream request duration in seconds.") ||

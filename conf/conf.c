@@ -174,6 +174,8 @@ static void parts_free(struct conf_part *p, size_t n)
     free(p);
 }
 
+static void ordering_free(struct conf_ordering *o);
+
 static void idem_free(struct conf_idem *d)
 {
     free(d->header);
@@ -204,6 +206,7 @@ void conf_destroy(struct conf *c)
         free(c->routes[i].path);
         free(c->routes[i].path_prefix);
         idem_free(&c->routes[i].idem);
+        ordering_free(&c->routes[i].ordering);
         free(c->routes[i].errors.tmpl);
         free(c->routes[i].errors.content_type);
     }
@@ -1491,12 +1494,120 @@ static bool fn_errors(struct ctx *x, yaml_node_t *n, void *target)
     return true;
 }
 
+/* ---- ordering: {resource: /a/{id}/b, sequence: header:NAME | json:/pointer, on_gap, hold} (SPEC 6) */
+
+static const char *const gap_modes[] = {"accept", "reject", "hold", NULL};
+
+/* A path template: '/' then segments, each a literal (no braces) or exactly one {name}; no empty segment. */
+static const char *resource_why(const char *s, size_t len)
+{
+    if (len == 0 || s[0] != '/')
+        return "must start with '/'";
+    if (len > CONF_RESOURCE_MAX)
+        return "too long";
+    size_t i = 1;
+    while (i < len) {
+        size_t e = i;
+        while (e < len && s[e] != '/')
+            e++;
+        if (e == i)
+            return "has an empty segment ('//')";
+        if (s[i] == '{') {
+            if (e - i < 3 || s[e - 1] != '}')
+                return "a {name} must be a whole segment";
+            for (size_t k = i + 1; k + 1 < e; k++)
+                if (!((s[k] >= 'a' && s[k] <= 'z') || (s[k] >= 'A' && s[k] <= 'Z') || (s[k] >= '0' && s[k] <= '9') ||
+                      s[k] == '_'))
+                    return "a {name} is letters, digits and '_'";
+        } else {
+            for (size_t k = i; k < e; k++)
+                if (s[k] == '{' || s[k] == '}' || s[k] == '?' || s[k] == '#' || (unsigned char)s[k] <= 0x20 ||
+                    (unsigned char)s[k] >= 0x7f)
+                    return "a literal segment holds no braces, '?', '#', spaces or control bytes";
+        }
+        i = e + 1;
+    }
+    return NULL;
+}
+
+static bool fn_ord_resource(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_ordering *o = target;
+    const char *s = scalar(x, n, "a path template such as /v1/accounts/{id}/address");
+    if (s == NULL)
+        return false;
+    size_t len = strlen(s);
+    while (len > 1 && s[len - 1] == '/')
+        len--;
+    const char *why = resource_why(s, len);
+    char b[80];
+    if (why)
+        return fail(x, n, "invalid resource template '%s': %s", shown(b, s), why);
+    free(o->resource);
+    o->resource = cm_strndup(s, len);
+    return true;
+}
+
+/* A JSON Pointer (RFC 6901): "" or '/'-separated tokens where '~' is only ~0 or ~1. */
+static bool pointer_ok(const char *p, size_t len)
+{
+    if (len > 0 && p[0] != '/')
+        return false;
+    for (size_t i = 0; i < len; i++)
+        if (p[i] == '~' && (i + 1 == len || (p[i + 1] != '0' && p[i + 1] != '1')))
+            return false;
+    return len <= 1024;
+}
+
+static bool fn_ord_sequence(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_ordering *o = target;
+    const char *s = scalar(x, n, "header:NAME or json:/pointer");
+    if (s == NULL)
+        return false;
+    char b[80];
+    if (strncmp(s, "header:", 7) == 0 && cm_token_ok(s + 7, strlen(s + 7)) && strlen(s + 7) <= 256) {
+        o->source = CONF_SEQ_HEADER;
+    } else if (strncmp(s, "json:", 5) == 0 && pointer_ok(s + 5, strlen(s + 5))) {
+        o->source = CONF_SEQ_JSON;
+    } else {
+        return fail(x, n, "invalid sequence '%s' (use header:NAME or json:/pointer, a JSON Pointer)", shown(b, s));
+    }
+    free(o->seq_name);
+    o->seq_name = cm_strdup(s + (o->source == CONF_SEQ_HEADER ? 7 : 5));
+    return true;
+}
+
+static const struct field ordering_fields[] = {
+    FIELD_BASE("resource", fn_ord_resource, true),
+    FIELD_BASE("sequence", fn_ord_sequence, true),
+    FIELD_ENUM("on_gap", struct conf_ordering, on_gap, gap_modes),
+    FIELD("hold", F_DUR, struct conf_ordering, hold_ms, 1, DURATION_MAX),
+};
+_Static_assert(sizeof(enum conf_on_gap) == sizeof(int), "enum stored through int");
+
+static bool fn_ordering(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_ordering *o = target;
+    o->enabled = true;
+    o->on_gap = CONF_GAP_ACCEPT;
+    o->hold_ms = 2 * SEC;
+    return parse_map(x, n, ordering_fields, NFIELDS(ordering_fields), o);
+}
+
+static void ordering_free(struct conf_ordering *o)
+{
+    free(o->resource);
+    free(o->seq_name);
+}
+
 static const struct field route_fields[] = {
     FIELD_FN("name", struct conf_route, name, fn_route_name, true),
     FIELD_BASE("match", fn_match, true),
     FIELD_FN("upstream", struct conf_route, upstream, fn_route_upstream, false),
     FIELD_FN("idempotency", struct conf_route, idem, fn_idem, false),
     FIELD_FN("errors", struct conf_route, errors, fn_errors, false),
+    FIELD_FN("ordering", struct conf_route, ordering, fn_ordering, false),
 };
 
 static bool fn_routes(struct ctx *x, yaml_node_t *n, void *target)

@@ -101,6 +101,19 @@ struct conf_errors {
     char *content_type;         /* CONF_ERRORS_TEMPLATE: default application/json */
 };
 
+/* ---- ordering guard (SPEC 6): a per-resource monotonic sequence */
+enum conf_seq_source { CONF_SEQ_HEADER = 0, CONF_SEQ_JSON };
+enum conf_on_gap { CONF_GAP_ACCEPT = 0, CONF_GAP_REJECT, CONF_GAP_HOLD };
+#define CONF_RESOURCE_MAX 1024 /* bytes of an ordering.resource template */
+struct conf_ordering {
+    bool enabled;                /* an ordering: block was given */
+    char *resource;              /* path template, "/v1/accounts/{id}/address" (trailing '/' removed) */
+    enum conf_seq_source source; /* header:NAME or json:/pointer */
+    char *seq_name;              /* the header name, or the JSON Pointer ("" is the whole body) */
+    enum conf_on_gap on_gap;     /* default accept */
+    uint64_t hold_ms;            /* default 2s: bounds the gap hold and the in-flight wait */
+};
+
 struct conf_route {
     char *name;
     char *path;        /* exact path, or NULL */
@@ -109,6 +122,7 @@ struct conf_route {
     size_t upstream;   /* index into conf.upstreams */
     struct conf_idem idem;
     struct conf_errors errors;
+    struct conf_ordering ordering;
 };
 
 /* Top-level jwt: how jwt:CLAIM scope parts verify the bearer token (SPEC 9). */

@@ -19,6 +19,7 @@
 #include "common/uri.h"
 #include "gateway/gateway.h"
 #include "gateway/jwt.h"
+#include "gateway/ordering.h"
 #include "gateway/problem.h"
 
 enum stage { STAGE_NEW, STAGE_BODY, STAGE_SUBMITTED, STAGE_ANSWERED };
@@ -132,6 +133,7 @@ static void req_free(struct req *r)
     free(r->job.uri);
     free(r->job.path);
     free(r->job.query);
+    free(r->job.resource);
     cm_hdrs_free(&r->in_hdrs);
     cm_hdrs_free(&r->job.fwd_hdrs);
     cm_hdrs_free(&r->job.resp_hdrs);
@@ -654,6 +656,24 @@ static const char *jwt_check(struct req *r, const struct conf_route *route)
 
 /* First call: headers are in. Returns MHD_YES to go on reading the body, or
  * the result of queueing an early answer (r->stage == STAGE_ANSWERED). */
+/* SPEC 6: does the route's ordering guard cover this request, and is its sequence header well formed? false: 400
+ * sequence-invalid (a json: sequence is read from the body in submit). */
+static bool order_headers(struct req *r, const struct conf_route *route, const char *method)
+{
+    struct gw_job *job = &r->job;
+    size_t inst;
+    if (!route || !route->ordering.enabled || !(route->methods & conf_method_bit(method)) ||
+        !gw_order_match(route->ordering.resource, job->path, &inst))
+        return true;
+    job->ordered = true;
+    job->resource = cm_strndup(job->path, inst);
+    job->resource_len = inst;
+    if (route->ordering.source != CONF_SEQ_HEADER)
+        return true;
+    const char *v = cm_hdrs_get(&r->in_hdrs, route->ordering.seq_name);
+    return v && header_count(&r->in_hdrs, route->ordering.seq_name) == 1 && gw_seq_parse(v, strlen(v), &job->seq);
+}
+
 static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const char *method, const char *version)
 {
     const struct conf *conf = r->job.conf;
@@ -747,6 +767,11 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
             job->idempotent = true;
         }
     }
+    if (!order_headers(r, route, method))
+        return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
+                      "the ordering sequence must be one decimal integer from 1 to 9223372036854775807 without sign "
+                      "or leading zero",
+                      CM_OUT_ERROR);
     build_forward_headers(r, c);
     r->stage = STAGE_BODY;
     return MHD_YES;
@@ -759,7 +784,13 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     if (r->body_too_large)
         return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
                       CM_OUT_TOO_LARGE);
-    if (job->idempotent) {
+    if (job->ordered && job->route->ordering.source == CONF_SEQ_JSON &&
+        !gw_seq_from_json(job->body.data, job->body.len, job->route->ordering.seq_name, &job->seq))
+        return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
+                      "the body must be JSON with an integer from 1 to 9223372036854775807 at the ordering sequence's "
+                      "JSON Pointer",
+                      CM_OUT_ERROR);
+    if (job->idempotent || job->ordered) {
         struct gw_reqparts parts = {job->method,   job->path,   job->query, job->body.data,
                                     job->body.len, &r->in_hdrs, r->jwt};
         const struct conf_idem *im = &job->route->idem;

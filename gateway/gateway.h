@@ -153,6 +153,21 @@ struct gw_job {
     struct renew_ticket *renew_ticket;        /* a lease renewal in flight */
     bool store_pending;                       /* a store callback will come back to this job */
     struct gw_job *next_active, *prev_active; /* loop's list of running jobs */
+
+    /* ordering guard (SPEC 6; gateway/ordering.c, store/order.h) */
+    bool ordered;   /* the route's guard covers this request */
+    int64_t seq;    /* its sequence, parsed by the front */
+    char *resource; /* the resource instance (normalized path, heap, freed by the front) */
+    size_t resource_len;
+    uint64_t order_token;       /* fences the resource's in-flight marker */
+    bool order_held;            /* this job holds the marker (settled before the answer) */
+    bool order_waiting;         /* a guard retry is scheduled (the key's claim is still held) */
+    bool gap_counted;           /* idemgate_sequence_gaps_total counted it once */
+    bool ordered_may_wait;      /* the last guard statement was sent within hold (a refusal not final) */
+    uint64_t order_deadline_ms; /* hold bound of the in-flight and gap waits */
+    uint64_t order_backoff_ms;
+    struct event *order_timer;       /* wait backoff */
+    struct event *order_renew_timer; /* marker lease renewal */
 };
 
 /* Fills the answer with the gateway error, written in the route's errors format (problem+json without a route);

@@ -7,6 +7,7 @@
 
 #include "gateway/gateway.h"
 #include "gateway/problem.h"
+#include "store/order.h"
 #include "store/store.h"
 #include "upstream/upstream.h"
 
@@ -14,6 +15,11 @@
 #define WAIT_BACKOFF_MAX_MS   500
 
 static void claim(struct gw_job *job);
+static void guard_start(struct gw_job *job);
+static void guard_stop_timers(struct gw_job *job);
+static bool guard_settle(struct gw_job *job, enum cm_outcome outcome);
+static void forward_claimed(struct gw_job *job);
+static void forward_passthrough(struct gw_job *job);
 
 static void retry_after(struct gw_job *job, uint64_t ms)
 {
@@ -43,6 +49,7 @@ static void stop_timers(struct gw_job *job)
         event_free(job->renew_timer);
         job->renew_timer = NULL;
     }
+    guard_stop_timers(job);
 }
 
 /* A lease renewal in flight refers to its job through a ticket, so that the
@@ -55,6 +62,8 @@ struct renew_ticket {
 /* The answer is ready: count it and hand the job back to the front. */
 static void finish(struct gw_job *job, enum cm_outcome outcome)
 {
+    if (guard_settle(job, outcome))
+        return; /* finish runs again once the resource's marker is settled */
     stop_timers(job);
     job->outcome = outcome;
     if (job->renew_ticket) {
@@ -301,13 +310,10 @@ static void claimed(void *arg, struct store_claim_res *res)
         struct timeval tv = {(time_t)(every / 1000), (suseconds_t)((every % 1000) * 1000)};
         job->renew_timer = event_new(gw_loop_base(job->loop), -1, EV_PERSIST, renew_tick, job);
         event_add(job->renew_timer, &tv);
-        if (!forward(job, idem_forward_done)) {
-            gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the transfer could not start");
-            job->outcome = CM_OUT_UPSTREAM_UNAVAILABLE;
-            struct store_id id = job_id(job);
-            job->store_pending = true;
-            store_release(gw_loop_store(job->loop), &id, job->token, im->lease_ms, answer_after_store, job);
-        }
+        if (job->ordered)
+            guard_start(job); /* SPEC 6: the guard comes after the idempotency record */
+        else
+            forward_claimed(job);
         return;
     }
     case STORE_REPLAY:
@@ -365,6 +371,26 @@ static void claimed(void *arg, struct store_claim_res *res)
     }
 }
 
+/* The key is ours (and the resource's marker, when guarded): send it. */
+static void forward_claimed(struct gw_job *job)
+{
+    if (!forward(job, idem_forward_done)) {
+        gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the transfer could not start");
+        job->outcome = CM_OUT_UPSTREAM_UNAVAILABLE;
+        struct store_id id = job_id(job);
+        job->store_pending = true;
+        store_release(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms, answer_after_store, job);
+    }
+}
+
+static void forward_passthrough(struct gw_job *job)
+{
+    if (!forward(job, passthrough_done)) {
+        gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the transfer could not start");
+        finish(job, CM_OUT_UPSTREAM_UNAVAILABLE);
+    }
+}
+
 static void claim(struct gw_job *job)
 {
     const struct conf_idem *im = &job->route->idem;
@@ -395,11 +421,8 @@ void gw_pipeline_run(void *arg)
         finish(job, CM_OUT_ERROR);
         return;
     }
-    if (!job->idempotent) {
-        if (!forward(job, passthrough_done)) {
-            gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the transfer could not start");
-            finish(job, CM_OUT_UPSTREAM_UNAVAILABLE);
-        }
+    if (!job->idempotent && !job->ordered) {
+        forward_passthrough(job);
         return;
     }
     if (!gw_loop_schema_ready(job->loop)) {
@@ -407,6 +430,10 @@ void gw_pipeline_run(void *arg)
                        "the idempotency store is not ready yet; nothing was forwarded");
         retry_after(job, 1000);
         finish(job, CM_OUT_STORE_UNAVAILABLE);
+        return;
+    }
+    if (!job->idempotent) {
+        guard_start(job); /* keyless on a guarded route: the guard alone */
         return;
     }
     claim(job);
@@ -432,4 +459,205 @@ void gw_pipeline_abort_all(void *arg)
         }
         job = next;
     }
+}
+
+/* ---- the ordering guard (SPEC 6): after the idempotency record, before forwarding */
+
+#define GUARD_BACKOFF_FIRST_MS 10
+#define GUARD_BACKOFF_MAX_MS   200
+
+static struct store_order_id guard_id(const struct gw_job *job)
+{
+    struct store_order_id id;
+    id.route = job->route->name;
+    memcpy(id.scope, job->scope, sizeof id.scope);
+    id.resource = job->resource;
+    id.resource_len = job->resource_len;
+    return id;
+}
+
+static void guard_stop_timers(struct gw_job *job)
+{
+    if (job->order_timer) {
+        event_free(job->order_timer);
+        job->order_timer = NULL;
+    }
+    if (job->order_renew_timer) {
+        event_free(job->order_renew_timer);
+        job->order_renew_timer = NULL;
+    }
+}
+
+static void guard_settled(void *arg, bool ok)
+{
+    struct gw_job *job = arg;
+    job->store_pending = false;
+    finish(job, job->outcome);
+}
+
+/* finish() asks first: true when the job holds the resource's marker, whose settle now runs (finish comes
+ * again from its callback). Nothing sent (released) leaves applied as it was; anything else may have executed
+ * and counts as applied. */
+static bool guard_settle(struct gw_job *job, enum cm_outcome outcome)
+{
+    if (job->order_waiting) {
+        /* ended while waiting for the resource (shutdown): nothing was sent, the key's claim goes */
+        job->order_waiting = false;
+        guard_stop_timers(job);
+        job->outcome = outcome;
+        if (!job->idempotent)
+            return false;
+        struct store_id kid = job_id(job);
+        job->store_pending = true;
+        store_release(gw_loop_store(job->loop), &kid, job->token, job->route->idem.lease_ms, answer_after_store, job);
+        return true;
+    }
+    if (!job->order_held)
+        return false;
+    job->order_held = false;
+    job->outcome = outcome;
+    guard_stop_timers(job);
+    bool released = outcome == CM_OUT_RELEASED || outcome == CM_OUT_UPSTREAM_UNAVAILABLE ||
+                    (outcome == CM_OUT_FORWARDED && !job->idempotent && is_release_status(job, job->status));
+    struct store_order_id id = guard_id(job);
+    job->store_pending = true;
+    store_order_settle(store_order_of(gw_loop_store(job->loop)), &id, job->order_token,
+                       released                      ? STORE_SETTLE_RELEASED
+                       : outcome == CM_OUT_FORWARDED ? STORE_SETTLE_APPLIED
+                                                     : STORE_SETTLE_UNKNOWN,
+                       job->route->idem.lease_ms, guard_settled, job);
+    return true;
+}
+
+static void guard_renew_tick(evutil_socket_t fd, short what, void *arg)
+{
+    struct gw_job *job = arg;
+    struct store_order_id id = guard_id(job);
+    store_order_renew(store_order_of(gw_loop_store(job->loop)), &id, job->order_token, job->route->idem.lease_ms);
+}
+
+static void guard_try(struct gw_job *job);
+
+static void guard_wait_tick(evutil_socket_t fd, short what, void *arg)
+{
+    guard_try(arg);
+}
+
+/* A refusal answered: the statement deleted the key's claim with it (no record is left). */
+static void guard_refuse(struct gw_job *job, const char *name, const char *title, const char *detail, int64_t applied)
+{
+    char extra[48];
+    snprintf(extra, sizeof extra, "\"current\":%lld", (long long)applied);
+    gw_job_problem_ext(job, 409, name, title, detail, extra);
+}
+
+static void guard_done(void *arg, const struct store_order_res *res)
+{
+    struct gw_job *job = arg;
+    const struct conf_ordering *o = &job->route->ordering;
+    job->store_pending = false;
+    if (res->gap && !job->gap_counted) {
+        job->gap_counted = true;
+        cm_metric_sequence_gap(job->route_index);
+    }
+    uint64_t now = cm_now_ms();
+    bool may_wait = now < job->order_deadline_ms;
+    switch (res->verdict) {
+    case STORE_ORDER_OK: {
+        job->order_held = true;
+        uint64_t every = job->route->idem.lease_ms / 3 ? job->route->idem.lease_ms / 3 : 1;
+        struct timeval tv = {(time_t)(every / 1000), (suseconds_t)((every % 1000) * 1000)};
+        job->order_renew_timer = event_new(gw_loop_base(job->loop), -1, EV_PERSIST, guard_renew_tick, job);
+        event_add(job->order_renew_timer, &tv);
+        if (job->idempotent)
+            forward_claimed(job);
+        else
+            forward_passthrough(job);
+        return;
+    }
+    case STORE_ORDER_STALE:
+        cm_metric_stale_rejection(job->route_index);
+        guard_refuse(job, "stale-sequence", "Stale sequence",
+                     "a request with this sequence or a higher one was already applied to this resource; nothing "
+                     "was forwarded",
+                     res->applied);
+        finish(job, CM_OUT_ERROR);
+        return;
+    case STORE_ORDER_IN_USE:
+    case STORE_ORDER_GAP:
+        if (job->ordered_may_wait && (res->verdict == STORE_ORDER_IN_USE || o->on_gap == CONF_GAP_HOLD)) {
+            /* not final: the statement kept the key's claim; try again after a backoff, within hold */
+            uint64_t d = job->order_backoff_ms;
+            if (may_wait && now + d > job->order_deadline_ms)
+                d = job->order_deadline_ms - now;
+            if (!may_wait)
+                d = 0;
+            job->order_backoff_ms =
+                job->order_backoff_ms * 2 > GUARD_BACKOFF_MAX_MS ? GUARD_BACKOFF_MAX_MS : job->order_backoff_ms * 2;
+            if (!job->order_timer)
+                job->order_timer = evtimer_new(gw_loop_base(job->loop), guard_wait_tick, job);
+            job->order_waiting = true;
+            struct timeval tv = {(time_t)(d / 1000), (suseconds_t)((d % 1000) * 1000)};
+            evtimer_add(job->order_timer, &tv);
+            return;
+        }
+        if (res->verdict == STORE_ORDER_IN_USE) {
+            cm_metric_in_flight_conflict(job->route_index);
+            gw_job_problem(job, 409, "sequence-in-use", "Sequence in use",
+                           "another request for this resource is still being processed; retry later");
+            retry_after(job, res->lease_left_ms < o->hold_ms ? res->lease_left_ms : o->hold_ms);
+            finish(job, CM_OUT_IN_FLIGHT);
+            return;
+        }
+        guard_refuse(job, "sequence-gap", "Sequence gap",
+                     "an earlier sequence of this resource has not been applied yet; nothing was forwarded",
+                     res->applied);
+        finish(job, CM_OUT_ERROR);
+        return;
+    case STORE_ORDER_UNAVAILABLE:
+    default:
+        gw_job_problem(job, 503, "store-unavailable", "Store unavailable",
+                       "the ordering guard's store cannot be reached; nothing was forwarded");
+        retry_after(job, 1000);
+        if (job->idempotent) {
+            struct store_id id = job_id(job);
+            job->outcome = CM_OUT_STORE_UNAVAILABLE;
+            job->store_pending = true;
+            store_release(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms, answer_after_store,
+                          job);
+            return;
+        }
+        finish(job, CM_OUT_STORE_UNAVAILABLE);
+        return;
+    }
+}
+
+static void guard_try(struct gw_job *job)
+{
+    const struct conf_ordering *o = &job->route->ordering;
+    job->order_waiting = false;
+    struct store_order_req req;
+    memset(&req, 0, sizeof req);
+    req.id = guard_id(job);
+    req.seq = job->seq;
+    req.token = job->order_token;
+    req.lease_ms = job->route->idem.lease_ms;
+    req.on_gap = o->on_gap == CONF_GAP_REJECT ? STORE_GAP_REJECT
+                 : o->on_gap == CONF_GAP_HOLD ? STORE_GAP_HOLD
+                                              : STORE_GAP_ACCEPT;
+    req.may_wait = job->ordered_may_wait = cm_now_ms() < job->order_deadline_ms;
+    if (job->idempotent) {
+        req.key = job->key;
+        req.key_len = job->key_len;
+    }
+    job->store_pending = true;
+    store_order_acquire(store_order_of(gw_loop_store(job->loop)), &req, guard_done, job);
+}
+
+static void guard_start(struct gw_job *job)
+{
+    job->order_token = job->idempotent ? job->token : cm_random_token();
+    job->order_deadline_ms = cm_now_ms() + job->route->ordering.hold_ms;
+    job->order_backoff_ms = GUARD_BACKOFF_FIRST_MS;
+    guard_try(job);
 }

@@ -12,6 +12,7 @@
 
 #include "common/metrics.h"
 #include "conf/conf.h"
+#include "store/order.h"
 #include "store/pg.h"
 #include "store/redis.h"
 
@@ -302,6 +303,9 @@ struct store {
     bool doubt_busy; /* a query for doubt_head runs */
     struct event *probe_timer;
     bool probing; /* a ping runs */
+    /* the ordering guard (store/order.c): its statements follow ours in the pool's table */
+    struct store_pg_stmt all_stmts[S__COUNT + STORE_ORDER_NSTMTS];
+    struct store_order *order;
 };
 
 /* A claim whose commit outcome the gateway does not know (its statement
@@ -1599,9 +1603,12 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
     s->pg_opts.connect_timeout_ms = CONNECT_TIMEOUT_MS;
     s->pg_opts.max_queue = MAX_QUEUE;
     s->pg_opts.max_batch = MAX_BATCH;
-    s->pg_opts.stmts = stmts;
-    s->pg_opts.nstmts = S__COUNT;
+    memcpy(s->all_stmts, stmts, sizeof stmts);
+    memcpy(s->all_stmts + S__COUNT, store_order_stmts(), STORE_ORDER_NSTMTS * sizeof(struct store_pg_stmt));
+    s->pg_opts.stmts = s->all_stmts;
+    s->pg_opts.nstmts = S__COUNT + STORE_ORDER_NSTMTS;
     s->pg = store_pg_create(base, &s->pg_opts);
+    s->order = store_order_create(base, s->pg, S__COUNT);
     store_pg_on_up(s->pg, store_pg_back, s);
     s->clean_timer = evtimer_new(base, clean_timer_cb, s);
     s->doubt_timer = evtimer_new(base, doubt_timer_cb, s);
@@ -1625,6 +1632,7 @@ void store_destroy(struct store *s)
     /* Both drop their pending callbacks; then the operations that waited on them go. */
     store_pg_destroy(s->pg);
     store_rd_destroy(s->rd);
+    store_order_destroy(s->order);
     if (s->ndoubt > 0)
         cm_log(CM_WARN, "claims_in_doubt_left", "n=%zu effect=stay_in_flight_then_unknown", s->ndoubt);
     struct doubt *d;
@@ -1638,6 +1646,11 @@ void store_destroy(struct store *s)
         op_free(o);
     }
     free(s);
+}
+
+struct store_order *store_order_of(struct store *s)
+{
+    return s->order;
 }
 
 bool store_postgres_up(const struct store *s)
@@ -1761,6 +1774,8 @@ bool store_migrate(const char *postgres_url, uint64_t timeout_ms, char **err)
     } else {
         cm_log(CM_INFO, "schema_ok", "version=%ld", version);
     }
+    if (!exec_ok(c, store_order_schema, NULL, err)) /* the ordering guard's table (IF NOT EXISTS) */
+        goto fail;
     if (!exec_ok(c, "SELECT pg_advisory_unlock(" MIGRATE_LOCK_ID ")", NULL, err))
         goto fail;
     failover_check(c);

@@ -1,0 +1,33 @@
+/* ordering.h - the ordering guard's request side (SPEC 6): resource template
+ * matching and sequence parsing (a header, or a JSON Pointer into the body). */
+#ifndef IDEMGATE_GW_ORDERING_H
+#define IDEMGATE_GW_ORDERING_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+
+/* Largest sequence: 2^63 - 1. */
+#define GW_SEQ_MAX INT64_MAX
+
+/* True when path (normalized, no query) matches the template tmpl as a whole:
+ * the same number of segments, literal segments equal byte for byte, one
+ * segment (non-empty) per {name}; a trailing '/' of path is ignored. On a
+ * match *inst_len is the length of path without that trailing '/': the
+ * resource instance is path[0..*inst_len). */
+bool gw_order_match(const char *tmpl, const char *path, size_t *inst_len) CM_MUST_CHECK;
+
+/* Parses a sequence header value: 1*DIGIT without sign or leading zero,
+ * 1 .. 2^63-1, optional surrounding spaces/tabs. false for anything else. */
+bool gw_seq_parse(const char *v, size_t len, int64_t *out) CM_MUST_CHECK;
+
+/* Reads the sequence at the JSON Pointer ptr (RFC 6901, "" is the whole
+ * document) of a JSON body: it must be a JSON integer 1 .. 2^63-1 (not a
+ * string, not a real). false when the body is not JSON (duplicate object
+ * members included), the pointer names nothing, or the value is not such an
+ * integer. Nothing is kept of the body. */
+bool gw_seq_from_json(const char *body, size_t len, const char *ptr, int64_t *out) CM_MUST_CHECK;
+
+#endif

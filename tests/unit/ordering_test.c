@@ -1,0 +1,196 @@
+/* ordering_test.c - the ordering guard's request side (gateway/ordering.c) and its ordering: config block. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "conf/conf.h"
+#include "gateway/ordering.h"
+
+Test(order_match, templates)
+{
+    static const struct {
+        const char *tmpl, *path;
+        bool match;
+        size_t inst_len;
+    } cases[] = {
+        {"/v1/accounts/{id}/address", "/v1/accounts/42/address", true, 23},
+        {"/v1/accounts/{id}/address", "/v1/accounts/42/address/", true, 23},
+        {"/v1/accounts/{id}/address", "/v1/accounts//address", false, 0},
+        {"/v1/accounts/{id}/address", "/v1/accounts/42/address/x", false, 0},
+        {"/v1/accounts/{id}/address", "/v1/accounts/42", false, 0},
+        {"/v1/accounts/{id}/address", "/v1/accounts/4/2/address", false, 0},
+        {"/v1/accounts/{id}/address", "/v1/accountsx/42/address", false, 0},
+        {"/v1/accounts/{id}/address", "/v1/accounts/42/addressx", false, 0},
+        {"/v1/accounts/{id}/address", "/V1/accounts/42/address", false, 0},
+        {"/v1/{a}/{b}", "/v1/x/y", true, 7},
+        {"/v1/{a}/{b}", "/v1/x", false, 0},
+        {"/v1/items/{id}", "/v1/items/%41", true, 13},
+        {"/", "/", true, 1},
+        {"/v1", "/", false, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        size_t n = 0;
+        bool m = gw_order_match(cases[i].tmpl, cases[i].path, &n);
+        cr_expect_eq(m, cases[i].match, "%s vs %s", cases[i].tmpl, cases[i].path);
+        if (m && cases[i].match)
+            cr_expect_eq(n, cases[i].inst_len, "%s: %zu", cases[i].path, n);
+    }
+}
+
+Test(seq_parse, header_values)
+{
+    static const struct {
+        const char *v;
+        bool ok;
+        int64_t want;
+    } cases[] = {
+        {"1", true, 1},
+        {"11", true, 11},
+        {" 12\t", true, 12},
+        {"9223372036854775807", true, INT64_MAX},
+        {"9223372036854775808", false, 0},
+        {"18446744073709551616", false, 0},
+        {"99999999999999999999", false, 0},
+        {"0", false, 0},
+        {"00", false, 0},
+        {"011", false, 0},
+        {"-1", false, 0},
+        {"+1", false, 0},
+        {"1.0", false, 0},
+        {"1e3", false, 0},
+        {"0x10", false, 0},
+        {"abc", false, 0},
+        {"1 2", false, 0},
+        {"", false, 0},
+        {"  ", false, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int64_t v = -7;
+        bool ok = gw_seq_parse(cases[i].v, strlen(cases[i].v), &v);
+        cr_expect_eq(ok, cases[i].ok, "'%s'", cases[i].v);
+        if (ok)
+            cr_expect_eq(v, cases[i].want, "'%s': %lld", cases[i].v, (long long)v);
+    }
+}
+
+Test(seq_parse, json_pointer)
+{
+    static const struct {
+        const char *body, *ptr;
+        bool ok;
+        int64_t want;
+    } cases[] = {
+        {"{\"version\":3}", "/version", true, 3},
+        {"{\"a\":{\"b\":[5,6]}}", "/a/b/1", true, 6},
+        {"{\"a/b\":7,\"m~n\":8}", "/a~1b", true, 7},
+        {"{\"a/b\":7,\"m~n\":8}", "/m~0n", true, 8},
+        {"9", "", true, 9},
+        {"{\"version\":9223372036854775807}", "/version", true, INT64_MAX},
+        {"{\"version\":9223372036854775808}", "/version", false, 0},
+        {"{\"version\":0}", "/version", false, 0},
+        {"{\"version\":-3}", "/version", false, 0},
+        {"{\"version\":3.0}", "/version", false, 0},
+        {"{\"version\":\"3\"}", "/version", false, 0},
+        {"{\"version\":null}", "/version", false, 0},
+        {"{\"version\":true}", "/version", false, 0},
+        {"{\"other\":3}", "/version", false, 0},
+        {"{\"a\":{\"b\":[5,6]}}", "/a/b/2", false, 0},
+        {"{\"a\":{\"b\":[5,6]}}", "/a/b/01", false, 0},
+        {"{\"a\":{\"b\":[5,6]}}", "/a/b/-", false, 0},
+        {"{\"version\":3,\"version\":4}", "/version", false, 0},
+        {"{\"version\":3", "/version", false, 0},
+        {"not json", "/version", false, 0},
+        {"", "/version", false, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int64_t v = -7;
+        bool ok = gw_seq_from_json(cases[i].body, strlen(cases[i].body), cases[i].ptr, &v);
+        cr_expect_eq(ok, cases[i].ok, "%s at '%s'", cases[i].body, cases[i].ptr);
+        if (ok)
+            cr_expect_eq(v, cases[i].want, "%s: %lld", cases[i].body, (long long)v);
+    }
+    int64_t v;
+    cr_expect(!gw_seq_from_json(NULL, 0, "/x", &v));
+}
+
+#define ORD_BASE                                                                                                       \
+    "store:\n"                                                                                                         \
+    "  postgres: postgres://u@127.0.0.1/db\n"                                                                          \
+    "upstreams:\n"                                                                                                     \
+    "  - name: api\n"                                                                                                  \
+    "    url: http://127.0.0.1:9000\n"                                                                                 \
+    "routes:\n"                                                                                                        \
+    "  - name: address\n"                                                                                              \
+    "    match: { path_prefix: /v1/accounts }\n"                                                                       \
+    "    upstream: api\n"                                                                                              \
+    "    ordering:\n"
+
+static struct conf *load(const char *ordering, char **err)
+{
+    char *y = NULL;
+    if (asprintf(&y, ORD_BASE "%s", ordering) < 0)
+        abort();
+    *err = NULL;
+    struct conf *c = conf_load_string("t.yaml", y, strlen(y), err);
+    free(y);
+    return c;
+}
+
+Test(ordering_conf, defaults_and_values)
+{
+    char *err;
+    struct conf *c = load("      resource: /v1/accounts/{id}/address/\n      sequence: header:X-Sequence\n", &err);
+    cr_assert_not_null(c, "%s", err ? err : "");
+    const struct conf_ordering *o = &c->routes[0].ordering;
+    cr_expect(o->enabled);
+    cr_expect_str_eq(o->resource, "/v1/accounts/{id}/address");
+    cr_expect_eq(o->source, CONF_SEQ_HEADER);
+    cr_expect_str_eq(o->seq_name, "X-Sequence");
+    cr_expect_eq(o->on_gap, CONF_GAP_ACCEPT);
+    cr_expect_eq(o->hold_ms, 2000);
+    conf_destroy(c);
+
+    c = load("      resource: /v1/accounts/{id}\n      sequence: json:/meta/v\n      on_gap: hold\n      hold: 500ms\n",
+             &err);
+    cr_assert_not_null(c, "%s", err ? err : "");
+    o = &c->routes[0].ordering;
+    cr_expect_eq(o->source, CONF_SEQ_JSON);
+    cr_expect_str_eq(o->seq_name, "/meta/v");
+    cr_expect_eq(o->on_gap, CONF_GAP_HOLD);
+    cr_expect_eq(o->hold_ms, 500);
+    conf_destroy(c);
+}
+
+Test(ordering_conf, bad_blocks_name_line_and_key)
+{
+    static const struct {
+        const char *yaml, *needle;
+    } cases[] = {
+        {"      sequence: header:X-Sequence\n", "resource"},
+        {"      resource: /v1/a/{id}\n", "sequence"},
+        {"      resource: v1/a/{id}\n      sequence: header:X-S\n", "must start with '/'"},
+        {"      resource: /v1/a/x{id}\n      sequence: header:X-S\n", "no braces"},
+        {"      resource: /v1/a/{id}x\n      sequence: header:X-S\n", "whole segment"},
+        {"      resource: /v1//{id}\n      sequence: header:X-S\n", "empty segment"},
+        {"      resource: /v1/{i-d}\n      sequence: header:X-S\n", "letters"},
+        {"      resource: /v1/{id}\n      sequence: query:x\n", "header:NAME or json:/pointer"},
+        {"      resource: /v1/{id}\n      sequence: \"header:\"\n", "header:NAME or json:/pointer"},
+        {"      resource: /v1/{id}\n      sequence: \"header:X S\"\n", "header:NAME or json:/pointer"},
+        {"      resource: /v1/{id}\n      sequence: json:version\n", "JSON Pointer"},
+        {"      resource: /v1/{id}\n      sequence: json:/a~2\n", "JSON Pointer"},
+        {"      resource: /v1/{id}\n      sequence: header:X-S\n      on_gap: wait\n", "on_gap"},
+        {"      resource: /v1/{id}\n      sequence: header:X-S\n      hold: 0s\n", "hold"},
+        {"      resource: /v1/{id}\n      sequence: header:X-S\n      holdd: 1s\n", "unknown key"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *err;
+        struct conf *c = load(cases[i].yaml, &err);
+        cr_expect_null(c, "accepted: %s", cases[i].yaml);
+        cr_expect(err && strstr(err, cases[i].needle), "%s: error '%s' lacks '%s'", cases[i].yaml, err ? err : "",
+                  cases[i].needle);
+        cr_expect(err && strstr(err, "t.yaml:"), "names the file and line: %s", err ? err : "");
+        conf_destroy(c);
+        free(err);
+    }
+}
