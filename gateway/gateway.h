@@ -19,6 +19,7 @@ struct up_client;
 struct store;
 struct gw_loop;
 struct renew_ticket;
+struct gw_probe;
 
 /* ---- the I/O loop: one thread running libevent, owning its HTTP daemon
  * (gateway/front.c), the curl multi handle, its share of the Postgres pool
@@ -38,6 +39,8 @@ struct up_client *gw_loop_upstream(struct gw_loop *l);
 /* This loop's share of an upstream's max_connections (the bound holds over all loops together). */
 size_t gw_loop_upstream_max(const struct gw_loop *l, const struct conf_upstream *u);
 struct store *gw_loop_store(struct gw_loop *l);
+/* The loop's on_unknown: probe look-ups and sweeper (gateway/probe.h). */
+struct gw_probe *gw_loop_probe(struct gw_loop *l);
 const struct conf *gw_loop_conf(struct gw_loop *l);
 /* Set once the schema exists; idempotent requests get 503 until then. */
 void gw_loop_set_schema_ready(struct gw_loop *l, bool ready);
@@ -123,6 +126,7 @@ struct gw_job {
     struct cm_resp up_resp;                   /* upstream answer being stored */
     struct renew_ticket *renew_ticket;        /* a lease renewal in flight */
     bool store_pending;                       /* a store callback will come back to this job */
+    bool probed;                              /* on_unknown: probe asked the upstream once for this request */
     struct gw_job *next_active, *prev_active; /* loop's list of running jobs */
 };
 

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "gateway/gateway.h"
+#include "gateway/probe.h"
 #include "gateway/problem.h"
 #include "store/store.h"
 #include "upstream/upstream.h"
@@ -289,6 +290,52 @@ static void wait_tick(evutil_socket_t fd, short what, void *arg)
     claim(arg);
 }
 
+static void answer_unknown(struct gw_job *job)
+{
+    gw_job_problem(job, 409, "idempotency-outcome-unknown", "Outcome unknown",
+                   "an earlier request with this key was sent upstream but its outcome is unknown; an "
+                   "operator must release the key before it can be retried");
+    finish(job, CM_OUT_UNKNOWN);
+}
+
+/* ---- on_unknown: probe: the upstream is asked whether the unknown outcome executed (gateway/probe.c) */
+
+static void probe_answered(void *arg, enum gw_probe_result r, struct cm_resp *resp)
+{
+    struct gw_job *job = arg;
+    job->store_pending = false;
+    switch (r) {
+    case GW_PROBE_FOUND: /* the looked-up answer is the record's answer now: replayed */
+        take_resp(job, resp);
+        job->replayed = true;
+        cm_metric_dedup_hit(job->route_index);
+        finish(job, CM_OUT_REPLAYED);
+        return;
+    case GW_PROBE_ABSENT: /* nothing executed and the record is gone: this retry claims the key afresh */
+    case GW_PROBE_BUSY:   /* another prober holds it: the claim answers (in flight, or what it found) */
+        claim(job);
+        return;
+    case GW_PROBE_STORE:
+        gw_job_problem(job, 503, "store-unavailable", "Store unavailable",
+                       "the idempotency store cannot be reached; nothing was forwarded");
+        retry_after(job, 1000);
+        finish(job, CM_OUT_STORE_UNAVAILABLE);
+        return;
+    case GW_PROBE_UNRESOLVED:
+    default:
+        answer_unknown(job);
+        return;
+    }
+}
+
+static void probe_unknown(struct gw_job *job)
+{
+    struct store_id id = job_id(job);
+    job->probed = true; /* once per request: a second unknown verdict is answered 409 */
+    job->store_pending = true;
+    gw_probe_run(gw_loop_probe(job->loop), job->route_index, &id, probe_answered, job);
+}
+
 static void claimed(void *arg, struct store_claim_res *res)
 {
     struct gw_job *job = arg;
@@ -349,10 +396,11 @@ static void claimed(void *arg, struct store_claim_res *res)
         finish(job, CM_OUT_IN_FLIGHT);
         return;
     case STORE_UNKNOWN:
-        gw_job_problem(job, 409, "idempotency-outcome-unknown", "Outcome unknown",
-                       "an earlier request with this key was sent upstream but its outcome is unknown; an "
-                       "operator must release the key before it can be retried");
-        finish(job, CM_OUT_UNKNOWN);
+        if (im->on_unknown == CONF_UNKNOWN_PROBE && !job->probed) {
+            probe_unknown(job);
+            return;
+        }
+        answer_unknown(job);
         return;
     case STORE_UNAVAILABLE:
     default:
