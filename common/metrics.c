@@ -415,10 +415,9 @@ bool cm_metrics_render(struct cm_buf *out)
         !put_route_family(out, "idemgate_stuck_processing", "Records in flight for over 5 minutes.",
                           offsetof(struct route_ctr, stuck_processing), true))
         return false;
-    if (!put_route_label_family(out, "idemgate_unknown_resolved_total",
-                                "Unknown outcomes resolved by asking the upstream (probe).",
-                                offsetof(struct route_ctr, unknown_resolved), "how", resolved_names,
-                                CM_RESOLVED__COUNT) ||
+    if (!put_route_label_family(
+            out, "idemgate_unknown_resolved_total", "Unknown outcomes resolved by asking the upstream (probe).",
+            offsetof(struct route_ctr, unknown_resolved), "how", resolved_names, CM_RESOLVED__COUNT) ||
         !put_route_label_family(out, "idemgate_shadow_decisions_total",
                                 "Shadow mode: what enforce mode would have done (the request was forwarded).",
                                 offsetof(struct route_ctr, shadow_decisions), "decision", shadow_names,

@@ -84,12 +84,12 @@ struct conf_probe_header {
 
 /* on_unknown: probe: how the gateway asks the upstream whether an unknown outcome executed (SPEC 9). */
 struct conf_probe {
-    bool enabled;  /* a probe: block was given (required with on_unknown: probe, refused otherwise) */
-    char *method;  /* a token, default GET */
-    char *path;    /* origin-form, starts with '/', "{key}" at most once (the key, percent-encoded) */
-    int *found;    /* default [200]: this answer becomes the record's stored answer */
+    bool enabled; /* a probe: block was given (required with on_unknown: probe, refused otherwise) */
+    char *method; /* a token, default GET */
+    char *path;   /* origin-form, starts with '/', "{key}" at most once (the key, percent-encoded) */
+    int *found;   /* default [200]: this answer becomes the record's stored answer */
     size_t found_n;
-    int *absent;   /* default [404]: nothing executed, the claim is released */
+    int *absent; /* default [404]: nothing executed, the claim is released */
     size_t absent_n;
     struct conf_probe_header *headers; /* the only headers the look-up carries */
     size_t headers_n;
@@ -112,9 +112,9 @@ struct conf_idem {
     enum conf_on_unknown on_unknown;  /* default reject */
     int *release_statuses;            /* default none */
     size_t release_statuses_n;
-    uint64_t max_body;     /* default 1MiB; applies to every request of the route */
-    bool forward_key;      /* default true */
-    uint64_t max_response; /* default 8MiB: largest stored/replayed response */
+    uint64_t max_body;        /* default 1MiB; applies to every request of the route */
+    bool forward_key;         /* default true */
+    uint64_t max_response;    /* default 8MiB: largest stored/replayed response */
     struct conf_probe probe;  /* with on_unknown: probe */
     enum conf_idem_mode mode; /* default enforce */
 };

@@ -184,7 +184,7 @@ void gw_loop_destroy(struct gw_loop *l)
     store_destroy(l->store);
     up_client_destroy(l->up);
     gw_probe_destroy(l->probe); /* after the store and upstream client: none of their callbacks comes any more */
-    free(l->conf_share); /* shallow: the strings belong to the real conf */
+    free(l->conf_share);        /* shallow: the strings belong to the real conf */
     if (l->wake)
         event_free(l->wake);
     if (l->trim)

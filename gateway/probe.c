@@ -165,8 +165,8 @@ static void looked_up(void *arg, enum up_result ur, struct cm_resp *resp, const 
         r->resp = *resp;
         cm_hdrs_init(&resp->hdrs);
         cm_buf_init(&resp->body, 0);
-        store_complete(st, &id, r->token, &r->resp, r->route->idem.retention_ms, r->route->idem.lease_ms,
-                       found_stored, r);
+        store_complete(st, &id, r->token, &r->resp, r->route->idem.retention_ms, r->route->idem.lease_ms, found_stored,
+                       r);
         return;
     }
     if (ur == UP_OK && status_in(pc->absent, pc->absent_n, resp->status)) {

@@ -49,7 +49,7 @@
  * Connection header we set (it only looks whether it equals "close"), so the connection stays persistent.
  *
  * Test endpoints (not counted): GET /_test/count[?key=K], POST /_test/reset, GET /_test/last-headers,
- * GET /_test/health, GET /_test/lookups (how many look-ups were answered).
+ * GET /_test/health, GET /_test/lookups[?key=K] (how many look-ups were answered, for key K).
  * Look-up (an API's "find by idempotency key" endpoint, not counted as an execution; its request headers are
  * recorded for /_test/last-headers): GET /_lookup?idempotency_key=K answers 200 {"found":true,"exec":N} when key
  * K executed, 404 {"found":false} when it did not; &status=N forces status N (a failing look-up).
@@ -65,6 +65,7 @@
 #define TU_CHUNK          16384
 #define TU_CONN_BUCKETS   16384
 #define TU_IDLE_TIMEOUT_S 60
+#define TU_LOOKUP_PREFIX  "lookup\n" /* a key never holds a newline: look-up counts share the key table */
 
 struct tu_key {
     char *key;
@@ -633,6 +634,11 @@ static void tu_handle_lookup(struct tu_server *s, struct evhttp_request *req, co
     }
     const char *k = evhttp_find_header(&q, "idempotency_key");
     const char *st = evhttp_find_header(&q, "status");
+    if (k != NULL && strlen(k) < 1024) {
+        char lk[1100];
+        snprintf(lk, sizeof lk, "%s%s", TU_LOOKUP_PREFIX, k); /* per-key look-ups, apart from executions */
+        tu_key_count(s, lk);
+    }
     uint64_t forced = 0;
     char body[64];
     if (st != NULL && tu_parse_u64(st, 599, &forced) && forced >= 200) {
@@ -670,7 +676,17 @@ static void tu_handle_test(struct tu_server *s, struct evhttp_request *req, cons
         snprintf(num, sizeof num, "%" PRIu64, v);
         tu_reply_text(req, 200, "text/plain", num);
     } else if (strcmp(path, "/_test/lookups") == 0 && cmd == EVHTTP_REQ_GET) {
-        snprintf(num, sizeof num, "%" PRIu64, s->lookups);
+        uint64_t v = s->lookups;
+        struct evkeyvalq q;
+        TAILQ_INIT(&q);
+        if (query != NULL && evhttp_parse_query_str(query, &q) == 0 && evhttp_find_header(&q, "key") != NULL &&
+            strlen(evhttp_find_header(&q, "key")) < 1024) {
+            char lk[1100];
+            snprintf(lk, sizeof lk, "%s%s", TU_LOOKUP_PREFIX, evhttp_find_header(&q, "key"));
+            v = tu_key_get(s, lk);
+        }
+        evhttp_clear_headers(&q);
+        snprintf(num, sizeof num, "%" PRIu64, v);
         tu_reply_text(req, 200, "text/plain", num);
     } else if (strcmp(path, "/_test/reset") == 0 && cmd == EVHTTP_REQ_POST) {
         s->exec_total = 0;
