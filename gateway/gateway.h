@@ -95,6 +95,7 @@ struct gw_job {
     struct cm_hdrs fwd_hdrs; /* headers to forward (filtered, X-Forwarded-* added) */
     struct cm_buf body;
     bool idempotent;
+    bool shadow; /* mode: shadow: claimed and recorded, but the client always gets the upstream's answer */
     char key[GW_KEY_MAX + 1];
     size_t key_len;
     uint8_t scope[32];
