@@ -259,7 +259,9 @@ static void taken(void *arg, bool ok, long rows)
     }
 }
 
-void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, gw_probe_cb cb, void *arg)
+/* sweep: started by the sweeper (counted in p->sweeping before anything can call back). */
+static void run_start(struct gw_probe *p, size_t route_index, const struct store_id *id, bool sweep, gw_probe_cb cb,
+                      void *arg)
 {
     const struct conf *conf = gw_loop_conf(p->loop);
     struct probe_run *r = cm_calloc(1, sizeof *r);
@@ -273,6 +275,9 @@ void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id 
     r->token = cm_random_token();
     r->cb = cb;
     r->arg = arg;
+    r->sweep = sweep;
+    if (sweep)
+        p->sweeping++;
     cm_resp_init(&r->resp, 0);
     r->next = p->runs;
     if (p->runs)
@@ -281,6 +286,11 @@ void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id 
     const struct conf_upstream *u = &conf->upstreams[r->route->upstream];
     uint64_t hold = u->connect_timeout_ms + u->timeout_ms + HOLD_EXTRA_MS;
     store_probe_take(gw_loop_store(p->loop), id, r->token, hold, taken, r);
+}
+
+void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, gw_probe_cb cb, void *arg)
+{
+    run_start(p, route_index, id, false, cb, arg);
 }
 
 /* ---- the sweeper: unknown outcomes no client retries */
@@ -300,9 +310,7 @@ static void listed(void *arg, bool ok, const struct store_unknown_rec *recs, siz
         for (size_t j = 0; j < conf->routes_n; j++) {
             if (conf->routes[j].idem.on_unknown == CONF_UNKNOWN_PROBE &&
                 strcmp(conf->routes[j].name, recs[i].id.route) == 0) {
-                gw_probe_run(p, j, &recs[i].id, NULL, NULL);
-                p->runs->sweep = true; /* gw_probe_run put it first */
-                p->sweeping++;
+                run_start(p, j, &recs[i].id, true, NULL, NULL);
                 break;
             }
         }
