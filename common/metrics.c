@@ -30,6 +30,9 @@ struct route_ctr {
     _Atomic uint64_t stuck_processing;
     _Atomic uint64_t stale_rejections; /* ordering guard: 409 stale-sequence */
     _Atomic uint64_t sequence_gaps;    /* ordering guard: seq > applied + 1 */
+    _Atomic uint64_t unknown_resolved[CM_RESOLVED__COUNT];
+    _Atomic uint64_t shadow_decisions[CM_SHADOW__COUNT];
+    _Atomic uint64_t shadow_store_errors;
 };
 
 /* Route names get a slot each, in the order they were first seen (the routes at start, then the new names of each
@@ -114,6 +117,11 @@ static void zero_route(struct route_ctr *r)
     atomic_store_explicit(&r->stuck_processing, 0, memory_order_relaxed);
     atomic_store_explicit(&r->stale_rejections, 0, memory_order_relaxed);
     atomic_store_explicit(&r->sequence_gaps, 0, memory_order_relaxed);
+    for (size_t i = 0; i < CM_RESOLVED__COUNT; i++)
+        atomic_store_explicit(&r->unknown_resolved[i], 0, memory_order_relaxed);
+    for (size_t i = 0; i < CM_SHADOW__COUNT; i++)
+        atomic_store_explicit(&r->shadow_decisions[i], 0, memory_order_relaxed);
+    atomic_store_explicit(&r->shadow_store_errors, 0, memory_order_relaxed);
 }
 
 static void zero_hist(struct hist *h)
@@ -304,6 +312,38 @@ void cm_metric_connections(int64_t delta)
     atomic_fetch_add_explicit(&connections, delta, memory_order_relaxed);
 }
 
+static const char *const resolved_names[CM_RESOLVED__COUNT] = {
+    [CM_RESOLVED_FOUND] = "found",
+    [CM_RESOLVED_ABSENT] = "absent",
+};
+
+static const char *const shadow_names[CM_SHADOW__COUNT] = {
+    [CM_SHADOW_REPLAY] = "replay", [CM_SHADOW_MISMATCH] = "mismatch", [CM_SHADOW_IN_FLIGHT] = "in_flight",
+    [CM_SHADOW_STALE] = "stale",   [CM_SHADOW_NEW] = "new",
+};
+
+const char *cm_shadow_name(enum cm_shadow d)
+{
+    return (unsigned)d < CM_SHADOW__COUNT ? shadow_names[d] : "new";
+}
+
+void cm_metric_unknown_resolved(size_t route, enum cm_resolved how)
+{
+    if ((unsigned)how < CM_RESOLVED__COUNT)
+        ctr_add(&route_of(route)->unknown_resolved[how], 1);
+}
+
+void cm_metric_shadow_decision(size_t route, enum cm_shadow d)
+{
+    if ((unsigned)d < CM_SHADOW__COUNT)
+        ctr_add(&route_of(route)->shadow_decisions[d], 1);
+}
+
+void cm_metric_shadow_store_error(size_t route)
+{
+    ctr_add(&route_of(route)->shadow_store_errors, 1);
+}
+
 void cm_metric_claims_in_doubt(int64_t delta)
 {
     atomic_fetch_add_explicit(&claims_in_doubt, delta, memory_order_relaxed);
@@ -353,6 +393,22 @@ static bool put_route_family(struct cm_buf *out, const char *name, const char *h
         _Atomic uint64_t *c = (_Atomic uint64_t *)((char *)rc_at(nr, i) + field_off);
         if (!put_labelled(out, name, "route", route_name(nr, i), ctr_get(c)))
             return false;
+    }
+    return true;
+}
+
+/* name{route="R",label="v"} n for every route and every value of one per-route array of counters. */
+static bool put_route_label_family(struct cm_buf *out, const char *name, const char *help, size_t field_off,
+                                   const char *label, const char *const *values, size_t nvalues)
+{
+    if (!put_family(out, name, "counter", help))
+        return false;
+    for (size_t i = 0; i < reg.nroutes + 2; i++) {
+        _Atomic uint64_t *c = (_Atomic uint64_t *)((char *)&reg.rc[i] + field_off);
+        for (size_t v = 0; v < nvalues; v++)
+            if (!cm_buf_appendf(out, "%s{route=\"", name) || !put_label_value(out, route_name(i)) ||
+                !cm_buf_appendf(out, "\",%s=\"%s\"} %llu\n", label, values[v], (unsigned long long)ctr_get(&c[v])))
+                return false;
     }
     return true;
 }
@@ -425,6 +481,17 @@ bool cm_metrics_render(struct cm_buf *out)
         !put_route_family(out, "idemgate_sequence_gaps_total",
                           "Requests whose sequence skipped past applied + 1 (ordering guard).",
                           offsetof(struct route_ctr, sequence_gaps), false))
+        return false;
+    if (!put_route_label_family(
+            out, "idemgate_unknown_resolved_total", "Unknown outcomes resolved by asking the upstream (probe).",
+            offsetof(struct route_ctr, unknown_resolved), "how", resolved_names, CM_RESOLVED__COUNT) ||
+        !put_route_label_family(out, "idemgate_shadow_decisions_total",
+                                "Shadow mode: what enforce mode would have done (the request was forwarded).",
+                                offsetof(struct route_ctr, shadow_decisions), "decision", shadow_names,
+                                CM_SHADOW__COUNT) ||
+        !put_route_family(out, "idemgate_shadow_store_errors_total",
+                          "Shadow mode: records the store could not read or write (the request was forwarded).",
+                          offsetof(struct route_ctr, shadow_store_errors), false))
         return false;
 
     if (!put_family(out, "idemgate_upstream_seconds", "histogram", "Upstream request duration in seconds.") ||

@@ -66,6 +66,27 @@ void cm_metric_connections(int64_t delta); /* idemgate_connections gauge */
 /* idemgate_claims_in_doubt gauge: claims whose commit outcome is not known yet, waiting to be released. */
 void cm_metric_claims_in_doubt(int64_t delta);
 
+/* ---- unknown outcomes resolved by probing (SPEC 9) and shadow mode (SPEC 10) */
+
+/* how label of idemgate_unknown_resolved_total. */
+enum cm_resolved { CM_RESOLVED_FOUND, CM_RESOLVED_ABSENT, CM_RESOLVED__COUNT };
+void cm_metric_unknown_resolved(size_t route, enum cm_resolved how);
+
+/* decision label of idemgate_shadow_decisions_total: what enforce mode would have done. */
+enum cm_shadow {
+    CM_SHADOW_REPLAY,
+    CM_SHADOW_MISMATCH,
+    CM_SHADOW_IN_FLIGHT,
+    CM_SHADOW_STALE,
+    CM_SHADOW_NEW,
+    CM_SHADOW__COUNT
+};
+const char *cm_shadow_name(enum cm_shadow d);
+void cm_metric_shadow_decision(size_t route, enum cm_shadow d);
+/* idemgate_shadow_store_errors_total{route}: shadow records the store could not read or write (the request was
+ * forwarded anyway). */
+void cm_metric_shadow_store_error(size_t route);
+
 /* Appends the whole registry in Prometheus text format (0.0.4) to out.
  * Returns false when out's cap was exceeded. */
 bool cm_metrics_render(struct cm_buf *out) CM_MUST_CHECK;

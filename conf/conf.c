@@ -175,6 +175,7 @@ static void parts_free(struct conf_part *p, size_t n)
 }
 
 static void ordering_free(struct conf_ordering *o);
+static void probe_free(struct conf_probe *p);
 
 static void idem_free(struct conf_idem *d)
 {
@@ -182,6 +183,7 @@ static void idem_free(struct conf_idem *d)
     parts_free(d->scope, d->scope_n);
     parts_free(d->fingerprint, d->fingerprint_n);
     free(d->release_statuses);
+    probe_free(&d->probe);
 }
 
 void conf_destroy(struct conf *c)
@@ -722,6 +724,7 @@ static bool parse_map(struct ctx *x, yaml_node_t *n, const struct field *fields,
 _Static_assert(sizeof(enum conf_key_mode) == sizeof(int), "enum stored through int");
 _Static_assert(sizeof(enum conf_in_flight) == sizeof(int), "enum stored through int");
 _Static_assert(sizeof(enum conf_on_unknown) == sizeof(int), "enum stored through int");
+_Static_assert(sizeof(enum conf_idem_mode) == sizeof(int), "enum stored through int");
 
 /* ---------------------------------------------------------------- field handlers */
 
@@ -1322,9 +1325,9 @@ static bool fn_key_header(struct ctx *x, yaml_node_t *n, void *target)
     return true;
 }
 
-static bool fn_release_statuses(struct ctx *x, yaml_node_t *n, void *target)
+/* A list of distinct HTTP status codes (100..599) into *out (replaced). */
+static bool parse_statuses(struct ctx *x, yaml_node_t *n, int **out, size_t *out_n)
 {
-    struct conf_idem *d = target;
     if (!expect_type(x, n, YAML_SEQUENCE_NODE))
         return false;
     size_t cnt = (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
@@ -1345,18 +1348,207 @@ static bool fn_release_statuses(struct ctx *x, yaml_node_t *n, void *target)
         st[i] = (int)v;
         path_pop(x, old);
     }
-    free(d->release_statuses);
-    d->release_statuses = st;
-    d->release_statuses_n = cnt;
+    free(*out);
+    *out = st;
+    *out_n = cnt;
     return true;
 fail:
     free(st);
     return false;
 }
 
+static bool fn_release_statuses(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_idem *d = target;
+    return parse_statuses(x, n, &d->release_statuses, &d->release_statuses_n);
+}
+
+/* ---- probe: (on_unknown: probe) */
+
+static bool fn_probe_method(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a method");
+    if (s == NULL)
+        return false;
+    char b[80];
+    if (!is_token(s) || strlen(s) > 32)
+        return fail(x, n, "invalid method '%s' (a token, e.g. GET)", shown(b, s));
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+/* Origin-form, visible ASCII without '#' or a space (the upstream clients refuse anything else), at most one
+ * "{key}", no other placeholder (a typo like {id} would be sent literally). */
+static bool fn_probe_path(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a path");
+    if (s == NULL)
+        return false;
+    char b[80];
+    if (s[0] != '/')
+        return fail(x, n, "invalid path '%s' (must start with '/')", shown(b, s));
+    if (strlen(s) > 4096)
+        return fail(x, n, "path too long (at most 4096 bytes)");
+    int keys = 0;
+    for (const char *p = s; *p; p++) {
+        unsigned char ch = (unsigned char)*p;
+        if (ch <= 0x20 || ch >= 0x7f || ch == '#')
+            return fail(x, n, "invalid path '%s' (visible ASCII without '#' or spaces)", shown(b, s));
+        if (ch == '{') {
+            if (strncmp(p, "{key}", 5) != 0)
+                return fail(x, n, "invalid path '%s' (the only placeholder is {key})", shown(b, s));
+            if (++keys > 1)
+                return fail(x, n, "invalid path '%s' ({key} at most once)", shown(b, s));
+            p += 4;
+        } else if (ch == '}') {
+            return fail(x, n, "invalid path '%s' (the only placeholder is {key})", shown(b, s));
+        }
+    }
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static bool fn_probe_found(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_probe *p = target;
+    return parse_statuses(x, n, &p->found, &p->found_n);
+}
+
+static bool fn_probe_absent(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_probe *p = target;
+    return parse_statuses(x, n, &p->absent, &p->absent_n);
+}
+
+static void probe_headers_free(struct conf_probe_header *h, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        free(h[i].name);
+        free(h[i].value);
+    }
+    free(h);
+}
+
+/* {Name: value, ...}: names are tokens; a value "$NAME" is read from the environment now (unset: an error); every
+ * value must be a valid field value (no CR, LF, NUL or other control bytes but HTAB). */
+static bool fn_probe_headers(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_probe *p = target;
+    if (!expect_type(x, n, YAML_MAPPING_NODE))
+        return false;
+    size_t cnt = (size_t)(n->data.mapping.pairs.top - n->data.mapping.pairs.start);
+    struct conf_probe_header *h = cnt ? cm_calloc(cnt, sizeof(*h)) : NULL;
+    size_t got = 0;
+    for (yaml_node_pair_t *pr = n->data.mapping.pairs.start; pr < n->data.mapping.pairs.top; pr++) {
+        yaml_node_t *k = yaml_document_get_node(x->doc, pr->key);
+        yaml_node_t *v = yaml_document_get_node(x->doc, pr->value);
+        char b[80];
+        if (k == NULL || v == NULL || k->type != YAML_SCALAR_NODE) {
+            fail(x, n, "malformed mapping");
+            goto fail;
+        }
+        const char *name = (const char *)k->data.scalar.value;
+        size_t old = path_push_key(x, shown(b, name));
+        if (!is_token(name)) {
+            fail(x, k, "invalid header name '%s'", shown(b, name));
+            goto fail;
+        }
+        for (size_t j = 0; j < got; j++) {
+            if (strcasecmp(h[j].name, name) == 0) {
+                fail(x, k, "duplicate header");
+                goto fail;
+            }
+        }
+        const char *val = scalar(x, v, "a header value");
+        if (val == NULL)
+            goto fail;
+        if (val[0] == '$') {
+            if (!is_token(val + 1)) {
+                fail(x, v, "invalid environment variable name '%s'", shown(b, val + 1));
+                goto fail;
+            }
+            const char *env = getenv(val + 1);
+            if (env == NULL) {
+                fail(x, v, "environment variable %s is not set", shown(b, val + 1));
+                goto fail;
+            }
+            val = env;
+        }
+        if (strlen(val) > 8192 || !cm_field_value_ok(val, strlen(val))) {
+            fail(x, v, "invalid header value (control bytes or over 8 KiB)");
+            goto fail;
+        }
+        h[got].name = cm_strdup(name);
+        h[got].value = cm_strdup(val);
+        got++;
+        path_pop(x, old);
+    }
+    probe_headers_free(p->headers, p->headers_n);
+    p->headers = h;
+    p->headers_n = got;
+    return true;
+fail:
+    probe_headers_free(h, got);
+    return false;
+}
+
+static const struct field probe_fields[] = {
+    FIELD_FN("method", struct conf_probe, method, fn_probe_method, false),
+    FIELD_FN("path", struct conf_probe, path, fn_probe_path, true),
+    FIELD_BASE("found", fn_probe_found, false),
+    FIELD_BASE("absent", fn_probe_absent, false),
+    FIELD_BASE("headers", fn_probe_headers, false),
+};
+
+static bool fn_probe(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_probe *p = target;
+    if (!parse_map(x, n, probe_fields, NFIELDS(probe_fields), p))
+        return false;
+    for (size_t i = 0; i < p->found_n; i++) {
+        for (size_t j = 0; j < p->absent_n; j++) {
+            if (p->found[i] == p->absent[j]) {
+                path_push(x, ".absent");
+                return fail(x, n, "status %d is in both found and absent", p->found[i]);
+            }
+        }
+    }
+    p->enabled = true;
+    return true;
+}
+
+static void probe_defaults(struct conf_probe *p)
+{
+    memset(p, 0, sizeof *p);
+    p->method = cm_strdup("GET");
+    p->found = cm_calloc(1, sizeof(int));
+    p->found[0] = 200;
+    p->found_n = 1;
+    p->absent = cm_calloc(1, sizeof(int));
+    p->absent[0] = 404;
+    p->absent_n = 1;
+}
+
+static void probe_free(struct conf_probe *p)
+{
+    free(p->method);
+    free(p->path);
+    free(p->found);
+    free(p->absent);
+    probe_headers_free(p->headers, p->headers_n);
+}
+
+static const char *const idem_modes[] = {"enforce", "shadow", NULL};
+
+/* ---- end of probe: */
+
 static const char *const key_modes[] = {"optional", "required", "off", NULL};
 static const char *const in_flight_modes[] = {"conflict", "wait", NULL};
-static const char *const unknown_modes[] = {"reject", "retry", NULL};
+static const char *const unknown_modes[] = {"reject", "retry", "probe", NULL};
 
 static const struct field idem_fields[] = {
     FIELD_ENUM("key", struct conf_idem, key, key_modes),
@@ -1372,11 +1564,25 @@ static const struct field idem_fields[] = {
     FIELD("max_body", F_SIZE, struct conf_idem, max_body, 1, SIZE_MAX_BODY),
     FIELD("forward_key", F_BOOL, struct conf_idem, forward_key, 0, 0),
     FIELD("max_response", F_SIZE, struct conf_idem, max_response, 1, SIZE_MAX_BODY),
+    FIELD_FN("probe", struct conf_idem, probe, fn_probe, false),
+    FIELD_ENUM("mode", struct conf_idem, mode, idem_modes),
 };
 
 static bool fn_idem(struct ctx *x, yaml_node_t *n, void *target)
 {
-    return parse_map(x, n, idem_fields, NFIELDS(idem_fields), target);
+    struct conf_idem *d = target;
+    size_t line = x->key_line ? x->key_line : node_line(n);
+    if (!parse_map(x, n, idem_fields, NFIELDS(idem_fields), target))
+        return false;
+    if (d->on_unknown == CONF_UNKNOWN_PROBE && !d->probe.enabled) {
+        path_push(x, ".probe");
+        return fail_line(x, line, "on_unknown: probe needs a probe: block (method, path, found, absent)");
+    }
+    if (d->on_unknown != CONF_UNKNOWN_PROBE && d->probe.enabled) {
+        path_push(x, ".probe");
+        return fail_line(x, line, "probe: is used only with on_unknown: probe");
+    }
+    return true;
 }
 
 static void idem_defaults(struct conf_idem *d)
@@ -1400,6 +1606,8 @@ static void idem_defaults(struct conf_idem *d)
     d->max_body = MIB;
     d->forward_key = true;
     d->max_response = 8 * MIB;
+    probe_defaults(&d->probe);
+    d->mode = CONF_MODE_ENFORCE;
 }
 
 /* ---- errors: problem | stripe | {template: '...', content_type: ...} */

@@ -59,7 +59,7 @@ void conf_redis_free(struct conf_redis *r);
 
 enum conf_key_mode { CONF_KEY_OPTIONAL = 0, CONF_KEY_REQUIRED, CONF_KEY_OFF };
 enum conf_in_flight { CONF_IN_FLIGHT_CONFLICT = 0, CONF_IN_FLIGHT_WAIT };
-enum conf_on_unknown { CONF_UNKNOWN_REJECT = 0, CONF_UNKNOWN_RETRY };
+enum conf_on_unknown { CONF_UNKNOWN_REJECT = 0, CONF_UNKNOWN_RETRY, CONF_UNKNOWN_PROBE };
 enum conf_part_kind {
     CONF_PART_METHOD,
     CONF_PART_PATH,
@@ -73,6 +73,30 @@ struct conf_part {
     enum conf_part_kind kind;
     char *header; /* CONF_PART_HEADER: the header name; CONF_PART_JWT: the claim name */
 };
+
+/* ---- probe and shadow mode (SPEC 9, 10) */
+
+/* A static header of the look-up: the value as written, or read from the environment at load ($NAME). */
+struct conf_probe_header {
+    char *name;
+    char *value;
+};
+
+/* on_unknown: probe: how the gateway asks the upstream whether an unknown outcome executed (SPEC 9). */
+struct conf_probe {
+    bool enabled; /* a probe: block was given (required with on_unknown: probe, refused otherwise) */
+    char *method; /* a token, default GET */
+    char *path;   /* origin-form, starts with '/', "{key}" at most once (the key, percent-encoded) */
+    int *found;   /* default [200]: this answer becomes the record's stored answer */
+    size_t found_n;
+    int *absent; /* default [404]: nothing executed, the claim is released */
+    size_t absent_n;
+    struct conf_probe_header *headers; /* the only headers the look-up carries */
+    size_t headers_n;
+};
+
+/* mode: enforce (default) or shadow: forward everything, count what enforce would have done (SPEC 10). */
+enum conf_idem_mode { CONF_MODE_ENFORCE = 0, CONF_MODE_SHADOW };
 
 struct conf_idem {
     enum conf_key_mode key;  /* default optional */
@@ -88,9 +112,11 @@ struct conf_idem {
     enum conf_on_unknown on_unknown;  /* default reject */
     int *release_statuses;            /* default none */
     size_t release_statuses_n;
-    uint64_t max_body;     /* default 1MiB; applies to every request of the route */
-    bool forward_key;      /* default true */
-    uint64_t max_response; /* default 8MiB: largest stored/replayed response */
+    uint64_t max_body;        /* default 1MiB; applies to every request of the route */
+    bool forward_key;         /* default true */
+    uint64_t max_response;    /* default 8MiB: largest stored/replayed response */
+    struct conf_probe probe;  /* with on_unknown: probe */
+    enum conf_idem_mode mode; /* default enforce */
 };
 
 /* How the gateway's own error answers on a route are written (SPEC 9, errors:). */

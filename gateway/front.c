@@ -716,9 +716,13 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
 
     /* SPEC 9: on a route whose scope needs a JWT, its idempotent methods check the token first (401 before any 400) */
     bool keyed = route && route->idem.key != CONF_KEY_OFF && (route->methods & conf_method_bit(method));
+    /* mode: shadow forwards everything as key: off would; a request it cannot classify records no decision */
+    bool shadow = keyed && route->idem.mode == CONF_MODE_SHADOW;
     if (keyed && route_needs_jwt(route)) {
         const char *why = jwt_check(r, route);
-        if (why) {
+        if (why && shadow) {
+            keyed = false;
+        } else if (why) {
             gw_job_problem(job, 401, "invalid-credentials", "Invalid credentials", why);
             cm_hdrs_add(&job->resp_hdrs, "WWW-Authenticate", "Bearer error=\"invalid_token\"");
             cm_metric_request(job->route_index, CM_OUT_UNAUTHORIZED);
@@ -750,7 +754,11 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     }
     cm_buf_init(&job->body, (size_t)max_body);
 
-    if (keyed) {
+    if (keyed && shadow) {
+        const char *raw = cm_hdrs_get(&r->in_hdrs, route->idem.header);
+        job->idempotent = job->shadow = header_count(&r->in_hdrs, route->idem.header) == 1 &&
+                                        gw_key_parse(raw, strlen(raw), job->key, &job->key_len);
+    } else if (keyed) {
         const char *raw = cm_hdrs_get(&r->in_hdrs, route->idem.header);
         if (header_count(&r->in_hdrs, route->idem.header) > 1) {
             return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",

@@ -40,6 +40,7 @@ void gw_conf_label(struct gw_conf *c);
 struct gw_conf *gw_conf_ref(struct gw_conf *c);
 /* Drops a reference (any thread); the last one frees the handle and its conf. NULL is a no-op. */
 void gw_conf_unref(struct gw_conf *c);
+struct gw_probe;
 
 /* ---- the I/O loop: one thread running libevent, owning its HTTP daemon
  * (gateway/front.c), the curl multi handle, its share of the Postgres pool
@@ -59,6 +60,8 @@ struct up_client *gw_loop_upstream(struct gw_loop *l);
 /* This loop's share of an upstream's max_connections (the bound holds over all loops together). */
 size_t gw_loop_upstream_max(const struct gw_loop *l, const struct conf_upstream *u);
 struct store *gw_loop_store(struct gw_loop *l);
+/* The loop's on_unknown: probe look-ups and sweeper (gateway/probe.h). */
+struct gw_probe *gw_loop_probe(struct gw_loop *l);
 /* The start-time configuration (this loop's share of the pool): what the store and the loop were built from. */
 const struct conf *gw_loop_conf(struct gw_loop *l);
 /* Loop thread only: the configuration new requests are served with (no reference is taken). */
@@ -121,6 +124,7 @@ struct gw_job {
     struct cm_hdrs fwd_hdrs; /* headers to forward (filtered, X-Forwarded-* added) */
     struct cm_buf body;
     bool idempotent;
+    bool shadow; /* mode: shadow: claimed and recorded, but the client always gets the upstream's answer */
     char key[GW_KEY_MAX + 1];
     size_t key_len;
     uint8_t scope[32];
@@ -152,6 +156,7 @@ struct gw_job {
     struct cm_resp up_resp;                   /* upstream answer being stored */
     struct renew_ticket *renew_ticket;        /* a lease renewal in flight */
     bool store_pending;                       /* a store callback will come back to this job */
+    bool probed;                              /* on_unknown: probe asked the upstream once for this request */
     struct gw_job *next_active, *prev_active; /* loop's list of running jobs */
 
     /* ordering guard (SPEC 6; gateway/ordering.c, store/order.h) */

@@ -23,6 +23,7 @@
 #include <time.h>
 
 #include "gateway/gateway.h"
+#include "gateway/probe.h"
 #include "store/store.h"
 #include "upstream/upstream.h"
 
@@ -42,6 +43,7 @@ struct gw_loop {
     struct event *trim; /* gives freed heap memory back to the system, once a second */
     struct up_client *up;
     struct store *store;
+    struct gw_probe *probe; /* on_unknown: probe look-ups and their sweeper (gateway/probe.c) */
     pthread_t thread;
     bool running;
     pthread_mutex_t mu;
@@ -134,6 +136,7 @@ struct gw_loop *gw_loop_create(const struct conf *conf, size_t nloops, char **er
     l->store = store_create(l->base, conf, err);
     if (!l->store)
         goto fail;
+    l->probe = gw_probe_create(l);
     return l;
 fail:
     gw_loop_destroy(l);
@@ -183,7 +186,8 @@ void gw_loop_destroy(struct gw_loop *l)
     gw_conf_unref(l->cur);
     store_destroy(l->store);
     up_client_destroy(l->up);
-    free(l->conf_share); /* shallow: the strings belong to the real conf */
+    gw_probe_destroy(l->probe); /* after the store and upstream client: none of their callbacks comes any more */
+    free(l->conf_share);        /* shallow: the strings belong to the real conf */
     if (l->wake)
         event_free(l->wake);
     if (l->trim)
@@ -208,6 +212,11 @@ size_t gw_loop_upstream_max(const struct gw_loop *l, const struct conf_upstream 
 struct up_client *gw_loop_upstream(struct gw_loop *l)
 {
     return l->up;
+}
+
+struct gw_probe *gw_loop_probe(struct gw_loop *l)
+{
+    return l->probe;
 }
 
 struct store *gw_loop_store(struct gw_loop *l)

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "gateway/gateway.h"
+#include "gateway/probe.h"
 #include "gateway/problem.h"
 #include "store/order.h"
 #include "store/store.h"
@@ -298,24 +299,121 @@ static void wait_tick(evutil_socket_t fd, short what, void *arg)
     claim(arg);
 }
 
+/* The key is this request's under token: renew its lease until settled, forward once, store what comes back. */
+static void forward_owned(struct gw_job *job, uint64_t token)
+{
+    const struct conf_idem *im = &job->route->idem;
+    job->token = token;
+    uint64_t every = im->lease_ms / 3 ? im->lease_ms / 3 : 1;
+    struct timeval tv = {(time_t)(every / 1000), (suseconds_t)((every % 1000) * 1000)};
+    job->renew_timer = event_new(gw_loop_base(job->loop), -1, EV_PERSIST, renew_tick, job);
+    event_add(job->renew_timer, &tv);
+    if (job->ordered)
+        guard_start(job); /* SPEC 6: the guard comes after the idempotency record */
+    else
+        forward_claimed(job);
+}
+
+/* ---- mode: shadow: claimed and recorded as enforce would, but every request is forwarded and answered by the
+ * upstream; the decision enforce would have taken is counted (and logged unless new). */
+
+static void forward_plain(struct gw_job *job)
+{
+    if (!forward(job, passthrough_done)) {
+        gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the transfer could not start");
+        finish(job, CM_OUT_UPSTREAM_UNAVAILABLE);
+    }
+}
+
+static void shadow_claimed(void *arg, struct store_claim_res *res)
+{
+    struct gw_job *job = arg;
+    job->store_pending = false;
+    enum cm_shadow d;
+    switch (res->verdict) {
+    case STORE_NEW:
+        cm_metric_shadow_decision(job->route_index, CM_SHADOW_NEW);
+        forward_owned(job, res->token); /* recorded, so that a later retry can be classified */
+        return;
+    case STORE_REPLAY:
+        d = CM_SHADOW_REPLAY;
+        break;
+    case STORE_MISMATCH:
+        d = CM_SHADOW_MISMATCH;
+        break;
+    case STORE_IN_FLIGHT:
+    case STORE_UNKNOWN: /* enforce would answer 409 (in use, or outcome unknown) */
+        d = CM_SHADOW_IN_FLIGHT;
+        break;
+    case STORE_UNAVAILABLE:
+    default:
+        /* the store never fails a shadow request: forwarded, no decision */
+        cm_metric_shadow_store_error(job->route_index);
+        cm_log(CM_WARN, "shadow_store_error", "route=%s detail=\"%s\"", job->route->name, res->err ? res->err : "");
+        forward_plain(job);
+        return;
+    }
+    /* TODO(ordering): "stale" needs the ordering guard (SPEC 6); until it is merged no request is classified so */
+    cm_metric_shadow_decision(job->route_index, d);
+    cm_log(CM_INFO, "shadow_decision", "decision=%s route=%s", cm_shadow_name(d), job->route->name);
+    forward_plain(job); /* the record is left as it is: only the first request of a key owns it */
+}
+
+static void answer_unknown(struct gw_job *job)
+{
+    gw_job_problem(job, 409, "idempotency-outcome-unknown", "Outcome unknown",
+                   "an earlier request with this key was sent upstream but its outcome is unknown; an "
+                   "operator must release the key before it can be retried");
+    finish(job, CM_OUT_UNKNOWN);
+}
+
+/* ---- on_unknown: probe: the upstream is asked whether the unknown outcome executed (gateway/probe.c) */
+
+static void probe_answered(void *arg, enum gw_probe_result r, struct cm_resp *resp)
+{
+    struct gw_job *job = arg;
+    job->store_pending = false;
+    switch (r) {
+    case GW_PROBE_FOUND: /* the looked-up answer is the record's answer now: replayed */
+        take_resp(job, resp);
+        job->replayed = true;
+        cm_metric_dedup_hit(job->route_index);
+        finish(job, CM_OUT_REPLAYED);
+        return;
+    case GW_PROBE_ABSENT: /* nothing executed and the record is gone: this retry claims the key afresh */
+    case GW_PROBE_BUSY:   /* another prober holds it: the claim answers (in flight, or what it found) */
+        claim(job);
+        return;
+    case GW_PROBE_STORE:
+        gw_job_problem(job, 503, "store-unavailable", "Store unavailable",
+                       "the idempotency store cannot be reached; nothing was forwarded");
+        retry_after(job, 1000);
+        finish(job, CM_OUT_STORE_UNAVAILABLE);
+        return;
+    case GW_PROBE_UNRESOLVED:
+    default:
+        answer_unknown(job);
+        return;
+    }
+}
+
+static void probe_unknown(struct gw_job *job)
+{
+    struct store_id id = job_id(job);
+    job->probed = true; /* once per request: a second unknown verdict is answered 409 */
+    job->store_pending = true;
+    gw_probe_run(gw_loop_probe(job->loop), job->route_index, &id, probe_answered, job);
+}
+
 static void claimed(void *arg, struct store_claim_res *res)
 {
     struct gw_job *job = arg;
     job->store_pending = false;
     const struct conf_idem *im = &job->route->idem;
     switch (res->verdict) {
-    case STORE_NEW: {
-        job->token = res->token;
-        uint64_t every = im->lease_ms / 3 ? im->lease_ms / 3 : 1;
-        struct timeval tv = {(time_t)(every / 1000), (suseconds_t)((every % 1000) * 1000)};
-        job->renew_timer = event_new(gw_loop_base(job->loop), -1, EV_PERSIST, renew_tick, job);
-        event_add(job->renew_timer, &tv);
-        if (job->ordered)
-            guard_start(job); /* SPEC 6: the guard comes after the idempotency record */
-        else
-            forward_claimed(job);
+    case STORE_NEW:
+        forward_owned(job, res->token);
         return;
-    }
     case STORE_REPLAY:
         take_resp(job, &res->resp);
         job->replayed = true;
@@ -355,10 +453,11 @@ static void claimed(void *arg, struct store_claim_res *res)
         finish(job, CM_OUT_IN_FLIGHT);
         return;
     case STORE_UNKNOWN:
-        gw_job_problem(job, 409, "idempotency-outcome-unknown", "Outcome unknown",
-                       "an earlier request with this key was sent upstream but its outcome is unknown; an "
-                       "operator must release the key before it can be retried");
-        finish(job, CM_OUT_UNKNOWN);
+        if (im->on_unknown == CONF_UNKNOWN_PROBE && !job->probed) {
+            probe_unknown(job);
+            return;
+        }
+        answer_unknown(job);
         return;
     case STORE_UNAVAILABLE:
     default:
@@ -403,7 +502,7 @@ static void claim(struct gw_job *job)
     req.retention_ms = im->retention_ms;
     req.takeover_unknown = im->on_unknown == CONF_UNKNOWN_RETRY;
     job->store_pending = true;
-    store_claim(gw_loop_store(job->loop), &req, claimed, job);
+    store_claim(gw_loop_store(job->loop), &req, job->shadow ? shadow_claimed : claimed, job);
 }
 
 void gw_pipeline_run(void *arg)
@@ -423,6 +522,11 @@ void gw_pipeline_run(void *arg)
     }
     if (!job->idempotent && !job->ordered) {
         forward_passthrough(job);
+        return;
+    }
+    if (!gw_loop_schema_ready(job->loop) && job->shadow) {
+        cm_metric_shadow_store_error(job->route_index);
+        forward_plain(job); /* the store never fails a shadow request */
         return;
     }
     if (!gw_loop_schema_ready(job->loop)) {

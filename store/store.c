@@ -114,6 +114,8 @@ enum stmt_id {
     S_DOUBT_ALIVE,
     S_DOUBT_RELEASE,
     S_PING,
+    S_PROBE_TAKE,
+    S_PROBE_LIST,
     S__COUNT
 };
 
@@ -256,6 +258,21 @@ static const Oid doubt_alive_types[] = {OID_INT4_ARRAY, OID_INT8};
 static const char sql_doubt_release[] = "DELETE FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3"
                                         " AND token = $4 AND state = 'in_flight'";
 
+/* A look-up (on_unknown: probe) takes an unknown outcome whose lease lapsed under its own new token, for as long
+ * as the look-up may take: one prober at a time per record, and whatever it writes next (completion, release,
+ * giving the record back) is fenced by that token. The state stays unknown: a retry meanwhile is in flight. */
+static const char sql_probe_take[] =
+    "UPDATE idemgate_keys SET token = $4, lease_until = now() + $5 * interval '1 ms'"
+    " WHERE route = $1 AND scope = $2 AND key = $3 AND state = 'unknown' AND lease_until < now()";
+
+/* The sweeper's batch: unknown outcomes whose lease lapsed, of the probe routes ($1: their names joined by '\n';
+ * route names never hold one), those looked at least recently first (a failed look-up gives its record back with
+ * lease_until = now()). */
+static const char sql_probe_list[] =
+    "SELECT route, scope, key FROM idemgate_keys WHERE state = 'unknown' AND lease_until < now()"
+    " AND route = ANY (string_to_array($1, E'\\n')) ORDER BY lease_until LIMIT $2";
+static const Oid probe_list_types[] = {OID_TEXT, OID_INT8};
+
 static const struct store_pg_stmt stmts[S__COUNT] = {
     [S_CLAIM] = {"idg_claim", sql_claim, 8, claim_types, 3, sql_claim_multi, claim_multi_types},
     [S_COMPLETE] = {"idg_complete", sql_complete, 7, complete_types, 3, sql_complete_multi, complete_multi_types},
@@ -270,11 +287,13 @@ static const struct store_pg_stmt stmts[S__COUNT] = {
     [S_DOUBT_ALIVE] = {"idg_doubt_alive", sql_doubt_alive, 2, doubt_alive_types, 0, NULL, NULL},
     [S_DOUBT_RELEASE] = {"idg_doubt_release", sql_doubt_release, 4, release_types, 3, NULL, NULL},
     [S_PING] = {"idg_ping", "SELECT 1", 0, NULL, 0, NULL, NULL},
+    [S_PROBE_TAKE] = {"idg_probe_take", sql_probe_take, 5, fenced_types, 3, NULL, NULL},
+    [S_PROBE_LIST] = {"idg_probe_list", sql_probe_list, 2, probe_list_types, 0, NULL, NULL},
 };
 
 /* ---- the store */
 
-enum op_kind { OP_CLAIM, OP_COMPLETE, OP_RENEW, OP_RELEASE, OP_MARK_UNKNOWN, OP_ADMIN };
+enum op_kind { OP_CLAIM, OP_COMPLETE, OP_RENEW, OP_RELEASE, OP_MARK_UNKNOWN, OP_ADMIN, OP_PROBE_TAKE, OP_PROBE_LIST };
 
 /* Every pending operation is on the store's list so that store_destroy can
  * free it without calling back. */
@@ -440,7 +459,8 @@ static void op_free(struct op *o)
     case OP_COMPLETE:
     case OP_RENEW:
     case OP_RELEASE:
-    case OP_MARK_UNKNOWN: {
+    case OP_MARK_UNKNOWN:
+    case OP_PROBE_TAKE: {
         struct owner_op *w = (struct owner_op *)o;
         if (w->timer)
             event_free(w->timer);
@@ -456,6 +476,8 @@ static void op_free(struct op *o)
         free(a->json);
         break;
     }
+    case OP_PROBE_LIST:
+        break;
     }
     free(o);
 }
@@ -1035,6 +1057,8 @@ static const char *owner_op_name(const struct owner_op *w)
         return "release";
     case OP_MARK_UNKNOWN:
         return "mark_unknown";
+    case OP_PROBE_TAKE:
+        return "probe_take";
     default:
         return "?";
     }
@@ -1276,6 +1300,84 @@ void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t tok
     redis_pexpire(s, w->rkey, lease_ms);
     owner_send(w, S_MARK_UNKNOWN, owner_pg_cb);
 }
+
+/* ---- unknown outcomes resolved by probing (gateway/probe.c) */
+
+static void probe_take_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct owner_op *w = arg;
+    if (st != STORE_PG_OK) {
+        if (st != STORE_PG_UNAVAILABLE && st != STORE_PG_OVERLOAD)
+            log_pg_failure(owner_op_name(w), st, msg);
+        owner_finish(w, false, 0);
+        return;
+    }
+    owner_finish(w, true, cmd_rows(pr));
+}
+
+void store_probe_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, store_done_cb cb,
+                      void *arg)
+{
+    struct owner_op *w = owner_new(s, OP_PROBE_TAKE, id, token, cb, arg);
+    w->arg_ms = hold_ms ? hold_ms : 1;
+    owner_send(w, S_PROBE_TAKE, probe_take_cb);
+}
+
+struct probe_list_op {
+    struct op h;
+    store_unknown_cb cb;
+    void *arg;
+};
+
+static void probe_list_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct probe_list_op *o = arg;
+    op_unlink(&o->h);
+    if (st != STORE_PG_OK) {
+        if (st != STORE_PG_UNAVAILABLE && st != STORE_PG_OVERLOAD)
+            log_pg_failure("probe_list", st, msg);
+        o->cb(o->arg, false, NULL, 0);
+        op_free(&o->h);
+        return;
+    }
+    int n = PQntuples(pr);
+    struct store_unknown_rec *v = n > 0 ? cm_calloc((size_t)n, sizeof *v) : NULL;
+    size_t got = 0;
+    for (int i = 0; i < n && PQnfields(pr) >= 3; i++) {
+        size_t klen = (size_t)PQgetlength(pr, i, 2);
+        if (PQgetlength(pr, i, 1) != 32 || klen == 0 || klen > 255)
+            continue;
+        struct store_unknown_rec *r = &v[got++];
+        r->id.route = cm_strndup(PQgetvalue(pr, i, 0), (size_t)PQgetlength(pr, i, 0));
+        memcpy(r->id.scope, PQgetvalue(pr, i, 1), 32);
+        r->id.key = cm_strndup(PQgetvalue(pr, i, 2), klen);
+        r->id.key_len = klen;
+    }
+    o->cb(o->arg, true, v, got);
+    for (size_t i = 0; i < got; i++) {
+        free((char *)v[i].id.route);
+        free((char *)v[i].id.key);
+    }
+    free(v);
+    op_free(&o->h);
+}
+
+void store_probe_list(struct store *s, const char *routes_nl, size_t max, store_unknown_cb cb, void *arg)
+{
+    struct probe_list_op *o = cm_calloc(1, sizeof *o);
+    op_link(s, &o->h, OP_PROBE_LIST);
+    o->cb = cb;
+    o->arg = arg;
+    uint8_t lim[8];
+    be64(lim, (uint64_t)max);
+    struct store_pg_param p[2] = {
+        {routes_nl, strlen(routes_nl), true},
+        {lim, 8, true},
+    };
+    store_pg_query(s->pg, S_PROBE_LIST, p, 2, 1, probe_list_cb, o);
+}
+
+/* ---- end of probe */
 
 /* ---- admin */
 

@@ -110,6 +110,26 @@ void store_release(struct store *s, const struct store_id *id, uint64_t token, u
 void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms,
                         uint64_t retry_for_ms, store_done_cb cb, void *arg);
 
+/* ---- unknown outcomes resolved by probing (on_unknown: probe, gateway/probe.c) */
+
+/* Takes an unknown outcome whose lease lapsed for one look-up: its token becomes token and its lease now +
+ * hold_ms; the state stays unknown (a retry meanwhile reads it as in flight: 409 in use). rows=1: ours, fenced by
+ * token from here on (store_complete turns it into a completed record, store_release deletes it,
+ * store_mark_unknown with lease 0 gives it back); rows=0: it is not an unknown outcome past its lease (another
+ * prober holds it, or it was settled meanwhile). ok=false: Postgres failed (not retried). */
+void store_probe_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, store_done_cb cb,
+                      void *arg);
+
+/* One record the sweeper may probe: valid during the callback only (the store frees it). */
+struct store_unknown_rec {
+    struct store_id id;
+};
+/* ok=false: Postgres failed (recs NULL, n 0). */
+typedef void (*store_unknown_cb)(void *arg, bool ok, const struct store_unknown_rec *recs, size_t n);
+/* Lists at most max unknown outcomes whose lease lapsed, of the routes named in routes_nl (route names joined by
+ * '\n'), those looked at least recently first. Calls cb exactly once (not at all after store_destroy). */
+void store_probe_list(struct store *s, const char *routes_nl, size_t max, store_unknown_cb cb, void *arg);
+
 /* Admin operations over every scope of (route, key). cb gets an HTTP status
  * and a JSON body (heap, the callee takes it):
  * list: 200 [{"route","key","scope","state","token","created_at","expires_at",

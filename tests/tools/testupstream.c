@@ -35,6 +35,7 @@
  *   X-Test-Status: N       status code (default 200)
  *   X-Test-Action: close   count, then close the connection without answering (FIN)
  *   X-Test-Action: reset   count, then reset the connection without answering (RST)
+ *   X-Test-Action: lost    close without answering and without counting (the request never executed)
  *   X-Test-Body-Size: N    answer N bytes of test_body_byte() (body_pattern.h) instead of the echo
  *   X-Test-Chunked: 1      answer with Transfer-Encoding: chunked
  *   X-Test-Header: N: V    add the response header "N: V" (repeatable, in order)
@@ -48,7 +49,10 @@
  * Connection header we set (it only looks whether it equals "close"), so the connection stays persistent.
  *
  * Test endpoints (not counted): GET /_test/count[?key=K], POST /_test/reset, GET /_test/last-headers,
- * GET /_test/health.
+ * GET /_test/health, GET /_test/lookups[?key=K] (how many look-ups were answered, for key K).
+ * Look-up (an API's "find by idempotency key" endpoint, not counted as an execution; its request headers are
+ * recorded for /_test/last-headers): GET /_lookup?idempotency_key=K answers 200 {"found":true,"exec":N} when key
+ * K executed, 404 {"found":false} when it did not; &status=N forces status N (a failing look-up).
  *
  * The binary body: byte i is 0 when i % 64 == 1, else byte (i % 8) (little-endian) of splitmix64(i / 8).
  */
@@ -61,6 +65,7 @@
 #define TU_CHUNK          16384
 #define TU_CONN_BUCKETS   16384
 #define TU_IDLE_TIMEOUT_S 60
+#define TU_LOOKUP_PREFIX  "lookup\n" /* a key never holds a newline: look-up counts share the key table */
 
 struct tu_key {
     char *key;
@@ -84,6 +89,7 @@ struct tu_server {
     uint64_t default_delay_ms;
     bool quiet;
     uint64_t exec_total;
+    uint64_t lookups; /* GET /_lookup requests answered */
     /* per-key counters: open addressing, grows up to TU_MAX_KEYS entries */
     struct tu_key **keys;
     size_t keys_cap; /* power of two */
@@ -567,9 +573,11 @@ static void tu_handle_exec(struct tu_server *s, struct evhttp_request *req)
     struct evkeyvalq *in = evhttp_request_get_input_headers(req);
     struct evkeyvalq *out = evhttp_request_get_output_headers(req);
     struct evhttp_connection *evcon = evhttp_request_get_connection(req);
-    uint64_t exec = ++s->exec_total;
+    const char *a = evhttp_find_header(in, "X-Test-Action");
+    bool lost = a != NULL && strcmp(a, "lost") == 0;
+    uint64_t exec = lost ? s->exec_total : ++s->exec_total;
     const char *key = evhttp_find_header(in, "Idempotency-Key");
-    if (key != NULL)
+    if (key != NULL && !lost)
         tu_key_count(s, key);
     tu_record_headers(s, in);
 
@@ -594,8 +602,7 @@ static void tu_handle_exec(struct tu_server *s, struct evhttp_request *req)
     if (d != NULL && !tu_parse_u64(d, TU_MAX_DELAY_MS, &delay))
         delay = s->default_delay_ms;
     enum tu_action act = TU_ACT_REPLY;
-    const char *a = evhttp_find_header(in, "X-Test-Action");
-    if (a != NULL && strcmp(a, "close") == 0)
+    if (a != NULL && (strcmp(a, "close") == 0 || lost))
         act = TU_ACT_CLOSE;
     else if (a != NULL && strcmp(a, "reset") == 0)
         act = TU_ACT_RESET;
@@ -611,6 +618,38 @@ static void tu_handle_exec(struct tu_server *s, struct evhttp_request *req)
     }
     if (!tu_defer(s, req, act, delay))
         evhttp_send_error(req, 500, "timer");
+}
+
+/* GET /_lookup?idempotency_key=K[&status=N]: whether key K executed (see the comment at the top). */
+static void tu_handle_lookup(struct tu_server *s, struct evhttp_request *req, const char *query)
+{
+    tu_record_headers(s, evhttp_request_get_input_headers(req));
+    s->lookups++;
+    struct evkeyvalq q;
+    TAILQ_INIT(&q);
+    if (evhttp_request_get_command(req) != EVHTTP_REQ_GET || query == NULL || evhttp_parse_query_str(query, &q) != 0) {
+        evhttp_clear_headers(&q);
+        tu_reply_text(req, 400, "text/plain", "bad look-up\n");
+        return;
+    }
+    const char *k = evhttp_find_header(&q, "idempotency_key");
+    const char *st = evhttp_find_header(&q, "status");
+    if (k != NULL && strlen(k) < 1024) {
+        char lk[1100];
+        snprintf(lk, sizeof lk, "%s%s", TU_LOOKUP_PREFIX, k); /* per-key look-ups, apart from executions */
+        tu_key_count(s, lk);
+    }
+    uint64_t forced = 0;
+    char body[64];
+    if (st != NULL && tu_parse_u64(st, 599, &forced) && forced >= 200) {
+        tu_reply_text(req, (int)forced, "application/json", "{\"error\":\"look-up failed\"}");
+    } else if (k != NULL && tu_key_get(s, k) > 0) {
+        snprintf(body, sizeof body, "{\"found\":true,\"exec\":%" PRIu64 "}", tu_key_get(s, k));
+        tu_reply_text(req, 200, "application/json", body);
+    } else {
+        tu_reply_text(req, 404, "application/json", "{\"found\":false}");
+    }
+    evhttp_clear_headers(&q);
 }
 
 static void tu_handle_test(struct tu_server *s, struct evhttp_request *req, const char *path, const char *query)
@@ -636,8 +675,22 @@ static void tu_handle_test(struct tu_server *s, struct evhttp_request *req, cons
         }
         snprintf(num, sizeof num, "%" PRIu64, v);
         tu_reply_text(req, 200, "text/plain", num);
+    } else if (strcmp(path, "/_test/lookups") == 0 && cmd == EVHTTP_REQ_GET) {
+        uint64_t v = s->lookups;
+        struct evkeyvalq q;
+        TAILQ_INIT(&q);
+        if (query != NULL && evhttp_parse_query_str(query, &q) == 0 && evhttp_find_header(&q, "key") != NULL &&
+            strlen(evhttp_find_header(&q, "key")) < 1024) {
+            char lk[1100];
+            snprintf(lk, sizeof lk, "%s%s", TU_LOOKUP_PREFIX, evhttp_find_header(&q, "key"));
+            v = tu_key_get(s, lk);
+        }
+        evhttp_clear_headers(&q);
+        snprintf(num, sizeof num, "%" PRIu64, v);
+        tu_reply_text(req, 200, "text/plain", num);
     } else if (strcmp(path, "/_test/reset") == 0 && cmd == EVHTTP_REQ_POST) {
         s->exec_total = 0;
+        s->lookups = 0;
         tu_keys_clear(s);
         free(s->last_hdrs);
         s->last_hdrs = NULL;
@@ -654,6 +707,10 @@ static void tu_on_request(struct evhttp_request *req, void *arg)
 {
     struct tu_server *s = arg;
     const char *uri = evhttp_request_get_uri(req);
+    if (strncmp(uri, "/_lookup", 8) == 0 && (uri[8] == '?' || uri[8] == '\0')) {
+        tu_handle_lookup(s, req, uri[8] == '?' ? uri + 9 : NULL);
+        return;
+    }
     if (strncmp(uri, "/_test/", 7) != 0) {
         tu_handle_exec(s, req);
         return;

@@ -126,6 +126,11 @@ Test(conf, example_config_loads)
     cr_expect_eq(o->idem.key, CONF_KEY_OPTIONAL);
     cr_expect_eq(o->idem.on_in_flight, CONF_IN_FLIGHT_WAIT);
     cr_expect_eq(o->idem.scope_n, 1, "the example scopes every idempotent route");
+    cr_assert_eq(o->idem.scope_n, 1); /* the example scopes every idempotent route */
+    cr_expect_eq(o->idem.scope[0].kind, CONF_PART_HEADER);
+    cr_expect_str_eq(o->idem.scope[0].header, "Authorization");
+    cr_expect_eq(o->idem.mode, CONF_MODE_ENFORCE);
+    cr_expect(!o->idem.probe.enabled);
 
     cr_expect(c->has_default_upstream);
     cr_expect_eq(c->default_upstream, 0);
@@ -672,7 +677,7 @@ static const struct bad_case bad_cases[] = {
     {"bad on_in_flight", BASE ROUTE("    idempotency:\n      on_in_flight: queue\n"),
      "t.yaml:11: routes[0].idempotency.on_in_flight: invalid value 'queue' (use conflict, wait)"},
     {"bad on_unknown", BASE ROUTE("    idempotency:\n      on_unknown: ignore\n"),
-     "t.yaml:11: routes[0].idempotency.on_unknown: invalid value 'ignore' (use reject, retry)"},
+     "t.yaml:11: routes[0].idempotency.on_unknown: invalid value 'ignore' (use reject, retry, probe)"},
     {"bad boolean", BASE ROUTE("    idempotency:\n      forward_key: yes\n"),
      "t.yaml:11: routes[0].idempotency.forward_key: invalid boolean 'yes' (use true or false)"},
     {"bad key header", BASE ROUTE("    idempotency:\n      header: Idempotency Key\n"),
@@ -905,4 +910,88 @@ Test(conf, restart_keys_name_what_needs_a_restart)
     cr_expect_str_eq(keys[3], "store.redis");
     conf_destroy(s);
     conf_destroy(a);
+/* ---- on_unknown: probe and mode: shadow */
+
+Test(conf, probe_and_shadow_parsed)
+{
+    setenv("IDEMGATE_CONF_TEST_PROBE_KEY", "k-from-env", 1);
+    struct conf *c = load_ok(BASE "routes:\n"
+                                  "  - name: r\n"
+                                  "    match: {path_prefix: /v1/payments}\n"
+                                  "    upstream: api\n"
+                                  "    idempotency:\n"
+                                  "      on_unknown: probe\n"
+                                  "      mode: shadow\n"
+                                  "      probe:\n"
+                                  "        method: HEAD\n"
+                                  "        path: /v1/payments?idempotency_key={key}\n"
+                                  "        found: [200, 201]\n"
+                                  "        absent: [404, 410]\n"
+                                  "        headers: {X-Api-Key: $IDEMGATE_CONF_TEST_PROBE_KEY, X-Static: v}\n"
+                                  "  - name: d\n"
+                                  "    match: {path: /d}\n"
+                                  "    upstream: api\n"
+                                  "    idempotency: {on_unknown: probe, probe: {path: /lookup}}\n");
+    unsetenv("IDEMGATE_CONF_TEST_PROBE_KEY");
+    const struct conf_idem *im = &c->routes[0].idem;
+    cr_expect_eq(im->on_unknown, CONF_UNKNOWN_PROBE);
+    cr_expect_eq(im->mode, CONF_MODE_SHADOW);
+    cr_expect(im->probe.enabled);
+    cr_expect_str_eq(im->probe.method, "HEAD");
+    cr_expect_str_eq(im->probe.path, "/v1/payments?idempotency_key={key}");
+    cr_assert_eq(im->probe.found_n, 2);
+    cr_expect_eq(im->probe.found[1], 201);
+    cr_assert_eq(im->probe.absent_n, 2);
+    cr_expect_eq(im->probe.absent[1], 410);
+    cr_assert_eq(im->probe.headers_n, 2);
+    cr_expect_str_eq(im->probe.headers[0].name, "X-Api-Key");
+    cr_expect_str_eq(im->probe.headers[0].value, "k-from-env", "read from the environment at load");
+    cr_expect_str_eq(im->probe.headers[1].value, "v");
+    /* the defaults: GET, found [200], absent [404], no headers, enforce */
+    const struct conf_idem *d = &c->routes[1].idem;
+    cr_expect_str_eq(d->probe.method, "GET");
+    cr_assert_eq(d->probe.found_n, 1);
+    cr_expect_eq(d->probe.found[0], 200);
+    cr_assert_eq(d->probe.absent_n, 1);
+    cr_expect_eq(d->probe.absent[0], 404);
+    cr_expect_eq(d->probe.headers_n, 0);
+    cr_expect_eq(d->mode, CONF_MODE_ENFORCE);
+    conf_destroy(c);
+}
+
+Test(conf, probe_errors_name_the_line_and_key)
+{
+    static const struct {
+        const char *idem;
+        const char *want;
+    } cases[] = {
+        {"{on_unknown: probe}", "t.yaml:10: routes[0].idempotency.probe: on_unknown: probe needs a probe: block"},
+        {"{probe: {path: /x}}", "t.yaml:10: routes[0].idempotency.probe: probe: is used only with on_unknown: probe"},
+        {"{on_unknown: probe, probe: {path: '/x?a={key}&b={key}'}}", "({key} at most once)"},
+        {"{on_unknown: probe, probe: {path: '/x?a={kee}'}}", "(the only placeholder is {key})"},
+        {"{on_unknown: probe, probe: {path: '/x a'}}", "visible ASCII"},
+        {"{on_unknown: probe, probe: {path: /x, found: [200], absent: [200]}}", "status 200 is in both"},
+        {"{on_unknown: probe, probe: {path: /x, headers: {X-A: \"a\\x01\"}}}", "invalid header value"},
+        {"{on_unknown: probe, probe: {path: /x, headers: {X-A: $IDEMGATE_CONF_TEST_UNSET}}}",
+         "routes[0].idempotency.probe.headers.X-A: environment variable IDEMGATE_CONF_TEST_UNSET is not set"},
+        {"{mode: audit}", "invalid value 'audit' (use enforce, shadow)"},
+    };
+    unsetenv("IDEMGATE_CONF_TEST_UNSET");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char yaml[1024];
+        snprintf(yaml, sizeof yaml,
+                 BASE "routes:\n"
+                      "  - name: r\n"
+                      "    match: {path: /x}\n"
+                      "    upstream: api\n"
+                      "    idempotency: %s\n",
+                 cases[i].idem);
+        char *err = NULL;
+        struct conf *c = load(yaml, &err);
+        cr_expect_null(c, "case %zu accepted", i);
+        cr_expect(err && strstr(err, cases[i].want) != NULL, "case %zu: want '%s', got '%s'", i, cases[i].want,
+                  err ? err : "(none)");
+        free(err);
+        conf_destroy(c);
+    }
 }

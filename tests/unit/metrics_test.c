@@ -481,6 +481,40 @@ Test(metrics, route_slots_by_name_across_reloads, .init = setup, .fini = teardow
     cr_expect_eq(get(&p, "idemgate_requests_total", "route", "refunds", "outcome", "replayed", NULL), 2);
     cr_expect_eq(get(&p, "idemgate_dedup_hits_total", "route", "refunds", NULL), 0);
     cr_expect_eq(get(&p, "idemgate_requests_total", "route", "_default", "outcome", "forwarded", NULL), 0);
+Test(metrics, unknown_resolved_and_shadow_decisions, .init = setup, .fini = teardown)
+{
+    /* every family and every label value is there from the start, at 0 */
+    char *text = render();
+    struct parsed p;
+    parse_text(text, &p);
+    cr_assert_str_eq(family_type(&p, "idemgate_unknown_resolved_total"), "counter");
+    cr_assert_str_eq(family_type(&p, "idemgate_shadow_decisions_total"), "counter");
+    cr_assert_str_eq(family_type(&p, "idemgate_shadow_store_errors_total"), "counter");
+    cr_assert_eq(get(&p, "idemgate_unknown_resolved_total", "route", "payments", "how", "absent", NULL), 0);
+    cr_assert_eq(get(&p, "idemgate_shadow_decisions_total", "route", "payments", "decision", "stale", NULL), 0);
+    free(p.s);
+    free(text);
+
+    cm_metric_unknown_resolved(0, CM_RESOLVED_FOUND);
+    cm_metric_unknown_resolved(0, CM_RESOLVED_FOUND);
+    cm_metric_unknown_resolved(1, CM_RESOLVED_ABSENT);
+    cm_metric_unknown_resolved(0, CM_RESOLVED__COUNT); /* out of range: ignored */
+    cm_metric_shadow_decision(0, CM_SHADOW_REPLAY);
+    cm_metric_shadow_decision(0, CM_SHADOW_MISMATCH);
+    cm_metric_shadow_decision(0, CM_SHADOW_MISMATCH);
+    cm_metric_shadow_decision(CM_ROUTE_DEFAULT, CM_SHADOW_NEW);
+    cm_metric_shadow_store_error(1);
+    text = render();
+    parse_text(text, &p);
+    cr_expect_eq(get(&p, "idemgate_unknown_resolved_total", "route", "payments", "how", "found", NULL), 2);
+    cr_expect_eq(get(&p, "idemgate_unknown_resolved_total", "route", "payments", "how", "absent", NULL), 0);
+    cr_expect_eq(get(&p, "idemgate_unknown_resolved_total", "route", ROUTES[1], "how", "absent", NULL), 1);
+    cr_expect_eq(get(&p, "idemgate_shadow_decisions_total", "route", "payments", "decision", "replay", NULL), 1);
+    cr_expect_eq(get(&p, "idemgate_shadow_decisions_total", "route", "payments", "decision", "mismatch", NULL), 2);
+    cr_expect_eq(get(&p, "idemgate_shadow_decisions_total", "route", "payments", "decision", "in_flight", NULL), 0);
+    cr_expect_eq(get(&p, "idemgate_shadow_decisions_total", "route", "_default", "decision", "new", NULL), 1);
+    cr_expect_eq(get(&p, "idemgate_shadow_store_errors_total", "route", ROUTES[1], NULL), 1);
+    cr_expect_str_eq(cm_shadow_name(CM_SHADOW_IN_FLIGHT), "in_flight");
     free(p.s);
     free(text);
 }

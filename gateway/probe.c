@@ -1,0 +1,371 @@
+/* probe.c - unknown outcomes resolved by asking the upstream (on_unknown: probe): the look-up and the sweeper. */
+#include "gateway/probe.h"
+
+#include <event2/event.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/metrics.h"
+#include "gateway/gateway.h"
+#include "store/store.h"
+#include "upstream/upstream.h"
+
+#define SWEEP_FIRST_MS   1000
+#define SWEEP_EVERY_MS   5000 /* SPEC: at least every 10 s */
+#define SWEEP_BATCH      16   /* records looked up per sweep and loop, at once */
+#define HOLD_EXTRA_MS    5000 /* the take outlives the look-up's own timeouts by this */
+#define PROBE_TARGET_MAX (64 * 1024)
+
+struct probe_run {
+    struct probe_run *prev, *next;
+    struct gw_probe *p;
+    const struct conf_route *route;
+    size_t route_index;
+    char *route_name;
+    char *key;
+    size_t key_len;
+    uint8_t scope[32];
+    uint64_t token;
+    bool sweep; /* started by the sweeper (no caller to answer) */
+    struct up_transfer *transfer;
+    struct cm_resp resp;
+    enum gw_probe_result result;
+    gw_probe_cb cb;
+    void *arg;
+};
+
+struct gw_probe {
+    struct gw_loop *loop;
+    struct event *sweep_timer; /* NULL: no route probes */
+    char *routes_nl;           /* the probe routes' names joined by '\n' */
+    bool listing;              /* the sweeper's query runs */
+    size_t sweeping;           /* look-ups the sweeper started that still run */
+    struct probe_run *runs;
+};
+
+const char *gw_probe_result_name(enum gw_probe_result r)
+{
+    switch (r) {
+    case GW_PROBE_FOUND:
+        return "found";
+    case GW_PROBE_ABSENT:
+        return "absent";
+    case GW_PROBE_UNRESOLVED:
+        return "unresolved";
+    case GW_PROBE_BUSY:
+        return "busy";
+    case GW_PROBE_STORE:
+        return "store_unavailable";
+    }
+    return "?";
+}
+
+static struct store_id run_id(const struct probe_run *r)
+{
+    struct store_id id;
+    id.route = r->route_name;
+    memcpy(id.scope, r->scope, sizeof id.scope);
+    id.key = r->key;
+    id.key_len = r->key_len;
+    return id;
+}
+
+static void run_free(struct probe_run *r)
+{
+    struct gw_probe *p = r->p;
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        p->runs = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    if (r->sweep && p->sweeping > 0)
+        p->sweeping--;
+    cm_resp_free(&r->resp);
+    free(r->route_name);
+    free(r->key);
+    free(r);
+}
+
+static void run_done(struct probe_run *r, enum gw_probe_result res)
+{
+    if (res == GW_PROBE_FOUND || res == GW_PROBE_ABSENT) {
+        cm_metric_unknown_resolved(r->route_index, res == GW_PROBE_FOUND ? CM_RESOLVED_FOUND : CM_RESOLVED_ABSENT);
+        cm_log(CM_INFO, "unknown_resolved", "route=%s how=%s by=%s", r->route_name, gw_probe_result_name(res),
+               r->sweep ? "sweeper" : "retry");
+    }
+    if (r->cb)
+        r->cb(r->arg, res, &r->resp);
+    run_free(r);
+}
+
+static bool status_in(const int *v, size_t n, int status)
+{
+    for (size_t i = 0; i < n; i++)
+        if (v[i] == status)
+            return true;
+    return false;
+}
+
+/* ---- settling the record, fenced by the look-up's token */
+
+static void gave_back(void *arg, bool ok, long rows)
+{
+    struct probe_run *r = arg;
+    (void)ok;
+    (void)rows; /* not given back: it stays ours until the take's lease lapses, then the next look-up takes it */
+    run_done(r, r->result);
+}
+
+/* The look-up did not settle it: the record goes back to unknown with a lapsed lease, so the next retry (or sweep)
+ * asks again. */
+static void give_back(struct probe_run *r, enum gw_probe_result res)
+{
+    struct store_id id = run_id(r);
+    r->result = res;
+    cm_resp_free(&r->resp);
+    cm_resp_init(&r->resp, 0);
+    store_mark_unknown(gw_loop_store(r->p->loop), &id, r->token, 0, r->route->idem.lease_ms, gave_back, r);
+}
+
+static void found_stored(void *arg, bool ok, long rows)
+{
+    struct probe_run *r = arg;
+    if (!ok || rows == 0) {
+        cm_log(CM_WARN, "probe_unresolved", "route=%s reason=%s", r->route_name,
+               ok ? "fenced_out" : "store_unavailable");
+        give_back(r, GW_PROBE_UNRESOLVED);
+        return;
+    }
+    run_done(r, GW_PROBE_FOUND);
+}
+
+static void absent_released(void *arg, bool ok, long rows)
+{
+    struct probe_run *r = arg;
+    if (!ok || rows == 0) {
+        cm_log(CM_WARN, "probe_unresolved", "route=%s reason=%s", r->route_name,
+               ok ? "fenced_out" : "store_unavailable");
+        run_done(r, GW_PROBE_UNRESOLVED);
+        return;
+    }
+    run_done(r, GW_PROBE_ABSENT);
+}
+
+static void looked_up(void *arg, enum up_result ur, struct cm_resp *resp, const char *errmsg, double secs)
+{
+    struct probe_run *r = arg;
+    const struct conf_probe *pc = &r->route->idem.probe;
+    struct store *st = gw_loop_store(r->p->loop);
+    struct store_id id = run_id(r);
+    r->transfer = NULL;
+    cm_metric_upstream_seconds(secs);
+    if (ur == UP_OK && status_in(pc->found, pc->found_n, resp->status)) {
+        cm_resp_free(&r->resp);
+        r->resp = *resp;
+        cm_hdrs_init(&resp->hdrs);
+        cm_buf_init(&resp->body, 0);
+        store_complete(st, &id, r->token, &r->resp, r->route->idem.retention_ms, r->route->idem.lease_ms, found_stored,
+                       r);
+        return;
+    }
+    if (ur == UP_OK && status_in(pc->absent, pc->absent_n, resp->status)) {
+        store_release(st, &id, r->token, r->route->idem.lease_ms, absent_released, r);
+        return;
+    }
+    char q[256];
+    if (ur == UP_OK)
+        cm_log(CM_WARN, "probe_unresolved", "route=%s status=%d", r->route_name, resp->status);
+    else
+        cm_log(CM_WARN, "probe_unresolved", "route=%s result=%s detail=%s", r->route_name, up_result_name(ur),
+               cm_log_quote(q, sizeof q, errmsg ? errmsg : ""));
+    give_back(r, GW_PROBE_UNRESOLVED);
+}
+
+/* base path + probe.path with {key} percent-encoded (everything but RFC 3986 unreserved). false: over the cap. */
+static bool build_target(const struct probe_run *r, const struct conf_upstream *u, struct cm_buf *out)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    const char *path = r->route->idem.probe.path;
+    if (!cm_buf_appendf(out, "%s", u->base_path))
+        return false;
+    const char *at = strstr(path, "{key}");
+    size_t head = at ? (size_t)(at - path) : strlen(path);
+    if (!cm_buf_append(out, path, head))
+        return false;
+    if (!at)
+        return true;
+    for (size_t i = 0; i < r->key_len; i++) {
+        unsigned char ch = (unsigned char)r->key[i];
+        bool unreserved = (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') ||
+                          ch == '-' || ch == '.' || ch == '_' || ch == '~';
+        char enc[3] = {'%', hex[ch >> 4], hex[ch & 15]};
+        if (!(unreserved ? cm_buf_append(out, (const char *)&ch, 1) : cm_buf_append(out, enc, 3)))
+            return false;
+    }
+    return cm_buf_appendf(out, "%s", at + 5);
+}
+
+/* Sends the look-up: the route's upstream and timeouts, probe.headers only (never the client's). */
+static bool send_lookup(struct probe_run *r)
+{
+    const struct conf *conf = gw_loop_conf(r->p->loop);
+    const struct conf_upstream *u = &conf->upstreams[r->route->upstream];
+    const struct conf_probe *pc = &r->route->idem.probe;
+    struct cm_buf target;
+    cm_buf_init(&target, PROBE_TARGET_MAX);
+    struct cm_hdrs hdrs;
+    cm_hdrs_init(&hdrs);
+    for (size_t i = 0; i < pc->headers_n; i++)
+        cm_hdrs_add(&hdrs, pc->headers[i].name, pc->headers[i].value);
+    bool ok = build_target(r, u, &target);
+    if (ok) {
+        struct up_origin origin = {.https = u->https, .host = u->host, .port = u->port, .ip_literal = u->host_is_ip};
+        bool safe = strcmp(pc->method, "GET") == 0 || strcmp(pc->method, "HEAD") == 0;
+        struct up_request req = {
+            .method = pc->method,
+            .origin = &origin,
+            .target = target.data,
+            .hdrs = &hdrs,
+            .connect_timeout_ms = u->connect_timeout_ms,
+            .timeout_ms = u->timeout_ms,
+            .max_response = (size_t)r->route->idem.max_response,
+            .max_header_bytes = (size_t)conf->max_response_header_bytes,
+            .no_resend = !safe,
+            .max_connections = gw_loop_upstream_max(r->p->loop, u),
+        };
+        r->transfer = up_send(gw_loop_upstream(r->p->loop), &req, looked_up, r);
+        ok = r->transfer != NULL;
+    }
+    cm_hdrs_free(&hdrs);
+    cm_buf_free(&target);
+    return ok;
+}
+
+static void taken(void *arg, bool ok, long rows)
+{
+    struct probe_run *r = arg;
+    if (!ok) {
+        run_done(r, GW_PROBE_STORE);
+        return;
+    }
+    if (rows == 0) {
+        run_done(r, GW_PROBE_BUSY);
+        return;
+    }
+    if (!send_lookup(r)) {
+        cm_log(CM_WARN, "probe_unresolved", "route=%s reason=not_sent", r->route_name);
+        give_back(r, GW_PROBE_UNRESOLVED);
+    }
+}
+
+/* sweep: started by the sweeper (counted in p->sweeping before anything can call back). */
+static void run_start(struct gw_probe *p, size_t route_index, const struct store_id *id, bool sweep, gw_probe_cb cb,
+                      void *arg)
+{
+    const struct conf *conf = gw_loop_conf(p->loop);
+    struct probe_run *r = cm_calloc(1, sizeof *r);
+    r->p = p;
+    r->route = &conf->routes[route_index];
+    r->route_index = route_index;
+    r->route_name = cm_strdup(id->route);
+    r->key = cm_strndup(id->key, id->key_len);
+    r->key_len = id->key_len;
+    memcpy(r->scope, id->scope, 32);
+    r->token = cm_random_token();
+    r->cb = cb;
+    r->arg = arg;
+    r->sweep = sweep;
+    if (sweep)
+        p->sweeping++;
+    cm_resp_init(&r->resp, 0);
+    r->next = p->runs;
+    if (p->runs)
+        p->runs->prev = r;
+    p->runs = r;
+    const struct conf_upstream *u = &conf->upstreams[r->route->upstream];
+    uint64_t hold = u->connect_timeout_ms + u->timeout_ms + HOLD_EXTRA_MS;
+    store_probe_take(gw_loop_store(p->loop), id, r->token, hold, taken, r);
+}
+
+void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, gw_probe_cb cb, void *arg)
+{
+    run_start(p, route_index, id, false, cb, arg);
+}
+
+/* ---- the sweeper: unknown outcomes no client retries */
+
+static void sweep_schedule(struct gw_probe *p, uint64_t ms)
+{
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    evtimer_add(p->sweep_timer, &tv);
+}
+
+static void listed(void *arg, bool ok, const struct store_unknown_rec *recs, size_t n)
+{
+    struct gw_probe *p = arg;
+    const struct conf *conf = gw_loop_conf(p->loop);
+    p->listing = false;
+    for (size_t i = 0; ok && i < n; i++) {
+        for (size_t j = 0; j < conf->routes_n; j++) {
+            if (conf->routes[j].idem.on_unknown == CONF_UNKNOWN_PROBE &&
+                strcmp(conf->routes[j].name, recs[i].id.route) == 0) {
+                run_start(p, j, &recs[i].id, true, NULL, NULL);
+                break;
+            }
+        }
+    }
+    sweep_schedule(p, SWEEP_EVERY_MS);
+}
+
+static void sweep_tick(evutil_socket_t fd, short what, void *arg)
+{
+    struct gw_probe *p = arg;
+    (void)fd;
+    (void)what;
+    /* one batch at a time: a sweep waits for the previous one's look-ups */
+    if (p->listing || p->sweeping > 0 || !gw_loop_schema_ready(p->loop) || gw_loop_closing(p->loop)) {
+        sweep_schedule(p, SWEEP_EVERY_MS);
+        return;
+    }
+    p->listing = true;
+    store_probe_list(gw_loop_store(p->loop), p->routes_nl, SWEEP_BATCH, listed, p);
+}
+
+struct gw_probe *gw_probe_create(struct gw_loop *l)
+{
+    struct gw_probe *p = cm_calloc(1, sizeof *p);
+    p->loop = l;
+    const struct conf *conf = gw_loop_conf(l);
+    struct cm_buf names;
+    cm_buf_init(&names, 64 * 1024);
+    bool any = false;
+    for (size_t i = 0; i < conf->routes_n; i++) {
+        if (conf->routes[i].idem.on_unknown != CONF_UNKNOWN_PROBE)
+            continue;
+        if (!cm_buf_appendf(&names, "%s%s", any ? "\n" : "", conf->routes[i].name))
+            abort();
+        any = true;
+    }
+    if (any) {
+        p->routes_nl = cm_strndup(names.data, names.len);
+        p->sweep_timer = evtimer_new(gw_loop_base(l), sweep_tick, p);
+        if (!p->sweep_timer)
+            abort();
+        sweep_schedule(p, SWEEP_FIRST_MS);
+    }
+    cm_buf_free(&names);
+    return p;
+}
+
+void gw_probe_destroy(struct gw_probe *p)
+{
+    if (!p)
+        return;
+    while (p->runs)
+        run_free(p->runs);
+    if (p->sweep_timer)
+        event_free(p->sweep_timer);
+    free(p->routes_nl);
+    free(p);
+}
