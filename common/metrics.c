@@ -403,10 +403,11 @@ static bool put_route_label_family(struct cm_buf *out, const char *name, const c
 {
     if (!put_family(out, name, "counter", help))
         return false;
-    for (size_t i = 0; i < reg.nroutes + 2; i++) {
-        _Atomic uint64_t *c = (_Atomic uint64_t *)((char *)&reg.rc[i] + field_off);
+    size_t nr = atomic_load_explicit(&reg.nroutes, memory_order_acquire);
+    for (size_t i = 0; i < nr + 2; i++) {
+        _Atomic uint64_t *c = (_Atomic uint64_t *)((char *)rc_at(nr, i) + field_off);
         for (size_t v = 0; v < nvalues; v++)
-            if (!cm_buf_appendf(out, "%s{route=\"", name) || !put_label_value(out, route_name(i)) ||
+            if (!cm_buf_appendf(out, "%s{route=\"", name) || !put_label_value(out, route_name(nr, i)) ||
                 !cm_buf_appendf(out, "\",%s=\"%s\"} %llu\n", label, values[v], (unsigned long long)ctr_get(&c[v])))
                 return false;
     }

@@ -264,10 +264,21 @@ static void run_start(struct gw_probe *p, size_t route_index, const struct store
                       void *arg)
 {
     const struct conf *conf = gw_loop_conf(p->loop);
+    /* by name: a request's route_index is its metrics slot, and after a reload its route is another struct */
+    const struct conf_route *route = NULL;
+    for (size_t i = 0; i < conf->routes_n && !route; i++)
+        if (strcmp(conf->routes[i].name, id->route) == 0 && conf->routes[i].idem.on_unknown == CONF_UNKNOWN_PROBE)
+            route = &conf->routes[i];
+    (void)route_index;
+    if (!route) {
+        cm_log(CM_WARN, "probe_unresolved", "route=%s reason=not_a_probe_route_at_start", id->route);
+        cb(arg, GW_PROBE_UNRESOLVED, NULL);
+        return;
+    }
     struct probe_run *r = cm_calloc(1, sizeof *r);
     r->p = p;
-    r->route = &conf->routes[route_index];
-    r->route_index = route_index;
+    r->route = route;
+    r->route_index = cm_metrics_route(id->route);
     r->route_name = cm_strdup(id->route);
     r->key = cm_strndup(id->key, id->key_len);
     r->key_len = id->key_len;

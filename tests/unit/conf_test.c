@@ -910,6 +910,8 @@ Test(conf, restart_keys_name_what_needs_a_restart)
     cr_expect_str_eq(keys[3], "store.redis");
     conf_destroy(s);
     conf_destroy(a);
+}
+
 /* ---- on_unknown: probe and mode: shadow */
 
 Test(conf, probe_and_shadow_parsed)

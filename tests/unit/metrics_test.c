@@ -481,6 +481,10 @@ Test(metrics, route_slots_by_name_across_reloads, .init = setup, .fini = teardow
     cr_expect_eq(get(&p, "idemgate_requests_total", "route", "refunds", "outcome", "replayed", NULL), 2);
     cr_expect_eq(get(&p, "idemgate_dedup_hits_total", "route", "refunds", NULL), 0);
     cr_expect_eq(get(&p, "idemgate_requests_total", "route", "_default", "outcome", "forwarded", NULL), 0);
+    free(p.s);
+    free(text);
+}
+
 Test(metrics, unknown_resolved_and_shadow_decisions, .init = setup, .fini = teardown)
 {
     /* every family and every label value is there from the start, at 0 */
