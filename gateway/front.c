@@ -641,15 +641,11 @@ static const char *jwt_check(struct req *r, const struct conf_route *route)
         }
     }
     for (size_t i = 0; i < route->idem.scope_n; i++) {
-        size_t len;
-        char *v =
-            route->idem.scope[i].kind == CONF_PART_JWT ? gw_jwt_claim(r->jwt, route->idem.scope[i].header, &len) : NULL;
-        if (route->idem.scope[i].kind == CONF_PART_JWT && !v) {
-            cm_log(CM_INFO, "jwt_refused", "route=%s reason=missing_claim claim=%.64s", route->name,
-                   route->idem.scope[i].header);
+        const struct conf_part *part = &route->idem.scope[i];
+        if (part->kind == CONF_PART_JWT && !gw_jwt_has_claim(r->jwt, part->header)) {
+            cm_log(CM_INFO, "jwt_refused", "route=%s reason=missing_claim claim=%.64s", route->name, part->header);
             return "the bearer token lacks a claim this route's scope needs";
         }
-        free(v);
     }
     return NULL;
 }

@@ -539,6 +539,12 @@ char *gw_jwt_claim(const struct gw_jwt_claims *c, const char *name, size_t *len)
     return s;
 }
 
+bool gw_jwt_has_claim(const struct gw_jwt_claims *c, const char *name)
+{
+    json_t *v = c ? json_object_get(c->payload, name) : NULL;
+    return v && !json_is_null(v);
+}
+
 void gw_jwt_claims_free(struct gw_jwt_claims *c)
 {
     if (!c)

@@ -37,6 +37,8 @@ enum gw_jwt_result gw_jwt_verify(const struct gw_jwt *j, const char *authz, int6
 /* The value of claim name as bytes: a string's UTF-8 bytes, any other JSON value in compact JSON. Returns a heap
  * string (caller frees, *len its length) or NULL when the payload has no such claim (or it is null). */
 char *gw_jwt_claim(const struct gw_jwt_claims *c, const char *name, size_t *len);
+/* Whether the payload has claim name with a value other than null (what gw_jwt_claim would return), without a copy. */
+bool gw_jwt_has_claim(const struct gw_jwt_claims *c, const char *name);
 void gw_jwt_claims_free(struct gw_jwt_claims *c); /* NULL is a no-op */
 
 #endif

@@ -30,6 +30,40 @@ static void retry_after(struct gw_job *job, uint64_t ms)
     cm_hdrs_add(&job->resp_hdrs, "Retry-After", v);
 }
 
+/* Frees *ev (NULL is a no-op) and clears it. */
+static void event_clear(struct event **ev)
+{
+    if (*ev) {
+        event_free(*ev);
+        *ev = NULL;
+    }
+}
+
+/* Arms ev (a timer) to fire in ms. */
+static void timer_arm_ms(struct event *ev, uint64_t ms)
+{
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    event_add(ev, &tv);
+}
+
+/* A persistent timer firing every third of the route's lease (at least every millisecond): lease renewals. */
+static struct event *renew_every_third(struct gw_job *job, event_callback_fn cb)
+{
+    uint64_t lease = job->route->idem.lease_ms;
+    struct event *ev = event_new(gw_loop_base(job->loop), -1, EV_PERSIST, cb, job);
+    timer_arm_ms(ev, lease / 3 ? lease / 3 : 1);
+    return ev;
+}
+
+/* The next wait of a doubling backoff that ends at deadline: *cur, cut to what is left (0 once it passed); *cur
+ * doubles up to max. */
+static uint64_t backoff_next(uint64_t *cur, uint64_t now, uint64_t deadline, uint64_t max)
+{
+    uint64_t d = now < deadline ? (now + *cur > deadline ? deadline - now : *cur) : 0;
+    *cur = *cur * 2 > max ? max : *cur * 2;
+    return d;
+}
+
 static struct store_id job_id(const struct gw_job *job)
 {
     struct store_id id;
@@ -42,14 +76,8 @@ static struct store_id job_id(const struct gw_job *job)
 
 static void stop_timers(struct gw_job *job)
 {
-    if (job->timer) {
-        event_free(job->timer);
-        job->timer = NULL;
-    }
-    if (job->renew_timer) {
-        event_free(job->renew_timer);
-        job->renew_timer = NULL;
-    }
+    event_clear(&job->timer);
+    event_clear(&job->renew_timer);
     guard_stop_timers(job);
 }
 
@@ -302,12 +330,8 @@ static void wait_tick(evutil_socket_t fd, short what, void *arg)
 /* The key is this request's under token: renew its lease until settled, forward once, store what comes back. */
 static void forward_owned(struct gw_job *job, uint64_t token)
 {
-    const struct conf_idem *im = &job->route->idem;
     job->token = token;
-    uint64_t every = im->lease_ms / 3 ? im->lease_ms / 3 : 1;
-    struct timeval tv = {(time_t)(every / 1000), (suseconds_t)((every % 1000) * 1000)};
-    job->renew_timer = event_new(gw_loop_base(job->loop), -1, EV_PERSIST, renew_tick, job);
-    event_add(job->renew_timer, &tv);
+    job->renew_timer = renew_every_third(job, renew_tick);
     if (job->ordered)
         guard_start(job); /* SPEC 6: the guard comes after the idempotency record */
     else
@@ -434,15 +458,10 @@ static void claimed(void *arg, struct store_claim_res *res)
                 job->wait_backoff_ms = WAIT_BACKOFF_FIRST_MS;
             }
             if (now < job->wait_deadline_ms) {
-                uint64_t d = job->wait_backoff_ms;
-                if (now + d > job->wait_deadline_ms)
-                    d = job->wait_deadline_ms - now;
-                job->wait_backoff_ms =
-                    job->wait_backoff_ms * 2 > WAIT_BACKOFF_MAX_MS ? WAIT_BACKOFF_MAX_MS : job->wait_backoff_ms * 2;
+                uint64_t d = backoff_next(&job->wait_backoff_ms, now, job->wait_deadline_ms, WAIT_BACKOFF_MAX_MS);
                 if (!job->timer)
                     job->timer = evtimer_new(gw_loop_base(job->loop), wait_tick, job);
-                struct timeval tv = {(time_t)(d / 1000), (suseconds_t)((d % 1000) * 1000)};
-                evtimer_add(job->timer, &tv);
+                timer_arm_ms(job->timer, d);
                 return;
             }
         }
@@ -582,14 +601,8 @@ static struct store_order_id guard_id(const struct gw_job *job)
 
 static void guard_stop_timers(struct gw_job *job)
 {
-    if (job->order_timer) {
-        event_free(job->order_timer);
-        job->order_timer = NULL;
-    }
-    if (job->order_renew_timer) {
-        event_free(job->order_renew_timer);
-        job->order_renew_timer = NULL;
-    }
+    event_clear(&job->order_timer);
+    event_clear(&job->order_renew_timer);
 }
 
 static void guard_settled(void *arg, bool ok)
@@ -665,14 +678,10 @@ static void guard_done(void *arg, const struct store_order_res *res)
         cm_metric_sequence_gap(job->route_index);
     }
     uint64_t now = cm_now_ms();
-    bool may_wait = now < job->order_deadline_ms;
     switch (res->verdict) {
     case STORE_ORDER_OK: {
         job->order_held = true;
-        uint64_t every = job->route->idem.lease_ms / 3 ? job->route->idem.lease_ms / 3 : 1;
-        struct timeval tv = {(time_t)(every / 1000), (suseconds_t)((every % 1000) * 1000)};
-        job->order_renew_timer = event_new(gw_loop_base(job->loop), -1, EV_PERSIST, guard_renew_tick, job);
-        event_add(job->order_renew_timer, &tv);
+        job->order_renew_timer = renew_every_third(job, guard_renew_tick);
         if (job->idempotent)
             forward_claimed(job);
         else
@@ -691,18 +700,11 @@ static void guard_done(void *arg, const struct store_order_res *res)
     case STORE_ORDER_GAP:
         if (job->ordered_may_wait && (res->verdict == STORE_ORDER_IN_USE || o->on_gap == CONF_GAP_HOLD)) {
             /* not final: the statement kept the key's claim; try again after a backoff, within hold */
-            uint64_t d = job->order_backoff_ms;
-            if (may_wait && now + d > job->order_deadline_ms)
-                d = job->order_deadline_ms - now;
-            if (!may_wait)
-                d = 0;
-            job->order_backoff_ms =
-                job->order_backoff_ms * 2 > GUARD_BACKOFF_MAX_MS ? GUARD_BACKOFF_MAX_MS : job->order_backoff_ms * 2;
+            uint64_t d = backoff_next(&job->order_backoff_ms, now, job->order_deadline_ms, GUARD_BACKOFF_MAX_MS);
             if (!job->order_timer)
                 job->order_timer = evtimer_new(gw_loop_base(job->loop), guard_wait_tick, job);
             job->order_waiting = true;
-            struct timeval tv = {(time_t)(d / 1000), (suseconds_t)((d % 1000) * 1000)};
-            evtimer_add(job->order_timer, &tv);
+            timer_arm_ms(job->order_timer, d);
             return;
         }
         if (res->verdict == STORE_ORDER_IN_USE) {

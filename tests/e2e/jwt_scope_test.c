@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "tests/e2e/harness.h"
+#include "tests/tools/b64url.h"
 
 TestSuite(jwt, .init = e2e_setup, .fini = e2e_teardown, .timeout = 60);
 
@@ -30,33 +31,17 @@ static const char *const conf_tmpl =
     "  audience: payments\n";
 /* clang-format on */
 
-static void b64url(const unsigned char *p, size_t n, char *out)
-{
-    static const char a[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    size_t o = 0;
-    for (size_t i = 0; i < n; i += 3) {
-        unsigned v = (unsigned)p[i] << 16 | (i + 1 < n ? (unsigned)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
-        out[o++] = a[v >> 18 & 63];
-        out[o++] = a[v >> 12 & 63];
-        if (i + 1 < n)
-            out[o++] = a[v >> 6 & 63];
-        if (i + 2 < n)
-            out[o++] = a[v & 63];
-    }
-    out[o] = '\0';
-}
-
 /* "Authorization: Bearer <HS256 token>" for a header and payload, signed with secret. */
 static char *bearer(const char *hdr, const char *payload, const char *secret)
 {
     char h[512], p[2048], sig[128], msg[2600];
-    b64url((const unsigned char *)hdr, strlen(hdr), h);
-    b64url((const unsigned char *)payload, strlen(payload), p);
+    test_b64url((const unsigned char *)hdr, strlen(hdr), h);
+    test_b64url((const unsigned char *)payload, strlen(payload), p);
     snprintf(msg, sizeof msg, "%s.%s", h, p);
     unsigned char mac[EVP_MAX_MD_SIZE];
     unsigned int ml = 0;
     HMAC(EVP_sha256(), secret, (int)strlen(secret), (const unsigned char *)msg, strlen(msg), mac, &ml);
-    b64url(mac, ml, sig);
+    test_b64url(mac, ml, sig);
     char *out = malloc(3000);
     snprintf(out, 3000, "Authorization: Bearer %s.%s", msg, sig);
     return out;
@@ -143,8 +128,8 @@ Test(jwt, refused_tokens_are_401_and_nothing_is_forwarded)
     cases[n++] = (typeof(cases[0])){"bad signature",
                                     bearer("{\"alg\":\"HS256\"}", pl, "another-secret-of-at-least-32-bytes-xxxxxxx")};
     char h[64], p[1024], *none = malloc(1200);
-    b64url((const unsigned char *)"{\"alg\":\"none\"}", 14, h);
-    b64url((const unsigned char *)pl, strlen(pl), p);
+    test_b64url((const unsigned char *)"{\"alg\":\"none\"}", 14, h);
+    test_b64url((const unsigned char *)pl, strlen(pl), p);
     snprintf(none, 1200, "Authorization: Bearer %s.%s.", h, p);
     cases[n++] = (typeof(cases[0])){"alg none", none};
     cases[n++] = (typeof(cases[0])){"malformed", strdup("Authorization: Bearer not.a.jwt")};

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "common/common.h"
+#include "tests/tools/b64url.h"
 #include "conf/conf.h"
 #include "gateway/jwt.h"
 
@@ -22,25 +23,9 @@
 static EVP_PKEY *rsa, *rsa_other, *ec;
 static char jwks_path[256];
 
-static void b64url(const unsigned char *p, size_t n, char *out)
-{
-    static const char a[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    size_t o = 0;
-    for (size_t i = 0; i < n; i += 3) {
-        uint32_t v = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) | (i + 2 < n ? p[i + 2] : 0);
-        out[o++] = a[v >> 18 & 63];
-        out[o++] = a[v >> 12 & 63];
-        if (i + 1 < n)
-            out[o++] = a[v >> 6 & 63];
-        if (i + 2 < n)
-            out[o++] = a[v & 63];
-    }
-    out[o] = '\0';
-}
-
 static void b64url_str(const char *s, char *out)
 {
-    b64url((const unsigned char *)s, strlen(s), out);
+    test_b64url((const unsigned char *)s, strlen(s), out);
 }
 
 static void bn_b64(EVP_PKEY *k, const char *param, char *out)
@@ -49,7 +34,7 @@ static void bn_b64(EVP_PKEY *k, const char *param, char *out)
     cr_assert(EVP_PKEY_get_bn_param(k, param, &bn) == 1);
     unsigned char buf[512];
     int n = BN_bn2bin(bn, buf);
-    b64url(buf, (size_t)n, out);
+    test_b64url(buf, (size_t)n, out);
     BN_free(bn);
 }
 
@@ -58,8 +43,8 @@ static void ec_xy(EVP_PKEY *k, char *x, char *y)
     unsigned char pub[65];
     size_t len = 0;
     cr_assert(EVP_PKEY_get_octet_string_param(k, OSSL_PKEY_PARAM_PUB_KEY, pub, sizeof pub, &len) == 1 && len == 65);
-    b64url(pub + 1, 32, x);
-    b64url(pub + 33, 32, y);
+    test_b64url(pub + 1, 32, x);
+    test_b64url(pub + 33, 32, y);
 }
 
 static void write_jwks(void)
@@ -136,7 +121,7 @@ static char *token(const char *alg_name, EVP_PKEY *key, const char *hdr_json, co
             rawlen = dl;
         }
     }
-    b64url(raw, rawlen, sig);
+    test_b64url(raw, rawlen, sig);
     snprintf(out, sizeof out, "Bearer %s.%s", msg, sig);
     return out;
 }
@@ -346,6 +331,8 @@ Test(jwt, claims_as_scope_values)
     free(v);
     cr_expect_null(gw_jwt_claim(cl, "z", &len), "a null claim is missing");
     cr_expect_null(gw_jwt_claim(cl, "tenant", &len));
+    cr_expect(gw_jwt_has_claim(cl, "org") && gw_jwt_has_claim(cl, "n"));
+    cr_expect(!gw_jwt_has_claim(cl, "z") && !gw_jwt_has_claim(cl, "tenant"), "has_claim agrees with gw_jwt_claim");
     gw_jwt_claims_free(cl);
     gw_jwt_destroy(j);
 }
