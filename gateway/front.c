@@ -741,10 +741,12 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
 
     uint64_t max_body = route ? route->idem.max_body : conf->max_body;
     const char *cl = cm_hdrs_get(&r->in_hdrs, "Content-Length");
-    if (cl) {
-        char *end;
-        unsigned long long v = strtoull(cl, &end, 10);
-        if (end != cl && *end == '\0' && v > max_body)
+    if (cl) { /* framing_ambiguous let only 1*DIGIT through; more than 19 significant digits is over any max_body */
+        size_t n = strlen(cl);
+        while (n > 1 && *cl == '0')
+            cl++, n--;
+        uint64_t v;
+        if (!cm_parse_digits(cl, n, 19, &v) || v > max_body)
             return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
                           CM_OUT_TOO_LARGE);
     }
