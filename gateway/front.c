@@ -17,7 +17,11 @@
 #include <unistd.h>
 
 #include "common/uri.h"
+#include "gateway/front.h"
 #include "gateway/gateway.h"
+#include "gateway/loop.h"
+#include "gateway/pipeline.h"
+#include "gateway/reload.h"
 #include "gateway/jwt.h"
 #include "gateway/ordering.h"
 #include "gateway/problem.h"
@@ -119,8 +123,6 @@ static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
     cm_hdrs_init(&r->job.resp_hdrs);
     cm_buf_init(&r->job.body, 0);
     cm_buf_init(&r->job.resp_body, 0);
-    cm_resp_init(&r->job.up_resp, 0);
-    r->job.started_ms = cm_now_ms();
     r->job.conn = c;
     return r;
 }
@@ -139,7 +141,7 @@ static void req_free(struct req *r)
     cm_hdrs_free(&r->job.resp_hdrs);
     cm_buf_free(&r->job.body);
     cm_buf_free(&r->job.resp_body);
-    cm_resp_free(&r->job.up_resp);
+    gw_pipeline_free(&r->job);
     gw_jwt_claims_free(r->jwt);
     gw_conf_unref(r->cref);
     free(r);

@@ -6,7 +6,8 @@
 #include <string.h>
 
 #include "common/metrics.h"
-#include "gateway/gateway.h"
+#include "gateway/loop.h"
+#include "gateway/reload.h"
 #include "store/store.h"
 #include "upstream/upstream.h"
 
