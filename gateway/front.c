@@ -775,11 +775,14 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
             job->idempotent = true;
         }
     }
-    if (!order_headers(r, route, method))
-        return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
-                      "the ordering sequence must be one decimal integer from 1 to 9223372036854775807 without sign "
-                      "or leading zero",
-                      CM_OUT_ERROR);
+    if (!order_headers(r, route, method)) {
+        if (!shadow)
+            return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
+                          "the ordering sequence must be one decimal integer from 1 to 9223372036854775807 without "
+                          "sign or leading zero",
+                          CM_OUT_ERROR);
+        job->ordered = false; /* mode: shadow refuses nothing (SPEC 10): forwarded, the guard not consulted */
+    }
     build_forward_headers(r, c);
     r->stage = STAGE_BODY;
     return MHD_YES;
@@ -793,11 +796,14 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
         return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
                       CM_OUT_TOO_LARGE);
     if (job->ordered && job->route->ordering.source == CONF_SEQ_JSON &&
-        !gw_seq_from_json(job->body.data, job->body.len, job->route->ordering.seq_name, &job->seq))
-        return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
-                      "the body must be JSON with an integer from 1 to 9223372036854775807 at the ordering sequence's "
-                      "JSON Pointer",
-                      CM_OUT_ERROR);
+        !gw_seq_from_json(job->body.data, job->body.len, job->route->ordering.seq_name, &job->seq)) {
+        if (job->route->idem.mode != CONF_MODE_SHADOW)
+            return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
+                          "the body must be JSON with an integer from 1 to 9223372036854775807 at the ordering "
+                          "sequence's JSON Pointer",
+                          CM_OUT_ERROR);
+        job->ordered = false; /* mode: shadow refuses nothing (SPEC 10): forwarded, the guard not consulted */
+    }
     if (job->idempotent || job->ordered) {
         struct gw_reqparts parts = {job->method,   job->path,   job->query, job->body.data,
                                     job->body.len, &r->in_hdrs, r->jwt};

@@ -48,6 +48,9 @@ struct gw_pipe {
     uint64_t order_backoff_ms;
     struct event *order_timer;       /* wait backoff */
     struct event *order_renew_timer; /* marker lease renewal */
+    /* mode: shadow on a guarded route: the guard is read, never taken (SPEC 10) */
+    bool shadow_advance; /* advance the resource's applied sequence once the request executed */
+    bool shadow_stale;   /* enforce would have refused it stale: its key's claim goes once it was answered */
 };
 
 /* ---- the life cycle */
@@ -187,9 +190,13 @@ const struct gw_outcome *gw_outcome_for(bool idempotent, bool started, enum up_r
 /* ---- helpers */
 
 static void claim(struct gw_job *job);
+static void shadow_guard(struct gw_job *job);
 static void guard_start(struct gw_job *job);
 static void guard_stop_timers(struct gw_job *job);
 static bool guard_settle(struct gw_job *job, enum cm_outcome outcome);
+static bool shadow_settle(struct gw_job *job, enum cm_outcome outcome);
+static struct store_order_id guard_id(const struct gw_job *job);
+static void guard_settled(void *arg, bool ok);
 static void forward_claimed(struct gw_job *job);
 static void forward_passthrough(struct gw_job *job);
 
@@ -263,8 +270,8 @@ struct renew_ticket {
 static void finish(struct gw_job *job, enum cm_outcome outcome)
 {
     struct gw_pipe *p = job->pipe;
-    if (guard_settle(job, outcome))
-        return; /* finish runs again once the resource's marker is settled */
+    if (shadow_settle(job, outcome) || guard_settle(job, outcome))
+        return; /* finish runs again once the key's claim or the resource's marker is settled */
     stop_timers(job);
     p->outcome = outcome;
     if (p->renew_ticket) {
@@ -480,7 +487,9 @@ static void forward_owned(struct gw_job *job, uint64_t token)
 {
     job->pipe->token = token;
     job->pipe->renew_timer = renew_every_third(job, renew_tick);
-    if (job->ordered)
+    if (job->ordered && job->shadow)
+        shadow_guard(job); /* read, never taken: shadow forwards everything */
+    else if (job->ordered)
         guard_start(job); /* SPEC 6: the guard comes after the idempotency record */
     else
         forward_claimed(job);
@@ -489,13 +498,20 @@ static void forward_owned(struct gw_job *job, uint64_t token)
 /* ---- mode: shadow: claimed and recorded as enforce would, but every request is forwarded and answered by the
  * upstream; the decision enforce would have taken is counted (and logged unless new). */
 
+static void shadow_decided(struct gw_job *job, enum cm_shadow d)
+{
+    cm_metric_shadow_decision(job->route_index, d);
+    cm_log(CM_INFO, "shadow_decision", "decision=%s route=%s", cm_shadow_name(d), job->route->name);
+}
+
 static void shadow_claimed(void *arg, struct store_claim_res *res)
 {
     struct gw_job *job = arg;
     enum cm_shadow d;
     switch (res->verdict) {
     case STORE_NEW:
-        cm_metric_shadow_decision(job->route_index, CM_SHADOW_NEW);
+        if (!job->ordered) /* a guarded one is new or stale: shadow_guarded counts it */
+            cm_metric_shadow_decision(job->route_index, CM_SHADOW_NEW);
         forward_owned(job, res->token); /* recorded, so that a later retry can be classified */
         return;
     case STORE_REPLAY:
@@ -516,10 +532,69 @@ static void shadow_claimed(void *arg, struct store_claim_res *res)
         forward_passthrough(job);
         return;
     }
-    /* TODO(ordering): "stale" needs the ordering guard (SPEC 6); until it is merged no request is classified so */
-    cm_metric_shadow_decision(job->route_index, d);
-    cm_log(CM_INFO, "shadow_decision", "decision=%s route=%s", cm_shadow_name(d), job->route->name);
+    /* SPEC 6: the idempotency record comes first (a retry of an applied request is a replay, never stale) */
+    shadow_decided(job, d);
     forward_passthrough(job); /* the record is left as it is: only the first request of a key owns it */
+}
+
+/* A guarded shadow request that owns its key: would enforce's guard have refused it stale? The resource's row is
+ * read (store_order_peek), never its marker taken, and the request is forwarded either way. */
+static void shadow_guarded(void *arg, const struct store_order_peek_res *res)
+{
+    struct gw_job *job = arg;
+    struct gw_pipe *p = job->pipe;
+    if (!res->ok) {
+        cm_metric_shadow_store_error(job->route_index);
+        cm_log(CM_WARN, "shadow_store_error", "route=%s detail=\"the ordering guard's row could not be read\"",
+               job->route->name);
+    } else if (res->stale) {
+        /* enforce would have answered 409 stale-sequence and kept no record: the claim goes after the answer */
+        shadow_decided(job, CM_SHADOW_STALE);
+        p->shadow_stale = true;
+        forward_passthrough(job);
+        return;
+    } else {
+        cm_metric_shadow_decision(job->route_index, CM_SHADOW_NEW);
+    }
+    p->shadow_advance = true;
+    forward_claimed(job);
+}
+
+static void shadow_guard(struct gw_job *job)
+{
+    struct store_order_id id = guard_id(job);
+    set_state(job, GW_PIPE_GUARDING);
+    store_order_peek(store_order_of(gw_loop_store(job->loop)), &id, job->seq, job->key, job->key_len, shadow_guarded,
+                     job);
+}
+
+/* finish() asks first: a guarded shadow request settles what enforce would have, before its answer (so that the
+ * client's next request is judged against it). Its applied sequence advances once it executed (an unknown outcome
+ * remembers its key, as the guard's settle does); a stale one's claim is released, as enforce keeps no record of a
+ * refused request. true: that statement runs, finish comes again from its callback. */
+static bool shadow_settle(struct gw_job *job, enum cm_outcome outcome)
+{
+    struct gw_pipe *p = job->pipe;
+    if (p->shadow_advance) {
+        p->shadow_advance = false;
+        if (p->effect != GW_EFFECT_NONE) {
+            bool unknown = p->effect == GW_EFFECT_UNKNOWN && job->idempotent;
+            struct store_order_id id = guard_id(job);
+            p->outcome = outcome;
+            set_state(job, GW_PIPE_UNGUARDING);
+            store_order_advance(store_order_of(gw_loop_store(job->loop)), &id, job->seq, unknown ? job->key : NULL,
+                                job->key_len, guard_settled, job);
+            return true;
+        }
+    }
+    if (!p->shadow_stale)
+        return false;
+    p->shadow_stale = false;
+    p->outcome = outcome;
+    struct store_id kid = job_id(job);
+    set_state(job, GW_PIPE_RECORDING);
+    store_release(gw_loop_store(job->loop), &kid, p->token, job->route->idem.lease_ms, answer_after_store, job);
+    return true;
 }
 
 static void answer_unknown(struct gw_job *job)
@@ -667,6 +742,13 @@ void gw_pipeline_run(void *arg)
         return;
     }
     if (!job->idempotent && !job->ordered) {
+        forward_passthrough(job);
+        return;
+    }
+    if (!job->idempotent && job->route->idem.mode == CONF_MODE_SHADOW) {
+        /* keyless (or an invalid key) on a guarded shadow route: forwarded, no decision; what executed still
+         * advances the resource's sequence, as enforce's guard would have */
+        job->pipe->shadow_advance = gw_loop_schema_ready(job->loop);
         forward_passthrough(job);
         return;
     }
