@@ -202,6 +202,16 @@ size_t cm_metrics_route(const char *name)
     return found;
 }
 
+size_t cm_metrics_routes_n(void)
+{
+    return atomic_load_explicit(&reg.nroutes, memory_order_acquire);
+}
+
+const char *cm_metrics_route_name(size_t i)
+{
+    return slot_at(i)->name;
+}
+
 /* Any index that is neither a route slot nor CM_ROUTE_DEFAULT counts as "_none". */
 static struct route_ctr *route_of(size_t route)
 {

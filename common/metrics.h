@@ -48,6 +48,10 @@ void cm_metrics_reset(void);
  * count under a slot from an older configuration. Safe from any thread. Returns CM_ROUTE_NONE when the registry
  * is full (16384 names; the counts then go to "_none"). */
 size_t cm_metrics_route(const char *name);
+/* The number of route slots so far (start and every reload since), and the name of slot i < that number (static:
+ * slots are never freed before cm_metrics_reset). Safe from any thread. */
+size_t cm_metrics_routes_n(void);
+const char *cm_metrics_route_name(size_t i);
 
 void cm_metric_request(size_t route, enum cm_outcome o);
 void cm_metric_dedup_hit(size_t route);

@@ -1,6 +1,7 @@
 /* admin.c - the admin listener: health, readiness, Prometheus metrics and the
  * key endpoints (inspect, purge, release) behind a bearer token. */
 #include <microhttpd.h>
+#include <stdatomic.h>
 #include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,8 +9,12 @@
 #include <strings.h>
 #include <sys/socket.h>
 
+#include "common/metrics.h"
 #include "common/uri.h"
-#include "gateway/gateway.h"
+#include "gateway/admin.h"
+#include "gateway/idem.h"
+#include "gateway/front.h"
+#include "gateway/loop.h"
 #include "gateway/problem.h"
 #include "gateway/status.h"
 #include "store/store.h"

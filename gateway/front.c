@@ -17,7 +17,11 @@
 #include <unistd.h>
 
 #include "common/uri.h"
+#include "gateway/front.h"
 #include "gateway/gateway.h"
+#include "gateway/loop.h"
+#include "gateway/pipeline.h"
+#include "gateway/reload.h"
 #include "gateway/jwt.h"
 #include "gateway/ordering.h"
 #include "gateway/problem.h"
@@ -119,8 +123,6 @@ static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
     cm_hdrs_init(&r->job.resp_hdrs);
     cm_buf_init(&r->job.body, 0);
     cm_buf_init(&r->job.resp_body, 0);
-    cm_resp_init(&r->job.up_resp, 0);
-    r->job.started_ms = cm_now_ms();
     r->job.conn = c;
     return r;
 }
@@ -139,7 +141,7 @@ static void req_free(struct req *r)
     cm_hdrs_free(&r->job.resp_hdrs);
     cm_buf_free(&r->job.body);
     cm_buf_free(&r->job.resp_body);
-    cm_resp_free(&r->job.up_resp);
+    gw_pipeline_free(&r->job);
     gw_jwt_claims_free(r->jwt);
     gw_conf_unref(r->cref);
     free(r);
@@ -773,11 +775,14 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
             job->idempotent = true;
         }
     }
-    if (!order_headers(r, route, method))
-        return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
-                      "the ordering sequence must be one decimal integer from 1 to 9223372036854775807 without sign "
-                      "or leading zero",
-                      CM_OUT_ERROR);
+    if (!order_headers(r, route, method)) {
+        if (!shadow)
+            return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
+                          "the ordering sequence must be one decimal integer from 1 to 9223372036854775807 without "
+                          "sign or leading zero",
+                          CM_OUT_ERROR);
+        job->ordered = false; /* mode: shadow refuses nothing (SPEC 10): forwarded, the guard not consulted */
+    }
     build_forward_headers(r, c);
     r->stage = STAGE_BODY;
     return MHD_YES;
@@ -791,11 +796,14 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
         return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
                       CM_OUT_TOO_LARGE);
     if (job->ordered && job->route->ordering.source == CONF_SEQ_JSON &&
-        !gw_seq_from_json(job->body.data, job->body.len, job->route->ordering.seq_name, &job->seq))
-        return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
-                      "the body must be JSON with an integer from 1 to 9223372036854775807 at the ordering sequence's "
-                      "JSON Pointer",
-                      CM_OUT_ERROR);
+        !gw_seq_from_json(job->body.data, job->body.len, job->route->ordering.seq_name, &job->seq)) {
+        if (job->route->idem.mode != CONF_MODE_SHADOW)
+            return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
+                          "the body must be JSON with an integer from 1 to 9223372036854775807 at the ordering "
+                          "sequence's JSON Pointer",
+                          CM_OUT_ERROR);
+        job->ordered = false; /* mode: shadow refuses nothing (SPEC 10): forwarded, the guard not consulted */
+    }
     if (job->idempotent || job->ordered) {
         struct gw_reqparts parts = {job->method,   job->path,   job->query, job->body.data,
                                     job->body.len, &r->in_hdrs, r->jwt};

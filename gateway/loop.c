@@ -22,7 +22,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "gateway/gateway.h"
+#include "gateway/loop.h"
+#include "gateway/pipeline.h"
+#include "gateway/reload.h"
 #include "gateway/probe.h"
 #include "store/store.h"
 #include "upstream/upstream.h"
@@ -50,7 +52,7 @@ struct gw_loop {
     struct work *head, *tail;
     bool stopping;
     atomic_bool schema_ready;
-    struct gw_job *active; /* running jobs (loop thread only) */
+    struct gw_loop_link *active; /* running jobs (loop thread only) */
     atomic_size_t njobs;
     atomic_bool closing;
     struct gw_loops *group; /* the loops of this process, or NULL (alone) */
@@ -258,27 +260,27 @@ bool gw_loop_postgres_ready(struct gw_loop *l)
     return true;
 }
 
-void gw_loop_job_add(struct gw_loop *l, struct gw_job *job)
+void gw_loop_job_add(struct gw_loop *l, struct gw_loop_link *job)
 {
-    job->prev_active = NULL;
-    job->next_active = l->active;
+    job->prev = NULL;
+    job->next = l->active;
     if (l->active)
-        l->active->prev_active = job;
+        l->active->prev = job;
     l->active = job;
     atomic_fetch_add(&l->njobs, 1);
 }
 
-void gw_loop_job_remove(struct gw_loop *l, struct gw_job *job)
+void gw_loop_job_remove(struct gw_loop *l, struct gw_loop_link *job)
 {
-    if (job->prev_active)
-        job->prev_active->next_active = job->next_active;
+    if (job->prev)
+        job->prev->next = job->next;
     else if (l->active == job)
-        l->active = job->next_active;
+        l->active = job->next;
     else
         return; /* not listed */
-    if (job->next_active)
-        job->next_active->prev_active = job->prev_active;
-    job->next_active = job->prev_active = NULL;
+    if (job->next)
+        job->next->prev = job->prev;
+    job->next = job->prev = NULL;
     atomic_fetch_sub(&l->njobs, 1);
 }
 
@@ -287,7 +289,7 @@ size_t gw_loop_jobs(struct gw_loop *l)
     return atomic_load(&l->njobs);
 }
 
-struct gw_job *gw_loop_first_job(struct gw_loop *l)
+struct gw_loop_link *gw_loop_first_job(struct gw_loop *l)
 {
     return l->active;
 }

@@ -11,7 +11,9 @@
 
 #include "common/metrics.h"
 #include "conf/conf.h"
-#include "gateway/gateway.h"
+#include "gateway/admin.h"
+#include "gateway/front.h"
+#include "gateway/loop.h"
 #include "gateway/reload.h"
 #include "store/store.h"
 

@@ -1,24 +1,202 @@
 /* pipeline.c - the request pipeline on the loop thread: claim the key,
- * forward once, store the answer (fenced), then answer; or replay, 409, 422. */
+ * forward once, store the answer (fenced), then answer; or replay, 409, 422.
+ * A job's state lives in struct gw_pipe, private to this file; its life cycle is one explicit state
+ * (set_state checks every transition), and what an upstream result means is one table (gw_outcome_for). */
+#include "gateway/pipeline.h"
+
 #include <event2/event.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "gateway/gateway.h"
+#include "gateway/loop.h"
 #include "gateway/probe.h"
 #include "gateway/problem.h"
 #include "store/order.h"
 #include "store/store.h"
-#include "upstream/upstream.h"
 
 #define WAIT_BACKOFF_FIRST_MS 20
 #define WAIT_BACKOFF_MAX_MS   500
 
+struct renew_ticket;
+
+/* The pipeline's state of one job (loop thread only); the front never sees it. */
+struct gw_pipe {
+    struct gw_loop_link link; /* the loop's list of running jobs */
+    struct gw_job *job;
+    enum gw_pipe_state state;
+    enum cm_outcome outcome; /* the answer's outcome, kept while the record or the marker is settled */
+    enum gw_effect effect;   /* what the request did upstream: how the guard settles the resource */
+    uint64_t token;          /* fences the key's record */
+    uint64_t wait_deadline_ms;
+    uint64_t wait_backoff_ms;
+    struct event *timer;       /* wait backoff */
+    struct event *renew_timer; /* lease renewal */
+    struct up_transfer *transfer;
+    struct cm_resp up_resp;            /* upstream answer being stored */
+    struct renew_ticket *renew_ticket; /* a lease renewal in flight */
+    bool probed;                       /* on_unknown: probe asked the upstream once for this request */
+
+    /* ordering guard (SPEC 6; gateway/ordering.c, store/order.h) */
+    uint64_t order_token;       /* fences the resource's in-flight marker */
+    bool order_held;            /* this job holds the marker (settled before the answer) */
+    bool gap_counted;           /* idemgate_sequence_gaps_total counted it once */
+    bool ordered_may_wait;      /* the last guard statement was sent within hold (a refusal not final) */
+    uint64_t order_deadline_ms; /* hold bound of the in-flight and gap waits */
+    uint64_t order_backoff_ms;
+    struct event *order_timer;       /* wait backoff */
+    struct event *order_renew_timer; /* marker lease renewal */
+    /* mode: shadow on a guarded route: the guard is read, never taken (SPEC 10) */
+    bool shadow_advance; /* advance the resource's applied sequence once the request executed */
+    bool shadow_stale;   /* enforce would have refused it stale: its key's claim goes once it was answered */
+};
+
+/* ---- the life cycle */
+
+#define ST(s) (1u << (s))
+/* Where each state may go. */
+static const unsigned next_states[GW_PIPE__COUNT] = {
+    [GW_PIPE_NEW] = ST(GW_PIPE_CLAIMING) | ST(GW_PIPE_GUARDING) | ST(GW_PIPE_FORWARDING) | ST(GW_PIPE_DONE),
+    [GW_PIPE_CLAIMING] =
+        ST(GW_PIPE_FORWARDING) | ST(GW_PIPE_GUARDING) | ST(GW_PIPE_WAITING) | ST(GW_PIPE_PROBING) | ST(GW_PIPE_DONE),
+    [GW_PIPE_WAITING] = ST(GW_PIPE_CLAIMING) | ST(GW_PIPE_DONE),
+    [GW_PIPE_PROBING] = ST(GW_PIPE_CLAIMING) | ST(GW_PIPE_DONE),
+    [GW_PIPE_GUARDING] = ST(GW_PIPE_FORWARDING) | ST(GW_PIPE_GUARD_WAIT) | ST(GW_PIPE_RECORDING) | ST(GW_PIPE_DONE),
+    [GW_PIPE_GUARD_WAIT] = ST(GW_PIPE_GUARDING) | ST(GW_PIPE_RECORDING) | ST(GW_PIPE_DONE),
+    [GW_PIPE_FORWARDING] = ST(GW_PIPE_RECORDING) | ST(GW_PIPE_UNGUARDING) | ST(GW_PIPE_DONE),
+    [GW_PIPE_RECORDING] = ST(GW_PIPE_UNGUARDING) | ST(GW_PIPE_DONE),
+    [GW_PIPE_UNGUARDING] = ST(GW_PIPE_DONE),
+    [GW_PIPE_DONE] = 0,
+};
+/* The states in which a store callback will come back to the job (shutdown waits for them). */
+static const unsigned store_states =
+    ST(GW_PIPE_CLAIMING) | ST(GW_PIPE_PROBING) | ST(GW_PIPE_GUARDING) | ST(GW_PIPE_RECORDING) | ST(GW_PIPE_UNGUARDING);
+
+const char *gw_pipe_state_name(enum gw_pipe_state s)
+{
+    static const char *const names[GW_PIPE__COUNT] = {
+        "new",        "claiming",   "waiting",   "probing",    "guarding",
+        "guard_wait", "forwarding", "recording", "unguarding", "done",
+    };
+    return (unsigned)s < GW_PIPE__COUNT ? names[s] : "invalid";
+}
+
+bool gw_pipe_transition_ok(enum gw_pipe_state a, enum gw_pipe_state b)
+{
+    return (unsigned)a < GW_PIPE__COUNT && (unsigned)b < GW_PIPE__COUNT && (next_states[a] & ST(b)) != 0;
+}
+
+/* Every change of a job's state goes through here. An illegal one is a bug: logged, and fatal unless NDEBUG. */
+static void set_state(struct gw_job *job, enum gw_pipe_state s)
+{
+    struct gw_pipe *p = job->pipe;
+    if (!gw_pipe_transition_ok(p->state, s)) {
+        cm_log(CM_ERROR, "pipeline_bad_transition", "from=%s to=%s", gw_pipe_state_name(p->state),
+               gw_pipe_state_name(s));
+#ifndef NDEBUG
+        abort();
+#endif
+    }
+    p->state = s;
+}
+
+/* ---- the outcome table */
+
+#define PASS   false
+#define IDEM   true
+#define SENT   true
+#define UNSENT false
+
+/* Sent, then closed or reset without a (well-framed) answer: SPEC 4's upstream-no-response, an unknown outcome. */
+#define NO_ANSWER(mode, r)                                                                                             \
+    {                                                                                                                  \
+        mode, SENT, r, false, 502, "upstream-no-response", "No response from upstream",                                \
+            (mode) ? "the request was sent but the upstream closed the connection without an answer; its outcome is "  \
+                     "unknown"                                                                                         \
+                   : "the upstream closed the connection without an answer",                                           \
+            "upstream_error", (mode) ? GW_RECORD_MARK_UNKNOWN : GW_RECORD_NONE, GW_EFFECT_UNKNOWN,                     \
+            CM_OUT_UPSTREAM_NO_RESPONSE                                                                                \
+    }
+
+static const struct gw_outcome outcomes[] = {
+    /* passthrough: no record; the guard (a keyless request on a guarded route) settles by the effect */
+    {PASS, SENT, UP_OK, false, 0, NULL, NULL, NULL, NULL, GW_RECORD_NONE, GW_EFFECT_APPLIED, CM_OUT_FORWARDED},
+    {PASS, SENT, UP_OK, true, 0, NULL, NULL, NULL, NULL, GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_FORWARDED},
+    {PASS, SENT, UP_CONNECT_FAILED, false, 502, "upstream-unavailable", "Upstream unavailable",
+     "the upstream could not be reached", NULL, GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_UPSTREAM_UNAVAILABLE},
+    {PASS, SENT, UP_TIMEOUT, false, 504, "upstream-timeout", "Upstream timeout", "the upstream did not answer in time",
+     NULL, GW_RECORD_NONE, GW_EFFECT_UNKNOWN, CM_OUT_UPSTREAM_TIMEOUT},
+    NO_ANSWER(PASS, UP_NO_RESPONSE),
+    {PASS, SENT, UP_TOO_LARGE, false, 502, "upstream-response-too-large", "Upstream response too large",
+     "the upstream's answer exceeds max_response", NULL, GW_RECORD_NONE, GW_EFFECT_UNKNOWN, CM_OUT_ERROR},
+    NO_ANSWER(PASS, UP_CANCELLED),
+    NO_ANSWER(PASS, UP_ERROR),
+    {PASS, SENT, UP_INVALID_RESPONSE, false, 502, "upstream-invalid-response", "Invalid response from upstream",
+     "the upstream's answer is not a valid HTTP response the gateway can pass on", "upstream_invalid_response",
+     GW_RECORD_NONE, GW_EFFECT_UNKNOWN, CM_OUT_ERROR},
+    {PASS, UNSENT, UP_CONNECT_FAILED, false, 502, "upstream-unavailable", "Upstream unavailable",
+     "the transfer could not start", NULL, GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_UPSTREAM_UNAVAILABLE},
+
+    /* idempotent: the claimed key's record is completed, released or kept as an unknown outcome */
+    {IDEM, SENT, UP_OK, false, 0, NULL, NULL, NULL, NULL, GW_RECORD_COMPLETE, GW_EFFECT_APPLIED, CM_OUT_FORWARDED},
+    {IDEM, SENT, UP_OK, true, 0, NULL, NULL, NULL, NULL, GW_RECORD_RELEASE, GW_EFFECT_NONE, CM_OUT_RELEASED},
+    {IDEM, SENT, UP_CONNECT_FAILED, false, 502, "upstream-unavailable", "Upstream unavailable",
+     "the upstream could not be reached; nothing was sent and the key was released", NULL, GW_RECORD_RELEASE,
+     GW_EFFECT_NONE, CM_OUT_UPSTREAM_UNAVAILABLE},
+    {IDEM, SENT, UP_TIMEOUT, false, 504, "upstream-timeout", "Upstream timeout",
+     "the request was sent but no answer came in time; its outcome is unknown", NULL, GW_RECORD_MARK_UNKNOWN,
+     GW_EFFECT_UNKNOWN, CM_OUT_UPSTREAM_TIMEOUT},
+    NO_ANSWER(IDEM, UP_NO_RESPONSE),
+    {IDEM, SENT, UP_TOO_LARGE, false, 502, "upstream-response-too-large", "Upstream response too large",
+     "the upstream executed the request but its answer exceeds max_response and cannot be stored; the outcome is "
+     "recorded as unknown",
+     NULL, GW_RECORD_MARK_UNKNOWN, GW_EFFECT_UNKNOWN, CM_OUT_ERROR},
+    NO_ANSWER(IDEM, UP_CANCELLED),
+    NO_ANSWER(IDEM, UP_ERROR),
+    {IDEM, SENT, UP_INVALID_RESPONSE, false, 502, "upstream-invalid-response", "Invalid response from upstream",
+     "the request was sent but the upstream's answer is not a valid HTTP response; nothing was stored and the "
+     "outcome is recorded as unknown",
+     "upstream_invalid_response", GW_RECORD_MARK_UNKNOWN, GW_EFFECT_UNKNOWN, CM_OUT_ERROR},
+    {IDEM, UNSENT, UP_CONNECT_FAILED, false, 502, "upstream-unavailable", "Upstream unavailable",
+     "the transfer could not start", NULL, GW_RECORD_RELEASE, GW_EFFECT_NONE, CM_OUT_UPSTREAM_UNAVAILABLE},
+};
+#define OUTCOMES_N (sizeof outcomes / sizeof outcomes[0])
+
+const struct gw_outcome *gw_outcome_table(size_t *n)
+{
+    *n = OUTCOMES_N;
+    return outcomes;
+}
+
+const struct gw_outcome *gw_outcome_for(bool idempotent, bool started, enum up_result result, bool release_status)
+{
+    const struct gw_outcome *fallback = NULL;
+    for (size_t i = 0; i < OUTCOMES_N; i++) {
+        const struct gw_outcome *o = &outcomes[i];
+        if (o->idempotent != idempotent || o->started != started)
+            continue;
+        if (!started)
+            return o;
+        if (o->result == UP_NO_RESPONSE)
+            fallback = o;
+        if (o->result == result && (result != UP_OK || o->release_status == release_status))
+            return o;
+    }
+    return fallback; /* a result the table does not name: sent, no answer */
+}
+
+/* ---- helpers */
+
 static void claim(struct gw_job *job);
+static void shadow_guard(struct gw_job *job);
 static void guard_start(struct gw_job *job);
 static void guard_stop_timers(struct gw_job *job);
 static bool guard_settle(struct gw_job *job, enum cm_outcome outcome);
+static bool shadow_settle(struct gw_job *job, enum cm_outcome outcome);
+static struct store_order_id guard_id(const struct gw_job *job);
+static void guard_settled(void *arg, bool ok);
 static void forward_claimed(struct gw_job *job);
 static void forward_passthrough(struct gw_job *job);
 
@@ -76,8 +254,8 @@ static struct store_id job_id(const struct gw_job *job)
 
 static void stop_timers(struct gw_job *job)
 {
-    event_clear(&job->timer);
-    event_clear(&job->renew_timer);
+    event_clear(&job->pipe->timer);
+    event_clear(&job->pipe->renew_timer);
     guard_stop_timers(job);
 }
 
@@ -91,16 +269,18 @@ struct renew_ticket {
 /* The answer is ready: count it and hand the job back to the front. */
 static void finish(struct gw_job *job, enum cm_outcome outcome)
 {
-    if (guard_settle(job, outcome))
-        return; /* finish runs again once the resource's marker is settled */
+    struct gw_pipe *p = job->pipe;
+    if (shadow_settle(job, outcome) || guard_settle(job, outcome))
+        return; /* finish runs again once the key's claim or the resource's marker is settled */
     stop_timers(job);
-    job->outcome = outcome;
-    if (job->renew_ticket) {
-        job->renew_ticket->job = NULL;
-        job->renew_ticket = NULL;
+    p->outcome = outcome;
+    if (p->renew_ticket) {
+        p->renew_ticket->job = NULL;
+        p->renew_ticket = NULL;
     }
     cm_metric_request(job->route_index, outcome);
-    gw_loop_job_remove(job->loop, job);
+    gw_loop_job_remove(job->loop, &p->link);
+    set_state(job, GW_PIPE_DONE);
     gw_job_done(job);
 }
 
@@ -132,6 +312,8 @@ static size_t max_response(const struct gw_job *job)
 
 static bool is_release_status(const struct gw_job *job, int status)
 {
+    if (!job->route)
+        return false;
     const struct conf_idem *im = &job->route->idem;
     for (size_t i = 0; i < im->release_statuses_n; i++)
         if (im->release_statuses[i] == status)
@@ -139,163 +321,135 @@ static bool is_release_status(const struct gw_job *job, int status)
     return false;
 }
 
-/* ---- passthrough */
-
-static void passthrough_done(void *arg, enum up_result r, struct cm_resp *resp, const char *errmsg, double secs)
-{
-    struct gw_job *job = arg;
-    job->transfer = NULL;
-    cm_metric_upstream_seconds(secs);
-    switch (r) {
-    case UP_OK:
-        take_resp(job, resp);
-        finish(job, CM_OUT_FORWARDED);
-        return;
-    case UP_CONNECT_FAILED:
-        gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the upstream could not be reached");
-        finish(job, CM_OUT_UPSTREAM_UNAVAILABLE);
-        return;
-    case UP_TIMEOUT:
-        gw_job_problem(job, 504, "upstream-timeout", "Upstream timeout", "the upstream did not answer in time");
-        finish(job, CM_OUT_UPSTREAM_TIMEOUT);
-        return;
-    case UP_TOO_LARGE:
-        gw_job_problem(job, 502, "upstream-response-too-large", "Upstream response too large",
-                       "the upstream's answer exceeds max_response");
-        finish(job, CM_OUT_ERROR);
-        return;
-    case UP_INVALID_RESPONSE:
-        cm_log(CM_WARN, "upstream_invalid_response", "detail=\"%s\"", errmsg ? errmsg : "");
-        gw_job_problem(job, 502, "upstream-invalid-response", "Invalid response from upstream",
-                       "the upstream's answer is not a valid HTTP response the gateway can pass on");
-        finish(job, CM_OUT_ERROR);
-        return;
-    default:
-        cm_log(CM_WARN, "upstream_error", "result=%s detail=\"%s\"", up_result_name(r), errmsg ? errmsg : "");
-        gw_job_problem(job, 502, "upstream-no-response", "No response from upstream",
-                       "the upstream closed the connection without an answer");
-        finish(job, CM_OUT_UPSTREAM_NO_RESPONSE);
-        return;
-    }
-}
-
-/* Sends the job to its configured upstream: the connection goes to the origin parsed from the configuration, the
- * request's own target only becomes the path and query (base path + target), so no target can choose the host.
- * false: nothing was sent (a target up_send refuses, or the transfer could not start). */
-static bool forward(struct gw_job *job, up_done_cb cb)
-{
-    const struct conf_upstream *u = job->upstream;
-    if (job->uri == NULL || job->uri[0] != '/')
-        return false;
-    struct cm_buf target;
-    cm_buf_init(&target, 64 * 1024);
-    if (!cm_buf_appendf(&target, "%s%s", u->base_path, job->uri)) {
-        cm_buf_free(&target);
-        return false;
-    }
-    struct up_origin origin = {.https = u->https, .host = u->host, .port = u->port, .ip_literal = u->host_is_ip};
-    struct up_request req = {
-        .method = job->method,
-        .origin = &origin,
-        .target = target.data,
-        .hdrs = &job->fwd_hdrs,
-        .body = job->body.data,
-        .body_len = job->body.len,
-        .connect_timeout_ms = u->connect_timeout_ms,
-        .timeout_ms = u->timeout_ms,
-        .max_response = max_response(job),
-        .max_header_bytes = (size_t)job->conf->max_response_header_bytes,
-        .no_resend = job->idempotent || !method_is_idempotent(job->method),
-        .max_connections = gw_loop_upstream_max(job->loop, u),
-    };
-    job->transfer = up_send(gw_loop_upstream(job->loop), &req, cb, job);
-    cm_buf_free(&target);
-    return job->transfer != NULL;
-}
-
-/* ---- idempotent: after the upstream answered or failed */
+/* ---- after the upstream answered or failed: one row of the outcome table decides, for both paths */
 
 static void answer_after_store(void *arg, bool ok, long rows)
 {
     struct gw_job *job = arg;
-    job->store_pending = false;
-    finish(job, job->outcome);
+    finish(job, job->pipe->outcome);
 }
 
+/* The completion came back (the replay/complete point): the client gets the upstream's answer either way. */
 static void completed(void *arg, bool ok, long rows)
 {
     struct gw_job *job = arg;
-    job->store_pending = false;
     if (!ok || rows == 0) {
         cm_metric_completion_failure(job->route_index);
         cm_log(CM_ERROR, "completion_failed", "route=%s reason=%s", job->route->name,
                ok ? "fenced_out" : "store_unavailable");
     }
-    take_resp(job, &job->up_resp);
+    take_resp(job, &job->pipe->up_resp);
     finish(job, CM_OUT_FORWARDED);
+}
+
+/* Applies row o to the job: the answer (the upstream's resp, or the row's problem), then the record's action;
+ * resp and errmsg may be NULL when nothing was sent. */
+static void settle_upstream(struct gw_job *job, const struct gw_outcome *o, struct cm_resp *resp, const char *errmsg)
+{
+    struct gw_pipe *p = job->pipe;
+    struct store *st = gw_loop_store(job->loop);
+    p->effect = o->effect;
+    if (o->log_event)
+        cm_log(CM_WARN, o->log_event, "route=%s result=%s detail=\"%s\"", job->route ? job->route->name : "-",
+               up_result_name(o->result), errmsg ? errmsg : "");
+    if (o->status)
+        gw_job_problem(job, o->status, o->problem, o->title, o->detail);
+    else if (o->record != GW_RECORD_COMPLETE)
+        take_resp(job, resp);
+    if (o->record == GW_RECORD_NONE) {
+        finish(job, o->outcome);
+        return;
+    }
+    /* The lease is renewed until the record is settled (finish() stops it): a completion retried while Postgres
+     * restarts must not let it lapse. */
+    struct store_id id = job_id(job);
+    const struct conf_idem *im = &job->route->idem;
+    p->outcome = o->outcome;
+    set_state(job, GW_PIPE_RECORDING);
+    switch (o->record) {
+    case GW_RECORD_COMPLETE:
+        p->up_resp = *resp;
+        cm_hdrs_init(&resp->hdrs);
+        cm_buf_init(&resp->body, 0);
+        store_complete(st, &id, p->token, &p->up_resp, im->retention_ms, im->lease_ms, completed, job);
+        return;
+    case GW_RECORD_RELEASE:
+        store_release(st, &id, p->token, im->lease_ms, answer_after_store, job);
+        return;
+    case GW_RECORD_MARK_UNKNOWN:
+    default:
+        store_mark_unknown(st, &id, p->token, im->lease_ms, im->lease_ms, answer_after_store, job);
+        return;
+    }
+}
+
+static void upstream_done(struct gw_job *job, bool idempotent, enum up_result r, struct cm_resp *resp,
+                          const char *errmsg, double secs)
+{
+    job->pipe->transfer = NULL;
+    cm_metric_upstream_seconds(secs);
+    settle_upstream(job, gw_outcome_for(idempotent, true, r, r == UP_OK && is_release_status(job, resp->status)), resp,
+                    errmsg);
+}
+
+static void passthrough_done(void *arg, enum up_result r, struct cm_resp *resp, const char *errmsg, double secs)
+{
+    upstream_done(arg, false, r, resp, errmsg, secs);
 }
 
 static void idem_forward_done(void *arg, enum up_result r, struct cm_resp *resp, const char *errmsg, double secs)
 {
-    struct gw_job *job = arg;
-    struct store *st = gw_loop_store(job->loop);
-    struct store_id id = job_id(job);
-    const struct conf_idem *im = &job->route->idem;
-    job->transfer = NULL;
-    cm_metric_upstream_seconds(secs);
-    /* The lease is renewed until the record is settled (finish() stops it):
-     * a completion retried while Postgres restarts must not let it lapse. */
-    switch (r) {
-    case UP_OK:
-        if (is_release_status(job, resp->status)) {
-            take_resp(job, resp);
-            job->outcome = CM_OUT_RELEASED;
-            job->store_pending = true;
-            store_release(st, &id, job->token, im->lease_ms, answer_after_store, job);
-            return;
+    upstream_done(arg, true, r, resp, errmsg, secs);
+}
+
+/* Sends the job to its configured upstream: the connection goes to the origin parsed from the configuration, the
+ * request's own target only becomes the path and query (base path + target), so no target can choose the host.
+ * When nothing could be sent (a target up_send refuses, or the transfer could not start), the table's unsent row
+ * answers at once. */
+static void forward(struct gw_job *job, bool idempotent)
+{
+    const struct conf_upstream *u = job->upstream;
+    struct gw_pipe *p = job->pipe;
+    set_state(job, GW_PIPE_FORWARDING);
+    if (job->uri != NULL && job->uri[0] == '/') {
+        struct cm_buf target;
+        cm_buf_init(&target, 64 * 1024);
+        if (cm_buf_appendf(&target, "%s%s", u->base_path, job->uri)) {
+            struct up_origin origin = {
+                .https = u->https, .host = u->host, .port = u->port, .ip_literal = u->host_is_ip};
+            struct up_request req = {
+                .method = job->method,
+                .origin = &origin,
+                .target = target.data,
+                .hdrs = &job->fwd_hdrs,
+                .body = job->body.data,
+                .body_len = job->body.len,
+                .connect_timeout_ms = u->connect_timeout_ms,
+                .timeout_ms = u->timeout_ms,
+                .max_response = max_response(job),
+                .max_header_bytes = (size_t)job->conf->max_response_header_bytes,
+                .no_resend = job->idempotent || !method_is_idempotent(job->method),
+                .max_connections = gw_loop_upstream_max(job->loop, u),
+            };
+            p->transfer =
+                up_send(gw_loop_upstream(job->loop), &req, idempotent ? idem_forward_done : passthrough_done, job);
         }
-        job->up_resp = *resp;
-        cm_hdrs_init(&resp->hdrs);
-        cm_buf_init(&resp->body, 0);
-        job->store_pending = true;
-        store_complete(st, &id, job->token, &job->up_resp, im->retention_ms, im->lease_ms, completed, job);
-        return;
-    case UP_CONNECT_FAILED:
-        gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable",
-                       "the upstream could not be reached; nothing was sent and the key was released");
-        job->outcome = CM_OUT_UPSTREAM_UNAVAILABLE;
-        job->store_pending = true;
-        store_release(st, &id, job->token, im->lease_ms, answer_after_store, job);
-        return;
-    case UP_TIMEOUT:
-        gw_job_problem(job, 504, "upstream-timeout", "Upstream timeout",
-                       "the request was sent but no answer came in time; its outcome is unknown");
-        job->outcome = CM_OUT_UPSTREAM_TIMEOUT;
-        break;
-    case UP_TOO_LARGE:
-        gw_job_problem(job, 502, "upstream-response-too-large", "Upstream response too large",
-                       "the upstream executed the request but its answer exceeds max_response and cannot be "
-                       "stored; the outcome is recorded as unknown");
-        job->outcome = CM_OUT_ERROR;
-        break;
-    case UP_INVALID_RESPONSE:
-        cm_log(CM_WARN, "upstream_invalid_response", "route=%s detail=\"%s\"", job->route->name, errmsg ? errmsg : "");
-        gw_job_problem(job, 502, "upstream-invalid-response", "Invalid response from upstream",
-                       "the request was sent but the upstream's answer is not a valid HTTP response; nothing was "
-                       "stored and the outcome is recorded as unknown");
-        job->outcome = CM_OUT_ERROR;
-        break;
-    default:
-        cm_log(CM_WARN, "upstream_error", "route=%s result=%s detail=\"%s\"", job->route->name, up_result_name(r),
-               errmsg ? errmsg : "");
-        gw_job_problem(job, 502, "upstream-no-response", "No response from upstream",
-                       "the request was sent but the upstream closed the connection without an answer; its "
-                       "outcome is unknown");
-        job->outcome = CM_OUT_UPSTREAM_NO_RESPONSE;
-        break;
+        cm_buf_free(&target);
     }
-    job->store_pending = true;
-    store_mark_unknown(st, &id, job->token, im->lease_ms, im->lease_ms, answer_after_store, job);
+    if (!p->transfer)
+        settle_upstream(job, gw_outcome_for(idempotent, false, UP_CONNECT_FAILED, false), NULL, NULL);
+}
+
+/* The key is ours (and the resource's marker, when guarded): send it. */
+static void forward_claimed(struct gw_job *job)
+{
+    forward(job, true);
+}
+
+/* Passthrough (and shadow requests that do not own their key): forwarded as if key: off. */
+static void forward_passthrough(struct gw_job *job)
+{
+    forward(job, false);
 }
 
 static void renewed(void *arg, bool ok, long rows)
@@ -305,7 +459,7 @@ static void renewed(void *arg, bool ok, long rows)
     free(t);
     if (!job)
         return; /* answered meanwhile */
-    job->renew_ticket = NULL;
+    job->pipe->renew_ticket = NULL;
     if (ok && rows == 0)
         cm_log(CM_WARN, "lease_lost", "route=%s", job->route->name);
 }
@@ -313,13 +467,14 @@ static void renewed(void *arg, bool ok, long rows)
 static void renew_tick(evutil_socket_t fd, short what, void *arg)
 {
     struct gw_job *job = arg;
-    if (job->renew_ticket)
+    struct gw_pipe *p = job->pipe;
+    if (p->renew_ticket)
         return; /* the previous renewal is still running */
     struct renew_ticket *t = cm_malloc(sizeof *t);
     t->job = job;
-    job->renew_ticket = t;
+    p->renew_ticket = t;
     struct store_id id = job_id(job);
-    store_renew(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms, renewed, t);
+    store_renew(gw_loop_store(job->loop), &id, p->token, job->route->idem.lease_ms, renewed, t);
 }
 
 static void wait_tick(evutil_socket_t fd, short what, void *arg)
@@ -330,9 +485,11 @@ static void wait_tick(evutil_socket_t fd, short what, void *arg)
 /* The key is this request's under token: renew its lease until settled, forward once, store what comes back. */
 static void forward_owned(struct gw_job *job, uint64_t token)
 {
-    job->token = token;
-    job->renew_timer = renew_every_third(job, renew_tick);
-    if (job->ordered)
+    job->pipe->token = token;
+    job->pipe->renew_timer = renew_every_third(job, renew_tick);
+    if (job->ordered && job->shadow)
+        shadow_guard(job); /* read, never taken: shadow forwards everything */
+    else if (job->ordered)
         guard_start(job); /* SPEC 6: the guard comes after the idempotency record */
     else
         forward_claimed(job);
@@ -341,22 +498,20 @@ static void forward_owned(struct gw_job *job, uint64_t token)
 /* ---- mode: shadow: claimed and recorded as enforce would, but every request is forwarded and answered by the
  * upstream; the decision enforce would have taken is counted (and logged unless new). */
 
-static void forward_plain(struct gw_job *job)
+static void shadow_decided(struct gw_job *job, enum cm_shadow d)
 {
-    if (!forward(job, passthrough_done)) {
-        gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the transfer could not start");
-        finish(job, CM_OUT_UPSTREAM_UNAVAILABLE);
-    }
+    cm_metric_shadow_decision(job->route_index, d);
+    cm_log(CM_INFO, "shadow_decision", "decision=%s route=%s", cm_shadow_name(d), job->route->name);
 }
 
 static void shadow_claimed(void *arg, struct store_claim_res *res)
 {
     struct gw_job *job = arg;
-    job->store_pending = false;
     enum cm_shadow d;
     switch (res->verdict) {
     case STORE_NEW:
-        cm_metric_shadow_decision(job->route_index, CM_SHADOW_NEW);
+        if (!job->ordered) /* a guarded one is new or stale: shadow_guarded counts it */
+            cm_metric_shadow_decision(job->route_index, CM_SHADOW_NEW);
         forward_owned(job, res->token); /* recorded, so that a later retry can be classified */
         return;
     case STORE_REPLAY:
@@ -374,13 +529,72 @@ static void shadow_claimed(void *arg, struct store_claim_res *res)
         /* the store never fails a shadow request: forwarded, no decision */
         cm_metric_shadow_store_error(job->route_index);
         cm_log(CM_WARN, "shadow_store_error", "route=%s detail=\"%s\"", job->route->name, res->err ? res->err : "");
-        forward_plain(job);
+        forward_passthrough(job);
         return;
     }
-    /* TODO(ordering): "stale" needs the ordering guard (SPEC 6); until it is merged no request is classified so */
-    cm_metric_shadow_decision(job->route_index, d);
-    cm_log(CM_INFO, "shadow_decision", "decision=%s route=%s", cm_shadow_name(d), job->route->name);
-    forward_plain(job); /* the record is left as it is: only the first request of a key owns it */
+    /* SPEC 6: the idempotency record comes first (a retry of an applied request is a replay, never stale) */
+    shadow_decided(job, d);
+    forward_passthrough(job); /* the record is left as it is: only the first request of a key owns it */
+}
+
+/* A guarded shadow request that owns its key: would enforce's guard have refused it stale? The resource's row is
+ * read (store_order_peek), never its marker taken, and the request is forwarded either way. */
+static void shadow_guarded(void *arg, const struct store_order_peek_res *res)
+{
+    struct gw_job *job = arg;
+    struct gw_pipe *p = job->pipe;
+    if (!res->ok) {
+        cm_metric_shadow_store_error(job->route_index);
+        cm_log(CM_WARN, "shadow_store_error", "route=%s detail=\"the ordering guard's row could not be read\"",
+               job->route->name);
+    } else if (res->stale) {
+        /* enforce would have answered 409 stale-sequence and kept no record: the claim goes after the answer */
+        shadow_decided(job, CM_SHADOW_STALE);
+        p->shadow_stale = true;
+        forward_passthrough(job);
+        return;
+    } else {
+        cm_metric_shadow_decision(job->route_index, CM_SHADOW_NEW);
+    }
+    p->shadow_advance = true;
+    forward_claimed(job);
+}
+
+static void shadow_guard(struct gw_job *job)
+{
+    struct store_order_id id = guard_id(job);
+    set_state(job, GW_PIPE_GUARDING);
+    store_order_peek(store_order_of(gw_loop_store(job->loop)), &id, job->seq, job->key, job->key_len, shadow_guarded,
+                     job);
+}
+
+/* finish() asks first: a guarded shadow request settles what enforce would have, before its answer (so that the
+ * client's next request is judged against it). Its applied sequence advances once it executed (an unknown outcome
+ * remembers its key, as the guard's settle does); a stale one's claim is released, as enforce keeps no record of a
+ * refused request. true: that statement runs, finish comes again from its callback. */
+static bool shadow_settle(struct gw_job *job, enum cm_outcome outcome)
+{
+    struct gw_pipe *p = job->pipe;
+    if (p->shadow_advance) {
+        p->shadow_advance = false;
+        if (p->effect != GW_EFFECT_NONE) {
+            bool unknown = p->effect == GW_EFFECT_UNKNOWN && job->idempotent;
+            struct store_order_id id = guard_id(job);
+            p->outcome = outcome;
+            set_state(job, GW_PIPE_UNGUARDING);
+            store_order_advance(store_order_of(gw_loop_store(job->loop)), &id, job->seq, unknown ? job->key : NULL,
+                                job->key_len, guard_settled, job);
+            return true;
+        }
+    }
+    if (!p->shadow_stale)
+        return false;
+    p->shadow_stale = false;
+    p->outcome = outcome;
+    struct store_id kid = job_id(job);
+    set_state(job, GW_PIPE_RECORDING);
+    store_release(gw_loop_store(job->loop), &kid, p->token, job->route->idem.lease_ms, answer_after_store, job);
+    return true;
 }
 
 static void answer_unknown(struct gw_job *job)
@@ -391,12 +605,17 @@ static void answer_unknown(struct gw_job *job)
     finish(job, CM_OUT_UNKNOWN);
 }
 
+static void answer_store_unavailable(struct gw_job *job, const char *detail)
+{
+    gw_job_problem(job, 503, "store-unavailable", "Store unavailable", detail);
+    retry_after(job, 1000);
+}
+
 /* ---- on_unknown: probe: the upstream is asked whether the unknown outcome executed (gateway/probe.c) */
 
 static void probe_answered(void *arg, enum gw_probe_result r, struct cm_resp *resp)
 {
     struct gw_job *job = arg;
-    job->store_pending = false;
     switch (r) {
     case GW_PROBE_FOUND: /* the looked-up answer is the record's answer now: replayed */
         take_resp(job, resp);
@@ -409,9 +628,7 @@ static void probe_answered(void *arg, enum gw_probe_result r, struct cm_resp *re
         claim(job);
         return;
     case GW_PROBE_STORE:
-        gw_job_problem(job, 503, "store-unavailable", "Store unavailable",
-                       "the idempotency store cannot be reached; nothing was forwarded");
-        retry_after(job, 1000);
+        answer_store_unavailable(job, "the idempotency store cannot be reached; nothing was forwarded");
         finish(job, CM_OUT_STORE_UNAVAILABLE);
         return;
     case GW_PROBE_UNRESOLVED:
@@ -424,21 +641,21 @@ static void probe_answered(void *arg, enum gw_probe_result r, struct cm_resp *re
 static void probe_unknown(struct gw_job *job)
 {
     struct store_id id = job_id(job);
-    job->probed = true; /* once per request: a second unknown verdict is answered 409 */
-    job->store_pending = true;
+    job->pipe->probed = true; /* once per request: a second unknown verdict is answered 409 */
+    set_state(job, GW_PIPE_PROBING);
     gw_probe_run(gw_loop_probe(job->loop), job->route_index, &id, probe_answered, job);
 }
 
 static void claimed(void *arg, struct store_claim_res *res)
 {
     struct gw_job *job = arg;
-    job->store_pending = false;
+    struct gw_pipe *p = job->pipe;
     const struct conf_idem *im = &job->route->idem;
     switch (res->verdict) {
     case STORE_NEW:
         forward_owned(job, res->token);
         return;
-    case STORE_REPLAY:
+    case STORE_REPLAY: /* the replay point: the stored answer, byte for byte */
         take_resp(job, &res->resp);
         job->replayed = true;
         cm_metric_dedup_hit(job->route_index);
@@ -453,15 +670,16 @@ static void claimed(void *arg, struct store_claim_res *res)
     case STORE_IN_FLIGHT:
         if (im->on_in_flight == CONF_IN_FLIGHT_WAIT) {
             uint64_t now = cm_now_ms();
-            if (!job->wait_deadline_ms) {
-                job->wait_deadline_ms = now + im->wait_ms;
-                job->wait_backoff_ms = WAIT_BACKOFF_FIRST_MS;
+            if (!p->wait_deadline_ms) {
+                p->wait_deadline_ms = now + im->wait_ms;
+                p->wait_backoff_ms = WAIT_BACKOFF_FIRST_MS;
             }
-            if (now < job->wait_deadline_ms) {
-                uint64_t d = backoff_next(&job->wait_backoff_ms, now, job->wait_deadline_ms, WAIT_BACKOFF_MAX_MS);
-                if (!job->timer)
-                    job->timer = evtimer_new(gw_loop_base(job->loop), wait_tick, job);
-                timer_arm_ms(job->timer, d);
+            if (now < p->wait_deadline_ms) {
+                uint64_t d = backoff_next(&p->wait_backoff_ms, now, p->wait_deadline_ms, WAIT_BACKOFF_MAX_MS);
+                if (!p->timer)
+                    p->timer = evtimer_new(gw_loop_base(job->loop), wait_tick, job);
+                set_state(job, GW_PIPE_WAITING);
+                timer_arm_ms(p->timer, d);
                 return;
             }
         }
@@ -472,7 +690,7 @@ static void claimed(void *arg, struct store_claim_res *res)
         finish(job, CM_OUT_IN_FLIGHT);
         return;
     case STORE_UNKNOWN:
-        if (im->on_unknown == CONF_UNKNOWN_PROBE && !job->probed) {
+        if (im->on_unknown == CONF_UNKNOWN_PROBE && !p->probed) {
             probe_unknown(job);
             return;
         }
@@ -481,31 +699,9 @@ static void claimed(void *arg, struct store_claim_res *res)
     case STORE_UNAVAILABLE:
     default:
         cm_log(CM_WARN, "store_unavailable", "route=%s detail=\"%s\"", job->route->name, res->err ? res->err : "");
-        gw_job_problem(job, 503, "store-unavailable", "Store unavailable",
-                       "the idempotency store cannot be reached; nothing was forwarded");
-        retry_after(job, 1000);
+        answer_store_unavailable(job, "the idempotency store cannot be reached; nothing was forwarded");
         finish(job, CM_OUT_STORE_UNAVAILABLE);
         return;
-    }
-}
-
-/* The key is ours (and the resource's marker, when guarded): send it. */
-static void forward_claimed(struct gw_job *job)
-{
-    if (!forward(job, idem_forward_done)) {
-        gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the transfer could not start");
-        job->outcome = CM_OUT_UPSTREAM_UNAVAILABLE;
-        struct store_id id = job_id(job);
-        job->store_pending = true;
-        store_release(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms, answer_after_store, job);
-    }
-}
-
-static void forward_passthrough(struct gw_job *job)
-{
-    if (!forward(job, passthrough_done)) {
-        gw_job_problem(job, 502, "upstream-unavailable", "Upstream unavailable", "the transfer could not start");
-        finish(job, CM_OUT_UPSTREAM_UNAVAILABLE);
     }
 }
 
@@ -520,14 +716,20 @@ static void claim(struct gw_job *job)
     req.lease_ms = im->lease_ms;
     req.retention_ms = im->retention_ms;
     req.takeover_unknown = im->on_unknown == CONF_UNKNOWN_RETRY;
-    job->store_pending = true;
+    set_state(job, GW_PIPE_CLAIMING);
     store_claim(gw_loop_store(job->loop), &req, job->shadow ? shadow_claimed : claimed, job);
 }
 
 void gw_pipeline_run(void *arg)
 {
     struct gw_job *job = arg;
-    gw_loop_job_add(job->loop, job);
+    struct gw_pipe *p = cm_calloc(1, sizeof *p);
+    p->job = job;
+    p->state = GW_PIPE_NEW;
+    p->effect = GW_EFFECT_UNKNOWN; /* until an upstream result says otherwise (an abort while sending) */
+    cm_resp_init(&p->up_resp, 0);
+    job->pipe = p;
+    gw_loop_job_add(job->loop, &p->link);
     if (gw_loop_closing(job->loop)) {
         gw_job_problem(job, 503, "shutting-down", "Shutting down", "the gateway is stopping");
         finish(job, CM_OUT_ERROR);
@@ -543,15 +745,20 @@ void gw_pipeline_run(void *arg)
         forward_passthrough(job);
         return;
     }
+    if (!job->idempotent && job->route->idem.mode == CONF_MODE_SHADOW) {
+        /* keyless (or an invalid key) on a guarded shadow route: forwarded, no decision; what executed still
+         * advances the resource's sequence, as enforce's guard would have */
+        job->pipe->shadow_advance = gw_loop_schema_ready(job->loop);
+        forward_passthrough(job);
+        return;
+    }
     if (!gw_loop_schema_ready(job->loop) && job->shadow) {
         cm_metric_shadow_store_error(job->route_index);
-        forward_plain(job); /* the store never fails a shadow request */
+        forward_passthrough(job); /* the store never fails a shadow request */
         return;
     }
     if (!gw_loop_schema_ready(job->loop)) {
-        gw_job_problem(job, 503, "store-unavailable", "Store unavailable",
-                       "the idempotency store is not ready yet; nothing was forwarded");
-        retry_after(job, 1000);
+        answer_store_unavailable(job, "the idempotency store is not ready yet; nothing was forwarded");
         finish(job, CM_OUT_STORE_UNAVAILABLE);
         return;
     }
@@ -562,25 +769,48 @@ void gw_pipeline_run(void *arg)
     claim(job);
 }
 
+void gw_pipeline_free(struct gw_job *job)
+{
+    struct gw_pipe *p = job->pipe;
+    if (!p)
+        return;
+    event_clear(&p->timer);
+    event_clear(&p->renew_timer);
+    event_clear(&p->order_timer);
+    event_clear(&p->order_renew_timer);
+    if (p->renew_ticket)
+        p->renew_ticket->job = NULL;
+    cm_resp_free(&p->up_resp);
+    free(p);
+    job->pipe = NULL;
+}
+
+static struct gw_job *job_of_link(struct gw_loop_link *link)
+{
+    return ((struct gw_pipe *)((char *)link - offsetof(struct gw_pipe, link)))->job;
+}
+
 void gw_pipeline_abort_all(void *arg)
 {
     struct gw_loop *l = arg;
     gw_loop_set_closing(l);
     /* Jobs waiting for the store keep going (every store operation is
      * bounded); the others are answered now. */
-    struct gw_job *job = gw_loop_first_job(l);
-    while (job) {
-        struct gw_job *next = job->next_active;
-        if (!job->store_pending) {
-            if (job->transfer) {
-                up_cancel(gw_loop_upstream(l), job->transfer);
-                job->transfer = NULL;
+    struct gw_loop_link *link = gw_loop_first_job(l);
+    while (link) {
+        struct gw_loop_link *next = link->next;
+        struct gw_job *job = job_of_link(link);
+        struct gw_pipe *p = job->pipe;
+        if (!(store_states & ST(p->state))) {
+            if (p->transfer) {
+                up_cancel(gw_loop_upstream(l), p->transfer);
+                p->transfer = NULL;
             }
             gw_job_problem(job, 503, "shutting-down", "Shutting down",
                            "the gateway stopped before this request finished; its outcome is unknown");
             finish(job, CM_OUT_ERROR);
         }
-        job = next;
+        link = next;
     }
 }
 
@@ -601,47 +831,45 @@ static struct store_order_id guard_id(const struct gw_job *job)
 
 static void guard_stop_timers(struct gw_job *job)
 {
-    event_clear(&job->order_timer);
-    event_clear(&job->order_renew_timer);
+    event_clear(&job->pipe->order_timer);
+    event_clear(&job->pipe->order_renew_timer);
 }
 
 static void guard_settled(void *arg, bool ok)
 {
     struct gw_job *job = arg;
-    job->store_pending = false;
-    finish(job, job->outcome);
+    finish(job, job->pipe->outcome);
 }
 
 /* finish() asks first: true when the job holds the resource's marker, whose settle now runs (finish comes
- * again from its callback). Nothing sent (released) leaves applied as it was; anything else may have executed
- * and counts as applied. */
+ * again from its callback). The outcome table's effect decides: nothing executed (nothing sent, a release status)
+ * leaves applied as it was; an answer sets it; anything else (sent, no answer; or ended while sending) may have
+ * executed and counts as applied. */
 static bool guard_settle(struct gw_job *job, enum cm_outcome outcome)
 {
-    if (job->order_waiting) {
+    struct gw_pipe *p = job->pipe;
+    if (p->state == GW_PIPE_GUARD_WAIT) {
         /* ended while waiting for the resource (shutdown): nothing was sent, the key's claim goes */
-        job->order_waiting = false;
         guard_stop_timers(job);
-        job->outcome = outcome;
+        p->outcome = outcome;
         if (!job->idempotent)
             return false;
         struct store_id kid = job_id(job);
-        job->store_pending = true;
-        store_release(gw_loop_store(job->loop), &kid, job->token, job->route->idem.lease_ms, answer_after_store, job);
+        set_state(job, GW_PIPE_RECORDING);
+        store_release(gw_loop_store(job->loop), &kid, p->token, job->route->idem.lease_ms, answer_after_store, job);
         return true;
     }
-    if (!job->order_held)
+    if (!p->order_held)
         return false;
-    job->order_held = false;
-    job->outcome = outcome;
+    p->order_held = false;
+    p->outcome = outcome;
     guard_stop_timers(job);
-    bool released = outcome == CM_OUT_RELEASED || outcome == CM_OUT_UPSTREAM_UNAVAILABLE ||
-                    (outcome == CM_OUT_FORWARDED && !job->idempotent && is_release_status(job, job->status));
     struct store_order_id id = guard_id(job);
-    job->store_pending = true;
-    store_order_settle(store_order_of(gw_loop_store(job->loop)), &id, job->order_token,
-                       released                      ? STORE_SETTLE_RELEASED
-                       : outcome == CM_OUT_FORWARDED ? STORE_SETTLE_APPLIED
-                                                     : STORE_SETTLE_UNKNOWN,
+    set_state(job, GW_PIPE_UNGUARDING);
+    store_order_settle(store_order_of(gw_loop_store(job->loop)), &id, p->order_token,
+                       p->effect == GW_EFFECT_NONE      ? STORE_SETTLE_RELEASED
+                       : p->effect == GW_EFFECT_APPLIED ? STORE_SETTLE_APPLIED
+                                                        : STORE_SETTLE_UNKNOWN,
                        job->route->idem.lease_ms, guard_settled, job);
     return true;
 }
@@ -650,7 +878,7 @@ static void guard_renew_tick(evutil_socket_t fd, short what, void *arg)
 {
     struct gw_job *job = arg;
     struct store_order_id id = guard_id(job);
-    store_order_renew(store_order_of(gw_loop_store(job->loop)), &id, job->order_token, job->route->idem.lease_ms);
+    store_order_renew(store_order_of(gw_loop_store(job->loop)), &id, job->pipe->order_token, job->route->idem.lease_ms);
 }
 
 static void guard_try(struct gw_job *job);
@@ -672,16 +900,15 @@ static void guard_done(void *arg, const struct store_order_res *res)
 {
     struct gw_job *job = arg;
     const struct conf_ordering *o = &job->route->ordering;
-    job->store_pending = false;
-    if (res->gap && !job->gap_counted) {
-        job->gap_counted = true;
+    if (res->gap && !job->pipe->gap_counted) {
+        job->pipe->gap_counted = true;
         cm_metric_sequence_gap(job->route_index);
     }
     uint64_t now = cm_now_ms();
     switch (res->verdict) {
     case STORE_ORDER_OK: {
-        job->order_held = true;
-        job->order_renew_timer = renew_every_third(job, guard_renew_tick);
+        job->pipe->order_held = true;
+        job->pipe->order_renew_timer = renew_every_third(job, guard_renew_tick);
         if (job->idempotent)
             forward_claimed(job);
         else
@@ -698,13 +925,14 @@ static void guard_done(void *arg, const struct store_order_res *res)
         return;
     case STORE_ORDER_IN_USE:
     case STORE_ORDER_GAP:
-        if (job->ordered_may_wait && (res->verdict == STORE_ORDER_IN_USE || o->on_gap == CONF_GAP_HOLD)) {
+        if (job->pipe->ordered_may_wait && (res->verdict == STORE_ORDER_IN_USE || o->on_gap == CONF_GAP_HOLD)) {
             /* not final: the statement kept the key's claim; try again after a backoff, within hold */
-            uint64_t d = backoff_next(&job->order_backoff_ms, now, job->order_deadline_ms, GUARD_BACKOFF_MAX_MS);
-            if (!job->order_timer)
-                job->order_timer = evtimer_new(gw_loop_base(job->loop), guard_wait_tick, job);
-            job->order_waiting = true;
-            timer_arm_ms(job->order_timer, d);
+            uint64_t d =
+                backoff_next(&job->pipe->order_backoff_ms, now, job->pipe->order_deadline_ms, GUARD_BACKOFF_MAX_MS);
+            if (!job->pipe->order_timer)
+                job->pipe->order_timer = evtimer_new(gw_loop_base(job->loop), guard_wait_tick, job);
+            set_state(job, GW_PIPE_GUARD_WAIT);
+            timer_arm_ms(job->pipe->order_timer, d);
             return;
         }
         if (res->verdict == STORE_ORDER_IN_USE) {
@@ -722,15 +950,13 @@ static void guard_done(void *arg, const struct store_order_res *res)
         return;
     case STORE_ORDER_UNAVAILABLE:
     default:
-        gw_job_problem(job, 503, "store-unavailable", "Store unavailable",
-                       "the ordering guard's store cannot be reached; nothing was forwarded");
-        retry_after(job, 1000);
-        if (job->idempotent) {
+        answer_store_unavailable(job, "the ordering guard's store cannot be reached; nothing was forwarded");
+        if (job->idempotent) { /* nothing was sent: the key's claim goes */
             struct store_id id = job_id(job);
-            job->outcome = CM_OUT_STORE_UNAVAILABLE;
-            job->store_pending = true;
-            store_release(gw_loop_store(job->loop), &id, job->token, job->route->idem.lease_ms, answer_after_store,
-                          job);
+            job->pipe->outcome = CM_OUT_STORE_UNAVAILABLE;
+            set_state(job, GW_PIPE_RECORDING);
+            store_release(gw_loop_store(job->loop), &id, job->pipe->token, job->route->idem.lease_ms,
+                          answer_after_store, job);
             return;
         }
         finish(job, CM_OUT_STORE_UNAVAILABLE);
@@ -741,29 +967,28 @@ static void guard_done(void *arg, const struct store_order_res *res)
 static void guard_try(struct gw_job *job)
 {
     const struct conf_ordering *o = &job->route->ordering;
-    job->order_waiting = false;
     struct store_order_req req;
     memset(&req, 0, sizeof req);
     req.id = guard_id(job);
     req.seq = job->seq;
-    req.token = job->order_token;
+    req.token = job->pipe->order_token;
     req.lease_ms = job->route->idem.lease_ms;
     req.on_gap = o->on_gap == CONF_GAP_REJECT ? STORE_GAP_REJECT
                  : o->on_gap == CONF_GAP_HOLD ? STORE_GAP_HOLD
                                               : STORE_GAP_ACCEPT;
-    req.may_wait = job->ordered_may_wait = cm_now_ms() < job->order_deadline_ms;
+    req.may_wait = job->pipe->ordered_may_wait = cm_now_ms() < job->pipe->order_deadline_ms;
     if (job->idempotent) {
         req.key = job->key;
         req.key_len = job->key_len;
     }
-    job->store_pending = true;
+    set_state(job, GW_PIPE_GUARDING);
     store_order_acquire(store_order_of(gw_loop_store(job->loop)), &req, guard_done, job);
 }
 
 static void guard_start(struct gw_job *job)
 {
-    job->order_token = job->idempotent ? job->token : cm_random_token();
-    job->order_deadline_ms = cm_now_ms() + job->route->ordering.hold_ms;
-    job->order_backoff_ms = GUARD_BACKOFF_FIRST_MS;
+    job->pipe->order_token = job->idempotent ? job->pipe->token : cm_random_token();
+    job->pipe->order_deadline_ms = cm_now_ms() + job->route->ordering.hold_ms;
+    job->pipe->order_backoff_ms = GUARD_BACKOFF_FIRST_MS;
     guard_try(job);
 }

@@ -6,7 +6,8 @@
 #include <string.h>
 
 #include "common/metrics.h"
-#include "gateway/gateway.h"
+#include "gateway/loop.h"
+#include "gateway/reload.h"
 #include "store/store.h"
 #include "upstream/upstream.h"
 
@@ -19,7 +20,8 @@
 struct probe_run {
     struct probe_run *prev, *next;
     struct gw_probe *p;
-    const struct conf_route *route;
+    struct gw_conf *cref;           /* the configuration in force when the run started (one reference) */
+    const struct conf_route *route; /* in cref */
     size_t route_index;
     char *route_name;
     char *key;
@@ -36,8 +38,7 @@ struct probe_run {
 
 struct gw_probe {
     struct gw_loop *loop;
-    struct event *sweep_timer; /* NULL: no route probes */
-    char *routes_nl;           /* the probe routes' names joined by '\n' */
+    struct event *sweep_timer; /* runs always: a reload may add a probe route */
     bool listing;              /* the sweeper's query runs */
     size_t sweeping;           /* look-ups the sweeper started that still run */
     struct probe_run *runs;
@@ -82,6 +83,7 @@ static void run_free(struct probe_run *r)
     if (r->sweep && p->sweeping > 0)
         p->sweeping--;
     cm_resp_free(&r->resp);
+    gw_conf_unref(r->cref);
     free(r->route_name);
     free(r->key);
     free(r);
@@ -209,7 +211,7 @@ static bool build_target(const struct probe_run *r, const struct conf_upstream *
 /* Sends the look-up: the route's upstream and timeouts, probe.headers only (never the client's). */
 static bool send_lookup(struct probe_run *r)
 {
-    const struct conf *conf = gw_loop_conf(r->p->loop);
+    const struct conf *conf = r->cref->conf;
     const struct conf_upstream *u = &conf->upstreams[r->route->upstream];
     const struct conf_probe *pc = &r->route->idem.probe;
     struct cm_buf target;
@@ -263,20 +265,24 @@ static void taken(void *arg, bool ok, long rows)
 static void run_start(struct gw_probe *p, size_t route_index, const struct store_id *id, bool sweep, gw_probe_cb cb,
                       void *arg)
 {
-    const struct conf *conf = gw_loop_conf(p->loop);
-    /* by name: a request's route_index is its metrics slot, and after a reload its route is another struct */
+    /* the configuration in force now (a reload may have added, changed or removed the route's probe: block); by
+     * name, since a request's route_index is its metrics slot and after a reload its route is another struct */
+    struct gw_conf *gc = gw_loop_current(p->loop);
+    const struct conf *conf = gc ? gc->conf : NULL;
     const struct conf_route *route = NULL;
-    for (size_t i = 0; i < conf->routes_n && !route; i++)
+    for (size_t i = 0; conf && i < conf->routes_n && !route; i++)
         if (strcmp(conf->routes[i].name, id->route) == 0 && conf->routes[i].idem.on_unknown == CONF_UNKNOWN_PROBE)
             route = &conf->routes[i];
     (void)route_index;
     if (!route) {
-        cm_log(CM_WARN, "probe_unresolved", "route=%s reason=not_a_probe_route_at_start", id->route);
-        cb(arg, GW_PROBE_UNRESOLVED, NULL);
+        cm_log(CM_WARN, "probe_unresolved", "route=%s reason=not_a_probe_route", id->route);
+        if (cb)
+            cb(arg, GW_PROBE_UNRESOLVED, NULL);
         return;
     }
     struct probe_run *r = cm_calloc(1, sizeof *r);
     r->p = p;
+    r->cref = gw_conf_ref(gc); /* the run finishes under it, whatever a reload swaps in meanwhile */
     r->route = route;
     r->route_index = cm_metrics_route(id->route);
     r->route_name = cm_strdup(id->route);
@@ -315,18 +321,32 @@ static void sweep_schedule(struct gw_probe *p, uint64_t ms)
 static void listed(void *arg, bool ok, const struct store_unknown_rec *recs, size_t n)
 {
     struct gw_probe *p = arg;
-    const struct conf *conf = gw_loop_conf(p->loop);
     p->listing = false;
-    for (size_t i = 0; ok && i < n; i++) {
-        for (size_t j = 0; j < conf->routes_n; j++) {
-            if (conf->routes[j].idem.on_unknown == CONF_UNKNOWN_PROBE &&
-                strcmp(conf->routes[j].name, recs[i].id.route) == 0) {
-                run_start(p, j, &recs[i].id, true, NULL, NULL);
-                break;
-            }
-        }
-    }
+    for (size_t i = 0; ok && i < n; i++)
+        run_start(p, 0, &recs[i].id, true, NULL, NULL); /* a route no longer probing is skipped (logged) */
     sweep_schedule(p, SWEEP_EVERY_MS);
+}
+
+/* The names of the current configuration's probe routes joined by '\n' (heap), NULL when it has none. */
+static char *probe_routes(struct gw_probe *p)
+{
+    struct gw_conf *gc = gw_loop_current(p->loop);
+    if (!gc)
+        return NULL;
+    const struct conf *conf = gc->conf;
+    struct cm_buf names;
+    cm_buf_init(&names, 64 * 1024);
+    bool any = false;
+    for (size_t i = 0; i < conf->routes_n; i++) {
+        if (conf->routes[i].idem.on_unknown != CONF_UNKNOWN_PROBE)
+            continue;
+        if (!cm_buf_appendf(&names, "%s%s", any ? "\n" : "", conf->routes[i].name))
+            abort();
+        any = true;
+    }
+    char *v = any ? cm_strndup(names.data, names.len) : NULL;
+    cm_buf_free(&names);
+    return v;
 }
 
 static void sweep_tick(evutil_socket_t fd, short what, void *arg)
@@ -339,33 +359,24 @@ static void sweep_tick(evutil_socket_t fd, short what, void *arg)
         sweep_schedule(p, SWEEP_EVERY_MS);
         return;
     }
+    char *routes = probe_routes(p); /* read at every sweep: a reload may add or remove probe routes */
+    if (!routes) {
+        sweep_schedule(p, SWEEP_EVERY_MS);
+        return;
+    }
     p->listing = true;
-    store_probe_list(gw_loop_store(p->loop), p->routes_nl, SWEEP_BATCH, listed, p);
+    store_probe_list(gw_loop_store(p->loop), routes, SWEEP_BATCH, listed, p);
+    free(routes);
 }
 
 struct gw_probe *gw_probe_create(struct gw_loop *l)
 {
     struct gw_probe *p = cm_calloc(1, sizeof *p);
     p->loop = l;
-    const struct conf *conf = gw_loop_conf(l);
-    struct cm_buf names;
-    cm_buf_init(&names, 64 * 1024);
-    bool any = false;
-    for (size_t i = 0; i < conf->routes_n; i++) {
-        if (conf->routes[i].idem.on_unknown != CONF_UNKNOWN_PROBE)
-            continue;
-        if (!cm_buf_appendf(&names, "%s%s", any ? "\n" : "", conf->routes[i].name))
-            abort();
-        any = true;
-    }
-    if (any) {
-        p->routes_nl = cm_strndup(names.data, names.len);
-        p->sweep_timer = evtimer_new(gw_loop_base(l), sweep_tick, p);
-        if (!p->sweep_timer)
-            abort();
-        sweep_schedule(p, SWEEP_FIRST_MS);
-    }
-    cm_buf_free(&names);
+    p->sweep_timer = evtimer_new(gw_loop_base(l), sweep_tick, p);
+    if (!p->sweep_timer)
+        abort();
+    sweep_schedule(p, SWEEP_FIRST_MS);
     return p;
 }
 
@@ -377,6 +388,5 @@ void gw_probe_destroy(struct gw_probe *p)
         run_free(p->runs);
     if (p->sweep_timer)
         event_free(p->sweep_timer);
-    free(p->routes_nl);
     free(p);
 }

@@ -4,7 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/metrics.h"
 #include "gateway/jwt.h"
+#include "gateway/loop.h"
 
 #define SWAP_TIMEOUT_MS 10000
 #define NAMES_MAX       1024 /* the names listed in event=reloaded */

@@ -3,7 +3,33 @@
 #ifndef IDEMGATE_RELOAD_H
 #define IDEMGATE_RELOAD_H
 
-#include "gateway/gateway.h"
+#include <stdatomic.h>
+#include <stddef.h>
+
+#include "conf/conf.h"
+
+struct gw_jwt;
+struct gw_loops;
+
+/* ---- the configuration in force: immutable and reference-counted. Each loop holds the one it serves new requests
+ * with; each request takes a reference when the front accepts its head and drops it when the request is freed, so
+ * a request finishes under the configuration it started with and the old one goes with its last request. */
+struct gw_conf {
+    struct conf *conf;  /* owned */
+    struct gw_jwt *jwt; /* the verifier of jwt:CLAIM scopes, NULL without a jwt: block; owned */
+    size_t *route_slot; /* metrics slot of each route (cm_metrics_route of its name), conf->routes_n entries */
+    atomic_long refs;
+};
+/* Loads and validates file completely (conf_load, then its JWT keys). Returns the handle with one reference, or
+ * NULL + *err "FILE:LINE: KEY: ..." or the key loader's message (heap, caller frees). */
+struct gw_conf *gw_conf_load(const char *file, char **err);
+/* Gives each route its metrics slot (by name; cm_metrics_route). Call once the configuration is going to serve,
+ * before any loop has it. */
+void gw_conf_label(struct gw_conf *c);
+/* Another reference to c (any thread); returns c. */
+struct gw_conf *gw_conf_ref(struct gw_conf *c);
+/* Drops a reference (any thread); the last one frees the handle and its conf. NULL is a no-op. */
+void gw_conf_unref(struct gw_conf *c);
 
 /* Main thread. Loads file; when it is valid, needs no restart and its JWT keys load, every loop of ls gets it (the
  * requests already accepted finish under the configuration they started with) and the new handle is returned

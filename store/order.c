@@ -90,12 +90,27 @@ static const char sql_released[] = "UPDATE idemgate_order SET inflight_seq = NUL
 static const char sql_renew[] = "UPDATE idemgate_order SET inflight_until = to_timestamp(($5 + $6) / 1000.0)"
                                 " WHERE route = $1 AND scope = $2 AND resource = $3 AND inflight_token = $4";
 
-enum { O_ACQUIRE, O_APPLIED, O_UNKNOWN, O_RELEASED, O_RENEW };
+/* Shadow mode. $1 route, $2 scope, $3 resource, $4 seq, $5 key (NULL: none), $6 now ms: the applied sequence as
+ * acquire counts it (EFF, EFFKEY with no marker of ours) and whether seq is stale (G_STALE). No row: fresh. */
+#define P_LAPSED "(o.inflight_token IS NOT NULL AND o.inflight_until < to_timestamp($6 / 1000.0))"
+static const char sql_peek[] =
+    "SELECT e.applied, ($4 < e.applied OR ($4 = e.applied AND NOT coalesce(e.applied_key = $5, false))) FROM"
+    " (SELECT CASE WHEN " P_LAPSED " THEN greatest(o.applied, o.inflight_seq) ELSE o.applied END AS applied,"
+    " CASE WHEN " P_LAPSED " AND o.inflight_seq > o.applied THEN o.inflight_key ELSE o.applied_key END AS applied_key"
+    " FROM idemgate_order o WHERE o.route = $1 AND o.scope = $2 AND o.resource = $3) e";
+/* $1 route, $2 scope, $3 resource, $4 seq, $5 key (NULL: completed): SQL_SETTLE_APPLIED without the marker. */
+static const char sql_advance[] =
+    "INSERT INTO idemgate_order AS o (route, scope, resource, applied, applied_key) VALUES ($1, $2, $3, $4, $5)"
+    " ON CONFLICT (route, scope, resource) DO UPDATE SET applied = greatest(o.applied, $4),"
+    " applied_key = CASE WHEN $4 >= o.applied THEN $5 ELSE o.applied_key END";
+
+enum { O_ACQUIRE, O_APPLIED, O_UNKNOWN, O_RELEASED, O_RENEW, O_PEEK, O_ADVANCE };
 
 static const Oid acquire_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8,
                                     OID_INT8, OID_INT8,  OID_INT4, OID_BOOL, OID_TEXT};
 static const Oid settle_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8};
 static const Oid renew_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8, OID_INT8};
+static const Oid peek_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_TEXT, OID_INT8};
 
 /* batch_key 0: each runs alone in its own implicit transaction. */
 static const struct store_pg_stmt order_stmts[STORE_ORDER_NSTMTS] = {
@@ -104,6 +119,8 @@ static const struct store_pg_stmt order_stmts[STORE_ORDER_NSTMTS] = {
     [O_UNKNOWN] = {"idg_order_unknown", sql_unknown, 4, settle_types, 0, NULL, NULL},
     [O_RELEASED] = {"idg_order_released", sql_released, 4, settle_types, 0, NULL, NULL},
     [O_RENEW] = {"idg_order_renew", sql_renew, 6, renew_types, 0, NULL, NULL},
+    [O_PEEK] = {"idg_order_peek", sql_peek, 6, peek_types, 0, NULL, NULL},
+    [O_ADVANCE] = {"idg_order_advance", sql_advance, 5, peek_types, 0, NULL, NULL},
 };
 
 const struct store_pg_stmt *store_order_stmts(void)
@@ -124,6 +141,8 @@ struct oop {
     /* acquire */
     int64_t seq;
     store_order_cb acb;
+    /* peek */
+    store_order_peek_cb pcb;
     /* settle */
     uint64_t deadline_ms;
     uint64_t backoff_ms;
@@ -310,4 +329,71 @@ void store_order_renew(struct store_order *o, const struct store_order_id *id, u
     p->stmt = O_RENEW;
     p->deadline_ms = lease_ms; /* sent as $6 */
     settle_send(p);
+}
+
+/* ---- shadow mode */
+
+static void peek_cb(void *arg, enum store_pg_status st, const PGresult *r, const char *msg)
+{
+    struct oop *p = arg;
+    struct store_order_peek_res res = {.ok = st == STORE_PG_OK};
+    if (res.ok && PQntuples(r) == 1) {
+        res.applied = get_i64(r, 0);
+        res.stale = PQgetvalue(r, 0, 1)[0] == 't';
+    } else if (!res.ok) {
+        cm_log(CM_WARN, "order_peek_failed", "route=%s status=%s detail=\"%s\"", p->route, store_pg_status_name(st),
+               msg);
+    }
+    store_order_peek_cb cb = p->pcb;
+    void *cbarg = p->arg;
+    oop_free(p);
+    cb(cbarg, &res);
+}
+
+static void advance_cb(void *arg, enum store_pg_status st, const PGresult *r, const char *msg)
+{
+    struct oop *p = arg;
+    bool ok = st == STORE_PG_OK;
+    if (!ok)
+        cm_log(CM_WARN, "order_advance_failed", "route=%s status=%s detail=\"%s\"", p->route, store_pg_status_name(st),
+               msg);
+    void (*cb)(void *, bool) = p->scb;
+    void *cbarg = p->arg;
+    oop_free(p);
+    if (cb)
+        cb(cbarg, ok);
+}
+
+/* Sends stmt with $1 route, $2 scope, $3 resource, $4 seq, $5 key and (peek) $6 now. */
+static void shadow_send(struct oop *p, int stmt, int64_t seq, const char *key, size_t key_len, store_pg_cb cb)
+{
+    char sq[24], now[24];
+    snprintf(sq, sizeof sq, "%lld", (long long)seq);
+    snprintf(now, sizeof now, "%llu", (unsigned long long)cm_wall_ms());
+    char *k = key ? cm_strndup(key, key_len) : NULL;
+    struct store_pg_param params[6] = {
+        {p->route, strlen(p->route), false},   {p->scope, 32, true},
+        {p->resource, p->resource_len, false}, {sq, strlen(sq), false},
+        {k, k ? strlen(k) : 0, false},         {now, strlen(now), false},
+    };
+    store_pg_query(p->o->pg, p->o->stmt_base + (size_t)stmt, params, stmt == O_PEEK ? 6 : 5, 0, cb, p);
+    free(k); /* the pool copied the parameters */
+}
+
+void store_order_peek(struct store_order *o, const struct store_order_id *id, int64_t seq, const char *key,
+                      size_t key_len, store_order_peek_cb cb, void *arg)
+{
+    struct oop *p = oop_new(o, id, 0);
+    p->pcb = cb;
+    p->arg = arg;
+    shadow_send(p, O_PEEK, seq, key, key_len, peek_cb);
+}
+
+void store_order_advance(struct store_order *o, const struct store_order_id *id, int64_t seq, const char *key,
+                         size_t key_len, void (*cb)(void *arg, bool ok), void *arg)
+{
+    struct oop *p = oop_new(o, id, 0);
+    p->scb = cb;
+    p->arg = arg;
+    shadow_send(p, O_ADVANCE, seq, key, key_len, advance_cb);
 }

@@ -18,7 +18,7 @@ struct event_base;
 /* ---- for store.c */
 
 /* Statements the pool prepares (appended to store.c's own). */
-#define STORE_ORDER_NSTMTS 5
+#define STORE_ORDER_NSTMTS 7
 const struct store_pg_stmt *store_order_stmts(void); /* STORE_ORDER_NSTMTS of them, static */
 /* The table, created idempotently at every migration (under its lock). */
 extern const char store_order_schema[];
@@ -88,5 +88,25 @@ void store_order_settle(struct store_order *o, const struct store_order_id *id, 
                         enum store_order_settle how, uint64_t retry_for_ms, void (*cb)(void *arg, bool ok), void *arg);
 /* Extends the marker's lease to now + lease_ms (fenced; fire and forget). */
 void store_order_renew(struct store_order *o, const struct store_order_id *id, uint64_t token, uint64_t lease_ms);
+
+/* ---- for mode: shadow (SPEC 10): the row read and advanced without the marker; nothing is ever refused */
+
+struct store_order_peek_res {
+    bool ok;         /* false: Postgres failed (nothing else is set) */
+    bool stale;      /* acquire would answer STORE_ORDER_STALE for this sequence and key */
+    int64_t applied; /* the applied sequence (a lapsed marker's counted; 0: fresh resource) */
+};
+typedef void (*store_order_peek_cb)(void *arg, const struct store_order_peek_res *res);
+/* Reads the resource's row (one SELECT, no lock, no marker): is seq stale as store_order_acquire would judge it
+ * (seq <= applied, unless key, NULL or key_len bytes, is the key that set applied with that very sequence)? cb runs
+ * exactly once, on the loop; id and key are copied. */
+void store_order_peek(struct store_order *o, const struct store_order_id *id, int64_t seq, const char *key,
+                      size_t key_len, store_order_peek_cb cb, void *arg);
+/* applied = max(applied, seq) without the marker (a fresh resource gets its row), as a settle would after a
+ * request with that sequence executed; key (NULL: a completed request) is remembered like an unknown outcome's
+ * settle does. One try (a failure is logged); cb (may be NULL) runs once on the loop, ok=false when it failed;
+ * id and key are copied. */
+void store_order_advance(struct store_order *o, const struct store_order_id *id, int64_t seq, const char *key,
+                         size_t key_len, void (*cb)(void *arg, bool ok), void *arg);
 
 #endif

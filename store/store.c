@@ -1590,9 +1590,12 @@ static void stuck_cb(void *arg, enum store_pg_status st, const PGresult *pr, con
 {
     struct store *s = arg;
     if (st == STORE_PG_OK) {
-        for (size_t i = 0; i < s->conf->routes_n; i++) {
+        /* every route this process has a slot for (the start-time configuration and every reload's), by name: a
+         * route a reload added is counted too */
+        size_t nslots = cm_metrics_routes_n();
+        for (size_t i = 0; i < nslots; i++) {
             uint64_t n = 0;
-            const char *name = s->conf->routes[i].name;
+            const char *name = cm_metrics_route_name(i);
             for (int r = 0; r < PQntuples(pr); r++) {
                 if ((size_t)PQgetlength(pr, r, 0) == strlen(name) &&
                     memcmp(PQgetvalue(pr, r, 0), name, strlen(name)) == 0) {

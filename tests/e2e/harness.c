@@ -1506,3 +1506,30 @@ double e2e_metric_value(const char *text, const char *name, const char *const *l
     }
     return best;
 }
+
+/* ---- pipeline room: SQL through psql */
+
+char *e2e_psql(const char *sql)
+{
+    const char *url = e2e_env("IDEMGATE_TEST_PG_ADMIN_URL");
+    const char *const argv[] = {"/usr/bin/psql",   "-X", "-q", "-A", "-t", "-v",
+                                "ON_ERROR_STOP=1", "-d", url,  "-c", sql,  NULL};
+    char *out = NULL, *err = NULL;
+    int rc = e2e_run(argv, NULL, 20000, &out, &err);
+    cr_assert_eq(rc, 0, "psql %s: %s", sql, err ? err : "");
+    free(err);
+    size_t n = strlen(out);
+    while (n > 0 && (out[n - 1] == '\n' || out[n - 1] == '\r'))
+        out[--n] = '\0';
+    return out;
+}
+
+long e2e_psql_long(const char *sql)
+{
+    char *s = e2e_psql(sql);
+    char *end = NULL;
+    long v = strtol(s, &end, 10);
+    cr_assert(end != s, "psql %s: not a number: '%s'", sql, s);
+    free(s);
+    return v;
+}

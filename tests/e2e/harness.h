@@ -299,4 +299,11 @@ double e2e_metric_value(const char *text, const char *name, const char *const *l
 uint64_t e2e_now_ms(void);
 void e2e_sleep_ms(int ms);
 
+/* ---- pipeline room: SQL through psql (the test superuser's URL, IDEMGATE_TEST_PG_ADMIN_URL) */
+/* Runs sql; returns its unaligned, tuples-only output (heap, caller frees; trailing newline removed); fails the
+ * test on error (bounded by 20 s). */
+char *e2e_psql(const char *sql);
+/* The same, for a query answering one integer. */
+long e2e_psql_long(const char *sql);
+
 #endif

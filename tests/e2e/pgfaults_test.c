@@ -28,34 +28,6 @@ static void restore_postgres(void)
         fprintf(stderr, "pgfaults: pg-start failed in .fini\n");
 }
 
-/* ---- SQL through psql (the test's superuser URL) */
-
-/* Runs sql; returns its unaligned, tuples-only output (heap, trailing newline removed); fails the test on error. */
-static char *psql(const char *sql)
-{
-    const char *url = e2e_env("IDEMGATE_TEST_PG_ADMIN_URL");
-    const char *const argv[] = {"/usr/bin/psql",   "-X", "-q", "-A", "-t", "-v",
-                                "ON_ERROR_STOP=1", "-d", url,  "-c", sql,  NULL};
-    char *out = NULL, *err = NULL;
-    int rc = e2e_run(argv, NULL, 20000, &out, &err);
-    cr_assert_eq(rc, 0, "psql %s: %s", sql, err ? err : "");
-    free(err);
-    size_t n = strlen(out);
-    while (n > 0 && (out[n - 1] == '\n' || out[n - 1] == '\r'))
-        out[--n] = '\0';
-    return out;
-}
-
-static long psql_long(const char *sql)
-{
-    char *s = psql(sql);
-    char *end = NULL;
-    long v = strtol(s, &end, 10);
-    cr_assert(end != s, "psql %s: not a number: '%s'", sql, s);
-    free(s);
-    return v;
-}
-
 /* ---- configuration */
 
 /* A gateway with `threads` loops and a pool of `pool` connections in front of up; idem: the lines of pay's
@@ -144,8 +116,8 @@ static void resume_paused(void)
 /* The server process of the gateway's only pool connection. */
 static int gateway_backend_pid(void)
 {
-    char *s = psql("SELECT string_agg(pid::text, ',') FROM pg_stat_activity WHERE application_name = 'idemgate'"
-                   " AND backend_type = 'client backend'");
+    char *s = e2e_psql("SELECT string_agg(pid::text, ',') FROM pg_stat_activity WHERE application_name = 'idemgate'"
+                       " AND backend_type = 'client backend'");
     cr_assert(*s && strchr(s, ',') == NULL, "expected one gateway connection, got pids '%s'", s);
     int pid = atoi(s);
     free(s);
@@ -187,7 +159,7 @@ Test(pgfaults, a_claim_paused_past_the_store_timeout_is_released, .fini = resume
     e2e_resp_free(&r);
     char sql[256];
     snprintf(sql, sizeof sql, "SELECT count(*) FROM idemgate_keys WHERE key = '%s' AND state <> 'completed'", key);
-    cr_expect_eq(psql_long(sql), 0, "no row left in flight");
+    cr_expect_eq(e2e_psql_long(sql), 0, "no row left in flight");
     cr_expect(e2e_gw_log_wait(gw, "event=claim_in_doubt_released", 5000), "the release is logged");
     cr_expect_eq(metric(gw, "idemgate_claims_in_doubt"), 0);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
@@ -338,8 +310,8 @@ Test(pgfaults, readyz_notices_a_server_that_stopped_answering, .fini = resume_al
     struct e2e_gw *gw = gw_start(up, 2, 4, "key: required\n");
     cr_assert(e2e_gw_readyz_wait(gw, 200, 15000), "/readyz not 200 with Postgres up");
     e2e_sleep_ms(500);
-    char *s = psql("SELECT string_agg(pid::text, ' ') FROM pg_stat_activity WHERE application_name = 'idemgate'"
-                   " AND backend_type = 'client backend'");
+    char *s = e2e_psql("SELECT string_agg(pid::text, ' ') FROM pg_stat_activity WHERE application_name = 'idemgate'"
+                       " AND backend_type = 'client backend'");
     for (char *p = s; *p && npaused < 16;) {
         char *end = NULL;
         long pid = strtol(p, &end, 10);
@@ -393,7 +365,7 @@ static void drop_commit_trigger(void)
     char sql[256];
     snprintf(sql, sizeof sql, "DROP TRIGGER IF EXISTS %s_t ON idemgate_keys; DROP FUNCTION IF EXISTS %s()", trigger_fn,
              trigger_fn);
-    free(psql(sql));
+    free(e2e_psql(sql));
     trigger_fn[0] = '\0';
 }
 
@@ -415,7 +387,7 @@ Test(pgfaults, a_claim_whose_commit_fails_forwards_nothing, .fini = drop_commit_
              "CREATE CONSTRAINT TRIGGER %s_t AFTER INSERT OR UPDATE ON idemgate_keys DEFERRABLE INITIALLY DEFERRED"
              " FOR EACH ROW EXECUTE FUNCTION %s()",
              trigger_fn, key, trigger_fn, trigger_fn);
-    free(psql(sql));
+    free(e2e_psql(sql));
     for (int i = 0; i < 3; i++) {
         struct e2e_resp r;
         post(gw->port, "/v1/pay/c", key, "{\"c\":1}", NULL, 10000, &r);
@@ -426,7 +398,7 @@ Test(pgfaults, a_claim_whose_commit_fails_forwards_nothing, .fini = drop_commit_
     }
     cr_expect_eq(e2e_upstream_count(up, key), 0, "a claim that did not commit must forward nothing");
     snprintf(sql, sizeof sql, "SELECT count(*) FROM idemgate_keys WHERE key = '%s'", key);
-    cr_expect_eq(psql_long(sql), 0, "no record");
+    cr_expect_eq(e2e_psql_long(sql), 0, "no record");
     drop_commit_trigger();
     bool replayed = true;
     long st = post_until_done(gw->port, "/v1/pay/c", key, "{\"c\":1}", 10000, &replayed);

@@ -78,7 +78,15 @@ struct rig {
     const char *vars[9];
 };
 
+static void rig_start_with(struct rig *r, const char *tmpl);
+
 static void rig_start(struct rig *r)
+{
+    rig_start_with(r, conf_a);
+}
+
+/* Starts both upstreams and a gateway on tmpl (which may use {{U1}} and {{U2}}); later reloads keep its ports. */
+static void rig_start_with(struct rig *r, const char *tmpl)
 {
     r->u1 = e2e_upstream_start(NULL);
     r->u2 = e2e_upstream_start(NULL);
@@ -88,7 +96,7 @@ static void rig_start(struct rig *r)
     r->vars[3] = r->u2->url;
     r->vars[4] = NULL;
     struct e2e_gw_opts o = {.vars = r->vars, .wait_ready = true};
-    r->gw = e2e_gw_start(conf_a, &o);
+    r->gw = e2e_gw_start(tmpl, &o);
     snprintf(r->lp, sizeof r->lp, "%u", (unsigned)r->gw->port);
     snprintf(r->ap, sizeof r->ap, "%u", (unsigned)r->gw->admin_port);
     r->vars[4] = "LISTEN_PORT";
@@ -428,4 +436,114 @@ Test(reload, store_change_refused_all_or_nothing)
     reload_to(&r, conf_b);
     cr_expect_eq(probe(&r, "/v1/x"), 'b');
     cr_expect_eq(e2e_gw_stop(r.gw, 10000), 0);
+}
+
+/* ---- on_unknown and probe: read from the configuration in force, not the one the gateway started with */
+
+/* pay on /v1/pay: a 1 s lease, upstream one with a 1 s timeout; on_unknown: reject, or (probe) looked up at the
+ * test upstream's /_lookup. */
+/* clang-format off */
+#define CONF_UNKNOWN(on_unknown)                                                                                       \
+    CONF_PORTS_STORE("4")                                                                                              \
+    "upstreams:\n"                                                                                                     \
+    E2E_CONF_UPSTREAM("one", "{{U1}}", "1s")                                                                           \
+    "routes:\n"                                                                                                        \
+    E2E_CONF_ROUTE("pay", "/v1/pay", "one")                                                                            \
+    "      key: required\n"                                                                                            \
+    "      lease: 1s\n"                                                                                                \
+    on_unknown
+static const char *const conf_reject = CONF_UNKNOWN("      on_unknown: reject\n");
+static const char *const conf_probe = CONF_UNKNOWN(
+    "      on_unknown: probe\n"
+    "      probe:\n"
+    "        method: GET\n"
+    "        path: /_lookup?idempotency_key={key}\n"
+    "        found: [200]\n"
+    "        absent: [404]\n");
+/* clang-format on */
+
+/* POST path with key, answered 504 after the 1 s upstream timeout: the record is an unknown outcome. */
+static void times_out(const struct rig *r, const char *path, const char *key)
+{
+    static const char *const slow[] = {"X-Test-Delay-Ms: 2500", NULL};
+    struct e2e_resp resp;
+    e2e_http_key(r->gw->port, "POST", path, key, slow, "{\"amount\":7}", 0, &resp);
+    e2e_expect_problem(&resp, 504, "upstream-timeout", "sent, then timed out: an unknown outcome");
+    e2e_resp_free(&resp);
+}
+
+Test(reload, added_probe_makes_the_sweeper_resolve_an_unknown_outcome)
+{
+    struct rig r;
+    rig_start_with(&r, conf_reject);
+    char key[64];
+    e2e_mkkey(key, sizeof key, "reload-probe");
+    times_out(&r, "/v1/pay", key);
+    struct e2e_resp resp;
+    e2e_sleep_ms(1200); /* past the lease: on_unknown applies */
+    e2e_http_key(r.gw->port, "POST", "/v1/pay", key, NULL, "{\"amount\":7}", 0, &resp);
+    e2e_expect_problem(&resp, 409, "idempotency-outcome-unknown", "reject, before the reload");
+    e2e_resp_free(&resp);
+
+    reload_to(&r, conf_probe);
+    cr_assert_eq(log_count(r.gw, "event=reloaded"), 1, "the probe: block is reloaded");
+    bool resolved = false;
+    for (int i = 0; i < 200 && !resolved; i++) { /* the sweeper looks every 5 s: at most 20 s */
+        resolved = log_count(r.gw, "event=unknown_resolved route=pay how=found by=sweeper") > 0;
+        if (!resolved)
+            e2e_sleep_ms(100);
+    }
+    cr_expect(resolved, "the sweeper resolved the record under the reloaded on_unknown: probe");
+    cr_expect_eq(log_count(r.gw, "reason=not_a_probe_route"), 0, "the current configuration's route probes");
+    e2e_http_key(r.gw->port, "POST", "/v1/pay", key, NULL, "{\"amount\":7}", 0, &resp);
+    cr_expect_eq(resp.status, 200, "the retry after the look-up: %ld %s", resp.status,
+                 resp.body ? (const char *)resp.body : "");
+    cr_expect(e2e_resp_is_replay(&resp), "the looked-up answer is replayed");
+    e2e_resp_free(&resp);
+    cr_expect_eq(e2e_upstream_count(r.u1, key), 1, "executed once");
+}
+
+/* pay as conf_reject, and a route "late" that only the reloaded configuration has. */
+static const char *const conf_late =
+    CONF_UNKNOWN("      on_unknown: reject\n" E2E_CONF_ROUTE("late", "/v1/late", "one") "      key: required\n"
+                                                                                        "      lease: 1s\n");
+
+static double stuck_gauge(const struct e2e_gw *g, const char *route_label)
+{
+    struct e2e_resp r;
+    e2e_get(g->admin_port, "/metrics", &r);
+    cr_assert_eq(r.status, 200);
+    const char *labels[] = {route_label, NULL};
+    double v = e2e_metric_value((const char *)r.body, "idemgate_stuck_processing", labels);
+    e2e_resp_free(&r);
+    return v;
+}
+
+Test(reload, stuck_gauge_counts_a_route_added_by_reload)
+{
+    struct rig r;
+    rig_start_with(&r, conf_reject);
+    reload_to(&r, conf_late);
+    cr_assert_eq(log_count(r.gw, "event=reloaded"), 1);
+    char key[64];
+    e2e_mkkey(key, sizeof key, "reload-stuck");
+    times_out(&r, "/v1/late", key);
+    /* stuck: in flight or unknown for over 5 minutes (SPEC 5); the record is made older than that */
+    char sql[512];
+    snprintf(sql, sizeof sql,
+             "UPDATE idemgate_keys SET created_at = now() - interval '10 minutes' WHERE route = 'late' AND key = '%s'",
+             key);
+    free(e2e_psql(sql));
+    long want = e2e_psql_long("SELECT count(*) FROM idemgate_keys WHERE route = 'late' AND state IN ('in_flight', "
+                              "'unknown') AND created_at < now() - interval '5 minutes'");
+    cr_assert_geq(want, 1);
+    double got = 0;
+    for (int i = 0; i < 250 && got != (double)want; i++) { /* the gauge is refreshed every 10 s: at most 25 s */
+        got = stuck_gauge(r.gw, "route=\"late\"");
+        if (got != (double)want)
+            e2e_sleep_ms(100);
+    }
+    cr_expect_eq(got, (double)want, "idemgate_stuck_processing{route=\"late\"} counts the reloaded route's records");
+    snprintf(sql, sizeof sql, "DELETE FROM idemgate_keys WHERE route = 'late' AND key = '%s'", key);
+    free(e2e_psql(sql));
 }

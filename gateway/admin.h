@@ -1,0 +1,22 @@
+/* admin.h - the admin listener (SPEC 5): health, readiness, metrics, the status page and the key endpoints. */
+#ifndef IDEMGATE_GW_ADMIN_H
+#define IDEMGATE_GW_ADMIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "conf/conf.h"
+
+struct gw_admin;
+struct gw_loop;
+
+/* Starts listening on conf->admin_listen, running store calls on loop. NULL + *err (heap, caller frees) on
+ * failure. */
+struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_loop *loop, char **err);
+uint16_t gw_admin_port(const struct gw_admin *a);
+/* Stops the daemon and frees it; NULL is a no-op. */
+void gw_admin_stop(struct gw_admin *a);
+/* Admin requests waiting for the store (for graceful shutdown). */
+size_t gw_admin_jobs(struct gw_admin *a);
+
+#endif

@@ -1,0 +1,27 @@
+/* front.h - the HTTP front (libmicrohttpd): accepts connections, reads and checks each request, builds its job
+ * (gateway/gateway.h), hands it to its loop's pipeline and sends the answer. */
+#ifndef IDEMGATE_GW_FRONT_H
+#define IDEMGATE_GW_FRONT_H
+
+#include <stdarg.h>
+#include <stdint.h>
+
+#include "conf/conf.h"
+
+struct gw_front;
+struct gw_loops;
+
+/* Starts listening per conf (port 0: any free port). NULL + *err (heap, caller frees) on failure. */
+struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops, char **err);
+uint16_t gw_front_port(const struct gw_front *f);
+/* Requests handed to the loop whose answer has not been queued yet. */
+long gw_front_suspended(struct gw_front *f);
+/* Stops accepting new connections (existing ones are served). */
+void gw_front_quiesce(struct gw_front *f);
+/* Stops the daemon; every suspended connection must have been resumed. */
+void gw_front_stop(struct gw_front *f);
+
+/* Formats an MHD log message as one key=value line (the front's and the admin listener's daemons). */
+void gw_mhd_log(void *cls, const char *fmt, va_list ap);
+
+#endif

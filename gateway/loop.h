@@ -1,0 +1,80 @@
+/* loop.h - the I/O loop: one thread running libevent, owning its HTTP daemon's events, the upstream client, its
+ * share of the Postgres pool and the Redis context; and the set of loops of a process. */
+#ifndef IDEMGATE_GW_LOOP_H
+#define IDEMGATE_GW_LOOP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+#include "conf/conf.h"
+
+struct event_base;
+struct up_client;
+struct store;
+struct gw_loop;
+struct gw_conf;
+struct gw_probe;
+
+/* Creates the loop (event base, upstream client, store). NULL + *err (heap, caller frees) on failure. */
+struct gw_loop *gw_loop_create(const struct conf *conf, size_t nloops, char **err);
+/* Starts the loop thread. Returns false on failure. */
+bool gw_loop_start(struct gw_loop *l) CM_MUST_CHECK;
+/* Runs fn(arg) on the loop thread soon. Safe from any thread. */
+void gw_loop_submit(struct gw_loop *l, void (*fn)(void *), void *arg);
+/* Stops the thread (pending submissions are run first, best effort) and frees everything. NULL is a no-op. */
+void gw_loop_destroy(struct gw_loop *l);
+struct event_base *gw_loop_base(struct gw_loop *l);
+struct up_client *gw_loop_upstream(struct gw_loop *l);
+/* This loop's share of an upstream's max_connections (the bound holds over all loops together). */
+size_t gw_loop_upstream_max(const struct gw_loop *l, const struct conf_upstream *u);
+struct store *gw_loop_store(struct gw_loop *l);
+/* The loop's on_unknown: probe look-ups and sweeper (gateway/probe.h). */
+struct gw_probe *gw_loop_probe(struct gw_loop *l);
+/* The start-time configuration (this loop's share of the pool): what the store and the loop were built from. */
+const struct conf *gw_loop_conf(struct gw_loop *l);
+/* Loop thread only: the configuration new requests are served with (no reference is taken). */
+struct gw_conf *gw_loop_current(struct gw_loop *l);
+/* Set once the schema exists; idempotent requests get 503 until then. */
+void gw_loop_set_schema_ready(struct gw_loop *l, bool ready);
+bool gw_loop_schema_ready(struct gw_loop *l);
+/* True when every loop of the process (this one alone when it has no group) has its schema and heard from
+ * Postgres within the last second (store_postgres_healthy). Thread-safe. */
+bool gw_loop_postgres_ready(struct gw_loop *l);
+/* After this, new jobs are answered 503 at once (shutdown past the grace). */
+void gw_loop_set_closing(struct gw_loop *l);
+bool gw_loop_closing(struct gw_loop *l);
+/* Jobs between gw_loop_job_add and gw_loop_job_remove (for graceful shutdown). Thread-safe. */
+size_t gw_loop_jobs(struct gw_loop *l);
+
+/* Loop thread only: the list of running jobs, through a link the pipeline embeds in its own state (the loop
+ * never looks past it). Removing a link that is not listed is a no-op. */
+struct gw_loop_link {
+    struct gw_loop_link *next, *prev;
+};
+void gw_loop_job_add(struct gw_loop *l, struct gw_loop_link *link);
+void gw_loop_job_remove(struct gw_loop *l, struct gw_loop_link *link);
+struct gw_loop_link *gw_loop_first_job(struct gw_loop *l);
+
+/* A set of loops (one per CPU by default): each serves the connections its HTTP daemon accepted, with its own
+ * upstream client, Redis context and pool share. */
+struct gw_loops {
+    struct gw_loop **v;
+    size_t n;
+};
+/* Creates n loops (at most conf->pool). NULL + *err (heap, caller frees) on failure. */
+struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err);
+/* Before gw_loops_start: every loop serves new requests with c (each takes a reference). */
+void gw_loops_install(struct gw_loops *ls, struct gw_conf *c);
+bool gw_loops_start(struct gw_loops *ls) CM_MUST_CHECK;
+/* Running loops: each swaps to c on its own thread, between two events (each takes a reference and drops its old
+ * one); waits up to timeout_ms for all of them. Returns false when a loop did not swap in time (it still will). */
+bool gw_loops_swap(struct gw_loops *ls, struct gw_conf *c, uint64_t timeout_ms) CM_MUST_CHECK;
+void gw_loops_destroy(struct gw_loops *ls); /* NULL is a no-op */
+size_t gw_loops_jobs(struct gw_loops *ls);
+void gw_loops_set_schema_ready(struct gw_loops *ls, bool ready);
+/* Submits gw_pipeline_abort_all (gateway/pipeline.h) to every loop. */
+void gw_loops_abort_all(struct gw_loops *ls);
+
+#endif
