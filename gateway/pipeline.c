@@ -12,6 +12,7 @@
 
 #include "gateway/gateway.h"
 #include "gateway/loop.h"
+#include "gateway/owned.h"
 #include "gateway/probe.h"
 #include "gateway/problem.h"
 #include "store/order.h"
@@ -38,6 +39,7 @@ struct gw_pipe {
     struct cm_resp up_resp;            /* upstream answer being stored */
     struct renew_ticket *renew_ticket; /* a lease renewal in flight */
     bool probed;                       /* on_unknown: probe asked the upstream once for this request */
+    bool owned;                        /* its key is in this process's table of keys in flight (gateway/owned.c) */
 
     /* ordering guard (SPEC 6; gateway/ordering.c, store/order.h) */
     uint64_t order_token;       /* fences the resource's in-flight marker */
@@ -252,6 +254,16 @@ static struct store_id job_id(const struct gw_job *job)
     return id;
 }
 
+/* This process's table of keys in flight (gateway/owned.c): left once the key's claim is not ours or the job ends. */
+static void owned_drop(struct gw_job *job)
+{
+    if (!job->pipe->owned)
+        return;
+    struct store_id id = job_id(job);
+    gw_owned_drop(&id);
+    job->pipe->owned = false;
+}
+
 static void stop_timers(struct gw_job *job)
 {
     event_clear(&job->pipe->timer);
@@ -273,6 +285,7 @@ static void finish(struct gw_job *job, enum cm_outcome outcome)
     if (shadow_settle(job, outcome) || guard_settle(job, outcome))
         return; /* finish runs again once the key's claim or the resource's marker is settled */
     stop_timers(job);
+    owned_drop(job);
     p->outcome = outcome;
     if (p->renew_ticket) {
         p->renew_ticket->job = NULL;
@@ -646,15 +659,45 @@ static void probe_unknown(struct gw_job *job)
     gw_probe_run(gw_loop_probe(job->loop), job->route_index, &id, probe_answered, job);
 }
 
+/* The key is in flight (in Postgres, or held by another request of this process): wait (on_in_flight: wait) or 409. */
+static void in_flight(struct gw_job *job, uint64_t lease_remaining_ms)
+{
+    struct gw_pipe *p = job->pipe;
+    const struct conf_idem *im = &job->route->idem;
+    if (im->on_in_flight == CONF_IN_FLIGHT_WAIT) {
+        uint64_t now = cm_now_ms();
+        if (!p->wait_deadline_ms) {
+            p->wait_deadline_ms = now + im->wait_ms;
+            p->wait_backoff_ms = WAIT_BACKOFF_FIRST_MS;
+        }
+        if (now < p->wait_deadline_ms) {
+            uint64_t d = backoff_next(&p->wait_backoff_ms, now, p->wait_deadline_ms, WAIT_BACKOFF_MAX_MS);
+            if (!p->timer)
+                p->timer = evtimer_new(gw_loop_base(job->loop), wait_tick, job);
+            set_state(job, GW_PIPE_WAITING);
+            timer_arm_ms(p->timer, d);
+            return;
+        }
+    }
+    cm_metric_in_flight_conflict(job->route_index);
+    gw_job_problem(job, 409, "idempotency-key-in-use", "Idempotency key in use",
+                   "a request with this key is still being processed; retry later");
+    retry_after(job, lease_remaining_ms < im->lease_ms ? lease_remaining_ms : im->lease_ms);
+    finish(job, CM_OUT_IN_FLIGHT);
+}
+
 static void claimed(void *arg, struct store_claim_res *res)
 {
     struct gw_job *job = arg;
     struct gw_pipe *p = job->pipe;
     const struct conf_idem *im = &job->route->idem;
     switch (res->verdict) {
-    case STORE_NEW:
+    case STORE_NEW: {
+        struct store_id id = job_id(job);
+        p->owned = gw_owned_take(&id) == GW_OWNED_TAKEN; /* held here until the job ends */
         forward_owned(job, res->token);
         return;
+    }
     case STORE_REPLAY: /* the replay point: the stored answer, byte for byte */
         take_resp(job, &res->resp);
         job->replayed = true;
@@ -668,26 +711,7 @@ static void claimed(void *arg, struct store_claim_res *res)
         finish(job, CM_OUT_MISMATCH);
         return;
     case STORE_IN_FLIGHT:
-        if (im->on_in_flight == CONF_IN_FLIGHT_WAIT) {
-            uint64_t now = cm_now_ms();
-            if (!p->wait_deadline_ms) {
-                p->wait_deadline_ms = now + im->wait_ms;
-                p->wait_backoff_ms = WAIT_BACKOFF_FIRST_MS;
-            }
-            if (now < p->wait_deadline_ms) {
-                uint64_t d = backoff_next(&p->wait_backoff_ms, now, p->wait_deadline_ms, WAIT_BACKOFF_MAX_MS);
-                if (!p->timer)
-                    p->timer = evtimer_new(gw_loop_base(job->loop), wait_tick, job);
-                set_state(job, GW_PIPE_WAITING);
-                timer_arm_ms(p->timer, d);
-                return;
-            }
-        }
-        cm_metric_in_flight_conflict(job->route_index);
-        gw_job_problem(job, 409, "idempotency-key-in-use", "Idempotency key in use",
-                       "a request with this key is still being processed; retry later");
-        retry_after(job, res->lease_remaining_ms < im->lease_ms ? res->lease_remaining_ms : im->lease_ms);
-        finish(job, CM_OUT_IN_FLIGHT);
+        in_flight(job, res->lease_remaining_ms);
         return;
     case STORE_UNKNOWN:
         if (im->on_unknown == CONF_UNKNOWN_PROBE && !p->probed) {
@@ -717,6 +741,12 @@ static void claim(struct gw_job *job)
     req.retention_ms = im->retention_ms;
     req.takeover_unknown = im->on_unknown == CONF_UNKNOWN_RETRY;
     set_state(job, GW_PIPE_CLAIMING);
+    /* A key this process holds in flight is in flight, whatever its lease in Postgres says: its owner is alive
+     * (SPEC 8), and asking Postgres could take it over from the owner after an outage longer than the lease. */
+    if (!job->shadow && gw_owned_held(&req.id)) {
+        in_flight(job, im->lease_ms);
+        return;
+    }
     store_claim(gw_loop_store(job->loop), &req, job->shadow ? shadow_claimed : claimed, job);
 }
 
@@ -780,6 +810,7 @@ void gw_pipeline_free(struct gw_job *job)
     event_clear(&p->order_renew_timer);
     if (p->renew_ticket)
         p->renew_ticket->job = NULL;
+    owned_drop(job);
     cm_resp_free(&p->up_resp);
     free(p);
     job->pipe = NULL;

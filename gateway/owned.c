@@ -1,0 +1,123 @@
+/* owned.c - the keys this process holds in flight, shared by its loops (one mutex).
+ *
+ * SPEC 8: a lease lapses only when its owner is gone. When Postgres is down
+ * or paused for longer than a lease, the owner cannot renew, and on its
+ * return the record's lease has run out although the owner is alive and its
+ * request is still upstream. A retry that reaches the same process must not
+ * take that key over (on_unknown: retry) or be told its outcome is unknown:
+ * the process knows the key is in flight, and says so without asking
+ * Postgres. A retry at another instance still races the owner's renewal (the
+ * README says so). */
+#include "gateway/owned.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/common.h"
+
+#define OWNED_BUCKETS 4096u  /* a power of two */
+#define OWNED_MAX     262144 /* bound on entries; above it a key is not recorded (the old behaviour) */
+
+struct owned {
+    struct owned *next;
+    uint64_t hash;
+    uint8_t scope[32];
+    size_t route_len, key_len;
+    char bytes[]; /* route, then key */
+};
+
+static pthread_mutex_t owned_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct owned *owned_tab[OWNED_BUCKETS];
+static size_t owned_n;
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) {
+        h ^= b[i];
+        h *= 0x100000001b3ull;
+    }
+    return h;
+}
+
+static uint64_t id_hash(const struct store_id *id, size_t route_len)
+{
+    uint64_t h = fnv(0xcbf29ce484222325ull, id->route, route_len + 1); /* the NUL separates route from scope */
+    h = fnv(h, id->scope, sizeof id->scope);
+    return fnv(h, id->key, id->key_len);
+}
+
+static bool same(const struct owned *o, uint64_t h, const struct store_id *id, size_t route_len)
+{
+    return o->hash == h && o->route_len == route_len && o->key_len == id->key_len &&
+           memcmp(o->scope, id->scope, sizeof o->scope) == 0 && memcmp(o->bytes, id->route, route_len) == 0 &&
+           memcmp(o->bytes + route_len, id->key, id->key_len) == 0;
+}
+
+enum gw_owned gw_owned_take(const struct store_id *id)
+{
+    size_t rl = strlen(id->route);
+    uint64_t h = id_hash(id, rl);
+    struct owned **b = &owned_tab[h & (OWNED_BUCKETS - 1)];
+    enum gw_owned r = GW_OWNED_TAKEN;
+    pthread_mutex_lock(&owned_mu);
+    for (struct owned *o = *b; o; o = o->next)
+        if (same(o, h, id, rl)) {
+            r = GW_OWNED_BUSY;
+            goto out;
+        }
+    if (owned_n >= OWNED_MAX) {
+        r = GW_OWNED_UNRECORDED;
+        goto out;
+    }
+    struct owned *o = cm_malloc(sizeof *o + rl + id->key_len);
+    o->hash = h;
+    memcpy(o->scope, id->scope, sizeof o->scope);
+    o->route_len = rl;
+    o->key_len = id->key_len;
+    memcpy(o->bytes, id->route, rl);
+    memcpy(o->bytes + rl, id->key, id->key_len);
+    o->next = *b;
+    *b = o;
+    owned_n++;
+out:
+    pthread_mutex_unlock(&owned_mu);
+    return r;
+}
+
+void gw_owned_drop(const struct store_id *id)
+{
+    size_t rl = strlen(id->route);
+    uint64_t h = id_hash(id, rl);
+    pthread_mutex_lock(&owned_mu);
+    for (struct owned **pp = &owned_tab[h & (OWNED_BUCKETS - 1)]; *pp; pp = &(*pp)->next)
+        if (same(*pp, h, id, rl)) {
+            struct owned *o = *pp;
+            *pp = o->next;
+            free(o);
+            owned_n--;
+            break;
+        }
+    pthread_mutex_unlock(&owned_mu);
+}
+
+bool gw_owned_held(const struct store_id *id)
+{
+    size_t rl = strlen(id->route);
+    uint64_t h = id_hash(id, rl);
+    bool held = false;
+    pthread_mutex_lock(&owned_mu);
+    for (const struct owned *o = owned_tab[h & (OWNED_BUCKETS - 1)]; o && !held; o = o->next)
+        held = same(o, h, id, rl);
+    pthread_mutex_unlock(&owned_mu);
+    return held;
+}
+
+size_t gw_owned_count(void)
+{
+    pthread_mutex_lock(&owned_mu);
+    size_t n = owned_n;
+    pthread_mutex_unlock(&owned_mu);
+    return n;
+}

@@ -1,0 +1,27 @@
+/* owned.h - the keys this process holds in flight (gateway/owned.c): a retry
+ * reaching the owner's own process is in flight, whatever the record's lease
+ * says. Any thread. */
+#ifndef IDEMGATE_GATEWAY_OWNED_H
+#define IDEMGATE_GATEWAY_OWNED_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "store/store.h"
+
+enum gw_owned {
+    GW_OWNED_TAKEN,      /* recorded: the caller owns it until gw_owned_drop */
+    GW_OWNED_BUSY,       /* already recorded by another request (not recorded twice) */
+    GW_OWNED_UNRECORDED, /* the table is full: not recorded (Postgres alone decides, as before) */
+};
+
+/* Whether a request of this process holds id's claim (checked before asking Postgres). */
+bool gw_owned_held(const struct store_id *id);
+/* Records id (copied) as held by the caller, once Postgres gave it the claim. */
+enum gw_owned gw_owned_take(const struct store_id *id);
+/* Forgets id; a no-op when it is not recorded. */
+void gw_owned_drop(const struct store_id *id);
+/* Entries recorded (for tests and metrics). */
+size_t gw_owned_count(void);
+
+#endif
