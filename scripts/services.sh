@@ -14,6 +14,8 @@
 #   services.sh promote DIR        failover: stop the primary hard if it still runs, promote the standby; the
 #                                  env's primary (PG_PORT, PG_DATA, the single-host URLs) is the promoted one after
 #   services.sh standby-stop DIR   stop the standby, delete its data, make the primary's commits local again
+#   services.sh standby-down DIR   fault injection: stop the standby (immediate), keep its data; the primary's
+#                                  commits wait for it (synchronous) until standby-up DIR starts it again
 #   services.sh free-port [PORT]   print PORT when nothing listens on it, else a random free loopback port
 #
 # Never touches the system cluster (5432) or the system Redis (6379). As root, Postgres runs as the
@@ -504,7 +506,11 @@ cmd_stop() {
     redis_stop
     if [ -n "${PG_STANDBY_PORT:-}" ]; then with_standby pg_stop fast || true; fi
     pg_stop fast
-    if [ -f "$PG_LOG" ] && [ "$PG_HOME" != "$DIR/pg" ]; then cp -f "$PG_LOG" "$DIR/postgres.log" 2>/dev/null || true; fi
+    # The logs stay in DIR (the home goes): the primary's, the standby's, and after a promotion the old primary's.
+    local f
+    for f in "$PG_HOME"/*.log; do
+        [ -f "$f" ] && cp -f "$f" "$DIR/" 2>/dev/null || true
+    done
     # Only what start created: the cluster's home (DIR/pg or /tmp/idemgate-pg.*), the env file.
     case "$PG_HOME" in
     "$DIR/pg" | /tmp/idemgate-pg.*) rm -rf "$PG_HOME" ;;
@@ -567,6 +573,11 @@ redis-start)
 standby-start) cmd_standby_start ;;
 promote) cmd_promote ;;
 standby-stop) cmd_standby_stop ;;
+standby-down | standby-up)
+    load_env
+    [ -n "${PG_STANDBY_PORT:-}" ] || die "no standby in $DIR: run 'services.sh standby-start $DIR' first"
+    if [ "$CMD" = standby-down ]; then with_standby pg_stop immediate; else with_standby pg_start; fi
+    ;;
 redis-flush)
     load_env
     [ "$(redis_cli flushall 2>/dev/null)" = OK ] || die "redis FLUSHALL failed"

@@ -13,6 +13,7 @@
 #include <event2/event.h>
 
 #include "common/metrics.h"
+#include "store/cancel.h"
 
 #define BACKOFF_MIN_MS      100
 #define BACKOFF_MAX_MS      2000
@@ -1180,10 +1181,14 @@ static void query_timer_cb(evutil_socket_t fd, short what, void *arg)
         return;
     case Q_RUNNING: {
         /* The server may still be working on it: drop the connection (the
-         * whole batch with it) and open a new one. */
+         * whole batch with it) and open a new one. The server process is
+         * asked to cancel first: one waiting for a synchronous standby at
+         * COMMIT would otherwise keep its locks and its connection slot until
+         * a standby confirms (each timeout one more such process). */
         struct pg_conn *c = q->conn;
-        cm_log(CM_WARN, "postgres_query_timeout", "conn=%u stmt=%s batch=%u", c->idx, p->opts.stmts[q->stmt].name,
-               c->nbatch);
+        bool cancelled = store_cancel_send(c->pg);
+        cm_log(CM_WARN, "postgres_query_timeout", "conn=%u stmt=%s batch=%u cancel_sent=%d", c->idx,
+               p->opts.stmts[q->stmt].name, c->nbatch, cancelled);
         mark_failing(p);
         batch_fail(c, STORE_PG_TIMEOUT, "postgres query timeout");
         conn_close(c);

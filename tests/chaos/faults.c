@@ -17,12 +17,13 @@
 #include "gate.h"
 #include "gateways.h"
 
-#define CH_PAUSE_MIN_MS   2000
-#define CH_PAUSE_MAX_MS   8000
-#define CH_COMMIT_ERR_P   0.1 /* share of the keys table's row changes whose commit fails during the window */
-#define CH_SQL_TIMEOUT_MS 5000
-#define CH_COMMIT_TRIGGER "chaos_commit_fault"
-#define CH_DB_NAME_MAX    64
+#define CH_PAUSE_MIN_MS    2000
+#define CH_PAUSE_MAX_MS    8000
+#define CH_COMMIT_ERR_P    0.1 /* share of the keys table's row changes whose commit fails during the window */
+#define CH_SQL_TIMEOUT_MS  5000
+#define CH_STANDBY_BACK_MS 20000 /* a standby streams and is synchronous again within this after a primary fault */
+#define CH_COMMIT_TRIGGER  "chaos_commit_fault"
+#define CH_DB_NAME_MAX     64
 
 static char db_name[CH_DB_NAME_MAX + 1]; /* the gateways' database (ALTER DATABASE) */
 static char undo_sql[512];
@@ -100,6 +101,45 @@ static void fault_gw_kill(uint64_t *rng, int which)
     ch_log("fault=gateway_kill phase=end instance=%d ok=%d pid=%ld ms=%" PRIu64, i, ok, (long)g->pid, ch_mono_ms() - t);
 }
 
+static bool sql_run(const char *what, const char *sql, char *res, size_t resn);
+
+/* After a fault on the primary: the standby streams and is synchronous again within CH_STANDBY_BACK_MS (its
+ * walreceiver retries every 5 s), or every commit of the gateways waits for it. Logged either way (a lost
+ * standby is a fault failure: the run's collapse would otherwise read as the gateway's). */
+static bool standby_sync_within(uint64_t ms, char *st, size_t stn)
+{
+    uint64_t t = ch_mono_ms();
+    for (;;) {
+        st[0] = '\0';
+        if (sql_run("standby_state",
+                    "SELECT coalesce((SELECT state || '/' || sync_state FROM pg_stat_replication"
+                    " ORDER BY sync_state = 'sync' DESC LIMIT 1), 'none')",
+                    st, stn) &&
+            strcmp(st, "streaming/sync") == 0)
+            return true;
+        if (atomic_load(&ch.abort) || ch_mono_ms() - t >= ms)
+            return false;
+        ch_nap(250);
+    }
+}
+
+static void standby_check(const char *after)
+{
+    if (!ch.has_standby)
+        return;
+    uint64_t t = ch_mono_ms();
+    char st[64] = "";
+    bool ok = standby_sync_within(CH_STANDBY_BACK_MS, st, sizeof st);
+    ch_log("event=standby_check after=%s ok=%d state=%s ms=%" PRIu64, after, ok, st[0] ? st : "?", ch_mono_ms() - t);
+    if (ok)
+        return;
+    /* not the gateways' fault: counted, and the standby started again (when it stopped) so the run goes on */
+    ch.fault_failures++;
+    int rc = ch_services("standby-up", NULL);
+    ok = rc == 0 && standby_sync_within(CH_STANDBY_BACK_MS, st, sizeof st);
+    ch_log("event=standby_restarted rc=%d ok=%d state=%s", rc, ok, st[0] ? st : "?");
+}
+
 static void fault_pg(uint64_t *rng)
 {
     ch.faults[F_PG_RESTART]++;
@@ -152,6 +192,8 @@ static void fault_pg(uint64_t *rng)
     atomic_store(&ch.pg_down, rc2 != 0);
     ch_window_end(w);
     ch_log("fault=postgres_restart phase=end ok=%d ms=%" PRIu64, rc == 0 && rc2 == 0, ch_mono_ms() - t);
+    if (rc2 == 0)
+        standby_check("postgres_restart");
 }
 
 static void fault_redis_restart(uint64_t *rng)
@@ -299,16 +341,20 @@ static void fault_pg_pause(uint64_t *rng)
     continue_all();
     ch_window_end(w);
     ch_log("fault=postgres_pause phase=end ok=%d ms=%" PRIu64, n > 0, ch_mono_ms() - t);
+    standby_check("postgres_pause");
 }
 
 /* ------------------------------------------------------------------ SQL faults (superuser connection) */
 
 /* Runs sql (one or more statements, one implicit transaction) as superuser, bounded; the first value of the
- * result goes to res (may be NULL). False with the error logged. */
+ * result goes to res (may be NULL). False with the error logged. Its commits are local (synchronous_commit=local):
+ * statement_timeout does not bound a COMMIT's wait for a synchronous standby, and an injector blocked there
+ * injects nothing more (nor undoes what it injected). */
 static bool sql_run(const char *what, const char *sql, char *res, size_t resn)
 {
-    char opt[96];
-    snprintf(opt, sizeof opt, "-c statement_timeout=%d -c client_min_messages=warning", CH_SQL_TIMEOUT_MS);
+    char opt[128];
+    snprintf(opt, sizeof opt, "-c statement_timeout=%d -c client_min_messages=warning -c synchronous_commit=local",
+             CH_SQL_TIMEOUT_MS);
     const char *kw[] = {"dbname", "connect_timeout", "options", NULL};
     const char *vals[] = {ch.pg_admin_url, "5", opt, NULL};
     PGconn *pg = PQconnectdbParams(kw, vals, 1);

@@ -19,6 +19,7 @@ BUILD=${IDEMGATE_BUILD_DIR:-$ROOT/build}
 SERVICES_SH=${IDEMGATE_SERVICES_SH:-$ROOT/scripts/services.sh}
 SVC=
 OWN_SVC=0
+KEEP=0
 CHAOS_PID=
 
 say() { echo "chaos/run.sh: $*" >&2; }
@@ -49,7 +50,11 @@ cleanup() {
     CHAOS_PID=
     if [ "$OWN_SVC" = 1 ] && [ -n "$SVC" ]; then
         bash "$SERVICES_SH" stop "$SVC" >/dev/null 2>&1 || bash "$SERVICES_SH" stop "$SVC"
-        rm -rf "$SVC"
+        if [ "$KEEP" = 1 ]; then
+            say "kept the services' logs (Postgres, standby, Redis) in $SVC"
+        else
+            rm -rf "$SVC"
+        fi
     fi
     OWN_SVC=0
 }
@@ -85,11 +90,12 @@ if [ ! -x "$CHAOS" ] || [ ! -x "$BUILD/idemgate" ] || [ ! -x "$BUILD/tests/tools
     ninja -C "$BUILD" idemgate tests/tools/testupstream tests/chaos/chaos >&2 || fail "build failed"
 fi
 
-# Does the fault list (default: all) include a failover?
+# Does the fault list (default: all) include a failover? Is the run to be kept (--keep)?
 FAULTS=all
 prev=
 for a in "$@"; do
     [ "$prev" = --faults ] && FAULTS=$a
+    [ "$a" = --keep ] && KEEP=1
     prev=$a
 done
 FAILOVER=0
@@ -114,8 +120,11 @@ else
     fi
 fi
 
-# Bounded: traffic + drain (12 s) + quiet period + checks, with a generous margin.
-LIMIT=$((DURATION + 150))
+# Bounded: traffic, the last requests' drain (a request and its retries can outlast the window by ~20 s), the
+# checker's own wait for the fault thread (up to 120 s: a fault still running when the traffic ends), the quiet
+# period (8 s), the checks (tens of seconds on a loaded 2-core machine), and a margin. DURATION + 150 was too tight
+# for --long: a fault thread that used its 120 s left no time for the checks.
+LIMIT=$((DURATION + 330))
 timeout -k 10 "$LIMIT" "$CHAOS" --build "$BUILD" --services-dir "$SVC" --services-sh "$SERVICES_SH" \
     --duration "$DURATION" --workers 32 --instances 2 "$@" &
 CHAOS_PID=$!

@@ -27,46 +27,13 @@ static char svc_dir[PATH_MAX];
 /* Runs scripts/services.sh CMD on the test's own services directory; its exit code. */
 static int fo_services(const char *cmd, const char *arg)
 {
-    const char *script = getenv("IDEMGATE_SERVICES_SH");
-    char path[PATH_MAX];
-    if (script == NULL || *script == '\0') {
-        snprintf(path, sizeof path, "%s/scripts/services.sh", e2e_env("IDEMGATE_SRC_DIR"));
-        script = path;
-    }
-    const char *argv[] = {"/bin/bash", script, cmd, svc_dir, arg, NULL};
-    char *err = NULL;
-    int code = e2e_run(argv, NULL, FO_SVC_TIMEOUT, NULL, &err);
-    if (code != 0)
-        fprintf(stderr, "failover_test: services.sh %s exited %d: %s\n", cmd, code, err ? err : "");
-    free(err);
-    return code;
+    return e2e_services_in(svc_dir, cmd, arg);
 }
 
 /* NAME's value in the services' env file (quotes removed), heap; NULL when missing. */
 static char *fo_env(const char *name)
 {
-    char path[PATH_MAX + 8], line[2048];
-    snprintf(path, sizeof path, "%s/env", svc_dir);
-    FILE *f = fopen(path, "r");
-    if (f == NULL)
-        return NULL;
-    char *val = NULL;
-    size_t nl = strlen(name);
-    while (val == NULL && fgets(line, sizeof line, f) != NULL) {
-        line[strcspn(line, "\r\n")] = '\0';
-        const char *p = strncmp(line, "export ", 7) == 0 ? line + 7 : line;
-        if (strncmp(p, name, nl) != 0 || p[nl] != '=')
-            continue;
-        p += nl + 1;
-        size_t vl = strlen(p);
-        if (vl >= 2 && p[0] == '\'' && p[vl - 1] == '\'') {
-            p++;
-            vl -= 2;
-        }
-        val = strndup(p, vl);
-    }
-    fclose(f);
-    return val;
+    return e2e_services_env(svc_dir, name);
 }
 
 static void fo_setup(void)
@@ -94,20 +61,7 @@ static void fo_teardown(void)
 TestSuite(failover, .init = fo_setup, .fini = fo_teardown, .timeout = 150);
 
 /* The gateway on both hosts (libpq multi-host, read-write), its own Redis, one route that never re-executes. */
-/* clang-format off */
-static const char fo_conf[] = E2E_CONF_PORTS
-    "store:\n"
-    "  postgres: \"{{FO_PG}}\"\n"
-    "  pool: 4\n"
-    "  redis: \"{{FO_REDIS}}\"\n"
-    "upstreams:\n"
-    E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "5s")
-    "routes:\n"
-    E2E_CONF_ROUTE("pay", "/v1/pay", "api")
-    "      key: required\n"
-    "      lease: 2s\n"
-    "      on_unknown: reject\n";
-/* clang-format on */
+static const char fo_conf[] = E2E_CONF_PORTS E2E_CONF_OWN_PAY("{{FO_PG}}", "{{FO_REDIS}}", "4");
 
 struct fo_req {
     char key[96];

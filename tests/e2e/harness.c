@@ -1533,3 +1533,49 @@ long e2e_psql_long(const char *sql)
     free(s);
     return v;
 }
+
+/* ---- services of a test's own (wt-chaos) */
+
+int e2e_services_in(const char *dir, const char *cmd, const char *arg)
+{
+    const char *script = getenv("IDEMGATE_SERVICES_SH");
+    char *fallback = NULL;
+    if (script == NULL || *script == '\0') {
+        fallback = xasprintf("%s/scripts/services.sh", e2e_env("IDEMGATE_SRC_DIR"));
+        script = fallback;
+    }
+    const char *argv[] = {"/bin/bash", script, cmd, dir, arg, NULL};
+    char *err = NULL;
+    int code = e2e_run(argv, NULL, 90000, NULL, &err);
+    if (code != 0)
+        fprintf(stderr, "e2e: services.sh %s %s exited %d: %s\n", cmd, dir, code, err ? err : "");
+    free(err);
+    free(fallback);
+    return code;
+}
+
+char *e2e_services_env(const char *dir, const char *name)
+{
+    char *path = xasprintf("%s/env", dir);
+    FILE *f = fopen(path, "r");
+    free(path);
+    if (f == NULL)
+        return NULL;
+    char line[2048], *val = NULL;
+    size_t nl = strlen(name);
+    while (val == NULL && fgets(line, sizeof line, f) != NULL) {
+        line[strcspn(line, "\r\n")] = '\0';
+        const char *p = strncmp(line, "export ", 7) == 0 ? line + 7 : line;
+        if (strncmp(p, name, nl) != 0 || p[nl] != '=')
+            continue;
+        p += nl + 1;
+        size_t vl = strlen(p);
+        if (vl >= 2 && p[0] == '\'' && p[vl - 1] == '\'') {
+            p++;
+            vl -= 2;
+        }
+        val = strndup(p, vl);
+    }
+    fclose(f);
+    return val;
+}

@@ -306,4 +306,28 @@ char *e2e_psql(const char *sql);
 /* The same, for a query answering one integer. */
 long e2e_psql_long(const char *sql);
 
+/* ---- services of a test's own (wt-chaos): scripts/services.sh on a directory the test started itself, e.g. a
+ * primary with a synchronous standby (standby-start, standby-down, standby-up, promote). */
+/* Runs scripts/services.sh CMD DIR [ARG] (bounded by 90 s); its exit code (the script's stderr on failure). */
+int e2e_services_in(const char *dir, const char *cmd, const char *arg);
+/* NAME's value in DIR/env (quotes removed), heap; NULL when missing. */
+char *e2e_services_env(const char *dir, const char *name);
+/* A store on a test's own Postgres and Redis (pg, redis: URLs or template variables; pool: a number, as text),
+ * one upstream "api" ({{UPSTREAM_URL}}, 5 s) and one route "pay" on /v1/pay: key required, a 2 s lease,
+ * on_unknown: reject (it never re-executes). After E2E_CONF_PORTS. */
+/* clang-format off */
+#define E2E_CONF_OWN_PAY(pg, redis, pool)                                                                              \
+    "store:\n"                                                                                                         \
+    "  postgres: \"" pg "\"\n"                                                                                          \
+    "  pool: " pool "\n"                                                                                               \
+    "  redis: \"" redis "\"\n"                                                                                          \
+    "upstreams:\n"                                                                                                     \
+    E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "5s")                                                                 \
+    "routes:\n"                                                                                                        \
+    E2E_CONF_ROUTE("pay", "/v1/pay", "api")                                                                            \
+    "      key: required\n"                                                                                            \
+    "      lease: 2s\n"                                                                                                \
+    "      on_unknown: reject\n"
+/* clang-format on */
+
 #endif
