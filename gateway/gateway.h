@@ -157,6 +157,7 @@ struct gw_job {
     struct renew_ticket *renew_ticket;        /* a lease renewal in flight */
     bool store_pending;                       /* a store callback will come back to this job */
     bool probed;                              /* on_unknown: probe asked the upstream once for this request */
+    uint64_t cache_epoch;                     /* replay cache epoch taken before the completion (gateway/cache.h) */
     struct gw_job *next_active, *prev_active; /* loop's list of running jobs */
 
     /* ordering guard (SPEC 6; gateway/ordering.c, store/order.h) */

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gateway/cache.h"
 #include "gateway/gateway.h"
 #include "gateway/probe.h"
 #include "gateway/problem.h"
@@ -230,6 +231,8 @@ static void completed(void *arg, bool ok, long rows)
         cm_metric_completion_failure(job->route_index);
         cm_log(CM_ERROR, "completion_failed", "route=%s reason=%s", job->route->name,
                ok ? "fenced_out" : "store_unavailable");
+    } else {
+        gw_cache_completed(job);
     }
     take_resp(job, &job->up_resp);
     finish(job, CM_OUT_FORWARDED);
@@ -258,6 +261,7 @@ static void idem_forward_done(void *arg, enum up_result r, struct cm_resp *resp,
         cm_hdrs_init(&resp->hdrs);
         cm_buf_init(&resp->body, 0);
         job->store_pending = true;
+        gw_cache_before_complete(job);
         store_complete(st, &id, job->token, &job->up_resp, im->retention_ms, im->lease_ms, completed, job);
         return;
     case UP_CONNECT_FAILED:
@@ -520,6 +524,12 @@ static void claim(struct gw_job *job)
     req.lease_ms = im->lease_ms;
     req.retention_ms = im->retention_ms;
     req.takeover_unknown = im->on_unknown == CONF_UNKNOWN_RETRY;
+    struct store_claim_res cached;
+    if (gw_cache_claim(job, &cached)) { /* a completed record held in memory: no store round trip */
+        claimed(job, &cached);
+        cm_resp_free(&cached.resp);
+        return;
+    }
     job->store_pending = true;
     store_claim(gw_loop_store(job->loop), &req, job->shadow ? shadow_claimed : claimed, job);
 }

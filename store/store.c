@@ -12,8 +12,10 @@
 
 #include "common/metrics.h"
 #include "conf/conf.h"
+#include "store/notify.h"
 #include "store/order.h"
 #include "store/pg.h"
+#include "store/notify.h"
 #include "store/redis.h"
 
 /* The server aborts a statement after STATEMENT_TIMEOUT_MS, before the
@@ -222,13 +224,24 @@ static const char sql_admin_list[] =
     " ORDER BY created_at, scope LIMIT 1000";
 /* clang-format on */
 
-static const char sql_admin_purge[] = "DELETE FROM idemgate_keys WHERE route = $1 AND key = $2 RETURNING scope";
+/* The replay caches of every gateway (gateway/cache.c) hear of a purge or a release through a notification sent
+ * in the statement's own transaction (store/notify.h): delivered when, and only when, it commits. The payload is
+ * "ROUTE\nKEY" (route names never hold a newline); one too long for NOTIFY is sent empty, which empties the
+ * caches. */
+#define SQL_NOTIFY_CACHE                                                                                               \
+    "SELECT pg_notify('" STORE_NOTIFY_CHANNEL "', CASE WHEN octet_length($1) + octet_length($2) < 7000"                \
+    " THEN $1 || E'\\n' || $2 ELSE '' END)"
+
+static const char sql_admin_purge[] =
+    "WITH d AS (DELETE FROM idemgate_keys WHERE route = $1 AND key = $2 RETURNING scope)"
+    " SELECT d.scope FROM d, (" SQL_NOTIFY_CACHE ") AS n";
 
 static const char sql_admin_release[] =
     "WITH d AS (DELETE FROM idemgate_keys WHERE route = $1 AND key = $2"
     " AND (state = 'unknown' OR (state = 'in_flight' AND lease_until < now())) RETURNING scope)"
     " SELECT 'd'::text, scope FROM d"
-    " UNION ALL SELECT 't'::text, NULL::bytea FROM idemgate_keys WHERE route = $1 AND key = $2";
+    " UNION ALL SELECT 't'::text, NULL::bytea FROM idemgate_keys WHERE route = $1 AND key = $2"
+    " UNION ALL SELECT 'n'::text, NULL::bytea FROM (" SQL_NOTIFY_CACHE ") AS n";
 
 /* A TID scan over at most 1000 rows found through the expires_at index. */
 static const char sql_clean[] = "DELETE FROM idemgate_keys WHERE ctid = ANY (ARRAY(SELECT ctid FROM idemgate_keys"
@@ -1527,8 +1540,8 @@ static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         for (int i = 0; i < PQntuples(pr); i++) {
             if (PQgetvalue(pr, i, 0)[0] == 'd')
                 released++;
-            else
-                total++;
+            else if (PQgetvalue(pr, i, 0)[0] == 't')
+                total++; /* 'n': the cache notification's row */
         }
         if (released > 0)
             admin_del_then_finish(a, pr, 1, true, 200, cm_asprintf("{\"released\":%d}", released));

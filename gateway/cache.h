@@ -1,0 +1,70 @@
+/* cache.h - the in-process replay cache: completed records (immutable until retention or purge) kept in memory,
+ * bounded in entries and bytes, shared by the loops of a process (a rwlock), usable only while the purge listener
+ * (store/notify.c) is connected. */
+#ifndef IDEMGATE_GW_CACHE_H
+#define IDEMGATE_GW_CACHE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+
+struct gw_cache;
+struct gw_loop;
+
+/* Creates an empty cache holding at most max_entries entries and max_bytes bytes (entry, names, headers and body
+ * counted). It starts offline (unused until gw_cache_set_online(c, true)). Returns NULL when either bound is 0 (the
+ * cache is off); every function below accepts NULL as "off". */
+struct gw_cache *gw_cache_create(uint64_t max_bytes, uint32_t max_entries);
+/* Frees every entry and the cache. NULL is a no-op. */
+void gw_cache_destroy(struct gw_cache *c);
+
+/* The purge listener's state. Going offline (the listener lost its connection, or is not connected yet) empties
+ * the cache: a notification may have been missed meanwhile. Either way the epoch moves on, so that a fill begun
+ * before the change is refused. Any thread. */
+void gw_cache_set_online(struct gw_cache *c, bool online);
+/* The epoch to hand to gw_cache_put: take it before the completion is sent. */
+uint64_t gw_cache_epoch(struct gw_cache *c);
+
+enum gw_cache_verdict {
+    GW_CACHE_MISS,     /* no usable entry (or the cache is off or offline): ask the store */
+    GW_CACHE_REPLAY,   /* same fingerprint: *out holds a copy of the stored answer (caller frees it) */
+    GW_CACHE_MISMATCH, /* another fingerprint: 422 */
+};
+/* Looks (route, scope, key) up at now_ms (cm_now_ms). On GW_CACHE_REPLAY *out is initialised with a deep copy
+ * owned by the caller; otherwise *out is untouched. Counts a hit or a miss. Any thread. */
+enum gw_cache_verdict gw_cache_get(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key,
+                                   size_t key_len, const uint8_t fp[32], uint64_t now_ms, struct cm_resp *out);
+/* Stores a copy of a committed completed record's answer, replayable until expires_ms (cm_now_ms clock; never
+ * later than the record's own expiry). Refused (false, nothing stored) when the cache is off or offline, when the
+ * epoch moved since epoch was taken (a purge notification, a local purge or a listener change came in between),
+ * or when the entry alone is over an eighth of max_bytes. Evicts (CLOCK, expired entries first) to stay within the
+ * bounds. The caller keeps resp. */
+bool gw_cache_put(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
+                  const uint8_t fp[32], const struct cm_resp *resp, uint64_t expires_ms, uint64_t epoch);
+/* Drops every entry of (route, key), all scopes (an admin purge or release), and moves the epoch on. */
+void gw_cache_drop(struct gw_cache *c, const char *route, const char *key, size_t key_len);
+/* A notification from the purge channel: payload "ROUTE\nKEY" drops that record's entries; anything else (an
+ * unknown form) empties the cache. */
+void gw_cache_notified(struct gw_cache *c, const char *payload, size_t len);
+/* Current entries and bytes (for tests; the metrics carry the same). */
+void gw_cache_usage(struct gw_cache *c, size_t *entries, size_t *bytes);
+
+/* ---- the pipeline's call sites (loop thread) */
+struct gw_job;
+struct store_claim_res;
+/* Before the store's claim: true when the cache answers the job's record (not for shadow routes). *res is then
+ * filled as the store would fill it (STORE_REPLAY with resp owned by res, or STORE_MISMATCH); the caller hands it
+ * on as a claim result and frees res->resp with cm_resp_free. false: ask the store (res untouched). */
+bool gw_cache_claim(struct gw_job *job, struct store_claim_res *res);
+/* Just before store_complete: takes the epoch the fill will be checked against. */
+void gw_cache_before_complete(struct gw_job *job);
+/* After the completion committed (ok with one row): keeps job->up_resp (copied) until started_ms + retention,
+ * which is never later than the record's own expiry. */
+void gw_cache_completed(struct gw_job *job);
+
+/* The process's cache, shared by its loops (gateway/loop.c); NULL when off or for a loop built alone. */
+struct gw_cache *gw_loop_cache(struct gw_loop *l);
+
+#endif
