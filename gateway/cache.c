@@ -211,12 +211,14 @@ bool gw_cache_put(struct gw_cache *c, const char *route, const uint8_t scope[32]
         cm_buf_free(&b);
         return false;
     }
-    size_t bytes = sizeof(struct entry) + route_len + 1 + key_len + 1 + b.len;
+    size_t size = sizeof(struct entry) + route_len + 1 + key_len + 1 + b.len;
+    size_t bytes =
+        (size + 8 + 15) & ~(size_t)15; /* what the allocator takes for it (glibc: 8-byte header, 16-aligned) */
     if (bytes > c->max_bytes / ENTRY_MAX_SHARE) {
         cm_buf_free(&b);
         return false;
     }
-    struct entry *e = cm_malloc(bytes);
+    struct entry *e = cm_malloc(size);
     memset(e, 0, sizeof *e);
     e->hash = hash_of(route, key, key_len);
     e->expires_ms = expires_ms;
