@@ -219,7 +219,7 @@ static void *watchdog_main(void *arg)
         pthread_mutex_lock(&f->mu);
         for (struct conn_track *t = f->tracks; t; t = t->next) {
             uint64_t since = atomic_load(&t->reading_since);
-            if (since && !t->shut && t->fd >= 0 && now - since > f->conf->client_timeout_ms) {
+            if (!t->shut && t->fd >= 0 && cm_overdue(since, now, f->conf->client_timeout_ms)) {
                 shutdown(t->fd, SHUT_RDWR);
                 t->shut = true;
             }
