@@ -15,12 +15,15 @@
 #define ENTRY_MAX_SHARE 8
 /* The blob of the largest answer cached: an entry is at most max_bytes / ENTRY_MAX_SHARE anyway. */
 #define BLOB_MAX ((size_t)64 * 1024 * 1024)
+/* The share (percent) of max_entries and max_bytes that replayed entries may keep against new fills. */
+#define HOT_SHARE 80
 
 struct entry {
     struct entry *next; /* bucket chain */
     uint64_t hash;
     uint32_t slot;
     atomic_bool ref; /* CLOCK: set by a hit, cleared by the hand */
+    atomic_bool hot; /* replayed at least once: protected from the fills of new keys (below) */
     uint64_t expires_ms;
     size_t bytes; /* what it counts against max_bytes */
     uint8_t scope[32];
@@ -45,6 +48,11 @@ struct gw_cache {
     uint32_t hand;
     size_t entries;
     size_t bytes;
+    /* Entries that were replayed at least once, and their bytes. A flood of new keys (each one fills the cache)
+     * evicts only entries never replayed while the hot ones take at most HOT_SHARE of either bound, so that the
+     * keys clients do retry stay (segmented LRU's protected part, as in 2Q/SLRU). */
+    _Atomic size_t hot_entries;
+    _Atomic size_t hot_bytes;
     bool online;            /* under the write lock; read under either */
     _Atomic uint64_t epoch; /* moves on (under the write lock) with every invalidation or listener change */
 };
@@ -98,6 +106,10 @@ static void entry_remove(struct gw_cache *c, struct entry *e)
         *pp = e->next;
     c->slots[e->slot] = NULL;
     c->free_slots[c->nfree++] = e->slot;
+    if (atomic_load(&e->hot)) {
+        atomic_fetch_sub(&c->hot_entries, 1);
+        atomic_fetch_sub(&c->hot_bytes, e->bytes);
+    }
     c->entries--;
     c->bytes -= e->bytes;
     free(e);
@@ -172,27 +184,48 @@ enum gw_cache_verdict gw_cache_get(struct gw_cache *c, const char *route, const 
             cm_resp_free(out); /* cannot happen: the blob was encoded here */
         }
         atomic_store_explicit(&e->ref, true, memory_order_relaxed);
+        bool cold = false;
+        if (v == GW_CACHE_REPLAY && atomic_compare_exchange_strong(&e->hot, &cold, true)) {
+            atomic_fetch_add(&c->hot_entries, 1);
+            atomic_fetch_add(&c->hot_bytes, e->bytes);
+        }
     }
     pthread_rwlock_unlock(&c->lock);
     cm_metric_replay_cache_lookup(v != GW_CACHE_MISS);
     return v;
 }
 
-/* Write lock held: frees one slot (expired entries go first, then the first one the hand finds unreferenced).
- * Bounded: two turns of the ring clear every reference bit. */
-static void evict_one(struct gw_cache *c, uint64_t now_ms)
+/* Write lock held: whether the hot entries are over their share, so that they compete among themselves. */
+static bool hot_over(const struct gw_cache *c)
 {
+    return atomic_load(&c->hot_entries) * 100 > (size_t)c->max_entries * HOT_SHARE ||
+           atomic_load(&c->hot_bytes) * 100 > c->max_bytes * HOT_SHARE;
+}
+
+/* Write lock held: frees one slot (CLOCK: an expired entry, or one unreferenced since the hand last passed; a hot
+ * entry only while the hot ones are over their share, or with force). Returns false when a turn found none.
+ * Bounded: two turns of the ring clear every reference bit. */
+static bool evict_one(struct gw_cache *c, uint64_t now_ms, bool force)
+{
+    bool spare_hot = !force && !hot_over(c);
     for (uint64_t steps = 0; steps < 2ULL * c->max_entries + 1; steps++) {
         struct entry *e = c->slots[c->hand];
         c->hand = (c->hand + 1) % c->max_entries;
         if (!e)
             continue;
-        if (e->expires_ms <= now_ms || !atomic_load_explicit(&e->ref, memory_order_relaxed)) {
+        if (e->expires_ms <= now_ms) {
             entry_remove(c, e);
-            return;
+            return true;
+        }
+        if (spare_hot && atomic_load(&e->hot))
+            continue;
+        if (!atomic_load_explicit(&e->ref, memory_order_relaxed)) {
+            entry_remove(c, e);
+            return true;
         }
         atomic_store_explicit(&e->ref, false, memory_order_relaxed);
     }
+    return false;
 }
 
 bool gw_cache_put(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
@@ -244,7 +277,8 @@ bool gw_cache_put(struct gw_cache *c, const char *route, const uint8_t scope[32]
         if (old)
             entry_remove(c, old);
         while (c->entries > 0 && (c->nfree == 0 || c->bytes + bytes > c->max_bytes))
-            evict_one(c, now);
+            if (!evict_one(c, now, false))
+                (void)evict_one(c, now, true); /* only hot entries are left: the bounds win */
         if (c->nfree > 0 && c->bytes + bytes <= c->max_bytes) {
             e->slot = c->free_slots[--c->nfree];
             c->slots[e->slot] = e;

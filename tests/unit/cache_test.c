@@ -227,3 +227,38 @@ Test(cache, bounds_hold_and_clock_keeps_a_hot_entry)
     cm_resp_free(&r);
     gw_cache_destroy(c);
 }
+
+Test(cache, a_flood_of_new_keys_keeps_the_replayed_ones)
+{
+    struct gw_cache *c = online_cache(1 << 20, 10);
+    struct cm_resp r, out;
+    make_resp(&r, "x");
+    char key[32];
+    for (int i = 0; i < 5; i++) {
+        snprintf(key, sizeof key, "hot%d", i);
+        cr_assert(put(c, "pay", SCOPE_A, key, FP1, &r, 60000));
+        cr_assert_eq(get(c, "pay", SCOPE_A, key, FP1, &out), GW_CACHE_REPLAY);
+        cm_resp_free(&out);
+    }
+    for (int i = 0; i < 1000; i++) { /* new keys, each filled once and never replayed */
+        snprintf(key, sizeof key, "new%d", i);
+        cr_assert(put(c, "pay", SCOPE_A, key, FP1, &r, 60000));
+    }
+    for (int i = 0; i < 5; i++) {
+        snprintf(key, sizeof key, "hot%d", i);
+        cr_expect_eq(get(c, "pay", SCOPE_A, key, FP1, &out), GW_CACHE_REPLAY, "replayed entry %d evicted", i);
+        cm_resp_free(&out);
+    }
+    /* hot entries beyond their share (80% of 10) compete among themselves: the bound still holds */
+    for (int i = 0; i < 40; i++) {
+        snprintf(key, sizeof key, "h2-%d", i);
+        cr_assert(put(c, "pay", SCOPE_A, key, FP1, &r, 60000));
+        cr_assert_eq(get(c, "pay", SCOPE_A, key, FP1, &out), GW_CACHE_REPLAY);
+        cm_resp_free(&out);
+        size_t n, b;
+        gw_cache_usage(c, &n, &b);
+        cr_assert_leq(n, 10);
+    }
+    cm_resp_free(&r);
+    gw_cache_destroy(c);
+}
