@@ -228,8 +228,8 @@ static bool evict_one(struct gw_cache *c, uint64_t now_ms, bool force)
     return false;
 }
 
-bool gw_cache_put(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
-                  const uint8_t fp[32], const struct cm_resp *resp, uint64_t expires_ms, uint64_t epoch)
+static bool put(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
+                const uint8_t fp[32], const struct cm_resp *resp, uint64_t expires_ms, uint64_t epoch, bool hot)
 {
     if (!c)
         return false;
@@ -287,6 +287,11 @@ bool gw_cache_put(struct gw_cache *c, const char *route, const uint8_t scope[32]
             *head = e;
             c->entries++;
             c->bytes += bytes;
+            if (hot) {
+                atomic_store(&e->hot, true);
+                atomic_fetch_add(&c->hot_entries, 1);
+                atomic_fetch_add(&c->hot_bytes, bytes);
+            }
             stored = true;
         }
         publish(c);
@@ -295,6 +300,19 @@ bool gw_cache_put(struct gw_cache *c, const char *route, const uint8_t scope[32]
     if (!stored)
         free(e);
     return stored;
+}
+
+bool gw_cache_put(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
+                  const uint8_t fp[32], const struct cm_resp *resp, uint64_t expires_ms, uint64_t epoch)
+{
+    return put(c, route, scope, key, key_len, fp, resp, expires_ms, epoch, false);
+}
+
+bool gw_cache_put_replayed(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key,
+                           size_t key_len, const uint8_t fp[32], const struct cm_resp *resp, uint64_t expires_ms,
+                           uint64_t epoch)
+{
+    return put(c, route, scope, key, key_len, fp, resp, expires_ms, epoch, true);
 }
 
 /* Write lock held. */
@@ -378,7 +396,7 @@ bool gw_cache_claim(struct gw_job *job, struct store_claim_res *res)
     return true;
 }
 
-void gw_cache_before_complete(struct gw_job *job)
+void gw_cache_before_store(struct gw_job *job)
 {
     job->cache_epoch = gw_cache_epoch(gw_loop_cache(job->loop));
 }
@@ -390,4 +408,13 @@ void gw_cache_completed(struct gw_job *job)
         return;
     (void)gw_cache_put(c, job->route->name, job->scope, job->key, job->key_len, job->fp, &job->up_resp,
                        job->started_ms + job->route->idem.retention_ms, job->cache_epoch);
+}
+
+void gw_cache_replayed(struct gw_job *job, const struct store_claim_res *res)
+{
+    struct gw_cache *c = gw_loop_cache(job->loop);
+    if (!c || job->shadow || res->from_redis || res->expires_in_ms == 0)
+        return;
+    (void)gw_cache_put_replayed(c, job->route->name, job->scope, job->key, job->key_len, job->fp, &res->resp,
+                                job->started_ms + res->expires_in_ms, job->cache_epoch);
 }

@@ -43,6 +43,10 @@ enum gw_cache_verdict gw_cache_get(struct gw_cache *c, const char *route, const 
  * bounds. The caller keeps resp. */
 bool gw_cache_put(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
                   const uint8_t fp[32], const struct cm_resp *resp, uint64_t expires_ms, uint64_t epoch);
+/* The same for an answer that was just replayed (read from the authority): the entry starts hot (below). */
+bool gw_cache_put_replayed(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key,
+                           size_t key_len, const uint8_t fp[32], const struct cm_resp *resp, uint64_t expires_ms,
+                           uint64_t epoch);
 /* Drops every entry of (route, key), all scopes (an admin purge or release), and moves the epoch on. */
 void gw_cache_drop(struct gw_cache *c, const char *route, const char *key, size_t key_len);
 /* A notification from the purge channel: payload "ROUTE\nKEY" drops that record's entries; anything else (an
@@ -58,8 +62,12 @@ struct store_claim_res;
  * filled as the store would fill it (STORE_REPLAY with resp owned by res, or STORE_MISMATCH); the caller hands it
  * on as a claim result and frees res->resp with cm_resp_free. false: ask the store (res untouched). */
 bool gw_cache_claim(struct gw_job *job, struct store_claim_res *res);
-/* Just before store_complete: takes the epoch the fill will be checked against. */
-void gw_cache_before_complete(struct gw_job *job);
+/* Just before store_complete and store_claim: takes the epoch a fill will be checked against. */
+void gw_cache_before_store(struct gw_job *job);
+/* A claim answered STORE_REPLAY from Postgres (res->from_redis false): keeps a copy of res->resp until
+ * started_ms + res->expires_in_ms, never later than the record's expiry (Postgres computed what was left at the
+ * read, which came after the request started). Call before res->resp is moved out. */
+void gw_cache_replayed(struct gw_job *job, const struct store_claim_res *res);
 /* After the completion committed (ok with one row): keeps job->up_resp (copied) until started_ms + retention,
  * which is never later than the record's own expiry. */
 void gw_cache_completed(struct gw_job *job);

@@ -261,7 +261,7 @@ static void idem_forward_done(void *arg, enum up_result r, struct cm_resp *resp,
         cm_hdrs_init(&resp->hdrs);
         cm_buf_init(&resp->body, 0);
         job->store_pending = true;
-        gw_cache_before_complete(job);
+        gw_cache_before_store(job);
         store_complete(st, &id, job->token, &job->up_resp, im->retention_ms, im->lease_ms, completed, job);
         return;
     case UP_CONNECT_FAILED:
@@ -443,6 +443,7 @@ static void claimed(void *arg, struct store_claim_res *res)
         forward_owned(job, res->token);
         return;
     case STORE_REPLAY:
+        gw_cache_replayed(job, res);
         take_resp(job, &res->resp);
         job->replayed = true;
         cm_metric_dedup_hit(job->route_index);
@@ -531,6 +532,7 @@ static void claim(struct gw_job *job)
         return;
     }
     job->store_pending = true;
+    gw_cache_before_store(job);
     store_claim(gw_loop_store(job->loop), &req, job->shadow ? shadow_claimed : claimed, job);
 }
 

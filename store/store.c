@@ -739,6 +739,7 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         /* Redis missed it (flushed, evicted, down): put it back, only over
          * the marker this claim placed or saw (a purge meanwhile removed it). */
         uint64_t ttl = (uint64_t)store_pg_get_i64(pr, 0, 6);
+        res.expires_in_ms = ttl;
         uint8_t mine[MARKER_LEN];
         make_marker(mine, c->fp, c->token);
         if (c->marker_ours || c->seen_marker)

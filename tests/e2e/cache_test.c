@@ -292,3 +292,34 @@ Test(cache, bounds_hold)
     cr_expect(b > 0 && b <= 8192, "bytes %g, bound 8192", b);
     cr_expect(bn >= 2 && bn < 20, "entries %g under the byte bound", bn);
 }
+
+Test(cache, a_replay_read_from_postgres_fills_the_cache_until_the_records_expiry)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *a = gw_start(up, "key: required\nretention: 2s\n", "off", "");
+    struct e2e_gw *b = gw_start(up, "key: required\nretention: 2s\n", NULL, "");
+    wait_online(b);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "fill");
+    struct e2e_resp first, r1, r2, r3;
+    post(a, key, NULL, &first); /* completed on a: b's cache knows nothing of it */
+    cr_assert_eq(first.status, 200);
+    e2e_sleep_ms(800);
+    post(b, key, NULL, &r1);
+    cr_assert(e2e_resp_is_replay(&r1), "b replays from Postgres");
+    cr_expect_eq(metric(b, "idemgate_replay_cache_entries"), 1, "a replay read from Postgres fills the cache");
+    double hits = metric(b, "idemgate_replay_cache_hits_total");
+    post(b, key, NULL, &r2);
+    cr_assert(e2e_resp_is_replay(&r2));
+    cr_expect_eq(metric(b, "idemgate_replay_cache_hits_total"), hits + 1, "the next replay comes from the cache");
+    expect_same_answer(&first, &r2, "cache filled from Postgres vs first answer");
+    /* the entry ends with the record (2 s after its completion, not 2 s after the fill) */
+    e2e_sleep_ms(1400);
+    post(b, key, NULL, &r3);
+    cr_expect(!e2e_resp_is_replay(&r3), "after the record's retention the key is new");
+    cr_expect_eq(e2e_upstream_count(up, key), 2);
+    e2e_resp_free(&first);
+    e2e_resp_free(&r1);
+    e2e_resp_free(&r2);
+    e2e_resp_free(&r3);
+}
