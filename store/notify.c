@@ -61,15 +61,16 @@ static void watch(struct store_notify *n, short what)
 static void lost(struct store_notify *n, const char *why)
 {
     bool was_up = n->state == N_UP;
+    char q[256];
+    cm_log_quote(q, sizeof q, why ? why : ""); /* why may be PQerrorMessage: read it before PQfinish frees it */
     unwatch(n);
     if (n->pg) {
         PQfinish(n->pg);
         n->pg = NULL;
     }
     n->state = N_IDLE;
-    char q[256];
-    cm_log(was_up ? CM_WARN : CM_INFO, "cache_listener_down", "detail=%s retry_ms=%llu",
-           cm_log_quote(q, sizeof q, why ? why : ""), (unsigned long long)n->backoff_ms);
+    cm_log(was_up ? CM_WARN : CM_INFO, "cache_listener_down", "detail=%s retry_ms=%llu", q,
+           (unsigned long long)n->backoff_ms);
     if (was_up)
         n->cb(n->arg, STORE_NOTIFY_DOWN, NULL, 0);
     arm(n, n->backoff_ms);
