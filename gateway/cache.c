@@ -413,7 +413,7 @@ void gw_cache_completed(struct gw_job *job)
 void gw_cache_replayed(struct gw_job *job, const struct store_claim_res *res)
 {
     struct gw_cache *c = gw_loop_cache(job->loop);
-    if (!c || job->shadow || res->from_redis || res->expires_in_ms == 0)
+    if (!c || job->shadow || res->expires_in_ms == 0)
         return;
     (void)gw_cache_put_replayed(c, job->route->name, job->scope, job->key, job->key_len, job->fp, &res->resp,
                                 job->started_ms + res->expires_in_ms, job->cache_epoch);

@@ -64,9 +64,10 @@ struct store_claim_res;
 bool gw_cache_claim(struct gw_job *job, struct store_claim_res *res);
 /* Just before store_complete and store_claim: takes the epoch a fill will be checked against. */
 void gw_cache_before_store(struct gw_job *job);
-/* A claim answered STORE_REPLAY from Postgres (res->from_redis false): keeps a copy of res->resp until
- * started_ms + res->expires_in_ms, never later than the record's expiry (Postgres computed what was left at the
- * read, which came after the request started). Call before res->resp is moved out. */
+/* A claim answered STORE_REPLAY (from Postgres, or from Redis with the expiry written beside the answer): keeps a
+ * copy of res->resp until started_ms + res->expires_in_ms, never later than the record's expiry (what was left was
+ * computed at the read, which came after the request started). Nothing when the expiry is not known (0). Call
+ * before res->resp is moved out. */
 void gw_cache_replayed(struct gw_job *job, const struct store_claim_res *res);
 /* After the completion committed (ok with one row): keeps job->up_resp (copied) until started_ms + retention,
  * which is never later than the record's own expiry. */
