@@ -53,8 +53,9 @@ struct gw_cache {
      * keys clients do retry stay (segmented LRU's protected part, as in 2Q/SLRU). */
     _Atomic size_t hot_entries;
     _Atomic size_t hot_bytes;
-    bool online;            /* under the write lock; read under either */
-    _Atomic uint64_t epoch; /* moves on (under the write lock) with every invalidation or listener change */
+    bool online;                   /* under the write lock; read under either */
+    _Atomic uint64_t last_drop_ms; /* cm_now_ms of the last purge or release heard of (0: none) */
+    _Atomic uint64_t epoch;        /* moves on (under the write lock) with every invalidation or listener change */
 };
 
 /* FNV-1a over route NUL key: both a purge (all scopes) and a look-up find the same bucket. */
@@ -340,6 +341,7 @@ void gw_cache_drop(struct gw_cache *c, const char *route, const char *key, size_
     if (!c)
         return;
     pthread_rwlock_wrlock(&c->lock);
+    atomic_store(&c->last_drop_ms, cm_now_ms());
     drop_locked(c, route, strlen(route), key, key_len);
     atomic_fetch_add(&c->epoch, 1);
     publish(c);
@@ -352,6 +354,7 @@ void gw_cache_notified(struct gw_cache *c, const char *payload, size_t len)
         return;
     const char *nl = memchr(payload, '\n', len);
     pthread_rwlock_wrlock(&c->lock);
+    atomic_store(&c->last_drop_ms, cm_now_ms());
     if (nl)
         drop_locked(c, payload, (size_t)(nl - payload), nl + 1, len - (size_t)(nl - payload) - 1);
     else
@@ -410,10 +413,20 @@ void gw_cache_completed(struct gw_job *job)
                        job->started_ms + job->route->idem.retention_ms, job->cache_epoch);
 }
 
+bool gw_cache_redis_fill_ok(struct gw_cache *c, uint64_t now_ms)
+{
+    uint64_t last = c ? atomic_load(&c->last_drop_ms) : 0;
+    return c && (last == 0 || now_ms >= last + GW_CACHE_PURGE_GRACE_MS);
+}
+
 void gw_cache_replayed(struct gw_job *job, const struct store_claim_res *res)
 {
     struct gw_cache *c = gw_loop_cache(job->loop);
     if (!c || job->shadow || res->expires_in_ms == 0)
+        return;
+    /* A purge deletes the Redis copy after its commit (and its notification): until then Redis may still answer
+     * with the purged record, also to a claim that began after the notification. */
+    if (res->from_redis && !gw_cache_redis_fill_ok(c, cm_now_ms()))
         return;
     (void)gw_cache_put_replayed(c, job->route->name, job->scope, job->key, job->key_len, job->fp, &res->resp,
                                 job->started_ms + res->expires_in_ms, job->cache_epoch);

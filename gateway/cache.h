@@ -52,6 +52,11 @@ void gw_cache_drop(struct gw_cache *c, const char *route, const char *key, size_
 /* A notification from the purge channel: payload "ROUTE\nKEY" drops that record's entries; anything else (an
  * unknown form) empties the cache. */
 void gw_cache_notified(struct gw_cache *c, const char *payload, size_t len);
+/* How long after a purge or release (local or notified) an answer Redis replayed is not cached: the purge deletes
+ * the Redis copy only after its commit, so for a moment Redis still holds what Postgres no longer does. */
+#define GW_CACHE_PURGE_GRACE_MS 2000
+/* False within GW_CACHE_PURGE_GRACE_MS of the last purge or release heard of (or when c is NULL). */
+bool gw_cache_redis_fill_ok(struct gw_cache *c, uint64_t now_ms);
 /* Current entries and bytes (for tests; the metrics carry the same). */
 void gw_cache_usage(struct gw_cache *c, size_t *entries, size_t *bytes);
 

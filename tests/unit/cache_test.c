@@ -262,3 +262,17 @@ Test(cache, a_flood_of_new_keys_keeps_the_replayed_ones)
     cm_resp_free(&r);
     gw_cache_destroy(c);
 }
+
+Test(cache, no_redis_fill_just_after_a_purge)
+{
+    struct gw_cache *c = online_cache(1 << 20, 10);
+    cr_expect(gw_cache_redis_fill_ok(c, cm_now_ms()), "no purge heard of yet");
+    gw_cache_notified(c, "pay\nk", 5);
+    uint64_t now = cm_now_ms();
+    cr_expect(!gw_cache_redis_fill_ok(c, now), "Redis may still hold the purged copy");
+    cr_expect(gw_cache_redis_fill_ok(c, now + GW_CACHE_PURGE_GRACE_MS + 1));
+    gw_cache_drop(c, "pay", "k", 1);
+    cr_expect(!gw_cache_redis_fill_ok(c, cm_now_ms()), "a local purge counts too");
+    cr_expect(!gw_cache_redis_fill_ok(NULL, cm_now_ms()));
+    gw_cache_destroy(c);
+}
