@@ -82,46 +82,6 @@ static void admin_purge(const struct e2e_gw *g, const char *key)
     e2e_resp_free(&r);
 }
 
-static char *psql(const char *sql)
-{
-    const char *url = e2e_env("IDEMGATE_TEST_PG_ADMIN_URL");
-    const char *const argv[] = {"/usr/bin/psql",   "-X", "-q", "-A", "-t", "-v",
-                                "ON_ERROR_STOP=1", "-d", url,  "-c", sql,  NULL};
-    char *out = NULL, *err = NULL;
-    int rc = e2e_run(argv, NULL, 20000, &out, &err);
-    cr_assert_eq(rc, 0, "psql %s: %s", sql, err ? err : "");
-    free(err);
-    return out;
-}
-
-static bool skip_in_compare(const char *name)
-{
-    return strcasecmp(name, "Date") == 0 || strcasecmp(name, "Idempotent-Replayed") == 0;
-}
-
-/* Same status, every header (but Date and the replay marker) with its value in order, same body. */
-static void expect_same_answer(const struct e2e_resp *a, const struct e2e_resp *b, const char *what)
-{
-    cr_expect_eq(a->status, b->status, "%s: status %ld vs %ld", what, a->status, b->status);
-    size_t i = 0, j = 0;
-    for (int guard = 0; guard < 1024; guard++) {
-        while (i < a->nhdrs && skip_in_compare(a->hdrs[i].name))
-            i++;
-        while (j < b->nhdrs && skip_in_compare(b->hdrs[j].name))
-            j++;
-        if (i >= a->nhdrs || j >= b->nhdrs)
-            break;
-        cr_expect(strcmp(a->hdrs[i].name, b->hdrs[j].name) == 0 && strcmp(a->hdrs[i].value, b->hdrs[j].value) == 0,
-                  "%s: header differs: \"%s: %s\" vs \"%s: %s\"", what, a->hdrs[i].name, a->hdrs[i].value,
-                  b->hdrs[j].name, b->hdrs[j].value);
-        i++;
-        j++;
-    }
-    cr_expect(i >= a->nhdrs && j >= b->nhdrs, "%s: header lists differ in length (%zu vs %zu)", what, a->nhdrs,
-              b->nhdrs);
-    cr_expect(a->body_len == b->body_len && memcmp(a->body, b->body, a->body_len) == 0, "%s: bodies differ", what);
-}
-
 Test(cache, replay_from_the_cache_is_the_answer_the_store_replays)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
@@ -144,9 +104,9 @@ Test(cache, replay_from_the_cache_is_the_answer_the_store_replays)
     post(via_redis, key, NULL, &redis);
     post(via_pg, key, NULL, &pg);
     cr_assert(e2e_resp_is_replay(&redis) && e2e_resp_is_replay(&pg));
-    expect_same_answer(&first, &cached, "cache vs first answer");
-    expect_same_answer(&redis, &cached, "cache vs Redis replay");
-    expect_same_answer(&pg, &cached, "cache vs Postgres replay");
+    e2e_expect_same_answer(&first, &cached, "cache vs first answer");
+    e2e_expect_same_answer(&redis, &cached, "cache vs Redis replay");
+    e2e_expect_same_answer(&pg, &cached, "cache vs Postgres replay");
     cr_expect_eq(e2e_upstream_count(up, key), 1, "executed once");
     e2e_resp_free(&first);
     e2e_resp_free(&cached);
@@ -178,8 +138,8 @@ Test(cache, a_tenant_never_gets_another_tenants_entry)
     post(gw, key, "Bearer tenant-a", &a2);
     post(gw, key, "Bearer tenant-b", &b2);
     cr_expect(e2e_resp_is_replay(&a2) && e2e_resp_is_replay(&b2));
-    expect_same_answer(&a1, &a2, "tenant a");
-    expect_same_answer(&b1, &b2, "tenant b");
+    e2e_expect_same_answer(&a1, &a2, "tenant a");
+    e2e_expect_same_answer(&b1, &b2, "tenant b");
     cr_expect_eq(e2e_upstream_count(up, key), 2);
     cr_expect_eq(metric(gw, "idemgate_replay_cache_entries"), 2, "one entry per tenant");
     e2e_resp_free(&a1);
@@ -231,12 +191,12 @@ Test(cache, no_stale_replay_after_a_purge_missed_while_the_listener_was_down)
     cr_assert_eq(metric(gw, "idemgate_replay_cache_entries"), 1);
     /* the listener's connection dies; the purge comes with no notification at all (one sent while nobody
      * listened is lost the same way) */
-    free(psql("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = "
-              "'idemgate-listen'"));
+    free(e2e_psql("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = "
+                  "'idemgate-listen'"));
     cr_assert(e2e_gw_log_wait(gw, "event=cache_listener_down", 3000), "the listener did not notice");
     char sql[512];
     snprintf(sql, sizeof sql, "DELETE FROM idemgate_keys WHERE route = 'pay' AND key = '%s'", key);
-    free(psql(sql));
+    free(e2e_psql(sql));
     post(gw, key, NULL, &r);
     cr_expect_eq(r.status, 200);
     cr_expect(!e2e_resp_is_replay(&r), "a purged record replayed from the cache");
@@ -318,7 +278,7 @@ static void fill_from_store(const char *redis, int retention_ms)
     post(b, key, NULL, &r2);
     cr_assert(e2e_resp_is_replay(&r2));
     cr_expect_eq(metric(b, "idemgate_replay_cache_hits_total"), hits + 1, "the next replay comes from the cache");
-    expect_same_answer(&first, &r2, "cache filled from the store vs first answer");
+    e2e_expect_same_answer(&first, &r2, "cache filled from the store vs first answer");
     /* the entry ends with the record (retention after its completion, not after the fill) */
     e2e_sleep_ms(retention_ms - 600);
     post(b, key, NULL, &r3);

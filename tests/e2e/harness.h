@@ -299,4 +299,12 @@ double e2e_metric_value(const char *text, const char *name, const char *const *l
 uint64_t e2e_now_ms(void);
 void e2e_sleep_ms(int ms);
 
+/* ---- replay cache tests (cache_test, shed_test): shared helpers */
+/* Runs sql with psql on the test Postgres as its admin role (IDEMGATE_TEST_PG_ADMIN_URL); fails the test when psql
+ * does. Returns its output without trailing line ends (heap, caller frees). */
+char *e2e_psql(const char *sql);
+/* Expects rep to repeat orig: status, every header but Date and Idempotent-Replayed with its value in order, and the
+ * body byte for byte; what names the comparison in failures. */
+void e2e_expect_same_answer(const struct e2e_resp *orig, const struct e2e_resp *rep, const char *what);
+
 #endif

@@ -33,17 +33,7 @@ static void restore_postgres(void)
 /* Runs sql; returns its unaligned, tuples-only output (heap, trailing newline removed); fails the test on error. */
 static char *psql(const char *sql)
 {
-    const char *url = e2e_env("IDEMGATE_TEST_PG_ADMIN_URL");
-    const char *const argv[] = {"/usr/bin/psql",   "-X", "-q", "-A", "-t", "-v",
-                                "ON_ERROR_STOP=1", "-d", url,  "-c", sql,  NULL};
-    char *out = NULL, *err = NULL;
-    int rc = e2e_run(argv, NULL, 20000, &out, &err);
-    cr_assert_eq(rc, 0, "psql %s: %s", sql, err ? err : "");
-    free(err);
-    size_t n = strlen(out);
-    while (n > 0 && (out[n - 1] == '\n' || out[n - 1] == '\r'))
-        out[--n] = '\0';
-    return out;
+    return e2e_psql(sql);
 }
 
 static long psql_long(const char *sql)
