@@ -194,7 +194,7 @@ struct conf {
     char *admin_token;          /* from IDEMGATE_ADMIN_TOKEN only, NULL when unset */
     struct conf_jwt jwt;        /* top-level jwt: (SPEC 9) */
     /* replay_cache: completed records kept in memory (gateway/cache.c); either bound 0 (or replay_cache: off):
-     * no cache. Defaults 2MiB and 8192 entries. */
+     * no cache. Defaults 1MiB and 4096 entries. */
     uint64_t replay_cache_max_bytes;
     uint32_t replay_cache_max_entries;
 };
