@@ -699,6 +699,11 @@ uint64_t cm_now_ms(void)
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
 
+bool cm_overdue(uint64_t since_ms, uint64_t now_ms, uint64_t limit_ms)
+{
+    return since_ms && since_ms <= now_ms && now_ms - since_ms > limit_ms;
+}
+
 uint64_t cm_wall_ms(void)
 {
     struct timespec ts;

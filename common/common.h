@@ -124,6 +124,9 @@ bool cm_field_value_ok(const char *s, size_t n);
 
 /* ---- time */
 uint64_t cm_now_ms(void); /* monotonic */
+/* True when a period that began at since_ms (0: none running) has lasted more than limit_ms at now_ms. A since_ms
+ * later than now_ms (stored by another thread after now_ms was read) has not. */
+bool cm_overdue(uint64_t since_ms, uint64_t now_ms, uint64_t limit_ms);
 /* 1 to max_digits (at most 19) ASCII decimal digits, nothing else, into *out. */
 bool cm_parse_digits(const char *s, size_t n, size_t max_digits, uint64_t *out);
 uint64_t cm_wall_ms(void); /* unix epoch */

@@ -64,6 +64,11 @@ static _Atomic int postgres_up;
 static _Atomic int redis_up;
 static _Atomic int64_t connections;
 static _Atomic int64_t claims_in_doubt;
+static _Atomic int64_t cache_entries;
+static _Atomic int64_t cache_bytes;
+static _Atomic uint64_t cache_hits;
+static _Atomic uint64_t cache_misses;
+static _Atomic int cache_online;
 
 static const char *const outcome_names[CM_OUT__COUNT] = {
     [CM_OUT_FORWARDED] = "forwarded",
@@ -144,6 +149,11 @@ static void zero_globals(void)
     atomic_store_explicit(&redis_up, 0, memory_order_relaxed);
     atomic_store_explicit(&connections, 0, memory_order_relaxed);
     atomic_store_explicit(&claims_in_doubt, 0, memory_order_relaxed);
+    atomic_store_explicit(&cache_entries, 0, memory_order_relaxed);
+    atomic_store_explicit(&cache_bytes, 0, memory_order_relaxed);
+    atomic_store_explicit(&cache_hits, 0, memory_order_relaxed);
+    atomic_store_explicit(&cache_misses, 0, memory_order_relaxed);
+    atomic_store_explicit(&cache_online, 0, memory_order_relaxed);
 }
 
 void cm_metrics_reset(void)
@@ -354,6 +364,22 @@ void cm_metric_shadow_store_error(size_t route)
     ctr_add(&route_of(route)->shadow_store_errors, 1);
 }
 
+void cm_metric_replay_cache_set(int64_t entries, int64_t bytes)
+{
+    atomic_store_explicit(&cache_entries, entries, memory_order_relaxed);
+    atomic_store_explicit(&cache_bytes, bytes, memory_order_relaxed);
+}
+
+void cm_metric_replay_cache_lookup(bool hit)
+{
+    atomic_fetch_add_explicit(hit ? &cache_hits : &cache_misses, 1, memory_order_relaxed);
+}
+
+void cm_metric_replay_cache_online(bool online)
+{
+    atomic_store_explicit(&cache_online, online ? 1 : 0, memory_order_relaxed);
+}
+
 void cm_metric_claims_in_doubt(int64_t delta)
 {
     atomic_fetch_add_explicit(&claims_in_doubt, delta, memory_order_relaxed);
@@ -527,7 +553,20 @@ bool cm_metrics_render(struct cm_buf *out)
                    (long long)atomic_load_explicit(&connections, memory_order_relaxed)) ||
         !put_gauge(out, "idemgate_claims_in_doubt",
                    "Claims whose commit outcome is not known yet (nothing was forwarded), waiting to be released.",
-                   (long long)atomic_load_explicit(&claims_in_doubt, memory_order_relaxed)))
+                   (long long)atomic_load_explicit(&claims_in_doubt, memory_order_relaxed)) ||
+        !put_gauge(out, "idemgate_replay_cache_entries", "Completed records held by the in-process replay cache.",
+                   (long long)atomic_load_explicit(&cache_entries, memory_order_relaxed)) ||
+        !put_gauge(out, "idemgate_replay_cache_bytes", "Bytes held by the in-process replay cache.",
+                   (long long)atomic_load_explicit(&cache_bytes, memory_order_relaxed)) ||
+        !put_gauge(out, "idemgate_replay_cache_online",
+                   "1 while the replay cache's purge listener is connected (the cache is used only then).",
+                   atomic_load_explicit(&cache_online, memory_order_relaxed)) ||
+        !put_family(out, "idemgate_replay_cache_hits_total", "counter",
+                    "Look-ups answered by the replay cache (a replay or a 422).") ||
+        !cm_buf_appendf(out, "idemgate_replay_cache_hits_total %llu\n", (unsigned long long)ctr_get(&cache_hits)) ||
+        !put_family(out, "idemgate_replay_cache_misses_total", "counter",
+                    "Look-ups the replay cache could not answer (asked the store).") ||
+        !cm_buf_appendf(out, "idemgate_replay_cache_misses_total %llu\n", (unsigned long long)ctr_get(&cache_misses)))
         return false;
     return put_family(out, "idemgate_build_info", "gauge", "Build information.") &&
            put_labelled(out, "idemgate_build_info", "version", IDEMGATE_VERSION, 1);

@@ -69,6 +69,12 @@ void cm_metric_redis_up(bool up);
 void cm_metric_connections(int64_t delta); /* idemgate_connections gauge */
 /* idemgate_claims_in_doubt gauge: claims whose commit outcome is not known yet, waiting to be released. */
 void cm_metric_claims_in_doubt(int64_t delta);
+/* The replay cache (gateway/cache.c): idemgate_replay_cache_entries and _bytes gauges (set to the current values),
+ * idemgate_replay_cache_hits_total / _misses_total, and idemgate_replay_cache_online (its purge listener is
+ * connected, so the cache is in use). */
+void cm_metric_replay_cache_set(int64_t entries, int64_t bytes);
+void cm_metric_replay_cache_lookup(bool hit);
+void cm_metric_replay_cache_online(bool online);
 
 /* ---- unknown outcomes resolved by probing (SPEC 9) and shadow mode (SPEC 10) */
 

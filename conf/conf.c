@@ -1915,6 +1915,25 @@ static bool fn_jwt(struct ctx *x, yaml_node_t *n, void *target)
     return true;
 }
 
+static const struct field replay_cache_fields[] = {
+    FIELD("max_bytes", F_SIZE, struct conf, replay_cache_max_bytes, 0, GIB),
+    FIELD("max_entries", F_U32, struct conf, replay_cache_max_entries, 0, 10000000),
+};
+
+/* replay_cache: {max_bytes: 1MiB, max_entries: 4096} or replay_cache: off */
+static bool fn_replay_cache(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf *c = target;
+    if (n->type == YAML_SCALAR_NODE && strcmp((const char *)n->data.scalar.value, "off") == 0) {
+        c->replay_cache_max_bytes = 0;
+        c->replay_cache_max_entries = 0;
+        return true;
+    }
+    if (n->type != YAML_MAPPING_NODE)
+        return fail(x, n, "must be a mapping {max_bytes: SIZE, max_entries: N} or off");
+    return parse_map(x, n, replay_cache_fields, NFIELDS(replay_cache_fields), c);
+}
+
 static const struct field top_fields[] = {
     FIELD_FN("listen", struct conf, listen, fn_listen, false),
     FIELD_BASE("admin", fn_admin, false),
@@ -1931,6 +1950,7 @@ static const struct field top_fields[] = {
     FIELD("client_timeout", F_DUR, struct conf, client_timeout_ms, 1, DURATION_MAX),
     FIELD("threads", F_U32, struct conf, threads, 0, 64),
     FIELD_FN("jwt", struct conf, jwt, fn_jwt, false),
+    FIELD_BASE("replay_cache", fn_replay_cache, false),
 };
 
 static void conf_defaults(struct conf *c)
@@ -1951,6 +1971,8 @@ static void conf_defaults(struct conf *c)
     c->max_connections = 4096;
     c->client_timeout_ms = 30 * SEC;
     c->threads = 0;
+    c->replay_cache_max_bytes = MIB;
+    c->replay_cache_max_entries = 4096;
 }
 
 /* Line of the first key named key in the top-level mapping or in its nested
@@ -2169,6 +2191,8 @@ size_t conf_restart_keys(const struct conf *old, const struct conf *neu, const c
         {"store.pool", old->pool == neu->pool},
         {"store.redis", str_eq(old->redis_url, neu->redis_url)},
         {"store.redis_timeout", old->redis_timeout_ms == neu->redis_timeout_ms},
+        {"replay_cache", old->replay_cache_max_bytes == neu->replay_cache_max_bytes &&
+                             old->replay_cache_max_entries == neu->replay_cache_max_entries},
         {"threads", old->threads == neu->threads},
         {"max_connections", old->max_connections == neu->max_connections},
         {"client_timeout", old->client_timeout_ms == neu->client_timeout_ms},

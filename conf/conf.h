@@ -193,6 +193,10 @@ struct conf {
     uint32_t threads;           /* HTTP front threads, default 0 = number of CPUs */
     char *admin_token;          /* from IDEMGATE_ADMIN_TOKEN only, NULL when unset */
     struct conf_jwt jwt;        /* top-level jwt: (SPEC 9) */
+    /* replay_cache: completed records kept in memory (gateway/cache.c); either bound 0 (or replay_cache: off):
+     * no cache. Defaults 1MiB and 4096 entries. */
+    uint64_t replay_cache_max_bytes;
+    uint32_t replay_cache_max_entries;
 };
 
 /* Loads and validates FILE, then applies IDEMGATE_POSTGRES_URL,
@@ -218,7 +222,7 @@ enum conf_tmpl_var conf_tmpl_var_at(const char *s, size_t n, size_t *len);
 
 /* The keys whose change from old to neu a running gateway cannot apply (new sockets, pools, threads, or the
  * front's per-connection memory): "listen", "admin.listen", "store.postgres", "store.pool", "store.redis",
- * "store.redis_timeout", "threads", "max_connections", "client_timeout", "max_header_bytes",
+ * "store.redis_timeout", "replay_cache", "threads", "max_connections", "client_timeout", "max_header_bytes",
  * "max_response_header_bytes". Up to max of them (constants) go into keys; returns how many differ (may exceed
  * max). */
 size_t conf_restart_keys(const struct conf *old, const struct conf *neu, const char **keys, size_t max);

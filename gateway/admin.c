@@ -15,6 +15,7 @@
 #include "gateway/idem.h"
 #include "gateway/front.h"
 #include "gateway/loop.h"
+#include "gateway/cache.h"
 #include "gateway/problem.h"
 #include "gateway/status.h"
 #include "store/store.h"
@@ -77,6 +78,8 @@ static enum MHD_Result text(struct MHD_Connection *c, unsigned status, const cha
 static void admin_done(void *arg, int status, char *json)
 {
     struct admin_job *j = arg;
+    if (j->op != OP_LIST) /* whatever the answer: a purge whose commit was not seen may still have committed */
+        gw_cache_drop(gw_loop_cache(j->a->loop), j->route, j->key, j->key_len);
     j->status = status;
     j->json = json;
     atomic_store(&j->done, true);

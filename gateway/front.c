@@ -218,15 +218,20 @@ static void *watchdog_main(void *arg)
         struct timespec ts = {0, 200 * 1000 * 1000};
         nanosleep(&ts, NULL);
         uint64_t now = cm_now_ms();
+        size_t shut = 0;
         pthread_mutex_lock(&f->mu);
         for (struct conn_track *t = f->tracks; t; t = t->next) {
             uint64_t since = atomic_load(&t->reading_since);
-            if (since && !t->shut && t->fd >= 0 && now - since > f->conf->client_timeout_ms) {
+            if (!t->shut && t->fd >= 0 && cm_overdue(since, now, f->conf->client_timeout_ms)) {
                 shutdown(t->fd, SHUT_RDWR);
                 t->shut = true;
+                shut++;
             }
         }
         pthread_mutex_unlock(&f->mu);
+        if (shut)
+            cm_log(CM_INFO, "client_timeout", "connections=%zu timeout_ms=%llu", shut,
+                   (unsigned long long)f->conf->client_timeout_ms);
     }
     return NULL;
 }

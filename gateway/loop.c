@@ -22,10 +22,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "gateway/cache.h"
 #include "gateway/loop.h"
 #include "gateway/pipeline.h"
 #include "gateway/reload.h"
 #include "gateway/probe.h"
+#include "store/notify.h"
 #include "store/store.h"
 #include "upstream/upstream.h"
 
@@ -55,7 +57,9 @@ struct gw_loop {
     struct gw_loop_link *active; /* running jobs (loop thread only) */
     atomic_size_t njobs;
     atomic_bool closing;
-    struct gw_loops *group; /* the loops of this process, or NULL (alone) */
+    struct gw_loops *group;            /* the loops of this process, or NULL (alone) */
+    struct gw_cache *cache;            /* the process's replay cache (shared; freed by gw_loops_destroy), or NULL */
+    struct store_notify *cache_listen; /* its purge listener, on the first loop only */
 };
 
 static void drain(evutil_socket_t fd, short what, void *arg)
@@ -185,6 +189,7 @@ void gw_loop_destroy(struct gw_loop *l)
     }
     /* Anything still queued after the break runs now, on this thread. */
     drain(-1, 0, l);
+    store_notify_destroy(l->cache_listen);
     gw_conf_unref(l->cur);
     store_destroy(l->store);
     up_client_destroy(l->up);
@@ -198,6 +203,11 @@ void gw_loop_destroy(struct gw_loop *l)
         event_base_free(l->base);
     pthread_mutex_destroy(&l->mu);
     free(l);
+}
+
+struct gw_cache *gw_loop_cache(struct gw_loop *l)
+{
+    return l->cache;
 }
 
 struct event_base *gw_loop_base(struct gw_loop *l)
@@ -307,6 +317,36 @@ bool gw_loop_closing(struct gw_loop *l)
 /* ---- several loops: each owns its HTTP daemon, curl multi handle, Redis context
  * and share of the Postgres pool. */
 
+/* The purge listener's reports, on the first loop's thread. */
+static void cache_listen_cb(void *arg, enum store_notify_event ev, const char *payload, size_t len)
+{
+    struct gw_cache *c = arg;
+    switch (ev) {
+    case STORE_NOTIFY_UP:
+        gw_cache_set_online(c, true);
+        return;
+    case STORE_NOTIFY_DOWN:
+        gw_cache_set_online(c, false); /* a notification may be missed from now on: the cache is emptied, unused */
+        return;
+    case STORE_NOTIFY_MESSAGE:
+        gw_cache_notified(c, payload, len);
+        return;
+    }
+}
+
+/* One replay cache for the process, shared by its loops, with one purge listener on the first loop. */
+static void cache_start(struct gw_loops *ls, const struct conf *conf)
+{
+    struct gw_cache *c = gw_cache_create(conf->replay_cache_max_bytes, conf->replay_cache_max_entries);
+    if (!c)
+        return;
+    for (size_t i = 0; i < ls->n; i++)
+        ls->v[i]->cache = c;
+    ls->v[0]->cache_listen = store_notify_create(ls->v[0]->base, conf->postgres_url, cache_listen_cb, c);
+    if (!ls->v[0]->cache_listen)
+        cm_log(CM_WARN, "cache_listener_failed", "detail=\"the replay cache stays unused\"");
+}
+
 struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
 {
     if (n < 1)
@@ -329,6 +369,7 @@ struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
         ls->v[i]->group = ls;
         ls->n++;
     }
+    cache_start(ls, conf);
     return ls;
 }
 
@@ -406,8 +447,10 @@ void gw_loops_destroy(struct gw_loops *ls)
 {
     if (!ls)
         return;
+    struct gw_cache *cache = ls->n ? ls->v[0]->cache : NULL;
     for (size_t i = 0; i < ls->n; i++)
         gw_loop_destroy(ls->v[i]);
+    gw_cache_destroy(cache); /* after every loop: all of them used it */
     free(ls->v);
     free(ls);
 }

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gateway/cache.h"
 #include "gateway/gateway.h"
 #include "gateway/loop.h"
 #include "gateway/owned.h"
@@ -40,6 +41,8 @@ struct gw_pipe {
     struct renew_ticket *renew_ticket; /* a lease renewal in flight */
     bool probed;                       /* on_unknown: probe asked the upstream once for this request */
     bool owned;                        /* its key is in this process's table of keys in flight (gateway/owned.c) */
+    uint64_t started_ms;               /* when the pipeline took the job (bounds a cache entry's life) */
+    uint64_t cache_epoch;              /* replay cache epoch taken before the store call (gateway/cache.h) */
 
     /* ordering guard (SPEC 6; gateway/ordering.c, store/order.h) */
     uint64_t order_token;       /* fences the resource's in-flight marker */
@@ -350,6 +353,8 @@ static void completed(void *arg, bool ok, long rows)
         cm_metric_completion_failure(job->route_index);
         cm_log(CM_ERROR, "completion_failed", "route=%s reason=%s", job->route->name,
                ok ? "fenced_out" : "store_unavailable");
+    } else {
+        gw_cache_completed(job, &job->pipe->up_resp, job->pipe->started_ms, job->pipe->cache_epoch);
     }
     take_resp(job, &job->pipe->up_resp);
     finish(job, CM_OUT_FORWARDED);
@@ -384,6 +389,7 @@ static void settle_upstream(struct gw_job *job, const struct gw_outcome *o, stru
         p->up_resp = *resp;
         cm_hdrs_init(&resp->hdrs);
         cm_buf_init(&resp->body, 0);
+        p->cache_epoch = gw_cache_before_store(job);
         store_complete(st, &id, p->token, &p->up_resp, im->retention_ms, im->lease_ms, completed, job);
         return;
     case GW_RECORD_RELEASE:
@@ -699,6 +705,7 @@ static void claimed(void *arg, struct store_claim_res *res)
         return;
     }
     case STORE_REPLAY: /* the replay point: the stored answer, byte for byte */
+        gw_cache_replayed(job, res, p->started_ms, p->cache_epoch);
         take_resp(job, &res->resp);
         job->replayed = true;
         cm_metric_dedup_hit(job->route_index);
@@ -747,6 +754,13 @@ static void claim(struct gw_job *job)
         in_flight(job, im->lease_ms);
         return;
     }
+    struct store_claim_res cached;
+    if (gw_cache_claim(job, &cached)) { /* a completed record held in memory: no store round trip */
+        claimed(job, &cached);
+        cm_resp_free(&cached.resp);
+        return;
+    }
+    job->pipe->cache_epoch = gw_cache_before_store(job);
     store_claim(gw_loop_store(job->loop), &req, job->shadow ? shadow_claimed : claimed, job);
 }
 
@@ -758,6 +772,7 @@ void gw_pipeline_run(void *arg)
     p->state = GW_PIPE_NEW;
     p->effect = GW_EFFECT_UNKNOWN; /* until an upstream result says otherwise (an abort while sending) */
     cm_resp_init(&p->up_resp, 0);
+    p->started_ms = cm_now_ms();
     job->pipe = p;
     gw_loop_job_add(job->loop, &p->link);
     if (gw_loop_closing(job->loop)) {

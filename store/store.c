@@ -12,8 +12,10 @@
 
 #include "common/metrics.h"
 #include "conf/conf.h"
+#include "store/notify.h"
 #include "store/order.h"
 #include "store/pg.h"
+#include "store/notify.h"
 #include "store/redis.h"
 
 /* The server aborts a statement after STATEMENT_TIMEOUT_MS, before the
@@ -222,13 +224,24 @@ static const char sql_admin_list[] =
     " ORDER BY created_at, scope LIMIT 1000";
 /* clang-format on */
 
-static const char sql_admin_purge[] = "DELETE FROM idemgate_keys WHERE route = $1 AND key = $2 RETURNING scope";
+/* The replay caches of every gateway (gateway/cache.c) hear of a purge or a release through a notification sent
+ * in the statement's own transaction (store/notify.h): delivered when, and only when, it commits. The payload is
+ * "ROUTE\nKEY" (route names never hold a newline); one too long for NOTIFY is sent empty, which empties the
+ * caches. */
+#define SQL_NOTIFY_CACHE                                                                                               \
+    "SELECT pg_notify('" STORE_NOTIFY_CHANNEL "', CASE WHEN octet_length($1) + octet_length($2) < 7000"                \
+    " THEN $1 || E'\\n' || $2 ELSE '' END)"
+
+static const char sql_admin_purge[] =
+    "WITH d AS (DELETE FROM idemgate_keys WHERE route = $1 AND key = $2 RETURNING scope)"
+    " SELECT d.scope FROM d, (" SQL_NOTIFY_CACHE ") AS n";
 
 static const char sql_admin_release[] =
     "WITH d AS (DELETE FROM idemgate_keys WHERE route = $1 AND key = $2"
     " AND (state = 'unknown' OR (state = 'in_flight' AND lease_until < now())) RETURNING scope)"
     " SELECT 'd'::text, scope FROM d"
-    " UNION ALL SELECT 't'::text, NULL::bytea FROM idemgate_keys WHERE route = $1 AND key = $2";
+    " UNION ALL SELECT 't'::text, NULL::bytea FROM idemgate_keys WHERE route = $1 AND key = $2"
+    " UNION ALL SELECT 'n'::text, NULL::bytea FROM (" SQL_NOTIFY_CACHE ") AS n";
 
 /* A TID scan over at most 1000 rows found through the expires_at index. */
 static const char sql_clean[] = "DELETE FROM idemgate_keys WHERE ctid = ANY (ARRAY(SELECT ctid FROM idemgate_keys"
@@ -492,6 +505,18 @@ static void be64(uint8_t out[8], uint64_t v)
     }
 }
 
+static uint64_t rd_be64(const uint8_t in[8])
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = v << 8 | in[i];
+    return v;
+}
+
+/* A replay answered by Redis may be kept by the gateway's replay cache until the record's expiry written beside
+ * it, less this (the wall clocks of the gateway that wrote it, of Postgres and of the reader may differ). */
+#define REDIS_EXPIRY_MARGIN_MS 1000
+
 static void be32(uint8_t out[4], uint32_t v)
 {
     out[0] = (uint8_t)(v >> 24);
@@ -595,24 +620,26 @@ static void make_marker(uint8_t out[MARKER_LEN], const uint8_t fp[32], uint64_t 
 static const char redis_cas_lua[] = "if redis.call('GET', KEYS[1]) == ARGV[1] then"
                                     " return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) else return 0 end";
 
-/* Caches a completed answer: "C" + fingerprint + cm_resp_encode blob, for
- * ttl_ms, if the key still holds expect (expect_len bytes), then calls cb
- * (may be NULL) once. Returns false, without calling cb, when nothing was
- * sent. */
+/* Caches a completed answer: "E" + fingerprint + the record's expiry (wall ms, big-endian; never later than
+ * Postgres' expires_at: taken from before the statement that set or read it) + cm_resp_encode blob, for ttl_ms,
+ * if the key still holds expect (expect_len bytes), then calls cb (may be NULL) once. Returns false, without
+ * calling cb, when nothing was sent. Values of the older form "C" + fingerprint + blob are still read. */
 static bool redis_cache_then(struct store *s, const char *rkey, const void *expect, size_t expect_len,
-                             const uint8_t fp[32], const void *blob, size_t blob_len, uint64_t ttl_ms, store_rd_cb cb,
-                             void *arg)
+                             const uint8_t fp[32], const void *blob, size_t blob_len, uint64_t ttl_ms,
+                             uint64_t expiry_wall_ms, store_rd_cb cb, void *arg)
 {
     if (!s->rd || ttl_ms == 0 || !store_rd_up(s->rd))
         return false;
-    char *val = cm_malloc(1 + 32 + blob_len);
-    val[0] = 'C';
+    size_t vlen = 1 + 32 + 8 + blob_len;
+    char *val = cm_malloc(vlen);
+    val[0] = 'E';
     memcpy(val + 1, fp, 32);
-    memcpy(val + 33, blob, blob_len);
+    be64((uint8_t *)val + 33, expiry_wall_ms);
+    memcpy(val + 41, blob, blob_len);
     char px[24];
     snprintf(px, sizeof px, "%llu", (unsigned long long)ttl_ms);
     const char *argv[7] = {"EVAL", redis_cas_lua, "1", rkey, expect, val, px};
-    size_t lens[7] = {4, sizeof redis_cas_lua - 1, 1, strlen(rkey), expect_len, 1 + 32 + blob_len, strlen(px)};
+    size_t lens[7] = {4, sizeof redis_cas_lua - 1, 1, strlen(rkey), expect_len, vlen, strlen(px)};
     bool sent = store_rd_command(s->rd, cb, arg, 7, argv, lens);
     free(val);
     return sent;
@@ -726,11 +753,12 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         /* Redis missed it (flushed, evicted, down): put it back, only over
          * the marker this claim placed or saw (a purge meanwhile removed it). */
         uint64_t ttl = (uint64_t)store_pg_get_i64(pr, 0, 6);
+        res.expires_in_ms = ttl;
         uint8_t mine[MARKER_LEN];
         make_marker(mine, c->fp, c->token);
         if (c->marker_ours || c->seen_marker)
             (void)redis_cache_then(s, c->rkey, c->marker_ours ? mine : c->seen, MARKER_LEN, c->fp, blob, blob_len, ttl,
-                                   NULL, NULL);
+                                   c->sent_wall_ms + ttl, NULL, NULL);
         claim_finish(c, &res);
         return;
     }
@@ -780,17 +808,23 @@ static void claim_redis_cb(void *arg, const struct redisReply *reply)
     if (r && r->type == REDIS_REPLY_STRING && r->len >= 33) {
         const uint8_t *v = (const uint8_t *)r->str;
         bool same = memcmp(v + 1, c->fp, 32) == 0;
-        if (v[0] == 'C') {
+        if (v[0] == 'C' || (v[0] == 'E' && r->len >= 41)) {
             struct store_claim_res res;
             memset(&res, 0, sizeof res);
             res.from_redis = true;
+            size_t off = v[0] == 'E' ? 41 : 33;
+            if (v[0] == 'E') {
+                /* what is left of the record, less a margin for the clocks of the hosts that wrote and read it */
+                uint64_t exp = rd_be64(v + 33), now = cm_wall_ms();
+                res.expires_in_ms = exp > now + REDIS_EXPIRY_MARGIN_MS ? exp - now - REDIS_EXPIRY_MARGIN_MS : 0;
+            }
             if (!same) {
                 cm_resp_init(&res.resp, 0);
                 res.verdict = STORE_MISMATCH;
                 claim_finish(c, &res);
                 return;
             }
-            if (cm_resp_decode(v + 33, r->len - 33, &res.resp)) {
+            if (cm_resp_decode(v + off, r->len - off, &res.resp)) {
                 res.verdict = STORE_REPLAY;
                 claim_finish(c, &res);
                 return;
@@ -1138,7 +1172,9 @@ static void complete_pg_cb(void *arg, enum store_pg_status st, const PGresult *p
             const uint8_t *fp = (const uint8_t *)PQgetvalue(pr, 0, 0);
             uint8_t mine[MARKER_LEN];
             make_marker(mine, fp, w->token);
-            if (redis_cache_then(s, w->rkey, mine, MARKER_LEN, fp, w->blob, w->blob_len, ttl, complete_cached_cb, w))
+            /* the attempt's wall time + retention: Postgres' expires_at is its now() + retention, later */
+            if (redis_cache_then(s, w->rkey, mine, MARKER_LEN, fp, w->blob, w->blob_len, ttl, cm_wall_ms() + ttl,
+                                 complete_cached_cb, w))
                 return;
         }
         owner_finish(w, true, rows);
@@ -1527,8 +1563,8 @@ static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         for (int i = 0; i < PQntuples(pr); i++) {
             if (PQgetvalue(pr, i, 0)[0] == 'd')
                 released++;
-            else
-                total++;
+            else if (PQgetvalue(pr, i, 0)[0] == 't')
+                total++; /* 'n': the cache notification's row */
         }
         if (released > 0)
             admin_del_then_finish(a, pr, 1, true, 200, cm_asprintf("{\"released\":%d}", released));

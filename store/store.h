@@ -72,6 +72,9 @@ struct store_claim_res {
     uint64_t lease_remaining_ms; /* STORE_IN_FLIGHT: time left on the lease */
     struct cm_resp resp;         /* STORE_REPLAY: the stored answer (callee may move it out) */
     bool from_redis;             /* answered by the Redis filter without Postgres */
+    uint64_t expires_in_ms;      /* STORE_REPLAY: ms left before the record expires, as Postgres computed it when
+                                  * it read the record, or (Redis) from the expiry stored beside the answer less a
+                                  * 1 s margin for clock differences; 0: not known (an older Redis value) */
     const char *err;             /* STORE_UNAVAILABLE: constant text for logs */
 };
 /* res is valid only during the callback; the store frees what is left. */

@@ -33,38 +33,6 @@ static void post(uint16_t port, const char *path, const char *key, const char *b
     e2e_http_key(port, "POST", path, key, extra, body, 0, r);
 }
 
-static bool skip_in_compare(const char *name)
-{
-    return strcasecmp(name, "Date") == 0 || strcasecmp(name, "Idempotent-Replayed") == 0;
-}
-
-/* The replay must repeat the original: status, every header (but Date) with its value in order, body. */
-static void expect_same_answer(const struct e2e_resp *orig, const struct e2e_resp *rep, const char *what)
-{
-    cr_expect_eq(rep->status, orig->status, "%s: replay status %ld, original %ld", what, rep->status, orig->status);
-    size_t i = 0, j = 0;
-    for (int guard = 0; guard < 1024; guard++) {
-        while (i < orig->nhdrs && skip_in_compare(orig->hdrs[i].name))
-            i++;
-        while (j < rep->nhdrs && skip_in_compare(rep->hdrs[j].name))
-            j++;
-        if (i >= orig->nhdrs || j >= rep->nhdrs)
-            break;
-        cr_expect(strcmp(orig->hdrs[i].name, rep->hdrs[j].name) == 0 &&
-                      strcmp(orig->hdrs[i].value, rep->hdrs[j].value) == 0,
-                  "%s: header #%zu differs: original \"%s: %s\", replay \"%s: %s\"", what, i, orig->hdrs[i].name,
-                  orig->hdrs[i].value, rep->hdrs[j].name, rep->hdrs[j].value);
-        i++;
-        j++;
-    }
-    cr_expect(i >= orig->nhdrs && j >= rep->nhdrs, "%s: header lists differ in length (original %zu, replay %zu)", what,
-              orig->nhdrs, rep->nhdrs);
-    cr_expect_eq(rep->body_len, orig->body_len, "%s: replay body %zu bytes, original %zu", what, rep->body_len,
-                 orig->body_len);
-    cr_expect(rep->body_len == orig->body_len && memcmp(rep->body, orig->body, rep->body_len) == 0,
-              "%s: replay body differs from the original", what);
-}
-
 static void dump_headers(const struct e2e_resp *r, const char *what)
 {
     for (size_t i = 0; i < r->nhdrs; i++)
@@ -126,7 +94,7 @@ Test(idem, replay_is_byte_identical_and_marked)
     cr_expect(e2e_resp_is_replay(&b), "the retry must carry Idempotent-Replayed: true (got %s)",
               e2e_resp_header(&b, "Idempotent-Replayed") ? e2e_resp_header(&b, "Idempotent-Replayed") : "none");
     cr_expect_eq(e2e_resp_header_count(&b, "Idempotent-Replayed"), 1, "one Idempotent-Replayed header");
-    expect_same_answer(&a, &b, "replay");
+    e2e_expect_same_answer(&a, &b, "replay");
     cr_expect_eq(e2e_resp_header_count(&b, "Set-Cookie"), 2, "the stored Set-Cookie headers must stay two");
     cr_expect_eq(e2e_upstream_count(up, key), 1, "two requests with one key must execute once");
     cr_expect_eq(e2e_upstream_count(up, NULL), 1);
@@ -134,7 +102,7 @@ Test(idem, replay_is_byte_identical_and_marked)
     struct e2e_resp c;
     post(gw->port, "/v1/pay/charge?x=1", key, "{\"amount\":42}", extra, &c);
     cr_expect(e2e_resp_is_replay(&c));
-    expect_same_answer(&a, &c, "second replay");
+    e2e_expect_same_answer(&a, &c, "second replay");
     if (a.nhdrs != b.nhdrs) {
         dump_headers(&a, "original");
         dump_headers(&b, "replay");
@@ -168,7 +136,7 @@ Test(idem, binary_and_one_mib_responses_replay_byte_identical)
     cr_expect(a.body_len == n && memcmp(a.body, blob, n) == 0, "the first answer must echo the binary body");
     e2e_http(gw->port, &rq, &b);
     cr_expect(e2e_resp_is_replay(&b), "binary retry must be a replay");
-    expect_same_answer(&a, &b, "binary replay");
+    e2e_expect_same_answer(&a, &b, "binary replay");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     free(blob);
@@ -188,7 +156,7 @@ Test(idem, binary_and_one_mib_responses_replay_byte_identical)
     cr_expect_eq(b.body_len, 1048576u, "1 MiB replay length %zu", b.body_len);
     cr_expect_eq(e2e_upstream_body_mismatch(b.body, b.body_len), b.body_len, "1 MiB replay differs at byte %zu",
                  e2e_upstream_body_mismatch(b.body, b.body_len));
-    expect_same_answer(&a, &b, "1 MiB replay");
+    e2e_expect_same_answer(&a, &b, "1 MiB replay");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     cr_expect_eq(e2e_upstream_count(up, key2), 1, "1 MiB: one execution");
@@ -238,7 +206,7 @@ Test(idem, fifty_concurrent_duplicates_execute_once)
     cr_expect_eq(bad, 0, "%d answers were neither the original, a replay nor a 409 in-use with Retry-After", bad);
     for (int i = 0; orig != NULL && i < N; i++)
         if (e2e_resp_is_replay(&out[i]))
-            expect_same_answer(orig, &out[i], "concurrent replay");
+            e2e_expect_same_answer(orig, &out[i], "concurrent replay");
     for (int i = 0; i < N; i++)
         e2e_resp_free(&out[i]);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "50 concurrent duplicates must execute once");
@@ -430,7 +398,7 @@ Test(idem, key_required_missing_and_invalid_are_400)
     post(gw->port, "/v1/pay/q", bare, "{\"q\":1}", NULL, &b);
     cr_expect_eq(b.status, 200, "bare key: %ld %.200s", b.status, (const char *)b.body);
     cr_expect(e2e_resp_is_replay(&b), "\"K\" then K must replay: they are the same key");
-    expect_same_answer(&a, &b, "quoted/bare");
+    e2e_expect_same_answer(&a, &b, "quoted/bare");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     /* and the other way round, with surrounding spaces (OWS) */
@@ -555,7 +523,7 @@ Test(idem, lost_response_is_unknown_until_released)
     cr_expect_eq(e2e_upstream_count(up, key), 2, "after release: exactly one more execution");
     post(gw->port, "/v1/pay/lost", key, "{\"n\":1}", NULL, &b);
     cr_expect(e2e_resp_is_replay(&b), "after the released retry completed, retries replay");
-    expect_same_answer(&a, &b, "replay after release");
+    e2e_expect_same_answer(&a, &b, "replay after release");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     cr_expect_eq(e2e_upstream_count(up, key), 2);
@@ -587,7 +555,7 @@ Test(idem, on_unknown_retry_executes_again_after_the_lease)
     cr_expect_eq(e2e_upstream_count(up, key), 2, "on_unknown: retry executes once more");
     post(gw->port, "/v1/pay/retry", key, "{\"n\":2}", NULL, &b);
     cr_expect(e2e_resp_is_replay(&b), "a further retry replays the completed one (status %ld)", b.status);
-    expect_same_answer(&a, &b, "replay after takeover");
+    e2e_expect_same_answer(&a, &b, "replay after takeover");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     cr_expect_eq(e2e_upstream_count(up, key), 2);
@@ -638,7 +606,7 @@ Test(idem, release_status_releases_the_key)
     cr_expect_eq(e2e_upstream_count(up, key), 2, "retry after a release status executes again");
     post(gw->port, "/v1/pay/rel", key, "{\"r\":1}", NULL, &b);
     cr_expect(e2e_resp_is_replay(&b));
-    expect_same_answer(&a, &b, "replay after release status");
+    e2e_expect_same_answer(&a, &b, "replay after release status");
     e2e_resp_free(&a);
     e2e_resp_free(&b);
     cr_expect_eq(e2e_upstream_count(up, key), 2);
@@ -740,8 +708,8 @@ Test(idem, tenants_are_isolated_by_scope)
     post(gw->port, "/v1/pay/t", key, "{\"same\":1}", tb, &b2);
     post(gw->port, "/v1/pay/t", key, "{\"same\":1}", ta, &a2);
     cr_expect(e2e_resp_is_replay(&a2) && e2e_resp_is_replay(&b2), "each tenant's retry replays");
-    expect_same_answer(&a1, &a2, "tenant A replay");
-    expect_same_answer(&b1, &b2, "tenant B replay");
+    e2e_expect_same_answer(&a1, &a2, "tenant A replay");
+    e2e_expect_same_answer(&b1, &b2, "tenant B replay");
     const char *ea2 = e2e_resp_header(&a2, "X-Upstream-Exec"), *eb2 = e2e_resp_header(&b2, "X-Upstream-Exec");
     cr_expect(ea && ea2 && strcmp(ea, ea2) == 0, "tenant A got execution %s, replay says %s", ea ? ea : "-",
               ea2 ? ea2 : "-");

@@ -1579,3 +1579,36 @@ char *e2e_services_env(const char *dir, const char *name)
     fclose(f);
     return val;
 }
+
+/* ---- replay cache tests (cache_test, shed_test): shared helpers */
+
+static bool same_answer_skips(const char *name)
+{
+    return strcasecmp(name, "Date") == 0 || strcasecmp(name, "Idempotent-Replayed") == 0;
+}
+
+void e2e_expect_same_answer(const struct e2e_resp *orig, const struct e2e_resp *rep, const char *what)
+{
+    cr_expect_eq(rep->status, orig->status, "%s: replay status %ld, original %ld", what, rep->status, orig->status);
+    size_t i = 0, j = 0;
+    for (int guard = 0; guard < 1024; guard++) {
+        while (i < orig->nhdrs && same_answer_skips(orig->hdrs[i].name))
+            i++;
+        while (j < rep->nhdrs && same_answer_skips(rep->hdrs[j].name))
+            j++;
+        if (i >= orig->nhdrs || j >= rep->nhdrs)
+            break;
+        cr_expect(strcmp(orig->hdrs[i].name, rep->hdrs[j].name) == 0 &&
+                      strcmp(orig->hdrs[i].value, rep->hdrs[j].value) == 0,
+                  "%s: header #%zu differs: original \"%s: %s\", replay \"%s: %s\"", what, i, orig->hdrs[i].name,
+                  orig->hdrs[i].value, rep->hdrs[j].name, rep->hdrs[j].value);
+        i++;
+        j++;
+    }
+    cr_expect(i >= orig->nhdrs && j >= rep->nhdrs, "%s: header lists differ in length (original %zu, replay %zu)", what,
+              orig->nhdrs, rep->nhdrs);
+    cr_expect_eq(rep->body_len, orig->body_len, "%s: replay body %zu bytes, original %zu", what, rep->body_len,
+                 orig->body_len);
+    cr_expect(rep->body_len == orig->body_len && memcmp(rep->body, orig->body, rep->body_len) == 0,
+              "%s: replay body differs from the original", what);
+}

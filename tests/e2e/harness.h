@@ -330,4 +330,9 @@ char *e2e_services_env(const char *dir, const char *name);
     "      on_unknown: reject\n"
 /* clang-format on */
 
+/* ---- replay cache tests (cache_test, shed_test): shared helpers */
+/* Expects rep to repeat orig: status, every header but Date and Idempotent-Replayed with its value in order, and the
+ * body byte for byte; what names the comparison in failures. */
+void e2e_expect_same_answer(const struct e2e_resp *orig, const struct e2e_resp *rep, const char *what);
+
 #endif

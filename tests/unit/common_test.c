@@ -225,3 +225,15 @@ Test(common, http_token_and_field_value)
     cr_assert(!cm_field_value_ok("a\x7f", 2), "DEL");
     cr_assert(!cm_field_value_ok("a\x01", 2), "another control byte");
 }
+
+/* The front's watchdog reads now, then each connection's start: a loop thread may store a start later than now
+ * in between (a keep-alive request just answered). That connection is not overdue: wrapping now - since around
+ * closed live connections under load. */
+Test(common, overdue)
+{
+    cr_expect(!cm_overdue(0, 5000, 1000), "no period running");
+    cr_expect(!cm_overdue(4000, 5000, 1000), "exactly the limit");
+    cr_expect(cm_overdue(3999, 5000, 1000));
+    cr_expect(!cm_overdue(5001, 5000, 1000), "a start stored after now was read");
+    cr_expect(!cm_overdue(UINT64_MAX, 5000, 1000));
+}

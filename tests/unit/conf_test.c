@@ -138,6 +138,8 @@ Test(conf, example_config_loads)
     cr_expect_eq(c->max_response_header_bytes, 16 * 1024);
     cr_expect_eq(c->max_body, 1024 * 1024);
     cr_expect_eq(c->max_response, 8 * 1024 * 1024);
+    cr_expect_eq(c->replay_cache_max_bytes, 1024 * 1024);
+    cr_expect_eq(c->replay_cache_max_entries, 4096);
     cr_expect_eq(c->max_connections, 4096);
     cr_expect_eq(c->client_timeout_ms, 30000);
     cr_expect_eq(c->threads, 0);
@@ -647,6 +649,11 @@ static const struct bad_case bad_cases[] = {
     {"bad size", BASE ROUTE("    idempotency:\n      max_body: lots\n"),
      "t.yaml:11: routes[0].idempotency.max_body: invalid size 'lots' (use B, KiB, MiB, GiB)"},
     {"zero size", BASE "max_header_bytes: 0\n", "t.yaml:6: max_header_bytes: must be greater than 0"},
+    {"replay_cache too large", BASE "replay_cache: {max_bytes: 2GiB}\n",
+     "t.yaml:6: replay_cache.max_bytes: must be at most 1GiB (got 2GiB)"},
+    {"replay_cache unknown key", BASE "replay_cache: {size: 1MiB}\n", "t.yaml:6: replay_cache.size: unknown key"},
+    {"replay_cache not a mapping", BASE "replay_cache: big\n",
+     "t.yaml:6: replay_cache: must be a mapping {max_bytes: SIZE, max_entries: N} or off"},
     {"size too large", BASE "max_header_bytes: 2MiB\n", "t.yaml:6: max_header_bytes: must be at most 1MiB (got 2MiB)"},
     {"unknown upstream reference", BASE ROUTE("") "  - name: q\n    match: {path: /b}\n    upstream: nope\n",
      "t.yaml:12: routes[1].upstream: unknown upstream 'nope' (defined: api)"},

@@ -1,0 +1,249 @@
+/* notify.c - the purge listener: LISTEN on one non-blocking libpq connection, pinged, reconnected with backoff. */
+#include "store/notify.h"
+
+#include <event2/event.h>
+#include <libpq-fe.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/common.h"
+
+#define PING_EVERY_MS      200
+#define PING_DEADLINE_MS   500
+#define CONNECT_TIMEOUT_MS 3000
+#define BACKOFF_FIRST_MS   100
+#define BACKOFF_MAX_MS     2000
+
+enum nstate { N_IDLE, N_CONNECTING, N_LISTENING, N_UP };
+
+struct store_notify {
+    struct event_base *base;
+    char *url;
+    store_notify_cb cb;
+    void *arg;
+    PGconn *pg;
+    struct event *io; /* NULL while no socket is watched */
+    struct event *timer;
+    enum nstate state;
+    uint64_t backoff_ms;
+    uint64_t deadline_ms; /* N_CONNECTING / N_LISTENING: give up then; N_UP: the ping's deadline (0: none out) */
+};
+
+static void io_cb(evutil_socket_t fd, short what, void *arg);
+static void connect_start(struct store_notify *n);
+
+static void arm(struct store_notify *n, uint64_t ms)
+{
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+    evtimer_add(n->timer, &tv);
+}
+
+static void unwatch(struct store_notify *n)
+{
+    if (n->io) {
+        event_free(n->io);
+        n->io = NULL;
+    }
+}
+
+static void watch(struct store_notify *n, short what)
+{
+    unwatch(n);
+    int fd = PQsocket(n->pg);
+    if (fd < 0)
+        return;
+    n->io = event_new(n->base, fd, what | EV_PERSIST, io_cb, n);
+    event_add(n->io, NULL);
+}
+
+/* Drops the connection; reports DOWN when it was up, and reconnects after the backoff. */
+static void lost(struct store_notify *n, const char *why)
+{
+    bool was_up = n->state == N_UP;
+    char q[256];
+    cm_log_quote(q, sizeof q, why ? why : ""); /* why may be PQerrorMessage: read it before PQfinish frees it */
+    unwatch(n);
+    if (n->pg) {
+        PQfinish(n->pg);
+        n->pg = NULL;
+    }
+    n->state = N_IDLE;
+    cm_log(was_up ? CM_WARN : CM_INFO, "cache_listener_down", "detail=%s retry_ms=%llu", q,
+           (unsigned long long)n->backoff_ms);
+    if (was_up)
+        n->cb(n->arg, STORE_NOTIFY_DOWN, NULL, 0);
+    arm(n, n->backoff_ms);
+    n->backoff_ms = n->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : n->backoff_ms * 2;
+}
+
+/* Sends what libpq holds; watches for writability while it cannot. false: the connection broke. */
+static bool flush(struct store_notify *n)
+{
+    int r = PQflush(n->pg);
+    if (r < 0)
+        return false;
+    watch(n, r == 1 ? EV_READ | EV_WRITE : EV_READ);
+    return true;
+}
+
+static void send_cmd(struct store_notify *n, const char *sql)
+{
+    if (!PQsendQuery(n->pg, sql) || !flush(n))
+        lost(n, PQerrorMessage(n->pg));
+}
+
+/* Reads what arrived: results (the LISTEN's, the pings') and notifications. */
+static void consume(struct store_notify *n)
+{
+    if (!PQconsumeInput(n->pg)) {
+        lost(n, PQerrorMessage(n->pg));
+        return;
+    }
+    while (!PQisBusy(n->pg)) {
+        PGresult *r = PQgetResult(n->pg);
+        if (!r)
+            break;
+        ExecStatusType st = PQresultStatus(r);
+        PQclear(r);
+        if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
+            lost(n, PQerrorMessage(n->pg));
+            return;
+        }
+        if (n->state == N_LISTENING) {
+            n->state = N_UP;
+            n->backoff_ms = BACKOFF_FIRST_MS;
+            n->deadline_ms = 0;
+            cm_log(CM_INFO, "cache_listener_up", "channel=%s", STORE_NOTIFY_CHANNEL);
+            n->cb(n->arg, STORE_NOTIFY_UP, NULL, 0);
+            evtimer_del(n->timer);
+            arm(n, PING_EVERY_MS);
+        } else if (n->state == N_UP) {
+            n->deadline_ms = 0; /* the ping came back */
+        }
+    }
+    PGnotify *msg;
+    while (n->pg && (msg = PQnotifies(n->pg)) != NULL) {
+        if (n->state == N_UP && strcmp(msg->relname, STORE_NOTIFY_CHANNEL) == 0)
+            n->cb(n->arg, STORE_NOTIFY_MESSAGE, msg->extra, strlen(msg->extra));
+        PQfreemem(msg);
+    }
+}
+
+static void connect_poll(struct store_notify *n)
+{
+    unwatch(n); /* PQconnectPoll may change the socket */
+    switch (PQconnectPoll(n->pg)) {
+    case PGRES_POLLING_READING:
+        watch(n, EV_READ);
+        return;
+    case PGRES_POLLING_WRITING:
+        watch(n, EV_WRITE);
+        return;
+    case PGRES_POLLING_OK:
+        if (PQsetnonblocking(n->pg, 1) != 0) {
+            lost(n, PQerrorMessage(n->pg));
+            return;
+        }
+        n->state = N_LISTENING;
+        send_cmd(n, "LISTEN " STORE_NOTIFY_CHANNEL);
+        return;
+    case PGRES_POLLING_FAILED:
+    default:
+        lost(n, PQerrorMessage(n->pg));
+        return;
+    }
+}
+
+static void io_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct store_notify *n = arg;
+    if (n->state == N_CONNECTING) {
+        connect_poll(n);
+        return;
+    }
+    if (what & EV_WRITE) {
+        if (!flush(n)) {
+            lost(n, PQerrorMessage(n->pg));
+            return;
+        }
+    }
+    if (what & EV_READ)
+        consume(n);
+}
+
+static void timer_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct store_notify *n = arg;
+    uint64_t now = cm_now_ms();
+    switch (n->state) {
+    case N_IDLE:
+        connect_start(n);
+        return;
+    case N_CONNECTING:
+    case N_LISTENING:
+        lost(n, "connect timeout");
+        return;
+    case N_UP:
+        if (n->deadline_ms && now >= n->deadline_ms) {
+            lost(n, "ping unanswered");
+            return;
+        }
+        if (!n->deadline_ms) {
+            n->deadline_ms = now + PING_DEADLINE_MS;
+            send_cmd(n, "SELECT 1");
+            if (n->state != N_UP)
+                return;
+        }
+        arm(n, PING_EVERY_MS);
+        return;
+    }
+}
+
+static void connect_start(struct store_notify *n)
+{
+    /* dbname last: what the URL says (application_name too) wins. */
+    static const char *const kw[] = {"application_name", "dbname", NULL};
+    const char *vals[] = {"idemgate-listen", n->url, NULL};
+    n->pg = PQconnectStartParams(kw, vals, 1);
+    if (!n->pg || PQstatus(n->pg) == CONNECTION_BAD) {
+        lost(n, n->pg ? PQerrorMessage(n->pg) : "out of memory");
+        return;
+    }
+    n->state = N_CONNECTING;
+    arm(n, CONNECT_TIMEOUT_MS); /* covers the LISTEN's answer too */
+    watch(n, EV_WRITE);
+}
+
+struct store_notify *store_notify_create(struct event_base *base, const char *postgres_url, store_notify_cb cb,
+                                         void *arg)
+{
+    struct store_notify *n = cm_calloc(1, sizeof *n);
+    n->base = base;
+    n->url = cm_strdup(postgres_url);
+    n->cb = cb;
+    n->arg = arg;
+    n->backoff_ms = BACKOFF_FIRST_MS;
+    n->timer = evtimer_new(base, timer_cb, n);
+    if (!n->timer) {
+        free(n->url);
+        free(n);
+        return NULL;
+    }
+    n->state = N_IDLE;
+    arm(n, 0); /* connect from the loop */
+    return n;
+}
+
+void store_notify_destroy(struct store_notify *n)
+{
+    if (!n)
+        return;
+    unwatch(n);
+    if (n->timer)
+        event_free(n->timer);
+    if (n->pg)
+        PQfinish(n->pg);
+    free(n->url);
+    free(n);
+}

@@ -1,0 +1,301 @@
+/* cache_test.c - end-to-end tests of the in-process replay cache: same answer as the store's, tenants apart,
+ * purges reaching every instance through Postgres LISTEN/NOTIFY, the listener rule, retention, bounds. */
+#include <criterion/criterion.h>
+#include <criterion/logging.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "harness.h"
+
+TestSuite(cache, .init = e2e_setup, .fini = e2e_teardown, .timeout = 90);
+
+#define ADMIN_TOKEN "e2e-cache-admin-token-5d1c"
+
+static const char *const admin_env[] = {"IDEMGATE_ADMIN_TOKEN=" ADMIN_TOKEN, NULL};
+
+/* A gateway on the shared Postgres; idem: pay's idempotency block; cache: the replay_cache value (NULL: the
+ * default); redis: a template (NULL: the test Redis). */
+static struct e2e_gw *gw_start(const struct e2e_upstream *up, const char *idem, const char *cache, const char *redis)
+{
+    struct e2e_pay_conf pc = {.idem = idem, .redis = redis};
+    char *base = e2e_conf_pay(&pc);
+    size_t n = strlen(base) + 128;
+    char *tmpl = malloc(n);
+    cr_assert(tmpl);
+    snprintf(tmpl, n, "%s%s%s%s", base, cache ? "replay_cache: " : "", cache ? cache : "", cache ? "\n" : "");
+    free(base);
+    struct e2e_gw_opts o = {.up = up, .env = admin_env, .wait_ready = true};
+    struct e2e_gw *g = e2e_gw_start(tmpl, &o);
+    free(tmpl);
+    return g;
+}
+
+static double metric(const struct e2e_gw *g, const char *name)
+{
+    struct e2e_resp r;
+    e2e_get(g->admin_port, "/metrics", &r);
+    cr_assert_eq(r.status, 200, "/metrics: %ld", r.status);
+    static const char *const none[] = {NULL};
+    double v = e2e_metric_value((const char *)r.body, name, none);
+    e2e_resp_free(&r);
+    return v;
+}
+
+/* Polls metric name until it equals want (true) or timeout_ms passes. */
+static bool metric_wait(const struct e2e_gw *g, const char *name, double want, int timeout_ms)
+{
+    uint64_t end = e2e_now_ms() + (uint64_t)timeout_ms;
+    for (;;) {
+        if (metric(g, name) == want)
+            return true;
+        if (e2e_now_ms() >= end)
+            return false;
+        e2e_sleep_ms(20);
+    }
+}
+
+static void wait_online(const struct e2e_gw *g)
+{
+    cr_assert(metric_wait(g, "idemgate_replay_cache_online", 1, 10000), "the cache's listener never came up");
+}
+
+static void post(const struct e2e_gw *g, const char *key, const char *auth, struct e2e_resp *r)
+{
+    char h[256];
+    snprintf(h, sizeof h, "Authorization: %s", auth ? auth : "Bearer tenant-a");
+    const char *const extra[] = {h, NULL};
+    e2e_http_key(g->port, "POST", "/v1/pay/c", key, extra, "{\"amount\":42}", 0, r);
+}
+
+static void admin_purge(const struct e2e_gw *g, const char *key)
+{
+    char path[512];
+    snprintf(path, sizeof path, "/admin/keys?route=pay&key=%s", key);
+    const char *const h[] = {"Authorization: Bearer " ADMIN_TOKEN, NULL};
+    struct e2e_req rq = {.method = "DELETE", .path = path, .headers = h};
+    struct e2e_resp r;
+    e2e_http(g->admin_port, &rq, &r);
+    cr_assert_eq(r.status, 200, "purge: %ld %.300s", r.status, (const char *)r.body);
+    e2e_resp_free(&r);
+}
+
+Test(cache, replay_from_the_cache_is_the_answer_the_store_replays)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start(up, "key: required\nscope: [header:Authorization]\n", NULL, NULL);
+    struct e2e_gw *via_redis = gw_start(up, "key: required\nscope: [header:Authorization]\n", "off", NULL);
+    struct e2e_gw *via_pg = gw_start(up, "key: required\nscope: [header:Authorization]\n", "off", "");
+    wait_online(gw);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "same");
+    struct e2e_resp first, cached, redis, pg;
+    post(gw, key, NULL, &first);
+    cr_assert_eq(first.status, 200, "first: %ld %s", first.status, first.error);
+    cr_assert(!e2e_resp_is_replay(&first));
+    double hits = metric(gw, "idemgate_replay_cache_hits_total");
+    cr_assert_eq(metric(gw, "idemgate_replay_cache_entries"), 1, "the completion fills the cache");
+    post(gw, key, NULL, &cached);
+    cr_assert(e2e_resp_is_replay(&cached), "second request: a replay");
+    cr_expect_eq(metric(gw, "idemgate_replay_cache_hits_total"), hits + 1, "answered by the cache");
+    cr_expect_eq(e2e_resp_header_count(&cached, "Idempotent-Replayed"), 1);
+    post(via_redis, key, NULL, &redis);
+    post(via_pg, key, NULL, &pg);
+    cr_assert(e2e_resp_is_replay(&redis) && e2e_resp_is_replay(&pg));
+    e2e_expect_same_answer(&first, &cached, "cache vs first answer");
+    e2e_expect_same_answer(&redis, &cached, "cache vs Redis replay");
+    e2e_expect_same_answer(&pg, &cached, "cache vs Postgres replay");
+    cr_expect_eq(e2e_upstream_count(up, key), 1, "executed once");
+    e2e_resp_free(&first);
+    e2e_resp_free(&cached);
+    e2e_resp_free(&redis);
+    e2e_resp_free(&pg);
+
+    /* another fingerprint with the key: 422 from the cache too */
+    struct e2e_resp mm;
+    const char *const extra[] = {"Authorization: Bearer tenant-a", NULL};
+    e2e_http_key(gw->port, "POST", "/v1/pay/c", key, extra, "{\"amount\":43}", 0, &mm);
+    e2e_expect_problem(&mm, 422, "idempotency-key-mismatch", "another body with a cached key");
+    e2e_resp_free(&mm);
+}
+
+Test(cache, a_tenant_never_gets_another_tenants_entry)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start(up, "key: required\nscope: [header:Authorization]\n", NULL, NULL);
+    wait_online(gw);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "tenant");
+    struct e2e_resp a1, b1, a2, b2;
+    post(gw, key, "Bearer tenant-a", &a1);
+    cr_assert_eq(a1.status, 200);
+    post(gw, key, "Bearer tenant-b", &b1);
+    cr_assert_eq(b1.status, 200);
+    cr_expect(!e2e_resp_is_replay(&b1), "tenant b's first request with the key is new");
+    cr_expect_eq(e2e_upstream_count(up, key), 2, "each tenant executes once");
+    post(gw, key, "Bearer tenant-a", &a2);
+    post(gw, key, "Bearer tenant-b", &b2);
+    cr_expect(e2e_resp_is_replay(&a2) && e2e_resp_is_replay(&b2));
+    e2e_expect_same_answer(&a1, &a2, "tenant a");
+    e2e_expect_same_answer(&b1, &b2, "tenant b");
+    cr_expect_eq(e2e_upstream_count(up, key), 2);
+    cr_expect_eq(metric(gw, "idemgate_replay_cache_entries"), 2, "one entry per tenant");
+    e2e_resp_free(&a1);
+    e2e_resp_free(&b1);
+    e2e_resp_free(&a2);
+    e2e_resp_free(&b2);
+}
+
+Test(cache, a_purge_on_one_instance_reaches_the_other_within_a_second)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *a = gw_start(up, "key: required\n", NULL, NULL);
+    struct e2e_gw *b = gw_start(up, "key: required\n", NULL, NULL);
+    wait_online(a);
+    wait_online(b);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "purge");
+    struct e2e_resp r;
+    post(b, key, NULL, &r);
+    cr_assert_eq(r.status, 200);
+    e2e_resp_free(&r);
+    post(b, key, NULL, &r);
+    cr_assert(e2e_resp_is_replay(&r));
+    e2e_resp_free(&r);
+    cr_assert_eq(metric(b, "idemgate_replay_cache_entries"), 1);
+    admin_purge(a, key);
+    uint64_t t0 = e2e_now_ms();
+    cr_assert(metric_wait(b, "idemgate_replay_cache_entries", 0, 1000), "instance b still holds the purged entry");
+    cr_log_info("b dropped the entry %llu ms after the purge answered", (unsigned long long)(e2e_now_ms() - t0));
+    post(b, key, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    cr_expect(!e2e_resp_is_replay(&r), "after the purge instance b answers as a new key");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 2, "executed again after the purge");
+}
+
+Test(cache, no_stale_replay_after_a_purge_missed_while_the_listener_was_down)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    /* no Redis: its cached answer would survive the SQL purge below, and this test is about the process's cache */
+    struct e2e_gw *gw = gw_start(up, "key: required\n", NULL, "");
+    wait_online(gw);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "lost");
+    struct e2e_resp r;
+    post(gw, key, NULL, &r);
+    cr_assert_eq(r.status, 200);
+    e2e_resp_free(&r);
+    cr_assert_eq(metric(gw, "idemgate_replay_cache_entries"), 1);
+    /* the listener's connection dies; the purge comes with no notification at all (one sent while nobody
+     * listened is lost the same way) */
+    free(e2e_psql("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = "
+                  "'idemgate-listen'"));
+    cr_assert(e2e_gw_log_wait(gw, "event=cache_listener_down", 3000), "the listener did not notice");
+    char sql[512];
+    snprintf(sql, sizeof sql, "DELETE FROM idemgate_keys WHERE route = 'pay' AND key = '%s'", key);
+    free(e2e_psql(sql));
+    post(gw, key, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    cr_expect(!e2e_resp_is_replay(&r), "a purged record replayed from the cache");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 2);
+    /* it comes back, and fills again (the re-execution above may have filled already, if it completed after) */
+    wait_online(gw);
+    double before = metric(gw, "idemgate_replay_cache_entries");
+    e2e_mkkey(key, sizeof key, "back");
+    post(gw, key, NULL, &r);
+    e2e_resp_free(&r);
+    cr_expect_eq(metric(gw, "idemgate_replay_cache_entries"), before + 1, "used again once the listener is back");
+}
+
+Test(cache, retention_ends_the_entry)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start(up, "key: required\nretention: 1500ms\n", NULL, NULL);
+    wait_online(gw);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "ret");
+    struct e2e_resp r;
+    post(gw, key, NULL, &r);
+    e2e_resp_free(&r);
+    post(gw, key, NULL, &r);
+    cr_assert(e2e_resp_is_replay(&r), "within retention: a replay");
+    e2e_resp_free(&r);
+    e2e_sleep_ms(1700);
+    post(gw, key, NULL, &r);
+    cr_expect(!e2e_resp_is_replay(&r), "after retention the key is new");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 2);
+}
+
+Test(cache, bounds_hold)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *by_n = gw_start(up, "key: required\n", "{max_bytes: 1MiB, max_entries: 4}", NULL);
+    struct e2e_gw *by_b = gw_start(up, "key: required\n", "{max_bytes: 8KiB, max_entries: 1000}", NULL);
+    wait_online(by_n);
+    wait_online(by_b);
+    for (int i = 0; i < 40; i++) {
+        char key[96];
+        e2e_mkkey(key, sizeof key, "bound");
+        struct e2e_resp r;
+        post(i % 2 ? by_n : by_b, key, NULL, &r);
+        cr_assert_eq(r.status, 200);
+        e2e_resp_free(&r);
+    }
+    double n = metric(by_n, "idemgate_replay_cache_entries");
+    cr_expect(n >= 1 && n <= 4, "entries %g, bound 4", n);
+    double b = metric(by_b, "idemgate_replay_cache_bytes");
+    double bn = metric(by_b, "idemgate_replay_cache_entries");
+    cr_expect(b > 0 && b <= 8192, "bytes %g, bound 8192", b);
+    cr_expect(bn >= 2 && bn < 20, "entries %g under the byte bound", bn);
+}
+
+/* A record completed by a (cache off) is replayed by b from the store (Redis when redis is NULL, else Postgres):
+ * that fills b's cache, and the entry ends with the record, retention after its completion (less the 1 s margin
+ * for a value read from Redis). */
+static void fill_from_store(const char *redis, int retention_ms)
+{
+    char idem[96];
+    snprintf(idem, sizeof idem, "key: required\nretention: %dms\n", retention_ms);
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *a = gw_start(up, idem, "off", redis);
+    struct e2e_gw *b = gw_start(up, idem, NULL, redis);
+    wait_online(b);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "fill");
+    struct e2e_resp first, r1, r2, r3;
+    post(a, key, NULL, &first); /* completed on a: b's cache knows nothing of it */
+    cr_assert_eq(first.status, 200);
+    e2e_sleep_ms(800);
+    post(b, key, NULL, &r1);
+    cr_assert(e2e_resp_is_replay(&r1), "b replays from the store");
+    cr_expect_eq(metric(b, "idemgate_replay_cache_entries"), 1, "a replay read from the store fills the cache");
+    double hits = metric(b, "idemgate_replay_cache_hits_total");
+    post(b, key, NULL, &r2);
+    cr_assert(e2e_resp_is_replay(&r2));
+    cr_expect_eq(metric(b, "idemgate_replay_cache_hits_total"), hits + 1, "the next replay comes from the cache");
+    e2e_expect_same_answer(&first, &r2, "cache filled from the store vs first answer");
+    /* the entry ends with the record (retention after its completion, not after the fill) */
+    e2e_sleep_ms(retention_ms - 600);
+    post(b, key, NULL, &r3);
+    cr_expect(!e2e_resp_is_replay(&r3), "after the record's retention the key is new");
+    cr_expect_eq(e2e_upstream_count(up, key), 2);
+    e2e_resp_free(&first);
+    e2e_resp_free(&r1);
+    e2e_resp_free(&r2);
+    e2e_resp_free(&r3);
+}
+
+Test(cache, a_replay_read_from_postgres_fills_the_cache_until_the_records_expiry)
+{
+    fill_from_store("", 2000);
+}
+
+Test(cache, a_replay_read_from_redis_fills_the_cache_until_the_records_expiry)
+{
+    fill_from_store(NULL, 3000);
+}
