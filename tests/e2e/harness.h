@@ -299,4 +299,12 @@ double e2e_metric_value(const char *text, const char *name, const char *const *l
 uint64_t e2e_now_ms(void);
 void e2e_sleep_ms(int ms);
 
+/* ---- engine matrix (Citus room) */
+/* IDEMGATE_TEST_ENGINE=citus: points the test's Postgres/Redis/services variables at the Citus cluster's
+ * (IDEMGATE_TEST_CITUS_*; fails the test when they are missing) and sets IDEMGATE_STORE_DISTRIBUTED=citus for
+ * the gateways it starts. Unset or "postgres": nothing changes. Called by the fixtures' setup. */
+void e2e_engine_apply(void);
+/* True when this run is against the Citus cluster. */
+bool e2e_engine_citus(void);
+
 #endif

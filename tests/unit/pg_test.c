@@ -116,20 +116,20 @@ static void setup_pool(struct fixture *f, const char *name, unsigned max_batch)
              table);
     snprintf(sql_lone, sizeof sql_lone, "INSERT INTO %s (k) VALUES ($1)", table);
     stmts[S_INSERT] =
-        (struct store_pg_stmt){"t_insert", sql_insert, 1, int4_type, 1, sql_insert_multi, int4_array_type};
-    stmts[S_SLEEP] = (struct store_pg_stmt){"t_sleep", "SELECT pg_sleep(0.3)", 0, NULL, 0, NULL, NULL};
-    stmts[S_LONE] = (struct store_pg_stmt){"t_lone", sql_lone, 1, int4_type, 0, NULL, NULL};
+        (struct store_pg_stmt){"t_insert", sql_insert, 1, int4_type, 1, sql_insert_multi, int4_array_type, NULL};
+    stmts[S_SLEEP] = (struct store_pg_stmt){"t_sleep", "SELECT pg_sleep(0.3)", 0, NULL, 0, NULL, NULL, NULL};
+    stmts[S_LONE] = (struct store_pg_stmt){"t_lone", sql_lone, 1, int4_type, 0, NULL, NULL, NULL};
     snprintf(sql_touch, sizeof sql_touch, "UPDATE %s SET id = id WHERE k = $1", table);
-    stmts[S_TOUCH] = (struct store_pg_stmt){"t_touch", sql_touch, 1, int4_type, 1, NULL, NULL};
+    stmts[S_TOUCH] = (struct store_pg_stmt){"t_touch", sql_touch, 1, int4_type, 1, NULL, NULL, NULL};
     /* two statement kinds that wait 0.2 s before locking their row */
     snprintf(sql_slow, sizeof sql_slow, "UPDATE %s SET id = id WHERE k = $1 AND pg_sleep(0.2) IS NOT NULL", table);
-    stmts[S_SLOW_A] = (struct store_pg_stmt){"t_slow_a", sql_slow, 1, int4_type, 1, NULL, NULL};
-    stmts[S_SLOW_B] = (struct store_pg_stmt){"t_slow_b", sql_slow, 1, int4_type, 1, NULL, NULL};
+    stmts[S_SLOW_A] = (struct store_pg_stmt){"t_slow_a", sql_slow, 1, int4_type, 1, NULL, NULL, NULL};
+    stmts[S_SLOW_B] = (struct store_pg_stmt){"t_slow_b", sql_slow, 1, int4_type, 1, NULL, NULL, NULL};
     stmts[S_ISO] = (struct store_pg_stmt){
         "t_iso", "SELECT current_setting('transaction_isolation'), current_setting('default_transaction_isolation')",
         0,       NULL,
         0,       NULL,
-        NULL};
+        NULL,    NULL};
     f->base = event_base_new();
     cr_assert(f->base);
     f->opts = (struct store_pg_opts){
