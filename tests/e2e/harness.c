@@ -1537,3 +1537,17 @@ void e2e_engine_apply(void)
     }
     cr_assert(setenv("IDEMGATE_STORE_DISTRIBUTED", "citus", 1) == 0, "setenv IDEMGATE_STORE_DISTRIBUTED");
 }
+
+/* Starts argv (a long-running helper, e.g. haproxy) with its output in the temp dir; teardown stops it. */
+struct e2e_proc *e2e_proc_start(const char *const *argv, const char *what)
+{
+    struct e2e_proc *p = keep(xcalloc(1, sizeof *p));
+    unsigned id = ++st.seq;
+    p->log = keep(xasprintf("%s/proc-%u.log", e2e_tmpdir(), id));
+    p->what = what;
+    char **envp = build_env(NULL, NULL);
+    p->pid = spawn(argv, envp, p->log, p->log);
+    free(envp);
+    register_proc(p);
+    return p;
+}

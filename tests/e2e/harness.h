@@ -307,4 +307,8 @@ void e2e_engine_apply(void);
 /* True when this run is against the Citus cluster. */
 bool e2e_engine_citus(void);
 
+/* Starts argv[0] (absolute path) as a long-running helper (stdout and stderr into a log in the temp dir);
+ * e2e_teardown stops it like the gateways. Fails the test when it cannot fork. */
+struct e2e_proc *e2e_proc_start(const char *const *argv, const char *what);
+
 #endif
