@@ -275,11 +275,16 @@ static const char sql_admin_release_citus[] =
 static const char sql_admin_release_citus_left[] =
     "SELECT 't'::text, NULL::bytea FROM idemgate_keys WHERE route = $1 AND key = $2";
 
-/* At most 1000 expired records, found through the partial expires_at index,
- * deleted by primary key (the same statement on both engines: Citus routes
- * no ctid-filtered modification; it runs the bounded SELECT on every shard
- * with the LIMIT pushed down, then the DELETE of those keys). */
-static const char sql_clean[] =
+/* A TID scan over at most 1000 rows found through the expires_at index. */
+static const char sql_clean[] = "DELETE FROM idemgate_keys WHERE ctid = ANY (ARRAY(SELECT ctid FROM idemgate_keys"
+                                " WHERE expires_at < now() AND lease_until < now() AND state = 'completed' LIMIT 1000))"
+                                " AND expires_at < now() AND lease_until < now() AND state = 'completed'";
+
+/* Citus routes no ctid-filtered modification: at most 1000 expired records, found through the partial
+ * expires_at index (the SELECT runs on every shard with the LIMIT pushed down, the coordinator keeps 1000),
+ * deleted by primary key on the shards that hold them. Not on plain Postgres: its planner may join the other way
+ * round there (every expired row against the sample), where the TID scan above reads only the sample. */
+static const char sql_clean_citus[] =
     "DELETE FROM idemgate_keys WHERE (route, key, scope) IN (SELECT route, key, scope FROM idemgate_keys"
     " WHERE expires_at < now() AND lease_until < now() AND state = 'completed' LIMIT 1000)"
     " AND expires_at < now() AND lease_until < now() AND state = 'completed'";
@@ -1783,6 +1788,7 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
         a[S_COMPLETE].multi_sql = NULL;
         a[S_ADMIN_RELEASE].sql = sql_admin_release_citus;
         a[S_ADMIN_RELEASE].then_sql = sql_admin_release_citus_left;
+        a[S_CLEAN].sql = sql_clean_citus;
     }
     memcpy(s->all_stmts + S__COUNT, store_order_stmts(citus), STORE_ORDER_NSTMTS * sizeof(struct store_pg_stmt));
     s->pg_opts.stmts = s->all_stmts;

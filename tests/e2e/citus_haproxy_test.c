@@ -207,3 +207,43 @@ Test(citus, three_gateways_behind_haproxy_execute_each_key_once)
     for (int k = 0; k < KEYS; k++)
         cr_expect_eq(e2e_upstream_count(up, keys[k]), 1);
 }
+
+/* The cleaner on Citus (no ctid there): expired completed records go in bounded batches by primary key, unsettled
+ * and unexpired ones stay. */
+Test(citus, the_cleaner_deletes_expired_records_on_every_shard)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    const struct e2e_pay_conf pc = {.idem = "key: required\n"};
+    struct e2e_gw *first = e2e_gw_start_pay(up, &pc, NULL); /* distributes the tables */
+    e2e_gw_stop(first, 5000);
+    char tag[64];
+    e2e_mkkey(tag, sizeof tag, "clean");
+    char sql[1024];
+    snprintf(sql, sizeof sql,
+             "INSERT INTO idemgate_keys (route, scope, key, fingerprint, state, token, lease_until, created_at,"
+             " expires_at, status) SELECT 'pay', '\\x00'::bytea, '%s-' || i || '-' || s, '\\x00'::bytea,"
+             " CASE s WHEN 'old' THEN 'completed' WHEN 'stuck' THEN 'unknown' ELSE 'completed' END, i,"
+             " now() - interval '1 hour', now() - interval '2 hours',"
+             " CASE s WHEN 'new' THEN now() + interval '1 hour' ELSE now() - interval '1 hour' END, 200"
+             " FROM generate_series(1, 1500) i, unnest(ARRAY['old', 'stuck', 'new']) s",
+             tag);
+    free(coordinator_query(sql));
+    struct e2e_gw *gw = e2e_gw_start_pay(up, &pc, NULL);
+    snprintf(sql, sizeof sql,
+             "SELECT count(*) FILTER (WHERE key LIKE '%%-old') || ',' || count(*) FILTER (WHERE key LIKE '%%-stuck')"
+             " || ',' || count(*) FILTER (WHERE key LIKE '%%-new') FROM idemgate_keys WHERE key LIKE '%s-%%'",
+             tag);
+    char *left = NULL;
+    uint64_t deadline = e2e_now_ms() + 20000;
+    for (;;) {
+        free(left);
+        left = coordinator_query(sql);
+        if (strcmp(left, "0,1500,1500\n") == 0 || e2e_now_ms() > deadline)
+            break;
+        e2e_sleep_ms(300);
+    }
+    cr_expect_str_eq(left, "0,1500,1500\n", "expired,unknown,unexpired left after the cleaner (want 0,1500,1500)");
+    free(left);
+    e2e_gw_assert_alive(gw, "after cleaning");
+    cr_expect_not(e2e_gw_log_contains(gw, "op=clean"), "the cleaner ran without an error");
+}
