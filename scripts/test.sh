@@ -259,6 +259,8 @@ if [ -z "$suite" ]; then
     export IDEMGATE_BUILD_DIR=$ROOT/build
     extra_stage fuzz services tests/fuzz/run.sh
     extra_stage chaos services tests/chaos/run.sh --short
+    # The same on a Citus cluster of its own, with worker restarts among the faults.
+    extra_stage chaos-citus no-services tests/chaos/run.sh --citus --short
     # The README's run command, end to end (its own Postgres/Redis in .run/, the replay demo, then stop).
     extra_stage demo no-services scripts/run.sh --no-wait --no-deps
     # docker/compose.yaml with the README's command on a private bridge-less dockerd (skips where Docker cannot run).
