@@ -281,7 +281,7 @@ export PG_STANDBY_DATA=${PG_STANDBY_DATA:-}
 export PG_STANDBY_LOG=${PG_STANDBY_LOG:-}
 export PG_MULTI_HOSTS=${PG_MULTI_HOSTS:-}
 export PG_CONF_EXTRA="${PG_CONF_EXTRA:-}"
-export CITUS_WORKER_PORTS="${CITUS_WORKER_PORTS:-}"
+export CITUS_WORKER_PORTS=${CITUS_WORKER_PORTS:-}
 EOF
     if [ -n "${CITUS_WORKER_PORTS:-}" ]; then
         # The same cluster under the names the e2e engine matrix reads (IDEMGATE_TEST_ENGINE=citus).

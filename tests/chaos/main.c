@@ -51,7 +51,8 @@ static bool read_services_env(void)
     char v[16];
     ch.has_standby = ch_env_value("PG_STANDBY_PORT", v, sizeof v) && v[0] != '\0';
     char workers[64];
-    ch.has_citus = ch_env_value("CITUS_WORKER_PORTS", workers, sizeof workers) && workers[0] != '\0';
+    ch.has_citus = ch_env_value("CITUS_WORKER_PORTS", workers, sizeof workers) && workers[0] >= '0' &&
+                   workers[0] <= '9'; /* a port number: not empty, not "" */
     /* the gateways it starts inherit it: store.distributed: citus */
     if (ch.has_citus && setenv("IDEMGATE_STORE_DISTRIBUTED", "citus", 1) != 0)
         return false;
