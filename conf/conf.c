@@ -725,6 +725,7 @@ _Static_assert(sizeof(enum conf_key_mode) == sizeof(int), "enum stored through i
 _Static_assert(sizeof(enum conf_in_flight) == sizeof(int), "enum stored through int");
 _Static_assert(sizeof(enum conf_on_unknown) == sizeof(int), "enum stored through int");
 _Static_assert(sizeof(enum conf_idem_mode) == sizeof(int), "enum stored through int");
+_Static_assert(sizeof(enum conf_distributed) == sizeof(int), "enum stored through int");
 
 /* ---------------------------------------------------------------- field handlers */
 
@@ -909,11 +910,14 @@ static bool fn_redis(struct ctx *x, yaml_node_t *n, void *target)
     return true;
 }
 
+static const char *const distributed_modes[] = {"none", "citus", NULL};
+
 static const struct field store_fields[] = {
     FIELD_FN("postgres", struct conf, postgres_url, fn_postgres, false),
     FIELD("pool", F_U32, struct conf, pool, 1, 256),
     FIELD_BASE("redis", fn_redis, false),
     FIELD("redis_timeout", F_DUR, struct conf, redis_timeout_ms, 1, DURATION_MAX),
+    FIELD_ENUM("distributed", struct conf, distributed, distributed_modes),
 };
 
 static bool fn_store(struct ctx *x, yaml_node_t *n, void *target)
@@ -2014,6 +2018,17 @@ static bool apply_env(struct ctx *x, yaml_node_t *root)
             return false;
         }
     }
+    const char *dist = getenv("IDEMGATE_STORE_DISTRIBUTED");
+    if (dist != NULL && dist[0] != '\0') {
+        size_t i = 0;
+        while (distributed_modes[i] != NULL && strcmp(distributed_modes[i], dist) != 0)
+            i++;
+        if (distributed_modes[i] == NULL) {
+            x->err = cm_asprintf("%s: IDEMGATE_STORE_DISTRIBUTED (environment): must be none or citus", x->file);
+            return false;
+        }
+        c->distributed = (enum conf_distributed)i;
+    }
     const char *tok = getenv("IDEMGATE_ADMIN_TOKEN");
     free(c->admin_token);
     c->admin_token = (tok != NULL && tok[0] != '\0') ? cm_strdup(tok) : NULL;
@@ -2193,6 +2208,7 @@ size_t conf_restart_keys(const struct conf *old, const struct conf *neu, const c
         {"store.redis_timeout", old->redis_timeout_ms == neu->redis_timeout_ms},
         {"replay_cache", old->replay_cache_max_bytes == neu->replay_cache_max_bytes &&
                              old->replay_cache_max_entries == neu->replay_cache_max_entries},
+        {"store.distributed", old->distributed == neu->distributed},
         {"threads", old->threads == neu->threads},
         {"max_connections", old->max_connections == neu->max_connections},
         {"client_timeout", old->client_timeout_ms == neu->client_timeout_ms},

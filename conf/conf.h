@@ -60,6 +60,8 @@ void conf_redis_free(struct conf_redis *r);
 enum conf_key_mode { CONF_KEY_OPTIONAL = 0, CONF_KEY_REQUIRED, CONF_KEY_OFF };
 enum conf_in_flight { CONF_IN_FLIGHT_CONFLICT = 0, CONF_IN_FLIGHT_WAIT };
 enum conf_on_unknown { CONF_UNKNOWN_REJECT = 0, CONF_UNKNOWN_RETRY, CONF_UNKNOWN_PROBE };
+/* store.distributed: the engine the tables live on (none: plain Postgres; citus: distributed by the gateway). */
+enum conf_distributed { CONF_DIST_NONE = 0, CONF_DIST_CITUS };
 enum conf_part_kind {
     CONF_PART_METHOD,
     CONF_PART_PATH,
@@ -168,11 +170,12 @@ struct conf {
     bool admin_enabled;            /* false when admin.listen is "off" */
     uint64_t shutdown_grace_ms;    /* default 10s */
 
-    char *postgres_url;        /* required (after env override) */
-    uint32_t pool;             /* default 8, 1..256 */
-    char *redis_url;           /* as written (for logs; passwords redacted there); NULL: no Redis */
-    struct conf_redis redis;   /* redis_url parsed once; valid when redis_url != NULL */
-    uint64_t redis_timeout_ms; /* default 50ms */
+    char *postgres_url;                /* required (after env override) */
+    uint32_t pool;                     /* default 8, 1..256 */
+    char *redis_url;                   /* as written (for logs; passwords redacted there); NULL: no Redis */
+    struct conf_redis redis;           /* redis_url parsed once; valid when redis_url != NULL */
+    uint64_t redis_timeout_ms;         /* default 50ms */
+    enum conf_distributed distributed; /* store.distributed, default none */
 
     struct conf_upstream *upstreams;
     size_t upstreams_n;
@@ -222,7 +225,7 @@ enum conf_tmpl_var conf_tmpl_var_at(const char *s, size_t n, size_t *len);
 
 /* The keys whose change from old to neu a running gateway cannot apply (new sockets, pools, threads, or the
  * front's per-connection memory): "listen", "admin.listen", "store.postgres", "store.pool", "store.redis",
- * "store.redis_timeout", "replay_cache", "threads", "max_connections", "client_timeout", "max_header_bytes",
+ * "store.redis_timeout", "store.distributed", "replay_cache", "threads", "max_connections", "client_timeout", "max_header_bytes",
  * "max_response_header_bytes". Up to max of them (constants) go into keys; returns how many differ (may exceed
  * max). */
 size_t conf_restart_keys(const struct conf *old, const struct conf *neu, const char **keys, size_t max);

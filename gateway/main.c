@@ -27,6 +27,7 @@ static void usage(FILE *out)
                  "       idemgate --check -c FILE  validate the configuration, print what is wrong, exit 0/1\n"
                  "       idemgate --version\n"
                  "environment: IDEMGATE_POSTGRES_URL, IDEMGATE_REDIS_URL (empty: no Redis), IDEMGATE_ADMIN_TOKEN,\n"
+                 "             IDEMGATE_STORE_DISTRIBUTED (none|citus: store.distributed),\n"
                  "             IDEMGATE_LOG_LEVEL (debug|info|warn|error)\n");
 }
 
@@ -45,7 +46,7 @@ static void *migrate_main(void *arg)
     struct migrator *m = arg;
     for (;;) {
         char *err = NULL;
-        if (store_migrate(m->conf->postgres_url, MIGRATE_TIMEOUT_MS, &err)) {
+        if (store_migrate(m->conf->postgres_url, m->conf->distributed, MIGRATE_TIMEOUT_MS, &err)) {
             gw_loops_set_schema_ready(m->loops, true);
             cm_log(CM_INFO, "schema_ready", NULL);
             return NULL;
@@ -135,7 +136,7 @@ static int run(const char *file, struct gw_conf *gc)
      * when Postgres is not there yet, a thread keeps trying in the background
      * and idempotent requests get 503 until then. */
     char *merr = NULL;
-    bool migrated = store_migrate(conf->postgres_url, MIGRATE_TIMEOUT_MS, &merr);
+    bool migrated = store_migrate(conf->postgres_url, conf->distributed, MIGRATE_TIMEOUT_MS, &merr);
     if (!migrated)
         cm_log(CM_WARN, "schema_unavailable", "error=%s retry_ms=%d", cm_log_quote(q, sizeof q, merr ? merr : "?"),
                MIGRATE_RETRY_MS);

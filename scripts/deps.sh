@@ -12,7 +12,7 @@ PKGS=(
     libcriterion-dev libjansson-dev
     postgresql-15 postgresql-client-15 redis-server redis-tools
     curl ca-certificates clang clang-format libclang-rt-14-dev valgrind chromium
-    iproute2 procps util-linux
+    iproute2 procps util-linux haproxy
 )
 # pgbench ships in postgresql-15 (the /usr/bin/pgbench wrapper in postgresql-client-common), already above.
 BENCH_PKGS=(nginx-light wrk)

@@ -17,6 +17,12 @@
 #   services.sh standby-down DIR   fault injection: stop the standby (immediate), keep its data; the primary's
 #                                  commits wait for it (synchronous) until standby-up DIR starts it again
 #   services.sh free-port [PORT]   print PORT when nothing listens on it, else a random free loopback port
+#   services.sh citus-start DIR    like start, but Postgres is a Citus 13.2.2 cluster: the coordinator (PG_PORT, the
+#                                  URLs) and two workers on their own random ports (CITUS_WORKER_PORTS); builds and
+#                                  installs Citus first when it is missing (scripts/citus-build.sh, cached)
+#   services.sh citus-stop DIR     stop the cluster (workers too) and Redis, like stop
+#   services.sh citus-worker-stop DIR N [fast|immediate]   fault injection: stop worker N (1 or 2), keep its data
+#   services.sh citus-worker-start DIR N                   start it again on the same port
 #
 # Never touches the system cluster (5432) or the system Redis (6379). As root, Postgres runs as the
 # `postgres` user (runuser); Redis runs as the caller. Every wait is bounded (WAIT_S, default 30 s).
@@ -34,7 +40,7 @@ die() {
 say() { echo "services.sh: $*" >&2; }
 
 usage() {
-    sed -n '4,18p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '4,24p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -147,6 +153,7 @@ synchronous_commit = on
 full_page_writes = off
 log_min_messages = warning
 log_line_prefix = '%m [%p] '
+${PG_CONF_EXTRA:-}
 $extra
 EOF
     chmod 644 "$tmp"
@@ -275,7 +282,18 @@ export PG_STANDBY_PORT=${PG_STANDBY_PORT:-}
 export PG_STANDBY_DATA=${PG_STANDBY_DATA:-}
 export PG_STANDBY_LOG=${PG_STANDBY_LOG:-}
 export PG_MULTI_HOSTS=${PG_MULTI_HOSTS:-}
+export PG_CONF_EXTRA="${PG_CONF_EXTRA:-}"
+export CITUS_WORKER_PORTS=${CITUS_WORKER_PORTS:-}
 EOF
+    if [ -n "${CITUS_WORKER_PORTS:-}" ]; then
+        # The same cluster under the names the e2e engine matrix reads (IDEMGATE_TEST_ENGINE=citus).
+        cat >>"$tmp" <<EOF
+export IDEMGATE_TEST_CITUS_PG_URL=postgresql://idemgate@127.0.0.1:$PG_PORT/idemgate
+export IDEMGATE_TEST_CITUS_PG_ADMIN_URL=postgresql://postgres@127.0.0.1:$PG_PORT/idemgate
+export IDEMGATE_TEST_CITUS_REDIS_URL=redis://127.0.0.1:$REDIS_PORT/0
+export IDEMGATE_TEST_CITUS_SERVICES_DIR=$DIR
+EOF
+    fi
     if [ -n "${PG_MULTI_HOSTS:-}" ]; then
         cat >>"$tmp" <<EOF
 export IDEMGATE_TEST_PG_MULTI_URL='postgresql://idemgate@$PG_MULTI_HOSTS/idemgate?target_session_attrs=read-write'
@@ -505,6 +523,10 @@ cmd_stop() {
     load_env
     redis_stop
     if [ -n "${PG_STANDBY_PORT:-}" ]; then with_standby pg_stop fast || true; fi
+    if [ -n "${CITUS_WORKER_PORTS:-}" ]; then
+        with_worker 1 pg_stop fast || true
+        if [ -n "$(worker_port 2)" ]; then with_worker 2 pg_stop fast || true; fi
+    fi
     pg_stop fast
     # The logs stay in DIR (the home goes): the primary's, the standby's, and after a promotion the old primary's.
     local f
@@ -530,6 +552,97 @@ cmd_status() {
         ok=1
     fi
     return $ok
+}
+
+# ---------------------------------------------------------------- Citus (a coordinator and two workers)
+
+CITUS_PRELOAD="shared_preload_libraries = 'citus'"
+
+worker_port() { echo "$CITUS_WORKER_PORTS" | cut -d, -f"$1"; }
+
+# Runs a Postgres helper on worker N (1-based) instead of the coordinator.
+with_worker() {
+    local n=$1
+    shift
+    (
+        PG_DATA=$PG_HOME/w$n
+        PG_LOG=$PG_HOME/w$n.log
+        PG_PORT=$(worker_port "$n")
+        "$@"
+    )
+}
+
+psql_db() { # PORT DB SQL...: as the superuser, stop at the first error, bounded
+    local port=$1 db=$2
+    shift 2
+    local args=()
+    for c in "$@"; do args+=(-c "$c"); done
+    PGCONNECT_TIMEOUT=5 timeout 60 "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$port" -U postgres \
+        -d "$db" "${args[@]}" >/dev/null
+}
+
+# Starts worker n on a fresh random port (retried when taken); CITUS_WORKER_PORTS gains it.
+worker_init() {
+    local n=$1 try port
+    if ! as_pg "$PGBIN/initdb" -D "$PG_HOME/w$n" -U postgres --auth=trust -E UTF8 --locale=C -N \
+        >"$DIR/initdb-w$n.log" 2>&1; then
+        cat "$DIR/initdb-w$n.log" >&2
+        die "initdb of worker $n failed"
+    fi
+    echo "include_if_exists = 'idemgate.conf'" | as_pg tee -a "$PG_HOME/w$n/postgresql.conf" >/dev/null
+    for try in 1 2 3 4 5; do
+        port=$(pick_port)
+        write_pg_conf "$PG_HOME/w$n" "$port"
+        if (PG_DATA=$PG_HOME/w$n PG_LOG=$PG_HOME/w$n.log PG_PORT=$port pg_start); then break; fi
+        if grep -qi 'already in use' "$PG_HOME/w$n.log" 2>/dev/null && ((try < 5)); then
+            say "worker $n port $port taken: retrying"
+            (PG_DATA=$PG_HOME/w$n PG_PORT=$port pg_stop immediate) || true
+            continue
+        fi
+        tail -n 30 "$PG_HOME/w$n.log" >&2 2>/dev/null || true
+        die "worker $n did not start on port $port within ${WAIT_S}s"
+    done
+    CITUS_WORKER_PORTS=${CITUS_WORKER_PORTS:+$CITUS_WORKER_PORTS,}$port
+}
+
+cmd_citus_start() {
+    local n port
+    if [ -f "$DIR/env" ]; then
+        load_env
+        if [ -n "${CITUS_WORKER_PORTS:-}" ] && pg_ready && redis_ready && with_worker 1 pg_ready &&
+            with_worker 2 pg_ready; then
+            say "citus already running in $DIR (coordinator $PG_PORT, workers $CITUS_WORKER_PORTS)"
+            return 0
+        fi
+        say "stale $DIR/env: stopping what is left and starting afresh"
+        cmd_stop
+    fi
+    bash "$(dirname "$SELF")/citus-build.sh" || die "citus is not installed (scripts/citus-build.sh failed)"
+    PG_CONF_EXTRA=$CITUS_PRELOAD
+    CITUS_WORKER_PORTS=
+    cmd_start # the coordinator (with the role and database idemgate) and Redis; its trap stops them on failure
+    trap 'rc=$?; if [ $rc -ne 0 ]; then say "citus-start failed: cleaning up"; write_env; cmd_stop || true; fi' EXIT
+    for n in 1 2; do
+        worker_init $n
+        write_env
+        port=$(worker_port $n)
+        psql_db "$port" postgres "CREATE ROLE idemgate LOGIN" "CREATE DATABASE idemgate OWNER idemgate" ||
+            die "worker $n: could not create role and database idemgate"
+        psql_db "$port" idemgate "CREATE EXTENSION citus" || die "worker $n: CREATE EXTENSION citus failed"
+    done
+    psql_db "$PG_PORT" idemgate "CREATE EXTENSION citus" \
+        "SELECT citus_set_coordinator_host('127.0.0.1', $PG_PORT)" \
+        "SELECT citus_add_node('127.0.0.1', $(worker_port 1))" \
+        "SELECT citus_add_node('127.0.0.1', $(worker_port 2))" ||
+        die "could not make the coordinator on $PG_PORT know its workers"
+    trap - EXIT
+    say "citus: coordinator 127.0.0.1:$PG_PORT workers $CITUS_WORKER_PORTS redis 127.0.0.1:$REDIS_PORT env $DIR/env"
+}
+
+worker_arg() {
+    load_env
+    [ -n "${CITUS_WORKER_PORTS:-}" ] || die "no citus cluster in $DIR"
+    case "${1:-}" in 1 | 2) ;; *) die "worker number: 1 or 2" ;; esac
 }
 
 if [ "${1:-}" = free-port ]; then
@@ -571,6 +684,18 @@ redis-start)
     }
     ;;
 standby-start) cmd_standby_start ;;
+citus-start) cmd_citus_start ;;
+citus-stop) cmd_stop ;;
+citus-worker-stop)
+    worker_arg "${1:-}"
+    mode=${2:-fast}
+    case "$mode" in fast | immediate) ;; *) die "citus-worker-stop mode: fast|immediate" ;; esac
+    with_worker "$1" pg_stop "$mode"
+    ;;
+citus-worker-start)
+    worker_arg "${1:-}"
+    with_worker "$1" pg_start || die "worker $1 did not start again"
+    ;;
 promote) cmd_promote ;;
 standby-stop) cmd_standby_stop ;;
 standby-down | standby-up)

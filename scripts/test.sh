@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # test.sh - the whole test run: deps, build, throwaway Postgres+Redis, unit+e2e suites, the same under
-# ASan+UBSan, then the fuzz and chaos stages when present and the run.sh demo. Ends with one line
+# ASan+UBSan, the engine tests again on a Citus cluster (suite citus), then the fuzz and chaos stages when present
+# and the run.sh demo. Ends with one line
 # `N passed, N failed` (meson tests, plus each extra stage's own count or 1 per stage) and exits non-zero on a failure.
 #
 #   scripts/test.sh                  everything
@@ -52,6 +53,7 @@ TOTAL_FAIL=0
 STAGES=()
 TMP=
 SVC=
+CITUS_SVC=
 NSVC=0
 EXTRA_PID=
 
@@ -74,11 +76,19 @@ cleanup() {
     if [ -n "$EXTRA_PID" ]; then kill -TERM "$EXTRA_PID" 2>/dev/null && wait "$EXTRA_PID" 2>/dev/null; fi
     EXTRA_PID=
     services_stop
+    citus_stop
     if [ -n "$TMP" ] && [ -d "$TMP" ]; then rm -rf "$TMP"; fi
     TMP=
 }
 trap cleanup EXIT
 trap 'echo "test.sh: interrupted" >&2; exit 130' INT TERM HUP
+
+citus_stop() {
+    if [ -n "$CITUS_SVC" ]; then
+        bash scripts/services.sh citus-stop "$CITUS_SVC" >/dev/null 2>&1 || bash scripts/services.sh citus-stop "$CITUS_SVC"
+        CITUS_SVC=
+    fi
+}
 
 # A fresh Postgres+Redis for each stage, so no stage sees another's records. Returns 1 on failure.
 services_fresh() {
@@ -106,11 +116,12 @@ build() {
     ninja -C "$dir"
 }
 
-# meson test in $1 (stage name $2); counts results from testlog.json.
+# meson test in $1 (stage name $2, then meson options: which suites); counts results from testlog.json.
 meson_stage() {
     local dir=$1 name=$2 rc=0 pass fail skip args=()
+    shift 2
     args=(test -C "$dir" --print-errorlogs --num-processes 2)
-    [ -n "$suite" ] && args+=(--suite "$suite")
+    if [ -n "$suite" ]; then args+=(--suite "$suite"); else args+=("$@"); fi
     [ "$dir" = build-asan ] && args+=(--timeout-multiplier 3)
     rm -f "$dir/meson-logs/testlog.json"
     log "$name: meson ${args[*]}"
@@ -199,7 +210,7 @@ log "build (build/)"
 if build build; then
     export IDEMGATE_BUILD_DIR=$ROOT/build
     if services_fresh; then
-        meson_stage build "tests"
+        meson_stage build "tests" --no-suite citus
     else
         record "services" 0 1 "(Postgres/Redis did not start)"
     fi
@@ -217,7 +228,7 @@ if [ $quick = 0 ]; then
             ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 LSAN_OPTIONS=suppressions=$ROOT/tests/lsan.supp:print_suppressions=0 \
                 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
                 IDEMGATE_BUILD_DIR=$ROOT/build-asan \
-                meson_stage build-asan "tests (asan+ubsan)"
+                meson_stage build-asan "tests (asan+ubsan)" --no-suite citus
         else
             record "services" 0 1 "(Postgres/Redis did not start)"
         fi
@@ -228,11 +239,28 @@ else
     record_note "tests (asan+ubsan)" "skipped (--quick)"
 fi
 
+# ---- stage 3: the engine tests on Citus (a coordinator and two workers; Citus is built once and cached)
+if [ -z "$suite" ] && [ -f build/build.ninja ]; then
+    services_stop
+    CITUS_SVC=$TMP/citus
+    log "citus: services.sh citus-start"
+    if bash scripts/services.sh citus-start "$CITUS_SVC"; then
+        # Only the IDEMGATE_TEST_CITUS_* names: the plain services' variables stay as they are.
+        eval "$(grep '^export IDEMGATE_TEST_CITUS_' "$CITUS_SVC/env")"
+        IDEMGATE_BUILD_DIR=$ROOT/build meson_stage build "tests (citus)" --suite citus
+    else
+        record "citus" 0 1 "(the Citus cluster did not start)"
+    fi
+    citus_stop
+fi
+
 # ---- extra stages (each owned by its room; they find the build in IDEMGATE_BUILD_DIR)
 if [ -z "$suite" ]; then
     export IDEMGATE_BUILD_DIR=$ROOT/build
     extra_stage fuzz services tests/fuzz/run.sh
     extra_stage chaos services tests/chaos/run.sh --short
+    # The same on a Citus cluster of its own, with worker restarts among the faults.
+    extra_stage chaos-citus no-services tests/chaos/run.sh --citus --short
     # The README's run command, end to end (its own Postgres/Redis in .run/, the replay demo, then stop).
     extra_stage demo no-services scripts/run.sh --no-wait --no-deps
     # docker/compose.yaml with the README's command on a private bridge-less dockerd (skips where Docker cannot run).

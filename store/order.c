@@ -75,6 +75,34 @@ static const char sql_acquire[] =
     " (SELECT count(*) FROM d), " G_STALE " FROM g";
 /* clang-format on */
 
+/* On Citus (store.distributed: citus) idemgate_order is distributed by resource and idemgate_keys by key: the
+ * rows of one acquire live on two shards, and a statement touching both is not routed to one worker. There the
+ * acquire is the upsert alone (its RETURNING computes what the CTE's SELECT does, g being the row it left) and,
+ * with a key, a companion DELETE sent before the same Sync (store/pg.h then_sql): one transaction, which Citus
+ * commits on both workers together. The companion reads the row the upsert left (same transaction, the row still
+ * locked by it) through a subquery on its primary key, so it decides exactly as the CTE's d does. */
+#define G_STALE_O "($4 < o.applied OR ($4 = o.applied AND NOT coalesce(o.applied_key = $10, false)))"
+/* clang-format off */
+static const char sql_acquire_citus[] =
+    "INSERT INTO idemgate_order AS o (route, scope, resource, applied, inflight_seq, inflight_token, inflight_until,"
+    " inflight_key)"
+    " VALUES ($1, $2, $3, 0, $4, $5, " UNTIL ", $10)"
+    " ON CONFLICT (route, scope, resource) DO UPDATE SET"
+    " applied = " EFF ","
+    " applied_key = " EFFKEY ","
+    " inflight_seq = CASE WHEN " OK " THEN $4 WHEN " LAPSED " THEN NULL ELSE o.inflight_seq END,"
+    " inflight_until = CASE WHEN " OK " THEN " UNTIL " WHEN " LAPSED " THEN NULL ELSE o.inflight_until END,"
+    " inflight_key = CASE WHEN " OK " THEN $10 WHEN " LAPSED " THEN NULL ELSE o.inflight_key END,"
+    " inflight_token = CASE WHEN " OK " THEN $5 WHEN " LAPSED " THEN NULL ELSE o.inflight_token END"
+    " RETURNING o.applied, coalesce(o.inflight_token = $5, false), o.inflight_token IS NOT NULL,"
+    " greatest(0, ceil(extract(epoch FROM o.inflight_until - " NOW_TS ") * 1000))::int8, 0::int8, " G_STALE_O;
+static const char sql_acquire_citus_key[] =
+    "DELETE FROM idemgate_keys k WHERE k.route = $1 AND k.scope = $2 AND k.key = $10 AND k.token = $5"
+    " AND k.state = 'in_flight' AND EXISTS (SELECT 1 FROM idemgate_order g WHERE g.route = $1 AND g.scope = $2"
+    " AND g.resource = $3 AND g.inflight_token IS DISTINCT FROM $5"
+    " AND (" G_STALE " OR NOT $9 OR ($8 = 1 AND (g.inflight_token IS NULL OR g.inflight_token = $5))))";
+/* clang-format on */
+
 /* Completed: applied = max(applied, seq). Unknown outcome: the same, and its key is remembered, so that a retry
  * under that key (on_unknown: retry) is not stale; a completed one is replayed or, past retention, stale. */
 #define SQL_SETTLE_APPLIED(key)                                                                                        \
@@ -104,7 +132,7 @@ static const char sql_advance[] =
     " ON CONFLICT (route, scope, resource) DO UPDATE SET applied = greatest(o.applied, $4),"
     " applied_key = CASE WHEN $4 >= o.applied THEN $5 ELSE o.applied_key END";
 
-enum { O_ACQUIRE, O_APPLIED, O_UNKNOWN, O_RELEASED, O_RENEW, O_PEEK, O_ADVANCE };
+enum { O_ACQUIRE, O_APPLIED, O_UNKNOWN, O_RELEASED, O_RENEW, O_ACQUIRE_KEYLESS, O_PEEK, O_ADVANCE };
 
 static const Oid acquire_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8,
                                     OID_INT8, OID_INT8,  OID_INT4, OID_BOOL, OID_TEXT};
@@ -114,18 +142,32 @@ static const Oid peek_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_TE
 
 /* batch_key 0: each runs alone in its own implicit transaction. */
 static const struct store_pg_stmt order_stmts[STORE_ORDER_NSTMTS] = {
-    [O_ACQUIRE] = {"idg_order_acquire", sql_acquire, 10, acquire_types, 0, NULL, NULL},
-    [O_APPLIED] = {"idg_order_applied", sql_applied, 4, settle_types, 0, NULL, NULL},
-    [O_UNKNOWN] = {"idg_order_unknown", sql_unknown, 4, settle_types, 0, NULL, NULL},
-    [O_RELEASED] = {"idg_order_released", sql_released, 4, settle_types, 0, NULL, NULL},
-    [O_RENEW] = {"idg_order_renew", sql_renew, 6, renew_types, 0, NULL, NULL},
-    [O_PEEK] = {"idg_order_peek", sql_peek, 6, peek_types, 0, NULL, NULL},
-    [O_ADVANCE] = {"idg_order_advance", sql_advance, 5, peek_types, 0, NULL, NULL},
+    [O_ACQUIRE] = {"idg_order_acquire", sql_acquire, 10, acquire_types, 0, NULL, NULL, NULL},
+    [O_APPLIED] = {"idg_order_applied", sql_applied, 4, settle_types, 0, NULL, NULL, NULL},
+    [O_UNKNOWN] = {"idg_order_unknown", sql_unknown, 4, settle_types, 0, NULL, NULL, NULL},
+    [O_RELEASED] = {"idg_order_released", sql_released, 4, settle_types, 0, NULL, NULL, NULL},
+    [O_RENEW] = {"idg_order_renew", sql_renew, 6, renew_types, 0, NULL, NULL, NULL},
+    /* plain Postgres: the same statement (its d deletes nothing without a key) */
+    [O_ACQUIRE_KEYLESS] = {"idg_order_acquire_keyless", sql_acquire, 10, acquire_types, 0, NULL, NULL, NULL},
+    [O_PEEK] = {"idg_order_peek", sql_peek, 6, peek_types, 0, NULL, NULL, NULL},
+    [O_ADVANCE] = {"idg_order_advance", sql_advance, 5, peek_types, 0, NULL, NULL, NULL},
 };
 
-const struct store_pg_stmt *store_order_stmts(void)
+static const struct store_pg_stmt order_stmts_citus[STORE_ORDER_NSTMTS] = {
+    [O_ACQUIRE] = {"idg_order_acquire", sql_acquire_citus, 10, acquire_types, 0, NULL, NULL, sql_acquire_citus_key},
+    [O_APPLIED] = {"idg_order_applied", sql_applied, 4, settle_types, 0, NULL, NULL, NULL},
+    [O_UNKNOWN] = {"idg_order_unknown", sql_unknown, 4, settle_types, 0, NULL, NULL, NULL},
+    [O_RELEASED] = {"idg_order_released", sql_released, 4, settle_types, 0, NULL, NULL, NULL},
+    [O_RENEW] = {"idg_order_renew", sql_renew, 6, renew_types, 0, NULL, NULL, NULL},
+    [O_ACQUIRE_KEYLESS] = {"idg_order_acquire_keyless", sql_acquire_citus, 10, acquire_types, 0, NULL, NULL, NULL},
+    /* single-shard (filtered or keyed by the distribution column, resource), no stable function */
+    [O_PEEK] = {"idg_order_peek", sql_peek, 6, peek_types, 0, NULL, NULL, NULL},
+    [O_ADVANCE] = {"idg_order_advance", sql_advance, 5, peek_types, 0, NULL, NULL, NULL},
+};
+
+const struct store_pg_stmt *store_order_stmts(bool citus)
 {
-    return order_stmts;
+    return citus ? order_stmts_citus : order_stmts;
 }
 
 /* A pending operation; on the guard's list so that destroy frees it. */
@@ -221,7 +263,8 @@ static void acquire_cb(void *arg, enum store_pg_status st, const PGresult *r, co
         bool mine = PQgetvalue(r, 0, 1)[0] == 't';
         bool held = PQgetvalue(r, 0, 2)[0] == 't';
         res.lease_left_ms = (uint64_t)get_i64(r, 3);
-        res.key_deleted = get_i64(r, 4) > 0;
+        const PGresult *del = store_pg_cb_then(p->o->pg); /* Citus: the companion DELETE */
+        res.key_deleted = del ? atol(PQcmdTuples((PGresult *)del)) > 0 : get_i64(r, 4) > 0;
         res.gap = res.applied > 0 && p->seq > res.applied + 1;
         if (mine)
             res.verdict = STORE_ORDER_OK;
@@ -265,7 +308,7 @@ void store_order_acquire(struct store_order *o, const struct store_order_req *re
         {now, strlen(now), false},           {gap, strlen(gap), false}, {req->may_wait ? "t" : "f", 1, false},
         {key, key ? strlen(key) : 0, false},
     };
-    store_pg_query(o->pg, o->stmt_base + O_ACQUIRE, params, 10, 0, acquire_cb, p);
+    store_pg_query(o->pg, o->stmt_base + (key ? O_ACQUIRE : O_ACQUIRE_KEYLESS), params, 10, 0, acquire_cb, p);
     free(key); /* the pool copied the parameters */
 }
 

@@ -18,8 +18,9 @@ struct event_base;
 /* ---- for store.c */
 
 /* Statements the pool prepares (appended to store.c's own). */
-#define STORE_ORDER_NSTMTS 7
-const struct store_pg_stmt *store_order_stmts(void); /* STORE_ORDER_NSTMTS of them, static */
+#define STORE_ORDER_NSTMTS 8
+/* STORE_ORDER_NSTMTS of them, static; citus: the forms for tables distributed by Citus (store.distributed). */
+const struct store_pg_stmt *store_order_stmts(bool citus);
 /* The table, created idempotently at every migration (under its lock). */
 extern const char store_order_schema[];
 struct store_order;
@@ -48,7 +49,8 @@ struct store_order_req {
     uint64_t lease_ms; /* the in-flight marker's lease */
     enum store_order_gap on_gap;
     bool may_wait; /* still within hold: an in-flight or (hold) gap refusal is not final */
-    /* The key claim (NULL: keyless) a final refusal deletes in the same statement, fenced by token. */
+    /* The key claim (NULL: keyless) a final refusal deletes in the same transaction (plain Postgres: the same
+     * statement; Citus: a second one before the same Sync), fenced by token. */
     const char *key;
     size_t key_len;
 };

@@ -99,8 +99,11 @@ struct store_pg {
     struct event_base *base;
     struct store_pg_opts opts;
     char *conninfo;
-    char *init_sql;     /* PG_SESSION_SQL, then opts.init_sql */
-    char **multi_names; /* per statement: name of its multi-row form, or NULL */
+    char *init_sql;           /* PG_SESSION_SQL, then opts.init_sql */
+    char **multi_names;       /* per statement: name of its multi-row form, or NULL */
+    char **then_names;        /* per statement: name of its companion (then_sql), or NULL */
+    struct setup_step *steps; /* what a new connection prepares, then plan-checks */
+    size_t nsteps;
     struct pg_conn *conns;
     unsigned n_up;         /* READY or BUSY */
     unsigned n_connecting; /* CONNECTING or PREPARING */
@@ -112,6 +115,7 @@ struct store_pg {
     atomic_uint_least64_t ok_ms; /* the server last answered then (a result, a new connection) */
     atomic_bool failing;         /* a connection broke, failed to connect or timed out after that */
     int cb_pid;                  /* backend_pid of the query being called back */
+    const PGresult *cb_then;     /* the companion's result of the query being called back */
     void (*on_up)(void *arg);
     void *on_up_arg;
     struct qlist queue;
@@ -436,65 +440,112 @@ static bool conn_flush(struct pg_conn *c)
     return true;
 }
 
-/* Setup steps of a new connection: init_sql (when set), then one PQsendPrepare per statement. */
-/* Setup steps: the init SQL, then every statement, then every multi-row form. */
-static size_t setup_steps(const struct store_pg *p)
+/* The setup of a new connection, one step after the other: the init SQL, a PQsendPrepare of every statement, of
+ * every multi-row form and of every companion (then_sql), then an EXPLAIN EXECUTE of each of them with
+ * parameters no row can have: a statement the server accepts but cannot plan (Citus plans a distributed statement
+ * only when it runs) fails the setup here, with its name in the log, and not at its first use. */
+struct setup_step {
+    const char *name; /* the prepared statement's name (for logs and EXPLAIN EXECUTE) */
+    const char *sql;  /* PREPARE: the statement; plan check: the EXPLAIN EXECUTE text (heap) */
+    int nparams;
+    const Oid *types;
+    bool check;
+};
+
+/* A literal of type oid that names no row: keys and routes are never empty, tokens never 0 with an empty key. */
+static const char *dry_literal(Oid oid)
 {
-    size_t n = (p->opts.init_sql ? 1 : 0) + p->opts.nstmts;
-    for (size_t i = 0; i < p->opts.nstmts; i++)
-        n += p->multi_names[i] != NULL;
-    return n;
+    switch (oid) {
+    case 16: /* bool */
+        return "false";
+    case 17: /* bytea */
+        return "'\\x'::bytea";
+    case 20: /* int8 */
+    case 23: /* int4 */
+        return "0";
+    case 1000: /* bool[] */
+    case 1001: /* bytea[] */
+    case 1007: /* int4[] */
+    case 1009: /* text[] */
+    case 1016: /* int8[] */
+        return "'{}'";
+    default: /* text */
+        return "''";
+    }
 }
 
-/* Step k (after the init SQL): statement *stmt, in its multi-row form when *multi. */
-static void setup_step(const struct store_pg *p, size_t k, size_t *stmt, bool *multi)
+static char *plan_check_sql(const char *name, int nparams, const Oid *types)
 {
-    if (k < p->opts.nstmts) {
-        *stmt = k;
-        *multi = false;
-        return;
-    }
-    k -= p->opts.nstmts;
+    struct cm_buf b;
+    cm_buf_init(&b, 4096);
+    bool ok = cm_buf_appendf(&b, "EXPLAIN (COSTS OFF) EXECUTE %s", name);
+    for (int i = 0; ok && i < nparams; i++)
+        ok = cm_buf_appendf(&b, "%s%s", i ? ", " : "(", dry_literal(types ? types[i] : 25));
+    ok = ok && (nparams == 0 || cm_buf_append(&b, ")", 1));
+    if (!ok)
+        abort();
+    size_t n;
+    char *out = cm_buf_take(&b, &n);
+    cm_buf_free(&b);
+    return out;
+}
+
+static void setup_add(struct store_pg *p, const char *name, const char *sql, int nparams, const Oid *types)
+{
+    p->steps[p->nsteps++] = (struct setup_step){name, sql, nparams, types, false};
+}
+
+static void setup_plan(struct store_pg *p)
+{
+    p->steps = cm_calloc(3 * p->opts.nstmts * 2 + 1, sizeof *p->steps);
     for (size_t i = 0; i < p->opts.nstmts; i++) {
-        if (!p->multi_names[i])
-            continue;
-        if (k-- == 0) {
-            *stmt = i;
-            *multi = true;
-            return;
-        }
+        const struct store_pg_stmt *st = &p->opts.stmts[i];
+        setup_add(p, st->name, st->sql, st->nparams, st->types);
+        if (p->multi_names[i])
+            setup_add(p, p->multi_names[i], st->multi_sql, st->nparams, st->multi_types);
+        if (p->then_names[i])
+            setup_add(p, p->then_names[i], st->then_sql, st->nparams, st->types);
     }
-    *stmt = 0;
-    *multi = false;
+    size_t nprep = p->nsteps;
+    for (size_t i = 0; i < nprep; i++) {
+        struct setup_step *ps = &p->steps[i];
+        p->steps[p->nsteps++] = (struct setup_step){ps->name, plan_check_sql(ps->name, ps->nparams, ps->types),
+                                                    ps->nparams, ps->types, true};
+    }
+}
+
+static size_t setup_steps(const struct store_pg *p)
+{
+    return (p->opts.init_sql ? 1 : 0) + p->nsteps;
+}
+
+static const struct setup_step *setup_step_at(const struct pg_conn *c)
+{
+    const struct store_pg *p = c->pool;
+    if (p->opts.init_sql && c->prep_next == 0)
+        return NULL;
+    return &p->steps[c->prep_next - (p->opts.init_sql ? 1 : 0)];
 }
 
 static const char *setup_step_name(const struct pg_conn *c)
 {
-    const struct store_pg *p = c->pool;
-    if (p->opts.init_sql && c->prep_next == 0)
+    const struct setup_step *st = setup_step_at(c);
+    if (!st)
         return "init";
-    size_t stmt;
-    bool multi;
-    setup_step(p, c->prep_next - (p->opts.init_sql ? 1 : 0), &stmt, &multi);
-    return multi ? p->multi_names[stmt] : p->opts.stmts[stmt].name;
+    return st->check ? "plan" : "prepare";
 }
 
 static void conn_prepare_next(struct pg_conn *c)
 {
     const struct store_pg *p = c->pool;
+    const struct setup_step *st = setup_step_at(c);
     int sent;
-    if (p->opts.init_sql && c->prep_next == 0) {
+    if (!st)
         sent = PQsendQuery(c->pg, p->opts.init_sql);
-    } else {
-        size_t stmt;
-        bool multi;
-        setup_step(p, c->prep_next - (p->opts.init_sql ? 1 : 0), &stmt, &multi);
-        const struct store_pg_stmt *st = &p->opts.stmts[stmt];
-        if (multi)
-            sent = PQsendPrepare(c->pg, p->multi_names[stmt], st->multi_sql, st->nparams, st->multi_types);
-        else
-            sent = PQsendPrepare(c->pg, st->name, st->sql, st->nparams, st->types);
-    }
+    else if (st->check)
+        sent = PQsendQuery(c->pg, st->sql);
+    else
+        sent = PQsendPrepare(c->pg, st->name, st->sql, st->nparams, st->types);
     if (!sent) {
         conn_connect_failed(c, PQerrorMessage(c->pg));
         return;
@@ -626,14 +677,19 @@ static void setup_done(struct pg_conn *c)
     struct store_pg *p = c->pool;
     PGresult *res = c->res;
     c->res = NULL;
-    bool ok = res && PQresultStatus(res) == PGRES_COMMAND_OK;
+    bool ok = res && (PQresultStatus(res) == PGRES_COMMAND_OK || PQresultStatus(res) == PGRES_TUPLES_OK);
     if (!ok) {
         char msg[512];
-        cm_log(CM_ERROR, "postgres_prepare_failed", "conn=%u stmt=%s error=%s", c->idx, setup_step_name(c),
+        const struct setup_step *step = setup_step_at(c);
+        cm_log(CM_ERROR, "postgres_prepare_failed", "conn=%u stmt=%s step=%s error=%s", c->idx,
+               step ? step->name : "init", setup_step_name(c),
                cm_log_quote(msg, sizeof msg, res ? PQresultErrorMessage(res) : PQerrorMessage(c->pg)));
         if (res)
             PQclear(res);
-        conn_connect_failed(c, "prepare failed");
+        char why[160];
+        snprintf(why, sizeof why, "%s of statement %s failed (see postgres_prepare_failed)", setup_step_name(c),
+                 step ? step->name : "init");
+        conn_connect_failed(c, why);
         return;
     }
     PQclear(res);
@@ -696,8 +752,8 @@ static void batch_done(struct pg_conn *c)
     struct store_pg *p = c->pool;
     unsigned n = c->nbatch, ns = c->nsent;
     struct pg_query *qs[PG_MAX_BATCH];
-    PGresult *rs[PG_MAX_BATCH];
-    unsigned sfirst[PG_MAX_BATCH], sn[PG_MAX_BATCH];
+    PGresult *rs[2 * PG_MAX_BATCH];
+    unsigned sfirst[2 * PG_MAX_BATCH], sn[2 * PG_MAX_BATCH];
     for (unsigned i = 0; i < n; i++) {
         qs[i] = c->batch[i];
         c->batch[i] = NULL;
@@ -755,6 +811,9 @@ static void batch_done(struct pg_conn *c)
     bool known = !lost[0] && PQstatus(c->pg) != CONNECTION_BAD;
     unsigned nback = 0; /* the queries to run again, in qs[0..nback) (a prefix already handled) */
     for (unsigned i = 0; i < ns; i++) {
+        /* A companion (sn 0) is the statement before's: its failure is that query's own. */
+        bool has_then = i + 1 < ns && sn[i + 1] == 0;
+        bool own_fail = i == failed || (has_then && failed == i + 1);
         for (unsigned j = 0; j < sn[i]; j++) {
             struct pg_query *q = qs[sfirst[i] + j];
             q->where = Q_NEW;
@@ -771,7 +830,9 @@ static void batch_done(struct pg_conn *c)
             } else if (commit_failed) {
                 q_finish(q, fail_st, NULL, fail_msg);
             } else if (failed == ns && sn[i] == 1) {
+                p->cb_then = has_then ? rs[i + 1] : NULL;
                 q_finish(q, STORE_PG_OK, rs[i], NULL);
+                p->cb_then = NULL;
             } else if (failed == ns) {
                 PGresult *mine = split_rows(rs[i], (long)j + 1);
                 if (mine)
@@ -779,7 +840,7 @@ static void batch_done(struct pg_conn *c)
                 else
                     q_finish(q, STORE_PG_TRANSIENT, NULL, "out of memory splitting a batch result");
                 PQclear(mine);
-            } else if (fail_st == STORE_PG_TRANSPORT || (i == failed && sn[i] == 1)) {
+            } else if (fail_st == STORE_PG_TRANSPORT || (own_fail && sn[i] == 1)) {
                 q_finish(q, fail_st, NULL, fail_msg);
             } else if (++q->requeues > PG_MAX_REQUEUE) {
                 q_finish(q, STORE_PG_TRANSIENT, NULL, "postgres batch rolled back (another statement in it failed)");
@@ -833,8 +894,8 @@ static void conn_io_busy(struct pg_conn *c, short what)
         c->flushing = r == 1;
         conn_watch(c, c->flushing ? (EV_READ | EV_WRITE) : EV_READ);
     }
-    /* Bounded: a batch yields a result and a NULL per query, then the Sync. */
-    for (int guard = 0; guard < 4 * PG_MAX_BATCH + 16 && !PQisBusy(c->pg); guard++) {
+    /* Bounded: a batch yields a result and a NULL per statement (two per query at most), then the Sync. */
+    for (int guard = 0; guard < 6 * PG_MAX_BATCH + 16 && !PQisBusy(c->pg); guard++) {
         PGresult *r = PQgetResult(c->pg);
         if (setup) {
             if (!r) {
@@ -944,7 +1005,7 @@ static int q_row_cmp(const struct store_pg *p, const struct pg_query *a, const s
 /* May q go into its statement's multi-row form? */
 static bool multi_ok(const struct store_pg *p, const struct pg_query *q)
 {
-    if (q->no_multi || !p->multi_names[q->stmt])
+    if (q->no_multi || !p->multi_names[q->stmt] || p->then_names[q->stmt])
         return false;
     for (int i = 0; i < q->nparams; i++) {
         if (q->formats[i] != 1)
@@ -1053,6 +1114,15 @@ static void conn_send_batch(struct pg_conn *c, struct pg_query **qs, unsigned n)
         c->sn[ns] = k;
         c->bres[ns] = NULL;
         ns++;
+        const char *then = p->then_names[qs[i]->stmt];
+        if (sent && then) { /* the companion: same parameters, same Sync (one transaction) */
+            sent = PQsendQueryPrepared(c->pg, then, qs[i]->nparams, (const char *const *)qs[i]->values, qs[i]->lengths,
+                                       qs[i]->formats, qs[i]->result_format) == 1;
+            c->sfirst[ns] = i;
+            c->sn[ns] = 0; /* no query of its own: its result goes with the statement before */
+            c->bres[ns] = NULL;
+            ns++;
+        }
         i += k;
     }
     if (sent)
@@ -1239,6 +1309,16 @@ struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_
             snprintf(p->multi_names[i], len, "%s_m", st->name);
         }
     }
+    p->then_names = cm_calloc(p->opts.nstmts ? p->opts.nstmts : 1, sizeof *p->then_names);
+    for (size_t i = 0; i < p->opts.nstmts; i++) {
+        const struct store_pg_stmt *st = &p->opts.stmts[i];
+        if (st->then_sql) {
+            size_t len = strlen(st->name) + 3;
+            p->then_names[i] = cm_malloc(len);
+            snprintf(p->then_names[i], len, "%s_t", st->name);
+        }
+    }
+    setup_plan(p);
     p->hold = evtimer_new(base, hold_cb, p);
     if (!p->hold)
         abort();
@@ -1250,9 +1330,10 @@ struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_
         c->state = C_DOWN;
         c->io = cm_calloc(1, event_get_struct_event_size());
         c->batch = cm_calloc(p->opts.max_batch, sizeof *c->batch);
-        c->bres = cm_calloc(p->opts.max_batch, sizeof *c->bres);
-        c->sfirst = cm_calloc(p->opts.max_batch, sizeof *c->sfirst);
-        c->sn = cm_calloc(p->opts.max_batch, sizeof *c->sn);
+        /* statements: one per query, two for a query with a companion */
+        c->bres = cm_calloc(2 * p->opts.max_batch, sizeof *c->bres);
+        c->sfirst = cm_calloc(2 * p->opts.max_batch, sizeof *c->sfirst);
+        c->sn = cm_calloc(2 * p->opts.max_batch, sizeof *c->sn);
         c->timer = evtimer_new(base, conn_timer_cb, c);
         if (!c->timer)
             abort();
@@ -1291,9 +1372,17 @@ void store_pg_destroy(struct store_pg *p)
         ql_remove(&p->deferred, q);
         q_free(q);
     }
-    for (size_t i = 0; i < p->opts.nstmts; i++)
+    for (size_t i = 0; i < p->opts.nstmts; i++) {
         free(p->multi_names[i]);
+        free(p->then_names[i]);
+    }
     free(p->multi_names);
+    free(p->then_names);
+    for (size_t i = 0; i < p->nsteps; i++) {
+        if (p->steps[i].check)
+            free((char *)p->steps[i].sql);
+    }
+    free(p->steps);
     event_free(p->hold);
     free(p->conns);
     free(p->conninfo);
@@ -1359,6 +1448,11 @@ bool store_pg_healthy(const struct store_pg *p, uint64_t max_age_ms)
 uint64_t store_pg_last_ok_ms(const struct store_pg *p)
 {
     return p ? atomic_load(&((struct store_pg *)p)->ok_ms) : 0;
+}
+
+const PGresult *store_pg_cb_then(const struct store_pg *p)
+{
+    return p ? p->cb_then : NULL;
 }
 
 int store_pg_cb_backend_pid(const struct store_pg *p)

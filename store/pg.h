@@ -28,7 +28,15 @@ struct store_pg;
  * statement for several distinct rows at once, each parameter an array
  * (multi_types) of the queries' values, each result row led by the 1-based
  * position of its query: within a batch, queries of one statement run as one
- * multi-row statement, and each query still gets the result sql would give. */
+ * multi-row statement, and each query still gets the result sql would give.
+ * then_sql (optional; never in a multi-row form): a companion sent right after sql
+ * with the same parameters, before the same Sync: both run in one implicit
+ * transaction (on Citus, statements on two tables whose rows live on
+ * different workers; it commits them together). The query's result is sql's;
+ * store_pg_cb_then gives the companion's. Either failing fails the query.
+ * Every statement, multi-row form and companion is prepared and then planned
+ * (EXPLAIN EXECUTE with parameters no row has) when a connection opens: one
+ * the server cannot plan makes the connection fail (logged with its name). */
 struct store_pg_stmt {
     const char *name;
     const char *sql;
@@ -37,6 +45,7 @@ struct store_pg_stmt {
     unsigned batch_key;
     const char *multi_sql;
     const Oid *multi_types; /* nparams OIDs (array types) */
+    const char *then_sql;
 };
 
 enum store_pg_status {
@@ -116,6 +125,10 @@ uint64_t store_pg_last_ok_ms(const struct store_pg *p);
  * query that failed with STORE_PG_TIMEOUT or STORE_PG_TRANSPORT and a
  * non-zero id may still commit while that server process lives. */
 int store_pg_cb_backend_pid(const struct store_pg *p);
+
+/* Inside a store_pg_cb of a statement with then_sql (st == STORE_PG_OK): the
+ * companion's result (freed by the pool after the callback); NULL otherwise. */
+const PGresult *store_pg_cb_then(const struct store_pg *p);
 
 /* cb (may be NULL) runs on the loop each time a connection becomes ready
  * while none was up before: Postgres answers again. */

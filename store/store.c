@@ -41,6 +41,7 @@
 #define CLEAN_EVERY_MS          10000
 #define CLEAN_BATCH             1000
 #define CLEAN_MAX_BATCHES       10
+#define STUCK_EVERY_CITUS       6 /* cleaner passes per stuck count on Citus (one a minute) */
 #define ADMIN_MAX_ROWS          1000
 #define ADMIN_JSON_MAX          (4u << 20)
 #define RESP_BLOB_MAX           ((size_t)1 << 30)
@@ -191,6 +192,41 @@ static const char sql_claim_multi[] =
     " WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key)";
 /* clang-format on */
 
+/* On Citus (store.distributed: citus; idemgate_keys distributed by key) a
+ * statement with a data-modifying CTE is planned recursively (a subplan per
+ * part, each a trip to the worker), and a function in ON CONFLICT .. WHERE
+ * must be IMMUTABLE. There the claim is two statements on the key's shard,
+ * sent before one Sync (store/pg.h then_sql: one transaction): the upsert,
+ * whose filter compares with EXCLUDED.created_at (now(), evaluated once by
+ * the coordinator) instead of calling now(), returning the "new" row; then
+ * the read of the record, which the upsert has locked when it did not take
+ * it (ON CONFLICT locks the row it does not update), so it is the version
+ * the upsert decided on. The callback uses the upsert's row when there is
+ * one, else the read's. Not batched into multi-row forms there: Citus does
+ * not route an unnest over keys of several shards; several claims still
+ * share one pipeline and one commit (pg.h batches). */
+#define TAKEABLE_AT(p, t)                                                                                              \
+    "(" p "state = 'completed' AND " p "expires_at < " t " AND " p "lease_until < " t ") OR ($8 AND " p                \
+    "state IN ('in_flight', 'unknown') AND " p "lease_until < " t " AND " p "fingerprint = $4)"
+/* clang-format off */
+static const char sql_claim_citus[] =
+    "INSERT INTO idemgate_keys AS k (route, scope, key, fingerprint, state, token, lease_until, created_at,"
+    " expires_at)"
+    " VALUES ($1, $2, $3, $4, 'in_flight', $5, now() + $6 * interval '1 ms', now(), now() + $7 * interval '1 ms')"
+    " ON CONFLICT (route, key, scope) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',"
+    " token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,"
+    " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL"
+    " WHERE " TAKEABLE_AT("k.", "EXCLUDED.created_at")
+    " RETURNING 'new'::text, k.token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true";
+static const char sql_claim_citus_read[] =
+    "SELECT state, token, fingerprint, status, response,"
+    " greatest(0, ceil(extract(epoch FROM lease_until - now()) * 1000))::int8,"
+    " greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::int8,"
+    " " TAKEABLE("") ","
+    " lease_until >= now()"
+    " FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3";
+/* clang-format on */
+
 /* Fenced by the claim's token alone: a token names one claim, so a retry of
  * a completion whose first attempt committed (lost reply) matches again. */
 static const char sql_complete[] =
@@ -243,10 +279,28 @@ static const char sql_admin_release[] =
     " UNION ALL SELECT 't'::text, NULL::bytea FROM idemgate_keys WHERE route = $1 AND key = $2"
     " UNION ALL SELECT 'n'::text, NULL::bytea FROM (" SQL_NOTIFY_CACHE ") AS n";
 
+/* Citus: the CTE's parts as two statements of one transaction on the key's
+ * shard; the second counts what is left after the delete (the callback adds
+ * the deleted ones back for the 404/409 decision). */
+static const char sql_admin_release_citus[] =
+    "DELETE FROM idemgate_keys WHERE route = $1 AND key = $2"
+    " AND (state = 'unknown' OR (state = 'in_flight' AND lease_until < now())) RETURNING 'd'::text, scope";
+static const char sql_admin_release_citus_left[] =
+    "SELECT 't'::text, NULL::bytea FROM idemgate_keys WHERE route = $1 AND key = $2";
+
 /* A TID scan over at most 1000 rows found through the expires_at index. */
 static const char sql_clean[] = "DELETE FROM idemgate_keys WHERE ctid = ANY (ARRAY(SELECT ctid FROM idemgate_keys"
                                 " WHERE expires_at < now() AND lease_until < now() AND state = 'completed' LIMIT 1000))"
                                 " AND expires_at < now() AND lease_until < now() AND state = 'completed'";
+
+/* Citus routes no ctid-filtered modification: at most 1000 expired records, found through the partial
+ * expires_at index (the SELECT runs on every shard with the LIMIT pushed down, the coordinator keeps 1000),
+ * deleted by primary key on the shards that hold them. Not on plain Postgres: its planner may join the other way
+ * round there (every expired row against the sample), where the TID scan above reads only the sample. */
+static const char sql_clean_citus[] =
+    "DELETE FROM idemgate_keys WHERE (route, key, scope) IN (SELECT route, key, scope FROM idemgate_keys"
+    " WHERE expires_at < now() AND lease_until < now() AND state = 'completed' LIMIT 1000)"
+    " AND expires_at < now() AND lease_until < now() AND state = 'completed'";
 
 static const char sql_stuck[] = "SELECT route, count(*)::int8 FROM idemgate_keys"
                                 " WHERE state IN ('in_flight', 'unknown') AND created_at < now() - interval '5 minutes'"
@@ -287,21 +341,21 @@ static const char sql_probe_list[] =
 static const Oid probe_list_types[] = {OID_TEXT, OID_INT8};
 
 static const struct store_pg_stmt stmts[S__COUNT] = {
-    [S_CLAIM] = {"idg_claim", sql_claim, 8, claim_types, 3, sql_claim_multi, claim_multi_types},
-    [S_COMPLETE] = {"idg_complete", sql_complete, 7, complete_types, 3, sql_complete_multi, complete_multi_types},
-    [S_RENEW] = {"idg_renew", sql_renew, 5, fenced_types, 3, NULL, NULL},
-    [S_RELEASE] = {"idg_release", sql_release, 4, release_types, 3, NULL, NULL},
-    [S_MARK_UNKNOWN] = {"idg_mark_unknown", sql_mark_unknown, 5, fenced_types, 3, NULL, NULL},
-    [S_ADMIN_LIST] = {"idg_admin_list", sql_admin_list, 2, admin_types, 0, NULL, NULL},
-    [S_ADMIN_PURGE] = {"idg_admin_purge", sql_admin_purge, 2, admin_types, 0, NULL, NULL},
-    [S_ADMIN_RELEASE] = {"idg_admin_release", sql_admin_release, 2, admin_types, 0, NULL, NULL},
-    [S_CLEAN] = {"idg_clean", sql_clean, 0, NULL, 0, NULL, NULL},
-    [S_STUCK] = {"idg_stuck", sql_stuck, 0, NULL, 0, NULL, NULL},
-    [S_DOUBT_ALIVE] = {"idg_doubt_alive", sql_doubt_alive, 2, doubt_alive_types, 0, NULL, NULL},
-    [S_DOUBT_RELEASE] = {"idg_doubt_release", sql_doubt_release, 4, release_types, 3, NULL, NULL},
-    [S_PING] = {"idg_ping", "SELECT 1", 0, NULL, 0, NULL, NULL},
-    [S_PROBE_TAKE] = {"idg_probe_take", sql_probe_take, 5, fenced_types, 3, NULL, NULL},
-    [S_PROBE_LIST] = {"idg_probe_list", sql_probe_list, 2, probe_list_types, 0, NULL, NULL},
+    [S_CLAIM] = {"idg_claim", sql_claim, 8, claim_types, 3, sql_claim_multi, claim_multi_types, NULL},
+    [S_COMPLETE] = {"idg_complete", sql_complete, 7, complete_types, 3, sql_complete_multi, complete_multi_types, NULL},
+    [S_RENEW] = {"idg_renew", sql_renew, 5, fenced_types, 3, NULL, NULL, NULL},
+    [S_RELEASE] = {"idg_release", sql_release, 4, release_types, 3, NULL, NULL, NULL},
+    [S_MARK_UNKNOWN] = {"idg_mark_unknown", sql_mark_unknown, 5, fenced_types, 3, NULL, NULL, NULL},
+    [S_ADMIN_LIST] = {"idg_admin_list", sql_admin_list, 2, admin_types, 0, NULL, NULL, NULL},
+    [S_ADMIN_PURGE] = {"idg_admin_purge", sql_admin_purge, 2, admin_types, 0, NULL, NULL, NULL},
+    [S_ADMIN_RELEASE] = {"idg_admin_release", sql_admin_release, 2, admin_types, 0, NULL, NULL, NULL},
+    [S_CLEAN] = {"idg_clean", sql_clean, 0, NULL, 0, NULL, NULL, NULL},
+    [S_STUCK] = {"idg_stuck", sql_stuck, 0, NULL, 0, NULL, NULL, NULL},
+    [S_DOUBT_ALIVE] = {"idg_doubt_alive", sql_doubt_alive, 2, doubt_alive_types, 0, NULL, NULL, NULL},
+    [S_DOUBT_RELEASE] = {"idg_doubt_release", sql_doubt_release, 4, release_types, 3, NULL, NULL, NULL},
+    [S_PING] = {"idg_ping", "SELECT 1", 0, NULL, 0, NULL, NULL, NULL},
+    [S_PROBE_TAKE] = {"idg_probe_take", sql_probe_take, 5, fenced_types, 3, NULL, NULL, NULL},
+    [S_PROBE_LIST] = {"idg_probe_list", sql_probe_list, 2, probe_list_types, 0, NULL, NULL, NULL},
 };
 
 /* ---- the store */
@@ -325,6 +379,7 @@ struct store {
     struct event *clean_timer;
     bool cleaning;
     int clean_batches;
+    uint64_t clean_passes;
     uint64_t cleaned;
     struct op *ops;
     /* Claims in doubt (FIFO, at most DOUBT_MAX): released one at a time by doubt_timer. */
@@ -700,6 +755,9 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         claim_fail(c, pg_err_text(st));
         return;
     }
+    const PGresult *read = store_pg_cb_then(s->pg); /* Citus: the read after the upsert */
+    if (read && PQntuples(pr) == 0)
+        pr = read;
     bool again = PQntuples(pr) == 0;
     if (!again && PQnfields(pr) >= 9) {
         const char *takeable = PQgetvalue(pr, 0, 7);
@@ -1539,6 +1597,7 @@ static char *admin_list_json(const PGresult *pr)
 static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
     struct admin_op *a = arg;
+    struct store *s = a->h.s;
     if (st != STORE_PG_OK) {
         log_pg_failure("admin", st, msg);
         admin_finish(a, 503, problem_json(503, "store-unavailable", "Store unavailable", pg_err_text(st)));
@@ -1566,6 +1625,9 @@ static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
             else if (PQgetvalue(pr, i, 0)[0] == 't')
                 total++; /* 'n': the cache notification's row */
         }
+        const PGresult *left = store_pg_cb_then(s->pg); /* Citus: what the delete left */
+        if (left)
+            total = released + PQntuples(left);
         if (released > 0)
             admin_del_then_finish(a, pr, 1, true, 200, cm_asprintf("{\"released\":%d}", released));
         else if (total == 0)
@@ -1663,6 +1725,12 @@ static void clean_cb(void *arg, enum store_pg_status st, const PGresult *pr, con
     } else if (st == STORE_PG_SQL_ERROR) {
         log_pg_failure("clean", st, msg);
     }
+    /* Citus runs the count on every shard: there it is refreshed every STUCK_EVERY_CITUS passes. */
+    if (s->conf->distributed == CONF_DIST_CITUS && s->clean_passes++ % STUCK_EVERY_CITUS != 0) {
+        s->cleaning = false;
+        clean_schedule(s, CLEAN_EVERY_MS);
+        return;
+    }
     store_pg_query(s->pg, S_STUCK, NULL, 0, 1, stuck_cb, s);
 }
 
@@ -1739,13 +1807,29 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
     s->pg_opts.size = conf->pool ? conf->pool : 1;
     s->pg_opts.queue_timeout_ms = QUEUE_TIMEOUT_MS;
     s->pg_opts.run_timeout_ms = RUN_TIMEOUT_MS;
-    /* Every statement finds its rows through an index (primary key, expires_at, the in-flight index). */
-    s->pg_opts.init_sql = "SET statement_timeout = " STATEMENT_TIMEOUT_MS "; " STORE_PG_INDEX_PLANS_SQL;
+    bool citus = conf->distributed == CONF_DIST_CITUS;
+    /* Every statement finds its rows through an index (primary key, expires_at, the in-flight index). On Citus
+     * the coordinator plans each execution with its parameters (custom plans): it routes a statement to the
+     * shard its key names only with the key's value in hand (a generic plan of these statements cannot be
+     * distributed); the worker plans the shard's statement itself. */
+    s->pg_opts.init_sql = citus ? "SET statement_timeout = " STATEMENT_TIMEOUT_MS
+                                  "; SET plan_cache_mode = force_custom_plan"
+                                : "SET statement_timeout = " STATEMENT_TIMEOUT_MS "; " STORE_PG_INDEX_PLANS_SQL;
     s->pg_opts.connect_timeout_ms = CONNECT_TIMEOUT_MS;
     s->pg_opts.max_queue = MAX_QUEUE;
     s->pg_opts.max_batch = MAX_BATCH;
     memcpy(s->all_stmts, stmts, sizeof stmts);
-    memcpy(s->all_stmts + S__COUNT, store_order_stmts(), STORE_ORDER_NSTMTS * sizeof(struct store_pg_stmt));
+    if (citus) {
+        struct store_pg_stmt *a = s->all_stmts;
+        a[S_CLAIM].sql = sql_claim_citus;
+        a[S_CLAIM].then_sql = sql_claim_citus_read;
+        a[S_CLAIM].multi_sql = NULL;
+        a[S_COMPLETE].multi_sql = NULL;
+        a[S_ADMIN_RELEASE].sql = sql_admin_release_citus;
+        a[S_ADMIN_RELEASE].then_sql = sql_admin_release_citus_left;
+        a[S_CLEAN].sql = sql_clean_citus;
+    }
+    memcpy(s->all_stmts + S__COUNT, store_order_stmts(citus), STORE_ORDER_NSTMTS * sizeof(struct store_pg_stmt));
     s->pg_opts.stmts = s->all_stmts;
     s->pg_opts.nstmts = S__COUNT + STORE_ORDER_NSTMTS;
     s->pg = store_pg_create(base, &s->pg_opts);
@@ -1837,6 +1921,30 @@ static bool exec_ok(PGconn *c, const char *sql, PGresult **out, char **err)
     return true;
 }
 
+/* Runs a script of ';'-separated statements (no ';' inside them) as one transaction: as one simple query on plain
+ * Postgres; on Citus one statement at a time inside BEGIN .. COMMIT (Citus refuses a query of several commands
+ * once a table in it is distributed: it forwards DDL to the shards as prepared statements). */
+static bool exec_script(PGconn *c, const char *sql, bool citus, char **err)
+{
+    if (!citus)
+        return exec_ok(c, sql, NULL, err);
+    if (!exec_ok(c, "BEGIN", NULL, err))
+        return false;
+    for (const char *p = sql; *p;) {
+        const char *end = strchr(p, ';');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        char *one = cm_strndup(p, n);
+        bool ok = n == 0 || exec_ok(c, one, NULL, err);
+        free(one);
+        if (!ok) {
+            PQclear(PQexec(c, "ROLLBACK"));
+            return false;
+        }
+        p += n + (end ? 1 : 0);
+    }
+    return exec_ok(c, "COMMIT", NULL, err);
+}
+
 static void migrate_notice(void *arg, const char *message)
 {
     (void)arg;
@@ -1874,7 +1982,87 @@ static void failover_check(PGconn *c)
     PQclear(r);
 }
 
-bool store_migrate(const char *postgres_url, uint64_t timeout_ms, char **err)
+/* One text value of sql (a single row), heap, or NULL when it returned no row or failed (then *err is set). */
+static char *query_value(PGconn *c, const char *sql, bool *failed, char **err)
+{
+    PGresult *r = NULL;
+    *failed = !exec_ok(c, sql, &r, err);
+    if (*failed)
+        return NULL;
+    char *v = PQntuples(r) > 0 && !PQgetisnull(r, 0, 0) ? cm_strdup(PQgetvalue(r, 0, 0)) : NULL;
+    PQclear(r);
+    return v;
+}
+
+/* The tables and the column Citus distributes each by: the one every statement on the table filters on and that
+ * its primary key contains. */
+static const char *const dist_tables[][2] = {{"idemgate_keys", "key"}, {"idemgate_order", "resource"}};
+
+/* store.distributed: citus: the extension must be there; each table is distributed by its column (by us, when it
+ * is not yet: create_distributed_table moves its rows to the workers), or already was (by us or an operator).
+ * none: a table Citus distributes means the other statements are needed: refused with the setting to use. */
+static bool distribute(PGconn *c, enum conf_distributed mode, char **err)
+{
+    bool failed = false;
+    char *ext = query_value(c, "SELECT extversion FROM pg_extension WHERE extname = 'citus'", &failed, err);
+    if (failed)
+        return false;
+    if (!ext) {
+        if (mode == CONF_DIST_CITUS) {
+            *err = cm_strdup("store.distributed is citus but this database has no citus extension (CREATE "
+                             "EXTENSION citus, as a superuser, on the coordinator and every worker)");
+            return false;
+        }
+        return true;
+    }
+    for (size_t i = 0; i < sizeof dist_tables / sizeof dist_tables[0]; i++) {
+        char sql[256];
+        snprintf(sql, sizeof sql,
+                 "SELECT coalesce(column_to_column_name(logicalrelid, partkey), '') FROM pg_dist_partition"
+                 " WHERE logicalrelid = '%s'::regclass",
+                 dist_tables[i][0]);
+        char *col = query_value(c, sql, &failed, err);
+        if (failed) {
+            free(ext);
+            return false;
+        }
+        if (mode != CONF_DIST_CITUS) {
+            if (col) {
+                *err = cm_asprintf("%s is a Citus table: set store.distributed: citus (the statements for "
+                                   "distributed tables)",
+                                   dist_tables[i][0]);
+                free(col);
+                free(ext);
+                return false;
+            }
+            continue;
+        }
+        if (col && strcmp(col, dist_tables[i][1]) != 0) {
+            *err = cm_asprintf("%s is a Citus table distributed by \"%s\" (or not hash-distributed); idemgate needs it "
+                               "distributed by %s",
+                               dist_tables[i][0], col, dist_tables[i][1]);
+            free(col);
+            free(ext);
+            return false;
+        }
+        if (!col) {
+            snprintf(sql, sizeof sql, "SELECT create_distributed_table('%s', '%s')", dist_tables[i][0],
+                     dist_tables[i][1]);
+            if (!exec_ok(c, sql, NULL, err)) {
+                free(ext);
+                return false;
+            }
+            cm_log(CM_INFO, "citus_distributed", "table=%s column=%s", dist_tables[i][0], dist_tables[i][1]);
+        }
+        free(col);
+    }
+    if (mode == CONF_DIST_CITUS)
+        cm_log(CM_INFO, "citus_ready", "citus=%s tables=idemgate_keys(key),idemgate_order(resource)", ext);
+    free(ext);
+    return true;
+}
+
+bool store_migrate(const char *postgres_url, enum conf_distributed distributed, uint64_t timeout_ms, char **err)
 {
     char ct[24], stmt_to[64];
     uint64_t secs = (timeout_ms + 999) / 1000;
@@ -1909,13 +2097,16 @@ bool store_migrate(const char *postgres_url, uint64_t timeout_ms, char **err)
     r = NULL;
     if (version < SCHEMA_VERSION) {
         /* One simple query each: its statements run in one implicit transaction. */
-        if ((version < 1 && !exec_ok(c, schema_v1, NULL, err)) || !exec_ok(c, schema_v2, NULL, err))
+        bool citus = distributed == CONF_DIST_CITUS;
+        if ((version < 1 && !exec_script(c, schema_v1, citus, err)) || !exec_script(c, schema_v2, citus, err))
             goto fail;
         cm_log(CM_INFO, "schema_migrated", "from=%ld to=%d", version, SCHEMA_VERSION);
     } else {
         cm_log(CM_INFO, "schema_ok", "version=%ld", version);
     }
     if (!exec_ok(c, store_order_schema, NULL, err)) /* the ordering guard's table (IF NOT EXISTS) */
+        goto fail;
+    if (!distribute(c, distributed, err)) /* under the lock too */
         goto fail;
     if (!exec_ok(c, "SELECT pg_advisory_unlock(" MIGRATE_LOCK_ID ")", NULL, err))
         goto fail;

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "common/common.h"
+#include "conf/conf.h"
 
 struct event_base;
 struct conf;
@@ -18,8 +19,12 @@ struct store;
 
 /* Creates or migrates the schema with a blocking connection, under a
  * Postgres advisory lock (safe when several instances start at once).
- * Returns false with *err (heap, caller frees) on failure. */
-bool store_migrate(const char *postgres_url, uint64_t timeout_ms, char **err) CM_MUST_CHECK;
+ * distributed CONF_DIST_CITUS: the citus extension must be installed, and
+ * the tables are distributed (idemgate_keys by key, idemgate_order by
+ * resource) unless they already are; CONF_DIST_NONE refuses tables Citus
+ * distributes. Returns false with *err (heap, caller frees) on failure. */
+bool store_migrate(const char *postgres_url, enum conf_distributed distributed, uint64_t timeout_ms,
+                   char **err) CM_MUST_CHECK;
 
 /* Creates the store on base: a pool of conf->pool non-blocking Postgres
  * connections (connected lazily, reconnected with backoff), the Redis

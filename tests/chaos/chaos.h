@@ -41,6 +41,7 @@ enum fkind {
     F_PG_COMMIT_ERR,
     F_PG_SERIALIZABLE,
     F_PG_FAILOVER,
+    F_CITUS_WORKER, /* a Citus worker stopped (fast) and started again: only with a Citus cluster */
     F__N
 };
 
@@ -153,6 +154,7 @@ struct ch_state {
     char pg_admin_url[1024]; /* superuser, for the SQL faults (multi-host, read-write, with a standby) */
     char psql_bin[PATH_MAX]; /* for the signal handler's undo of the SQL faults */
     bool has_standby;
+    bool has_citus; /* the services are a Citus cluster (CITUS_WORKER_PORTS in their env file) */
     char redis_url[512];
     char idemgate_bin[PATH_MAX];
     char upstream_bin[PATH_MAX];
@@ -175,6 +177,7 @@ struct ch_state {
     bool fault_started;
     atomic_bool faults_done, fault_release;
     atomic_bool pg_down, redis_down;
+    atomic_int citus_down; /* the Citus worker that is stopped (1 or 2), 0: none */
     unsigned faults[F__N];
     unsigned fault_failures;
     struct window win[CH_MAX_WINDOWS];

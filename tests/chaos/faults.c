@@ -487,6 +487,33 @@ static void fault_pg_failover(uint64_t *rng)
     ch_log("fault=failover phase=end ok=%d ms=%" PRIu64, rc == 0 && rc2 == 0, ch_mono_ms() - t);
 }
 
+/* A Citus worker restart: the keys whose shards it holds get 503 while it is down (nothing forwarded), the others
+ * go on; claims in flight on it fail and are released once it answers again. */
+static void fault_citus_worker(uint64_t *rng)
+{
+    ch.faults[F_CITUS_WORKER]++;
+    uint64_t t = ch_mono_ms();
+    int n = 1 + (int)(ch_splitmix64(rng) % 2);
+    const char *arg = n == 1 ? "1" : "2";
+    ch_log("fault=citus_worker_restart phase=begin worker=%d", n);
+    size_t w = ch_window_begin(F_CITUS_WORKER, -1);
+    atomic_store(&ch.citus_down, n);
+    int rc = ch_services("citus-worker-stop", arg);
+    ch_nap(ch_rnd_range(rng, 300, 1500));
+    int rc2 = -1;
+    for (int i = 0; i < 3 && rc2 != 0; i++) {
+        rc2 = ch_services("citus-worker-start", arg);
+        if (rc2 != 0)
+            ch_nap(500);
+    }
+    atomic_store(&ch.citus_down, rc2 == 0 ? 0 : n);
+    ch_window_end(w);
+    if (rc != 0 || rc2 != 0)
+        ch.fault_failures++;
+    ch_log("fault=citus_worker_restart phase=end worker=%d ok=%d ms=%" PRIu64, n, rc == 0 && rc2 == 0,
+           ch_mono_ms() - t);
+}
+
 /* ------------------------------------------------------------------ the table */
 
 struct fault_kind {
@@ -495,20 +522,22 @@ struct fault_kind {
     bool disruptive;    /* may leave an outcome unknown: evidence for a re-execution on the retry route */
     bool excuses_stuck; /* a request sent into it may never arrive: a never-executed key may stay unknown */
     bool needs_standby;
-    bool needs_sql;       /* runs SQL as superuser */
+    bool needs_sql;       /* runs SQL as superuser (a trigger on idemgate_keys: not on Citus, which refuses it) */
+    bool needs_citus;     /* only with a Citus cluster */
     unsigned max_per_run; /* 0: no limit */
 };
 
 static const struct fault_kind kinds[F__N] = {
-    [F_GW_KILL] = {"gateway_kill", inject_gw_kill, true, true, false, false, 0},
-    [F_PG_RESTART] = {"postgres_restart", fault_pg, true, false, false, false, 0},
-    [F_REDIS_RESTART] = {"redis_restart", fault_redis_restart, false, false, false, false, 0},
-    [F_REDIS_FLUSH] = {"redis_flush", inject_redis_flush, false, false, false, false, 0},
-    [F_UPSTREAM_DOWN] = {"upstream_down", fault_upstream, true, true, false, false, 0},
-    [F_PG_PAUSE] = {"postgres_pause", fault_pg_pause, true, false, false, false, 0},
-    [F_PG_COMMIT_ERR] = {"commit_errors", fault_pg_commit_err, true, false, false, true, 0},
-    [F_PG_SERIALIZABLE] = {"serializable_default", fault_pg_serializable, true, false, false, true, 0},
-    [F_PG_FAILOVER] = {"failover", fault_pg_failover, true, false, true, false, 1},
+    [F_GW_KILL] = {"gateway_kill", inject_gw_kill, true, true, false, false, false, 0},
+    [F_PG_RESTART] = {"postgres_restart", fault_pg, true, false, false, false, false, 0},
+    [F_REDIS_RESTART] = {"redis_restart", fault_redis_restart, false, false, false, false, false, 0},
+    [F_REDIS_FLUSH] = {"redis_flush", inject_redis_flush, false, false, false, false, false, 0},
+    [F_UPSTREAM_DOWN] = {"upstream_down", fault_upstream, true, true, false, false, false, 0},
+    [F_PG_PAUSE] = {"postgres_pause", fault_pg_pause, true, false, false, false, false, 0},
+    [F_PG_COMMIT_ERR] = {"commit_errors", fault_pg_commit_err, true, false, false, true, false, 0},
+    [F_PG_SERIALIZABLE] = {"serializable_default", fault_pg_serializable, true, false, false, true, false, 0},
+    [F_PG_FAILOVER] = {"failover", fault_pg_failover, true, false, true, false, false, 1},
+    [F_CITUS_WORKER] = {"citus_worker_restart", fault_citus_worker, true, false, false, false, true, 0},
 };
 
 const char *ch_fault_name(enum fkind k)
@@ -580,6 +609,21 @@ bool ch_faults_settle_mask(void)
             ch_log("event=fault_skipped kind=%s reason=no_standby", kinds[k].name);
             ch.o.fault_mask &= ~(1u << k);
         }
+    for (unsigned k = 0; k < F__N; k++) {
+        const char *why = !(ch.o.fault_mask & (1u << k))          ? NULL
+                          : kinds[k].needs_citus && !ch.has_citus ? "no_citus"
+                          : kinds[k].needs_sql && ch.has_citus    ? "citus"
+                                                                  : NULL;
+        if (!why)
+            continue;
+        if (ch.o.faults_given) {
+            fprintf(stderr, "chaos: --faults %s cannot run %s a Citus cluster (tests/chaos/run.sh --citus)\n",
+                    kinds[k].name, kinds[k].needs_citus ? "without" : "on");
+            return false;
+        }
+        ch_log("event=fault_skipped kind=%s reason=%s", kinds[k].name, why);
+        ch.o.fault_mask &= ~(1u << k);
+    }
     return true;
 }
 
@@ -625,6 +669,12 @@ void ch_faults_heal(void)
         atomic_store(&ch.pg_down, false);
     if (atomic_load(&ch.redis_down) && ch_services("redis-start", NULL) == 0)
         atomic_store(&ch.redis_down, false);
+    int worker = atomic_load(&ch.citus_down);
+    if (worker > 0) {
+        const char *arg = worker == 1 ? "1" : "2";
+        if (ch_services("citus-worker-start", arg) == 0)
+            atomic_store(&ch.citus_down, 0);
+    }
     (void)ch_gate_set(true);
     for (unsigned i = 0; i < ch.o.instances; i++) {
         struct inst *g = &ch.inst[i];

@@ -50,6 +50,12 @@ static bool read_services_env(void)
 {
     char v[16];
     ch.has_standby = ch_env_value("PG_STANDBY_PORT", v, sizeof v) && v[0] != '\0';
+    char workers[64];
+    ch.has_citus = ch_env_value("CITUS_WORKER_PORTS", workers, sizeof workers) && workers[0] >= '0' &&
+                   workers[0] <= '9'; /* a port number: not empty, not "" */
+    /* the gateways it starts inherit it: store.distributed: citus */
+    if (ch.has_citus && setenv("IDEMGATE_STORE_DISTRIBUTED", "citus", 1) != 0)
+        return false;
     const char *url = ch.has_standby ? "IDEMGATE_TEST_PG_MULTI_URL" : "IDEMGATE_TEST_PG_URL";
     const char *admin = ch.has_standby ? "IDEMGATE_TEST_PG_MULTI_ADMIN_URL" : "IDEMGATE_TEST_PG_ADMIN_URL";
     if (!ch_env_value(url, ch.pg_url_raw, sizeof ch.pg_url_raw) ||
@@ -126,7 +132,8 @@ static void usage(FILE *f)
                "             [--no-faults] [--faults LIST] [--pg-async]\n"
                "  --faults: comma-separated fault kinds, or all (the default; failover only when the services have a\n"
                "            standby): gateway_kill,postgres_restart,redis_restart,redis_flush,upstream_down,\n"
-               "            postgres_pause,commit_errors,serializable_default,failover\n"
+               "            postgres_pause,commit_errors,serializable_default,failover,citus_worker_restart\n"
+               "            (citus_worker_restart only on a Citus cluster, where the two SQL faults do not run)\n"
                "  --services-dir: a directory started by scripts/services.sh (its env file is read)\n"
                "  --services-sh: scripts/services.sh (default $IDEMGATE_SERVICES_SH)\n"
                "  --keep: keep the run directory (configs, gateway logs) even when every check passes\n"

@@ -3,6 +3,9 @@
 #
 #   tests/chaos/run.sh --short [CHAOS OPTIONS]            80 s of traffic, every fault kind (about 2 minutes)
 #   tests/chaos/run.sh --long [MINUTES] [CHAOS OPTIONS]   MINUTES of traffic (default 10), every fault kind
+#   tests/chaos/run.sh --citus --short|--long ...         the same on a Citus cluster of its own (a coordinator and
+#                                                         two workers, scripts/services.sh citus-start): Citus
+#                                                         worker restarts instead of the failover and SQL faults
 #
 # CHAOS OPTIONS go to the checker as they are (--seed S, --workers N, --instances 1|2, --keep,
 # --faults LIST, ...). --faults takes comma-separated kinds (gateway_kill, postgres_restart, redis_restart,
@@ -30,7 +33,7 @@ fail() {
 }
 
 usage() {
-    sed -n '4,14p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '4,17p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -62,6 +65,12 @@ trap cleanup EXIT
 trap 'say interrupted; exit 130' INT TERM HUP
 
 [ $# -ge 1 ] || usage
+CITUS=0
+if [ "$1" = --citus ]; then
+    CITUS=1
+    shift
+    [ $# -ge 1 ] || usage
+fi
 case "$1" in
 --short)
     DURATION=80
@@ -101,7 +110,13 @@ done
 FAILOVER=0
 case ",$FAULTS," in *,all,* | *,failover,*) FAILOVER=1 ;; esac
 
-if [ "$FAILOVER" = 0 ] && [ -n "${IDEMGATE_TEST_SERVICES_DIR:-}" ] &&
+if [ "$CITUS" = 1 ]; then
+    # A cluster of its own (never a shared one: its workers are restarted); no standby, so no failover.
+    SVC=$(mktemp -d /tmp/idemgate-chaos-citus.XXXXXX) || fail "mktemp failed"
+    chmod 755 "$SVC"
+    OWN_SVC=1
+    bash "$SERVICES_SH" citus-start "$SVC" || fail "the Citus cluster did not start"
+elif [ "$FAILOVER" = 0 ] && [ -n "${IDEMGATE_TEST_SERVICES_DIR:-}" ] &&
     bash "$SERVICES_SH" status "$IDEMGATE_TEST_SERVICES_DIR" >/dev/null 2>&1; then
     SVC=$IDEMGATE_TEST_SERVICES_DIR
     say "using the running services in $SVC"

@@ -200,6 +200,7 @@ static void setup_common(bool store)
     memset(&st, 0, sizeof st);
     st.owner = getpid();
     signal(SIGPIPE, SIG_IGN);
+    e2e_engine_apply(); /* IDEMGATE_TEST_ENGINE=citus: the Citus cluster's URLs (the block at the end) */
     /* Fail (never skip) when the environment is incomplete. */
     e2e_env("IDEMGATE_BIN");
     e2e_env("IDEMGATE_TEST_UPSTREAM");
@@ -1611,4 +1612,48 @@ void e2e_expect_same_answer(const struct e2e_resp *orig, const struct e2e_resp *
                  orig->body_len);
     cr_expect(rep->body_len == orig->body_len && memcmp(rep->body, orig->body, rep->body_len) == 0,
               "%s: replay body differs from the original", what);
+}
+
+/* ---- engine matrix (Citus room): IDEMGATE_TEST_ENGINE=citus runs a test against the Citus cluster that
+ * `scripts/services.sh citus-start` wrote (IDEMGATE_TEST_CITUS_* in its env file, which scripts/test.sh exports
+ * next to the plain services' variables): the test's Postgres, Redis and services directory become the
+ * cluster's, and every gateway it starts gets IDEMGATE_STORE_DISTRIBUTED=citus (store.distributed: citus). */
+
+bool e2e_engine_citus(void)
+{
+    const char *e = getenv("IDEMGATE_TEST_ENGINE");
+    return e != NULL && strcmp(e, "citus") == 0;
+}
+
+void e2e_engine_apply(void)
+{
+    const char *e = getenv("IDEMGATE_TEST_ENGINE");
+    if (e == NULL || *e == '\0' || strcmp(e, "postgres") == 0)
+        return;
+    cr_assert(strcmp(e, "citus") == 0, "IDEMGATE_TEST_ENGINE=%s: postgres or citus", e);
+    static const char *const map[][2] = {
+        {"IDEMGATE_TEST_CITUS_PG_URL", "IDEMGATE_TEST_PG_URL"},
+        {"IDEMGATE_TEST_CITUS_PG_ADMIN_URL", "IDEMGATE_TEST_PG_ADMIN_URL"},
+        {"IDEMGATE_TEST_CITUS_REDIS_URL", "IDEMGATE_TEST_REDIS_URL"},
+        {"IDEMGATE_TEST_CITUS_SERVICES_DIR", "IDEMGATE_TEST_SERVICES_DIR"},
+    };
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++) {
+        const char *v = e2e_env(map[i][0]); /* fails the test: no cluster, no run (never a silent plain run) */
+        cr_assert(setenv(map[i][1], v, 1) == 0, "setenv %s", map[i][1]);
+    }
+    cr_assert(setenv("IDEMGATE_STORE_DISTRIBUTED", "citus", 1) == 0, "setenv IDEMGATE_STORE_DISTRIBUTED");
+}
+
+/* Starts argv (a long-running helper, e.g. haproxy) with its output in the temp dir; teardown stops it. */
+struct e2e_proc *e2e_proc_start(const char *const *argv, const char *what)
+{
+    struct e2e_proc *p = keep(xcalloc(1, sizeof *p));
+    unsigned id = ++st.seq;
+    p->log = keep(xasprintf("%s/proc-%u.log", e2e_tmpdir(), id));
+    p->what = what;
+    char **envp = build_env(NULL, NULL);
+    p->pid = spawn(argv, envp, p->log, p->log);
+    free(envp);
+    register_proc(p);
+    return p;
 }

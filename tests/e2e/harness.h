@@ -335,4 +335,16 @@ char *e2e_services_env(const char *dir, const char *name);
  * body byte for byte; what names the comparison in failures. */
 void e2e_expect_same_answer(const struct e2e_resp *orig, const struct e2e_resp *rep, const char *what);
 
+/* ---- engine matrix (Citus room) */
+/* IDEMGATE_TEST_ENGINE=citus: points the test's Postgres/Redis/services variables at the Citus cluster's
+ * (IDEMGATE_TEST_CITUS_*; fails the test when they are missing) and sets IDEMGATE_STORE_DISTRIBUTED=citus for
+ * the gateways it starts. Unset or "postgres": nothing changes. Called by the fixtures' setup. */
+void e2e_engine_apply(void);
+/* True when this run is against the Citus cluster. */
+bool e2e_engine_citus(void);
+
+/* Starts argv[0] (absolute path) as a long-running helper (stdout and stderr into a log in the temp dir);
+ * e2e_teardown stops it like the gateways. Fails the test when it cannot fork. */
+struct e2e_proc *e2e_proc_start(const char *const *argv, const char *what);
+
 #endif

@@ -20,6 +20,7 @@ static void clean_env(void)
     unsetenv("IDEMGATE_POSTGRES_URL");
     unsetenv("IDEMGATE_REDIS_URL");
     unsetenv("IDEMGATE_ADMIN_TOKEN");
+    unsetenv("IDEMGATE_STORE_DISTRIBUTED");
 }
 
 static struct conf *load(const char *yaml, char **err)
@@ -1003,4 +1004,49 @@ Test(conf, probe_errors_name_the_line_and_key)
         free(err);
         conf_destroy(c);
     }
+}
+
+Test(conf, store_distributed_from_file_and_env)
+{
+    struct conf *c = load_ok(BASE);
+    cr_expect_eq(c->distributed, CONF_DIST_NONE, "plain Postgres by default");
+    conf_destroy(c);
+    const char *citus = "store:\n"
+                        "  postgres: postgres://u@127.0.0.1/db\n"
+                        "  distributed: citus\n"
+                        "upstreams:\n"
+                        "  - name: api\n"
+                        "    url: http://127.0.0.1:9000\n";
+    c = load_ok(citus);
+    cr_expect_eq(c->distributed, CONF_DIST_CITUS);
+    conf_destroy(c);
+    const char *bad = "store:\n"
+                      "  postgres: postgres://u@127.0.0.1/db\n"
+                      "  distributed: cockroach\n"
+                      "upstreams:\n"
+                      "  - name: api\n"
+                      "    url: http://127.0.0.1:9000\n";
+    char *err = NULL;
+    c = load(bad, &err);
+    cr_expect_null(c);
+    cr_assert_not_null(err);
+    cr_expect(strstr(err, "t.yaml:3: store.distributed:") != NULL, "%s", err);
+    free(err);
+    setenv("IDEMGATE_STORE_DISTRIBUTED", "none", 1);
+    c = load_ok(citus);
+    cr_expect_eq(c->distributed, CONF_DIST_NONE, "the environment wins over the file");
+    conf_destroy(c);
+    setenv("IDEMGATE_STORE_DISTRIBUTED", "citus", 1);
+    c = load_ok(BASE);
+    cr_expect_eq(c->distributed, CONF_DIST_CITUS);
+    conf_destroy(c);
+    setenv("IDEMGATE_STORE_DISTRIBUTED", "yes", 1);
+    err = NULL;
+    c = load(BASE, &err);
+    cr_expect_null(c);
+    cr_assert_not_null(err);
+    cr_expect(strstr(err, "t.yaml: IDEMGATE_STORE_DISTRIBUTED (environment): must be none or citus") != NULL, "%s",
+              err);
+    free(err);
+    unsetenv("IDEMGATE_STORE_DISTRIBUTED");
 }

@@ -116,20 +116,20 @@ static void setup_pool(struct fixture *f, const char *name, unsigned max_batch)
              table);
     snprintf(sql_lone, sizeof sql_lone, "INSERT INTO %s (k) VALUES ($1)", table);
     stmts[S_INSERT] =
-        (struct store_pg_stmt){"t_insert", sql_insert, 1, int4_type, 1, sql_insert_multi, int4_array_type};
-    stmts[S_SLEEP] = (struct store_pg_stmt){"t_sleep", "SELECT pg_sleep(0.3)", 0, NULL, 0, NULL, NULL};
-    stmts[S_LONE] = (struct store_pg_stmt){"t_lone", sql_lone, 1, int4_type, 0, NULL, NULL};
+        (struct store_pg_stmt){"t_insert", sql_insert, 1, int4_type, 1, sql_insert_multi, int4_array_type, NULL};
+    stmts[S_SLEEP] = (struct store_pg_stmt){"t_sleep", "SELECT pg_sleep(0.3)", 0, NULL, 0, NULL, NULL, NULL};
+    stmts[S_LONE] = (struct store_pg_stmt){"t_lone", sql_lone, 1, int4_type, 0, NULL, NULL, NULL};
     snprintf(sql_touch, sizeof sql_touch, "UPDATE %s SET id = id WHERE k = $1", table);
-    stmts[S_TOUCH] = (struct store_pg_stmt){"t_touch", sql_touch, 1, int4_type, 1, NULL, NULL};
+    stmts[S_TOUCH] = (struct store_pg_stmt){"t_touch", sql_touch, 1, int4_type, 1, NULL, NULL, NULL};
     /* two statement kinds that wait 0.2 s before locking their row */
     snprintf(sql_slow, sizeof sql_slow, "UPDATE %s SET id = id WHERE k = $1 AND pg_sleep(0.2) IS NOT NULL", table);
-    stmts[S_SLOW_A] = (struct store_pg_stmt){"t_slow_a", sql_slow, 1, int4_type, 1, NULL, NULL};
-    stmts[S_SLOW_B] = (struct store_pg_stmt){"t_slow_b", sql_slow, 1, int4_type, 1, NULL, NULL};
+    stmts[S_SLOW_A] = (struct store_pg_stmt){"t_slow_a", sql_slow, 1, int4_type, 1, NULL, NULL, NULL};
+    stmts[S_SLOW_B] = (struct store_pg_stmt){"t_slow_b", sql_slow, 1, int4_type, 1, NULL, NULL, NULL};
     stmts[S_ISO] = (struct store_pg_stmt){
         "t_iso", "SELECT current_setting('transaction_isolation'), current_setting('default_transaction_isolation')",
         0,       NULL,
         0,       NULL,
-        NULL};
+        NULL,    NULL};
     f->base = event_base_new();
     cr_assert(f->base);
     f->opts = (struct store_pg_opts){
@@ -616,5 +616,104 @@ Test(pg_batch, opposite_batches_do_not_deadlock, .timeout = 60)
     }
     cr_expect_eq(after, before, "%ld deadlocks between the two batches", after - before);
     store_pg_destroy(other);
+    teardown_pool(&f);
+}
+
+/* ---- setup plan checks and companions (then_sql) */
+
+/* Replaces the fixture's pool by one with these statements (the fixture's table stays). */
+static void repool(struct fixture *f, const struct store_pg_stmt *list, size_t n, unsigned max_batch)
+{
+    store_pg_destroy(f->pool);
+    f->opts.stmts = list;
+    f->opts.nstmts = n;
+    f->opts.max_batch = max_batch;
+    f->pool = store_pg_create(f->base, &f->opts);
+}
+
+/* A statement Postgres prepares but cannot plan with a value (1 / 0 folds while planning): the connection fails
+ * at its setup, so the pool is not up and queries fail at once, rather than the statement at its first use. */
+Test(pg_setup, a_statement_that_cannot_be_planned_keeps_the_pool_down)
+{
+    struct fixture f;
+    setup_pool(&f, "unplannable", 1);
+    static const struct store_pg_stmt bad[] = {
+        {"t_good", "SELECT 1, 2", 0, NULL, 0, NULL, NULL, NULL},
+        {"t_unplannable", "SELECT 1 / $1", 1, int4_type, 0, NULL, NULL, NULL},
+    };
+    repool(&f, bad, 2, 1);
+    struct result r = {0};
+    store_pg_query(f.pool, 0, NULL, 0, 0, query_cb, &r);
+    run_until(&f, &r, 1);
+    cr_expect_eq(r.st, STORE_PG_UNAVAILABLE, "a query while a statement cannot be planned: %s",
+                 store_pg_status_name(r.st));
+    cr_expect_not(store_pg_up(f.pool), "the pool is not up");
+    cr_expect_not(store_pg_healthy(f.pool, 1000), "nor healthy (/readyz)");
+    teardown_pool(&f);
+}
+
+static struct store_pg *then_pool;
+
+struct then_result {
+    struct result r;
+    int then_rows;
+    char then_count[16];
+};
+
+static void then_cb(void *arg, enum store_pg_status st, const PGresult *res, const char *msg)
+{
+    struct then_result *t = arg;
+    query_cb(&t->r, st, res, msg);
+    const PGresult *c = store_pg_cb_then(then_pool);
+    t->then_rows = c ? PQntuples(c) : -1;
+    if (c && PQntuples(c) == 1)
+        snprintf(t->then_count, sizeof t->then_count, "%d", store_pg_get_i32(c, 0, 1));
+}
+
+/* A companion runs after its statement before the same Sync: it sees the statement's row (one transaction),
+ * its result reaches the callback, and its failure rolls the statement back and fails the query. */
+Test(pg_setup, a_companion_runs_in_its_statements_transaction)
+{
+    struct fixture f;
+    setup_pool(&f, "then", 4);
+    static char ins[160], then[320];
+    snprintf(ins, sizeof ins, "INSERT INTO %s (k) VALUES ($1) RETURNING id, k", table);
+    /* k = 7: a division by zero at run time (random() is not folded while planning) */
+    snprintf(
+        then, sizeof then,
+        "SELECT CASE WHEN $1 = 7 THEN 1 / (random() * 0)::int ELSE 1 END, (SELECT count(*) FROM %s WHERE k = $1)::int4",
+        table);
+    static struct store_pg_stmt two[2];
+    two[0] = (struct store_pg_stmt){"t_ins_then", ins, 1, int4_type, 1, NULL, NULL, then};
+    two[1] = (struct store_pg_stmt){"t_sleep2", "SELECT pg_sleep(0.3)", 0, NULL, 0, NULL, NULL, NULL};
+    repool(&f, two, 2, 4);
+    then_pool = f.pool;
+    wait_up(&f);
+    struct then_result t[4] = {0};
+    struct result busy = {0};
+    store_pg_query(f.pool, 1, NULL, 0, 0, query_cb, &busy); /* the rest wait and go as one batch */
+    {
+        uint8_t v5[4] = {0, 0, 0, 5};
+        struct store_pg_param p5 = {v5, sizeof v5, true};
+        store_pg_query(f.pool, 0, &p5, 1, 1, then_cb, &t[0]);
+    }
+    run_until(&f, &t[0].r, 1);
+    run_until(&f, &busy, 1);
+    cr_expect_eq(t[0].r.st, STORE_PG_OK, "%s", store_pg_status_name(t[0].r.st));
+    cr_expect_eq(t[0].r.k, 5, "the statement's own row is the result");
+    cr_expect_eq(t[0].then_rows, 1, "the companion's result reaches the callback");
+    cr_expect_str_eq(t[0].then_count, "1", "the companion sees the statement's row: same transaction");
+    /* a failing companion: its statement rolls back, the query fails */
+    int32_t k7 = 7;
+    uint8_t v[4] = {0, 0, 0, (uint8_t)k7};
+    struct store_pg_param p = {v, sizeof v, true};
+    store_pg_query(f.pool, 0, &p, 1, 1, then_cb, &t[1]);
+    run_until(&f, &t[1].r, 1);
+    cr_expect_eq(t[1].r.st, STORE_PG_SQL_ERROR, "%s", store_pg_status_name(t[1].r.st));
+    char sql[160];
+    snprintf(sql, sizeof sql, "SELECT count(*)::text FROM %s WHERE k = 7", table);
+    char *s = query_text(f.admin, sql);
+    cr_expect_str_eq(s, "0", "the statement rolled back with its companion");
+    free(s);
     teardown_pool(&f);
 }

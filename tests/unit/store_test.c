@@ -188,7 +188,7 @@ struct env {
 static void migrate(void)
 {
     char *err = NULL;
-    bool ok = store_migrate(pg_url(), 10000, &err);
+    bool ok = store_migrate(pg_url(), CONF_DIST_NONE, 10000, &err);
     cr_assert(ok, "migrate: %s", err ? err : "?");
 }
 
@@ -502,7 +502,7 @@ Test(store, migrate_concurrently_from_three_processes)
         cr_assert_neq(kids[i], -1);
         if (kids[i] == 0) {
             char *err = NULL;
-            bool ok = store_migrate(url, 10000, &err);
+            bool ok = store_migrate(url, CONF_DIST_NONE, 10000, &err);
             if (!ok)
                 fprintf(stderr, "child migrate failed: %s\n", err);
             _exit(ok ? 0 : 1);
@@ -530,7 +530,7 @@ Test(store, migrate_reports_a_bad_server)
     char *url = cm_asprintf("postgresql://idemgate@127.0.0.1:%d/idemgate", free_port());
     char *err = NULL;
     uint64_t t0 = cm_now_ms();
-    cr_assert_not(store_migrate(url, 3000, &err));
+    cr_assert_not(store_migrate(url, CONF_DIST_NONE, 3000, &err));
     cr_assert(cm_now_ms() - t0 < 5000);
     cr_assert_not_null(err);
     cr_assert(strstr(err, "postgres") != NULL, "%s", err);
