@@ -349,16 +349,24 @@ static void cache_start(struct gw_loops *ls, const struct conf *conf)
 
 struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
 {
+    /* store.pool is the process's maximum (SPEC 3): the replay cache's listener takes one of its connections, and
+     * a pool of one leaves none for it, so the cache is off there. */
+    bool cache = conf->replay_cache_max_bytes > 0 && conf->replay_cache_max_entries > 0;
+    if (cache && conf->pool < 2) {
+        cm_log(CM_INFO, "replay_cache_off", "reason=\"store.pool is 1: no connection left for its purge listener\"");
+        cache = false;
+    }
+    uint32_t pool = cache ? conf->pool - 1 : conf->pool;
     if (n < 1)
         n = 1;
-    if (n > conf->pool)
-        n = conf->pool; /* every loop needs at least one Postgres connection */
+    if (n > pool)
+        n = pool; /* every loop needs at least one Postgres connection */
     struct gw_loops *ls = cm_calloc(1, sizeof *ls);
     ls->v = cm_calloc(n, sizeof *ls->v);
     for (size_t i = 0; i < n; i++) {
         struct conf *share = cm_malloc(sizeof *share);
         *share = *conf;
-        share->pool = conf->pool / (uint32_t)n + (i < conf->pool % n ? 1 : 0);
+        share->pool = pool / (uint32_t)n + (i < pool % n ? 1 : 0);
         ls->v[i] = gw_loop_create(share, n, err);
         if (!ls->v[i]) {
             free(share);
@@ -369,7 +377,8 @@ struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
         ls->v[i]->group = ls;
         ls->n++;
     }
-    cache_start(ls, conf);
+    if (cache)
+        cache_start(ls, conf);
     return ls;
 }
 

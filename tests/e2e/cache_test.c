@@ -299,3 +299,87 @@ Test(cache, a_replay_read_from_redis_fills_the_cache_until_the_records_expiry)
 {
     fill_from_store(NULL, 3000);
 }
+
+/* ---- store.pool is the process's maximum (SPEC 3): the listener is one of its connections */
+
+static struct e2e_gw *gw_start_pool(const struct e2e_upstream *up, int pool)
+{
+    char *conf = NULL;
+    cr_assert(asprintf(&conf,
+                       E2E_CONF_PORTS
+                       "threads: 2\n"
+                       "store:\n"
+                       "  postgres: \"{{PG_URL}}\"\n"
+                       "  redis: \"{{REDIS_URL}}\"\n"
+                       "  pool: %d\n"
+                       "upstreams:\n" E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "5s") "routes:\n" E2E_CONF_ROUTE(
+                           "pay", "/v1/pay", "api") "      key: required\n",
+                       pool) > 0);
+    struct e2e_gw_opts o = {.up = up, .env = admin_env, .wait_ready = true};
+    struct e2e_gw *g = e2e_gw_start(conf, &o);
+    free(conf);
+    return g;
+}
+
+/* 16 new keys at once (each 300 ms upstream) while the gateway's sessions are counted in pg_stat_activity. */
+static long peak_sessions_under_load(const struct e2e_gw *gw, const char *tag)
+{
+    enum { N = 16 };
+    char keys[N][96], kh[N][160];
+    const char *hh[N][3];
+    struct e2e_req rq[N];
+    struct e2e_async *a[N];
+    for (int i = 0; i < N; i++) {
+        e2e_mkkey(keys[i], sizeof keys[i], tag);
+        snprintf(kh[i], sizeof kh[i], "Idempotency-Key: %.95s", keys[i]);
+        hh[i][0] = kh[i];
+        hh[i][1] = "X-Test-Delay-Ms: 300";
+        hh[i][2] = NULL;
+        rq[i] = (struct e2e_req){
+            .method = "POST", .path = "/v1/pay/p", .headers = hh[i], .body = "{}", .body_len = 2, .timeout_ms = 10000};
+        a[i] = e2e_http_async(gw->port, &rq[i]);
+    }
+    long peak = 0;
+    for (int t = 0; t < 15; t++) {
+        long n = e2e_psql_long("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                               " AND application_name LIKE 'idemgate%'");
+        peak = n > peak ? n : peak;
+        e2e_sleep_ms(30);
+    }
+    for (int i = 0; i < N; i++) {
+        struct e2e_resp r;
+        e2e_http_join(a[i], &r);
+        cr_expect_eq(r.status, 200, "key %d: %ld", i, r.status);
+        e2e_resp_free(&r);
+    }
+    return peak;
+}
+
+Test(cache, the_listener_is_one_of_the_pools_connections)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start_pool(up, 2);
+    wait_online(gw);
+    long peak = peak_sessions_under_load(gw, "pool2");
+    cr_expect_leq(peak, 2, "store.pool 2, the listener included: %ld sessions seen", peak);
+    cr_expect_eq(e2e_psql_long("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemgate-listen'"), 1);
+}
+
+Test(cache, a_pool_of_one_leaves_the_cache_off)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start_pool(up, 1);
+    cr_assert(e2e_gw_log_wait(gw, "event=replay_cache_off", 3000), "no word that the cache is off");
+    long peak = peak_sessions_under_load(gw, "pool1");
+    cr_expect_leq(peak, 1, "store.pool 1: %ld sessions seen", peak);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "pool1r");
+    struct e2e_resp r, r2;
+    post(gw, key, NULL, &r);
+    post(gw, key, NULL, &r2);
+    cr_expect_eq(r2.status, 200);
+    cr_expect(e2e_resp_is_replay(&r2), "replays still work, from the store");
+    e2e_resp_free(&r);
+    e2e_resp_free(&r2);
+    cr_expect_eq(metric(gw, "idemgate_replay_cache_entries"), 0);
+}
