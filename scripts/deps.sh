@@ -3,6 +3,8 @@
 #
 #   scripts/deps.sh            build + test + run dependencies
 #   scripts/deps.sh --bench    also what bench/bench.sh needs (nginx, wrk, pgbench)
+#   scripts/deps.sh --citus    also what building Citus for the tests needs (scripts/citus-build.sh); the test
+#                              command passes it, so that one apt-get update installs everything
 #   scripts/deps.sh --check    only report what is missing (exit 1 if anything is)
 set -euo pipefail
 
@@ -16,15 +18,20 @@ PKGS=(
 )
 # pgbench ships in postgresql-15 (the /usr/bin/pgbench wrapper in postgresql-client-common), already above.
 BENCH_PKGS=(nginx-light wrk)
+# scripts/citus-build.sh's list: with them, it finds nothing missing and runs no apt-get of its own.
+CITUS_PKGS=(postgresql-server-dev-15 libcurl4-openssl-dev liblz4-dev libzstd-dev libkrb5-dev libselinux1-dev
+    libpam0g-dev libreadline-dev libxslt1-dev flex autoconf gcc make patch)
 
 bench=0
+citus=0
 check=0
 for a in "$@"; do
     case "$a" in
     --bench) bench=1 ;;
+    --citus) citus=1 ;;
     --check) check=1 ;;
     -h | --help)
-        sed -n '3,6p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '3,8p' "$0" | sed 's/^# \{0,1\}//'
         exit 0
         ;;
     *)
@@ -35,12 +42,25 @@ for a in "$@"; do
 done
 want=("${PKGS[@]}")
 [ $bench = 1 ] && want+=("${BENCH_PKGS[@]}")
+[ $citus = 1 ] && want+=("${CITUS_PKGS[@]}")
 
 missing=()
 for p in "${want[@]}"; do
     st=$(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null || true)
     [ "${st:0:2}" = ii ] || missing+=("$p")
 done
+
+# The server must be the same minor release as the headers Citus is built against: when the headers come now,
+# the server, its client and libpq are named too, so that apt moves them to that minor together.
+if [ $citus = 1 ]; then
+    hv=$(dpkg-query -W -f='${Version}' postgresql-server-dev-15 2>/dev/null || true)
+    sv=$(dpkg-query -W -f='${Version}' postgresql-15 2>/dev/null || true)
+    if [[ " ${missing[*]} " == *" postgresql-server-dev-15 "* ]] || [ "$hv" != "$sv" ]; then
+        for p in postgresql-server-dev-15 postgresql-15 postgresql-client-15 libpq5 libpq-dev; do
+            [[ " ${missing[*]} " == *" $p "* ]] || missing+=("$p")
+        done
+    fi
+fi
 
 if [ ${#missing[@]} = 0 ]; then
     echo "deps.sh: all ${#want[@]} packages present"

@@ -193,7 +193,7 @@ start_s=$SECONDS
 
 if [ $deps = 1 ]; then
     log "deps"
-    if ! bash scripts/deps.sh; then
+    if ! bash scripts/deps.sh --citus; then
         record "deps" 0 1
         cleanup
         printf '\n%s\n' "${STAGES[@]}"
