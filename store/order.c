@@ -46,8 +46,26 @@ const char store_order_schema[] = "CREATE TABLE IF NOT EXISTS idemgate_order ("
 #define OK                                                                                                             \
     "(o.inflight_token = $5 OR (NOT " BUSY " AND ($4 > " EFF " OR " SAMEKEY ") AND NOT (" GAP(EFF) " AND $8 <> 0)))"
 #define UNTIL "to_timestamp(($7 + $6) / 1000.0)"
+/* seq is stale against row t, whose applied sequence a retry under key (the one that set it) may repeat. */
+#define STALE(t, key)                                                                                                  \
+    "($4 < " t ".applied OR ($4 = " t ".applied AND NOT coalesce(" t ".applied_key = " key ", false)))"
 /* After the decision (g: the row as the upsert left it): a stale request. */
-#define G_STALE "($4 < g.applied OR ($4 = g.applied AND NOT coalesce(g.applied_key = $10, false)))"
+#define G_STALE STALE("g", "$10")
+/* A refusal that deletes the key's claim: stale, or not allowed to wait (or a gap on reject). */
+#define FINAL_REFUSAL "(" G_STALE " OR NOT $9 OR ($8 = 1 AND (g.inflight_token IS NULL OR g.inflight_token = $5)))"
+
+/* The acquire's upsert (both engines): compare and take in one statement, under the row's lock. */
+#define UPSERT_ACQUIRE                                                                                                 \
+    " INSERT INTO idemgate_order AS o (route, scope, resource, applied, inflight_seq, inflight_token, inflight_until," \
+    " inflight_key)"                                                                                                   \
+    " VALUES ($1, $2, $3, 0, $4, $5, " UNTIL ", $10)"                                                                  \
+    " ON CONFLICT (route, scope, resource) DO UPDATE SET"                                                              \
+    " applied = " EFF ","                                                                                              \
+    " applied_key = " EFFKEY ","                                                                                       \
+    " inflight_seq = CASE WHEN " OK " THEN $4 WHEN " LAPSED " THEN NULL ELSE o.inflight_seq END,"                      \
+    " inflight_until = CASE WHEN " OK " THEN " UNTIL " WHEN " LAPSED " THEN NULL ELSE o.inflight_until END,"           \
+    " inflight_key = CASE WHEN " OK " THEN $10 WHEN " LAPSED " THEN NULL ELSE o.inflight_key END,"                     \
+    " inflight_token = CASE WHEN " OK " THEN $5 WHEN " LAPSED " THEN NULL ELSE o.inflight_token END"
 
 /* $1 route, $2 scope, $3 resource, $4 seq, $5 token, $6 lease ms, $7 now ms, $8 on_gap (0 accept), $9 may wait,
  * $10 the key whose claim a final refusal deletes (NULL: none). The upsert always updates, so that it works on
@@ -55,20 +73,11 @@ const char store_order_schema[] = "CREATE TABLE IF NOT EXISTS idemgate_order ("
 /* clang-format off */
 static const char sql_acquire[] =
     "WITH g AS ("
-    " INSERT INTO idemgate_order AS o (route, scope, resource, applied, inflight_seq, inflight_token, inflight_until,"
-    " inflight_key)"
-    " VALUES ($1, $2, $3, 0, $4, $5, " UNTIL ", $10)"
-    " ON CONFLICT (route, scope, resource) DO UPDATE SET"
-    " applied = " EFF ","
-    " applied_key = " EFFKEY ","
-    " inflight_seq = CASE WHEN " OK " THEN $4 WHEN " LAPSED " THEN NULL ELSE o.inflight_seq END,"
-    " inflight_until = CASE WHEN " OK " THEN " UNTIL " WHEN " LAPSED " THEN NULL ELSE o.inflight_until END,"
-    " inflight_key = CASE WHEN " OK " THEN $10 WHEN " LAPSED " THEN NULL ELSE o.inflight_key END,"
-    " inflight_token = CASE WHEN " OK " THEN $5 WHEN " LAPSED " THEN NULL ELSE o.inflight_token END"
+    UPSERT_ACQUIRE
     " RETURNING o.applied, o.inflight_token, o.inflight_until, o.applied_key),"
     " d AS (DELETE FROM idemgate_keys k USING g WHERE $10::text IS NOT NULL AND k.route = $1 AND k.scope = $2"
     " AND k.key = $10 AND k.token = $5 AND k.state = 'in_flight' AND g.inflight_token IS DISTINCT FROM $5"
-    " AND (" G_STALE " OR NOT $9 OR ($8 = 1 AND (g.inflight_token IS NULL OR g.inflight_token = $5)))"
+    " AND " FINAL_REFUSAL
     " RETURNING 1)"
     " SELECT g.applied, coalesce(g.inflight_token = $5, false), g.inflight_token IS NOT NULL,"
     " greatest(0, ceil(extract(epoch FROM g.inflight_until - " NOW_TS ") * 1000))::int8,"
@@ -81,26 +90,17 @@ static const char sql_acquire[] =
  * with a key, a companion DELETE sent before the same Sync (store/pg.h then_sql): one transaction, which Citus
  * commits on both workers together. The companion reads the row the upsert left (same transaction, the row still
  * locked by it) through a subquery on its primary key, so it decides exactly as the CTE's d does. */
-#define G_STALE_O "($4 < o.applied OR ($4 = o.applied AND NOT coalesce(o.applied_key = $10, false)))"
+#define G_STALE_O STALE("o", "$10")
 /* clang-format off */
 static const char sql_acquire_citus[] =
-    "INSERT INTO idemgate_order AS o (route, scope, resource, applied, inflight_seq, inflight_token, inflight_until,"
-    " inflight_key)"
-    " VALUES ($1, $2, $3, 0, $4, $5, " UNTIL ", $10)"
-    " ON CONFLICT (route, scope, resource) DO UPDATE SET"
-    " applied = " EFF ","
-    " applied_key = " EFFKEY ","
-    " inflight_seq = CASE WHEN " OK " THEN $4 WHEN " LAPSED " THEN NULL ELSE o.inflight_seq END,"
-    " inflight_until = CASE WHEN " OK " THEN " UNTIL " WHEN " LAPSED " THEN NULL ELSE o.inflight_until END,"
-    " inflight_key = CASE WHEN " OK " THEN $10 WHEN " LAPSED " THEN NULL ELSE o.inflight_key END,"
-    " inflight_token = CASE WHEN " OK " THEN $5 WHEN " LAPSED " THEN NULL ELSE o.inflight_token END"
+    UPSERT_ACQUIRE
     " RETURNING o.applied, coalesce(o.inflight_token = $5, false), o.inflight_token IS NOT NULL,"
     " greatest(0, ceil(extract(epoch FROM o.inflight_until - " NOW_TS ") * 1000))::int8, 0::int8, " G_STALE_O;
 static const char sql_acquire_citus_key[] =
     "DELETE FROM idemgate_keys k WHERE k.route = $1 AND k.scope = $2 AND k.key = $10 AND k.token = $5"
     " AND k.state = 'in_flight' AND EXISTS (SELECT 1 FROM idemgate_order g WHERE g.route = $1 AND g.scope = $2"
     " AND g.resource = $3 AND g.inflight_token IS DISTINCT FROM $5"
-    " AND (" G_STALE " OR NOT $9 OR ($8 = 1 AND (g.inflight_token IS NULL OR g.inflight_token = $5))))";
+    " AND " FINAL_REFUSAL ")";
 /* clang-format on */
 
 /* Completed: applied = max(applied, seq). Unknown outcome: the same, and its key is remembered, so that a retry
@@ -121,11 +121,12 @@ static const char sql_renew[] = "UPDATE idemgate_order SET inflight_until = to_t
 /* Shadow mode. $1 route, $2 scope, $3 resource, $4 seq, $5 key (NULL: none), $6 now ms: the applied sequence as
  * acquire counts it (EFF, EFFKEY with no marker of ours) and whether seq is stale (G_STALE). No row: fresh. */
 #define P_LAPSED "(o.inflight_token IS NOT NULL AND o.inflight_until < to_timestamp($6 / 1000.0))"
-static const char sql_peek[] =
-    "SELECT e.applied, ($4 < e.applied OR ($4 = e.applied AND NOT coalesce(e.applied_key = $5, false))) FROM"
-    " (SELECT CASE WHEN " P_LAPSED " THEN greatest(o.applied, o.inflight_seq) ELSE o.applied END AS applied,"
-    " CASE WHEN " P_LAPSED " AND o.inflight_seq > o.applied THEN o.inflight_key ELSE o.applied_key END AS applied_key"
-    " FROM idemgate_order o WHERE o.route = $1 AND o.scope = $2 AND o.resource = $3) e";
+static const char sql_peek[] = "SELECT e.applied, " STALE(
+    "e", "$5") " FROM"
+               " (SELECT CASE WHEN " P_LAPSED " THEN greatest(o.applied, o.inflight_seq) ELSE o.applied END AS applied,"
+               " CASE WHEN " P_LAPSED
+               " AND o.inflight_seq > o.applied THEN o.inflight_key ELSE o.applied_key END AS applied_key"
+               " FROM idemgate_order o WHERE o.route = $1 AND o.scope = $2 AND o.resource = $3) e";
 /* $1 route, $2 scope, $3 resource, $4 seq, $5 key (NULL: completed): SQL_SETTLE_APPLIED without the marker. */
 static const char sql_advance[] =
     "INSERT INTO idemgate_order AS o (route, scope, resource, applied, applied_key) VALUES ($1, $2, $3, $4, $5)"
