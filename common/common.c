@@ -579,6 +579,14 @@ static void sha256_fetch(void)
     sha256_md = EVP_MD_fetch(NULL, "SHA2-256", NULL);
 }
 
+uint64_t cm_fnv1a(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 1099511628211ULL;
+    return h;
+}
+
 void cm_sha256_init(struct cm_sha256 *h)
 {
     pthread_once(&sha256_once, sha256_fetch);

@@ -97,6 +97,11 @@ const char *cm_log_quote(char *out, size_t n, const char *s);
 const char *cm_redact_url(char *out, size_t n, const char *url);
 
 /* ---- hashing (OpenSSL EVP). */
+/* FNV-1a, 64 bits, for in-memory hash tables (not for anything an attacker must not steer): continues h over
+ * p[0..n), start from CM_FNV1A_INIT. */
+#define CM_FNV1A_INIT 1469598103934665603ULL
+uint64_t cm_fnv1a(uint64_t h, const void *p, size_t n);
+
 struct cm_sha256 {
     void *ctx;
 };

@@ -61,13 +61,7 @@ struct gw_cache {
 /* FNV-1a over route NUL key: both a purge (all scopes) and a look-up find the same bucket. */
 static uint64_t hash_of(const char *route, const char *key, size_t key_len)
 {
-    uint64_t h = 1469598103934665603ULL;
-    for (const char *p = route; *p; p++)
-        h = (h ^ (uint8_t)*p) * 1099511628211ULL;
-    h = (h ^ 0) * 1099511628211ULL;
-    for (size_t i = 0; i < key_len; i++)
-        h = (h ^ (uint8_t)key[i]) * 1099511628211ULL;
-    return h;
+    return cm_fnv1a(cm_fnv1a(CM_FNV1A_INIT, route, strlen(route) + 1), key, key_len);
 }
 
 static void publish(const struct gw_cache *c)

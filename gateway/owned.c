@@ -31,21 +31,11 @@ static pthread_mutex_t owned_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct owned *owned_tab[OWNED_BUCKETS];
 static size_t owned_n;
 
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++) {
-        h ^= b[i];
-        h *= 0x100000001b3ull;
-    }
-    return h;
-}
-
 static uint64_t id_hash(const struct store_id *id, size_t route_len)
 {
-    uint64_t h = fnv(0xcbf29ce484222325ull, id->route, route_len + 1); /* the NUL separates route from scope */
-    h = fnv(h, id->scope, sizeof id->scope);
-    return fnv(h, id->key, id->key_len);
+    uint64_t h = cm_fnv1a(CM_FNV1A_INIT, id->route, route_len + 1); /* the NUL separates route from scope */
+    h = cm_fnv1a(h, id->scope, sizeof id->scope);
+    return cm_fnv1a(h, id->key, id->key_len);
 }
 
 static bool same(const struct owned *o, uint64_t h, const struct store_id *id, size_t route_len)
@@ -55,33 +45,38 @@ static bool same(const struct owned *o, uint64_t h, const struct store_id *id, s
            memcmp(o->bytes + route_len, id->key, id->key_len) == 0;
 }
 
+/* The link that holds id's entry, or the bucket's terminating NULL when it is not recorded. Under owned_mu. */
+static struct owned **find(const struct store_id *id, size_t rl, uint64_t h)
+{
+    struct owned **pp = &owned_tab[h & (OWNED_BUCKETS - 1)];
+    while (*pp && !same(*pp, h, id, rl))
+        pp = &(*pp)->next;
+    return pp;
+}
+
 enum gw_owned gw_owned_take(const struct store_id *id)
 {
     size_t rl = strlen(id->route);
     uint64_t h = id_hash(id, rl);
-    struct owned **b = &owned_tab[h & (OWNED_BUCKETS - 1)];
     enum gw_owned r = GW_OWNED_TAKEN;
     pthread_mutex_lock(&owned_mu);
-    for (struct owned *o = *b; o; o = o->next)
-        if (same(o, h, id, rl)) {
-            r = GW_OWNED_BUSY;
-            goto out;
-        }
-    if (owned_n >= OWNED_MAX) {
+    struct owned **pp = find(id, rl, h);
+    if (*pp) {
+        r = GW_OWNED_BUSY;
+    } else if (owned_n >= OWNED_MAX) {
         r = GW_OWNED_UNRECORDED;
-        goto out;
+    } else {
+        struct owned *o = cm_malloc(sizeof *o + rl + id->key_len);
+        o->next = NULL;
+        o->hash = h;
+        memcpy(o->scope, id->scope, sizeof o->scope);
+        o->route_len = rl;
+        o->key_len = id->key_len;
+        memcpy(o->bytes, id->route, rl);
+        memcpy(o->bytes + rl, id->key, id->key_len);
+        *pp = o;
+        owned_n++;
     }
-    struct owned *o = cm_malloc(sizeof *o + rl + id->key_len);
-    o->hash = h;
-    memcpy(o->scope, id->scope, sizeof o->scope);
-    o->route_len = rl;
-    o->key_len = id->key_len;
-    memcpy(o->bytes, id->route, rl);
-    memcpy(o->bytes + rl, id->key, id->key_len);
-    o->next = *b;
-    *b = o;
-    owned_n++;
-out:
     pthread_mutex_unlock(&owned_mu);
     return r;
 }
@@ -91,14 +86,13 @@ void gw_owned_drop(const struct store_id *id)
     size_t rl = strlen(id->route);
     uint64_t h = id_hash(id, rl);
     pthread_mutex_lock(&owned_mu);
-    for (struct owned **pp = &owned_tab[h & (OWNED_BUCKETS - 1)]; *pp; pp = &(*pp)->next)
-        if (same(*pp, h, id, rl)) {
-            struct owned *o = *pp;
-            *pp = o->next;
-            free(o);
-            owned_n--;
-            break;
-        }
+    struct owned **pp = find(id, rl, h);
+    if (*pp) {
+        struct owned *o = *pp;
+        *pp = o->next;
+        free(o);
+        owned_n--;
+    }
     pthread_mutex_unlock(&owned_mu);
 }
 
@@ -106,10 +100,8 @@ bool gw_owned_held(const struct store_id *id)
 {
     size_t rl = strlen(id->route);
     uint64_t h = id_hash(id, rl);
-    bool held = false;
     pthread_mutex_lock(&owned_mu);
-    for (const struct owned *o = owned_tab[h & (OWNED_BUCKETS - 1)]; o && !held; o = o->next)
-        held = same(o, h, id, rl);
+    bool held = *find(id, rl, h) != NULL;
     pthread_mutex_unlock(&owned_mu);
     return held;
 }
