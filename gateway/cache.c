@@ -2,12 +2,14 @@
  * fingerprint, the expiry and the answer as its stored blob; CLOCK eviction over a slot array; one rwlock. */
 #include "gateway/cache.h"
 
+#include <microhttpd.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/metrics.h"
+#include "gateway/front.h"
 #include "gateway/gateway.h"
 #include "store/store.h"
 
@@ -17,6 +19,10 @@
 #define BLOB_MAX ((size_t)64 * 1024 * 1024)
 /* The share (percent) of max_entries and max_bytes that replayed entries may keep against new fills. */
 #define HOT_SHARE 80
+/* What a prepared answer (below) adds to an entry, counted from the first fill: libmicrohttpd's response and its
+ * copy of each header (three allocations apiece). */
+#define PREP_BYTES     256
+#define PREP_HDR_BYTES 64
 
 struct entry {
     struct entry *next; /* bucket chain */
@@ -33,6 +39,13 @@ struct entry {
     size_t key_len;
     char *blob; /* cm_resp_encode of the answer, points into data */
     size_t blob_len;
+    /* The answer as a libmicrohttpd response, built at the entry's first replay and queued as it is on every
+     * connection that replays it (libmicrohttpd counts its references under a mutex): its body is the blob's
+     * tail, so once built the response owns the entry, and the last reference, the cache's or a connection's,
+     * frees it. NULL until built, or for an answer that must not be shared (prep_refused). */
+    _Atomic(struct MHD_Response *) prep;
+    atomic_bool prep_refused;
+    unsigned prep_status;
     char data[]; /* route NUL key NUL blob */
 };
 
@@ -56,6 +69,7 @@ struct gw_cache {
     bool online;                   /* under the write lock; read under either */
     _Atomic uint64_t last_drop_ms; /* cm_now_ms of the last purge or release heard of (0: none) */
     _Atomic uint64_t epoch;        /* moves on (under the write lock) with every invalidation or listener change */
+    pthread_mutex_t prep_mu;       /* one builder of an entry's prepared answer at a time (under the read lock) */
 };
 
 /* FNV-1a over route NUL key: both a purge (all scopes) and a look-up find the same bucket. */
@@ -75,6 +89,7 @@ struct gw_cache *gw_cache_create(uint64_t max_bytes, uint32_t max_entries)
         return NULL;
     struct gw_cache *c = cm_calloc(1, sizeof *c);
     pthread_rwlock_init(&c->lock, NULL);
+    pthread_mutex_init(&c->prep_mu, NULL);
     c->max_bytes = max_bytes;
     c->max_entries = max_entries;
     c->nbuckets = 16;
@@ -107,7 +122,44 @@ static void entry_remove(struct gw_cache *c, struct entry *e)
     }
     c->entries--;
     c->bytes -= e->bytes;
-    free(e);
+    struct MHD_Response *prep = atomic_load(&e->prep);
+    if (prep)
+        MHD_destroy_response(prep); /* the cache's reference: e goes with the last one (prep_free) */
+    else
+        free(e);
+}
+
+static void prep_free(void *cls)
+{
+    free(cls);
+}
+
+/* Read lock held: the entry's prepared answer, built now if it is the first replay; NULL when the answer must
+ * not be shared: it carries Connection: close (gateway/front.c adds it to 400, 413 and 431) or cannot be built. */
+static struct MHD_Response *prepared(struct gw_cache *c, struct entry *e)
+{
+    struct MHD_Response *p = atomic_load(&e->prep);
+    if (p || atomic_load(&e->prep_refused))
+        return p;
+    pthread_mutex_lock(&c->prep_mu);
+    p = atomic_load(&e->prep);
+    if (!p && !atomic_load(&e->prep_refused)) {
+        struct cm_resp r;
+        bool ok = cm_resp_decode(e->blob, e->blob_len, &r) && r.status != 400 && r.status != 413 && r.status != 431;
+        if (ok)
+            p = MHD_create_response_from_buffer_with_free_callback_cls(
+                r.body.len, r.body.len ? e->blob + e->blob_len - r.body.len : "", prep_free, e);
+        if (p) {
+            gw_front_answer_headers(p, &r.hdrs, true); /* as gateway/front.c answers the same record */
+            e->prep_status = (unsigned)r.status;
+            atomic_store(&e->prep, p);
+        } else {
+            atomic_store(&e->prep_refused, true);
+        }
+        cm_resp_free(&r);
+    }
+    pthread_mutex_unlock(&c->prep_mu);
+    return p;
 }
 
 /* Write lock held. */
@@ -127,6 +179,7 @@ void gw_cache_destroy(struct gw_cache *c)
     free(c->buckets);
     free(c->slots);
     free(c->free_slots);
+    pthread_mutex_destroy(&c->prep_mu);
     pthread_rwlock_destroy(&c->lock);
     free(c);
 }
@@ -164,6 +217,13 @@ static struct entry *find(struct gw_cache *c, uint64_t h, const char *route, con
 enum gw_cache_verdict gw_cache_get(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key,
                                    size_t key_len, const uint8_t fp[32], uint64_t now_ms, struct cm_resp *out)
 {
+    return gw_cache_queue(c, route, scope, key, key_len, fp, now_ms, NULL, NULL, out);
+}
+
+enum gw_cache_verdict gw_cache_queue(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key,
+                                     size_t key_len, const uint8_t fp[32], uint64_t now_ms, struct MHD_Connection *conn,
+                                     bool *queued_ok, struct cm_resp *out)
+{
     if (!c)
         return GW_CACHE_MISS;
     uint64_t h = hash_of(route, key, key_len);
@@ -171,8 +231,14 @@ enum gw_cache_verdict gw_cache_get(struct gw_cache *c, const char *route, const 
     pthread_rwlock_rdlock(&c->lock);
     struct entry *e = c->online ? find(c, h, route, scope, key, key_len) : NULL;
     if (e && now_ms < e->expires_ms) {
+        struct MHD_Response *p = NULL;
         if (memcmp(e->fp, fp, 32) != 0) {
             v = GW_CACHE_MISMATCH;
+        } else if (conn && (p = prepared(c, e)) != NULL) {
+            /* queued under the read lock: the connection holds its own reference before an eviction can drop
+             * the cache's */
+            *queued_ok = MHD_queue_response(conn, e->prep_status, p) == MHD_YES;
+            v = GW_CACHE_QUEUED;
         } else if (cm_resp_decode(e->blob, e->blob_len, out)) {
             v = GW_CACHE_REPLAY;
         } else {
@@ -180,7 +246,7 @@ enum gw_cache_verdict gw_cache_get(struct gw_cache *c, const char *route, const 
         }
         atomic_store_explicit(&e->ref, true, memory_order_relaxed);
         bool cold = false;
-        if (v == GW_CACHE_REPLAY && atomic_compare_exchange_strong(&e->hot, &cold, true)) {
+        if ((v == GW_CACHE_REPLAY || v == GW_CACHE_QUEUED) && atomic_compare_exchange_strong(&e->hot, &cold, true)) {
             atomic_fetch_add(&c->hot_entries, 1);
             atomic_fetch_add(&c->hot_bytes, e->bytes);
         }
@@ -242,6 +308,9 @@ static bool put(struct gw_cache *c, const char *route, const uint8_t scope[32], 
     size_t size = sizeof(struct entry) + route_len + 1 + key_len + 1 + b.len;
     size_t bytes =
         (size + 8 + 15) & ~(size_t)15; /* what the allocator takes for it (glibc: 8-byte header, 16-aligned) */
+    bytes += PREP_BYTES;               /* and its prepared answer, once replayed */
+    for (size_t i = 0; i < resp->hdrs.n; i++)
+        bytes += strlen(resp->hdrs.v[i].name) + strlen(resp->hdrs.v[i].value) + 2 + PREP_HDR_BYTES;
     if (bytes > c->max_bytes / ENTRY_MAX_SHARE) {
         cm_buf_free(&b);
         return false;

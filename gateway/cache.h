@@ -31,11 +31,21 @@ enum gw_cache_verdict {
     GW_CACHE_MISS,     /* no usable entry (or the cache is off or offline): ask the store */
     GW_CACHE_REPLAY,   /* same fingerprint: *out holds a copy of the stored answer (caller frees it) */
     GW_CACHE_MISMATCH, /* another fingerprint: 422 */
+    GW_CACHE_QUEUED,   /* gw_cache_queue only: the stored answer was queued on the connection */
 };
 /* Looks (route, scope, key) up at now_ms (cm_now_ms). On GW_CACHE_REPLAY *out is initialised with a deep copy
  * owned by the caller; otherwise *out is untouched. Counts a hit or a miss. Any thread. */
 enum gw_cache_verdict gw_cache_get(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key,
                                    size_t key_len, const uint8_t fp[32], uint64_t now_ms, struct cm_resp *out);
+/* The same look-up for a request the front can answer at once (not HEAD, not shutting down): a replay is queued
+ * on conn as the entry's prepared answer (built once, shared by every connection that replays the record, with
+ * Idempotent-Replayed: true; nothing copied), and *queued_ok is MHD_queue_response's success. An answer that
+ * carries Connection: close (status 400, 413, 431) is not shared: GW_CACHE_REPLAY with a copy in *out, as
+ * gw_cache_get (which is this look-up with conn NULL). */
+struct MHD_Connection;
+enum gw_cache_verdict gw_cache_queue(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key,
+                                     size_t key_len, const uint8_t fp[32], uint64_t now_ms, struct MHD_Connection *conn,
+                                     bool *queued_ok, struct cm_resp *out);
 /* Stores a copy of a committed completed record's answer, replayable until expires_ms (cm_now_ms clock; never
  * later than the record's own expiry). Refused (false, nothing stored) when the cache is off or offline, when the
  * epoch moved since epoch was taken (a purge notification, a local purge or a listener change came in between),

@@ -380,6 +380,22 @@ static ssize_t no_body_read(void *cls, uint64_t pos, char *buf, size_t max)
     return MHD_CONTENT_READER_END_WITH_ERROR; /* HEAD: MHD never asks */
 }
 
+void gw_front_answer_headers(struct MHD_Response *resp, const struct cm_hdrs *hdrs, bool replayed)
+{
+    for (size_t i = 0; i < hdrs->n; i++) {
+        const struct cm_hdr *h = &hdrs->v[i];
+        /* the upstream's own Idempotent-Replayed never reaches the client (records stored before it was
+         * dropped at parsing may still hold one): a replay carries exactly one, ours */
+        if (strcasecmp(h->name, "Content-Length") == 0 || cm_is_hop_by_hop(h->name) ||
+            strcasecmp(h->name, "Idempotent-Replayed") == 0)
+            continue;
+        if (MHD_add_response_header(resp, h->name, h->value) != MHD_YES)
+            cm_log(CM_WARN, "response_header_dropped", "name=%.64s", h->name);
+    }
+    if (replayed)
+        MHD_add_response_header(resp, "Idempotent-Replayed", "true");
+}
+
 /* Queues the job's answer (status, headers, body) on the connection. */
 static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
 {
@@ -398,18 +414,7 @@ static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
         free(body);
         return MHD_NO;
     }
-    for (size_t i = 0; i < job->resp_hdrs.n; i++) {
-        const struct cm_hdr *h = &job->resp_hdrs.v[i];
-        /* the upstream's own Idempotent-Replayed never reaches the client (records stored before it was
-         * dropped at parsing may still hold one): a replay carries exactly one, ours */
-        if (strcasecmp(h->name, "Content-Length") == 0 || cm_is_hop_by_hop(h->name) ||
-            strcasecmp(h->name, "Idempotent-Replayed") == 0)
-            continue;
-        if (MHD_add_response_header(resp, h->name, h->value) != MHD_YES)
-            cm_log(CM_WARN, "response_header_dropped", "name=%.64s", h->name);
-    }
-    if (job->replayed)
-        MHD_add_response_header(resp, "Idempotent-Replayed", "true");
+    gw_front_answer_headers(resp, &job->resp_hdrs, job->replayed);
     if (atomic_load(&r->shard->f->shutting_down) || job->status == 431 || job->status == 413 || job->status == 400)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     struct conn_track *t = track_of(c);
@@ -788,7 +793,6 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
                           CM_OUT_ERROR);
         job->ordered = false; /* mode: shadow refuses nothing (SPEC 10): forwarded, the guard not consulted */
     }
-    build_forward_headers(r, c);
     r->stage = STAGE_BODY;
     return MHD_YES;
 }
@@ -816,6 +820,26 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
         gw_hash_parts(im->fingerprint, im->fingerprint_n, &parts, job->fp);
         gw_hash_parts(im->scope, im->scope_n, &parts, job->scope);
     }
+    job->loop = r->shard->loop;
+    /* A replay the cache holds is answered now: no suspend, no hand-over, and no forwarding headers built; when
+     * the answer can be shared, the cache's prepared one, queued as it is. */
+    bool share = strcmp(job->method, "HEAD") != 0 && !atomic_load(&r->shard->f->shutting_down);
+    bool queued = false;
+    switch (gw_pipeline_answer_cached(job, share ? c : NULL, &queued)) {
+    case GW_CACHED_QUEUED: {
+        struct conn_track *t = track_of(c);
+        if (t)
+            atomic_store(&t->reading_since, 0);
+        r->stage = STAGE_ANSWERED;
+        return queued ? MHD_YES : MHD_NO;
+    }
+    case GW_CACHED_ANSWER:
+        return queue_answer(r, c);
+    case GW_CACHED_NONE:
+    default:
+        break;
+    }
+    build_forward_headers(r, c);
     cm_hdrs_free(&r->in_hdrs);
     struct conn_track *t = track_of(c);
     if (t)
@@ -823,7 +847,6 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     r->stage = STAGE_SUBMITTED;
     atomic_fetch_add(&r->shard->f->suspended, 1);
     MHD_suspend_connection(c);
-    job->loop = r->shard->loop;
     gw_loop_submit(job->loop, gw_pipeline_run, job);
     return MHD_YES;
 }

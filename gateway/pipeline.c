@@ -692,6 +692,13 @@ static void in_flight(struct gw_job *job, uint64_t lease_remaining_ms)
     finish(job, CM_OUT_IN_FLIGHT);
 }
 
+static void answer_mismatch(struct gw_job *job)
+{
+    cm_metric_parameter_conflict(job->route_index);
+    gw_job_problem(job, 422, "idempotency-key-mismatch", "Idempotency key reused with another request",
+                   "this key was already used with a different request payload");
+}
+
 static void claimed(void *arg, struct store_claim_res *res)
 {
     struct gw_job *job = arg;
@@ -712,9 +719,7 @@ static void claimed(void *arg, struct store_claim_res *res)
         finish(job, CM_OUT_REPLAYED);
         return;
     case STORE_MISMATCH:
-        cm_metric_parameter_conflict(job->route_index);
-        gw_job_problem(job, 422, "idempotency-key-mismatch", "Idempotency key reused with another request",
-                       "this key was already used with a different request payload");
+        answer_mismatch(job);
         finish(job, CM_OUT_MISMATCH);
         return;
     case STORE_IN_FLIGHT:
@@ -762,6 +767,49 @@ static void claim(struct gw_job *job)
     }
     job->pipe->cache_epoch = gw_cache_before_store(job);
     store_claim(gw_loop_store(job->loop), &req, job->shadow ? shadow_claimed : claimed, job);
+}
+
+/* The front, on the job's loop thread, before it suspends the request: a key whose completed record the replay
+ * cache holds is answered here, with what claim() would answer from the cache (the same checks before it, in the
+ * same order), without the suspend, the hand-over to the loop and the resume. Anything else goes the whole way. */
+enum gw_cached gw_pipeline_answer_cached(struct gw_job *job, struct MHD_Connection *conn, bool *queued_ok)
+{
+    if (!job->idempotent || job->ordered || job->shadow || gw_loop_closing(job->loop) || !up_target_ok(job->uri) ||
+        !gw_loop_schema_ready(job->loop))
+        return GW_CACHED_NONE;
+    struct store_id id = job_id(job);
+    if (gw_owned_held(&id))
+        return GW_CACHED_NONE; /* in flight here: the pipeline answers 409 */
+    struct store_claim_res cached;
+    memset(&cached, 0, sizeof cached);
+    enum gw_cache_verdict v = GW_CACHE_MISS;
+    if (conn) {
+        v = gw_cache_queue(gw_loop_cache(job->loop), job->route->name, job->scope, job->key, job->key_len, job->fp,
+                           cm_now_ms(), conn, queued_ok, &cached.resp);
+        if (v == GW_CACHE_QUEUED) {
+            cm_metric_dedup_hit(job->route_index);
+            cm_metric_request(job->route_index, CM_OUT_REPLAYED);
+            return GW_CACHED_QUEUED;
+        }
+        cached.verdict = v == GW_CACHE_REPLAY ? STORE_REPLAY : STORE_MISMATCH;
+        if (v == GW_CACHE_MISMATCH)
+            cm_resp_init(&cached.resp, 0);
+    } else if (gw_cache_claim(job, &cached)) {
+        v = cached.verdict == STORE_REPLAY ? GW_CACHE_REPLAY : GW_CACHE_MISMATCH;
+    }
+    if (v == GW_CACHE_MISS)
+        return GW_CACHED_NONE;
+    if (v == GW_CACHE_REPLAY) {
+        take_resp(job, &cached.resp);
+        job->replayed = true;
+        cm_metric_dedup_hit(job->route_index);
+        cm_metric_request(job->route_index, CM_OUT_REPLAYED);
+    } else {
+        answer_mismatch(job);
+        cm_metric_request(job->route_index, CM_OUT_MISMATCH);
+    }
+    cm_resp_free(&cached.resp);
+    return GW_CACHED_ANSWER;
 }
 
 void gw_pipeline_run(void *arg)

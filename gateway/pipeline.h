@@ -14,6 +14,13 @@ struct gw_job;
 /* Loop thread: runs the pipeline for a submitted job (allocating its private state, job->pipe); ends in
  * gw_job_done, exactly once. */
 void gw_pipeline_run(void *job);
+/* Front, on the job's loop thread before suspending it: whether the replay cache answered the job (a replay or a
+ * 422, counted). GW_CACHED_QUEUED: a shared prepared answer was queued on conn (only when conn is not NULL),
+ * *queued_ok whether MHD_queue_response took it; GW_CACHED_ANSWER: the job holds the answer, for the front to queue;
+ * GW_CACHED_NONE: run the pipeline. */
+enum gw_cached { GW_CACHED_NONE, GW_CACHED_ANSWER, GW_CACHED_QUEUED };
+struct MHD_Connection;
+enum gw_cached gw_pipeline_answer_cached(struct gw_job *job, struct MHD_Connection *conn, bool *queued_ok);
 /* Loop thread: ends every running job of the loop (a struct gw_loop *) now (grace expired): upstream transfers
  * are cancelled, their records stay in flight (unknown after the lease), the clients get 503 shutting-down. Jobs
  * waiting for the store finish on their own (every store operation is bounded). */

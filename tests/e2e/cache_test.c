@@ -3,10 +3,15 @@
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -101,6 +106,14 @@ Test(cache, replay_from_the_cache_is_the_answer_the_store_replays)
     cr_assert(e2e_resp_is_replay(&cached), "second request: a replay");
     cr_expect_eq(metric(gw, "idemgate_replay_cache_hits_total"), hits + 1, "answered by the cache");
     cr_expect_eq(e2e_resp_header_count(&cached, "Idempotent-Replayed"), 1);
+    /* the first replay built the entry's prepared answer; later ones send that very response */
+    struct e2e_resp again;
+    post(gw, key, NULL, &again);
+    cr_assert(e2e_resp_is_replay(&again), "third request: a replay");
+    cr_expect_eq(metric(gw, "idemgate_replay_cache_hits_total"), hits + 2, "answered by the cache again");
+    cr_expect_eq(e2e_resp_header_count(&again, "Idempotent-Replayed"), 1);
+    e2e_expect_same_answer(&cached, &again, "prepared answer vs the first replay");
+    e2e_resp_free(&again);
     post(via_redis, key, NULL, &redis);
     post(via_pg, key, NULL, &pg);
     cr_assert(e2e_resp_is_replay(&redis) && e2e_resp_is_replay(&pg));
@@ -235,7 +248,7 @@ Test(cache, bounds_hold)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw *by_n = gw_start(up, "key: required\n", "{max_bytes: 1MiB, max_entries: 4}", NULL);
-    struct e2e_gw *by_b = gw_start(up, "key: required\n", "{max_bytes: 8KiB, max_entries: 1000}", NULL);
+    struct e2e_gw *by_b = gw_start(up, "key: required\n", "{max_bytes: 16KiB, max_entries: 1000}", NULL);
     wait_online(by_n);
     wait_online(by_b);
     for (int i = 0; i < 40; i++) {
@@ -250,7 +263,7 @@ Test(cache, bounds_hold)
     cr_expect(n >= 1 && n <= 4, "entries %g, bound 4", n);
     double b = metric(by_b, "idemgate_replay_cache_bytes");
     double bn = metric(by_b, "idemgate_replay_cache_entries");
-    cr_expect(b > 0 && b <= 8192, "bytes %g, bound 8192", b);
+    cr_expect(b > 0 && b <= 16384, "bytes %g, bound 16384", b);
     cr_expect(bn >= 2 && bn < 20, "entries %g under the byte bound", bn);
 }
 
@@ -382,4 +395,119 @@ Test(cache, a_pool_of_one_leaves_the_cache_off)
     e2e_resp_free(&r);
     e2e_resp_free(&r2);
     cr_expect_eq(metric(gw, "idemgate_replay_cache_entries"), 0);
+}
+
+/* Reads from fd until n bytes are in buf or timeout_ms passes; returns the count. */
+static size_t read_upto(int fd, unsigned char *buf, size_t n, int timeout_ms)
+{
+    size_t got = 0;
+    uint64_t end = e2e_now_ms() + (uint64_t)timeout_ms;
+    while (got < n && e2e_now_ms() < end) {
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        if (poll(&pfd, 1, 100) <= 0)
+            continue;
+        ssize_t r = recv(fd, buf + got, n - got, 0);
+        if (r <= 0)
+            break;
+        got += (size_t)r;
+    }
+    return got;
+}
+
+/* The prepared answer is shared by every connection replaying the record and owns the entry's memory: a purge
+ * (or an eviction) while a slow client still receives it must leave that client's answer whole (the sanitizer
+ * stage would see a use after free), and the next request with the key executes again. */
+Test(cache, a_purge_while_a_slow_client_receives_the_shared_answer_leaves_it_whole, .timeout = 120)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start(up, "key: required\nscope: [header:Authorization]\nmax_response: 16MiB\n",
+                                 "{max_bytes: 64MiB, max_entries: 100}", NULL);
+    wait_online(gw);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "slowread");
+    enum { BODY = 6 << 20 }; /* more than the kernel buffers of a connection whose reader does not read */
+    const char *const big[] = {"Authorization: Bearer tenant-a", "X-Test-Body-Size: 6291456", NULL};
+    struct e2e_resp first, warm;
+    e2e_http_key(gw->port, "POST", "/v1/pay/c", key, big, "{\"amount\":42}", 30000, &first);
+    cr_assert_eq(first.status, 200, "first: %ld %s", first.status, first.error);
+    cr_assert_eq(first.body_len, (size_t)BODY);
+    e2e_http_key(gw->port, "POST", "/v1/pay/c", key, big, "{\"amount\":42}", 30000, &warm);
+    cr_assert(e2e_resp_is_replay(&warm), "the entry is cached and its prepared answer built");
+    e2e_resp_free(&warm);
+
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(fd >= 0);
+    int small = 4096;
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(gw->port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    char rq[512];
+    int rl = snprintf(rq, sizeof rq,
+                      "POST /v1/pay/c HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: %s\r\nAuthorization: Bearer "
+                      "tenant-a\r\nX-Test-Body-Size: 6291456\r\nContent-Length: 13\r\nConnection: close\r\n\r\n"
+                      "{\"amount\":42}",
+                      key);
+    cr_assert_eq(send(fd, rq, (size_t)rl, 0), rl);
+    size_t cap = BODY + 64 * 1024;
+    unsigned char *buf = malloc(cap);
+    cr_assert(buf);
+    size_t got = read_upto(fd, buf, 2048, 10000); /* the head and a little: the rest stays in the gateway */
+    cr_assert_geq(got, 64, "the answer started");
+    cr_assert(strstr((const char *)buf, "Idempotent-Replayed: true") != NULL, "a replay");
+
+    admin_purge(gw, key);
+    cr_assert(metric_wait(gw, "idemgate_replay_cache_entries", 0, 5000), "the purge dropped the entry");
+    /* and a fill of other keys churns the cache while the answer is still being sent */
+    for (int i = 0; i < 3; i++) {
+        char k2[96];
+        e2e_mkkey(k2, sizeof k2, "churn");
+        struct e2e_resp r;
+        post(gw, k2, NULL, &r);
+        cr_expect_eq(r.status, 200);
+        e2e_resp_free(&r);
+    }
+
+    got += read_upto(fd, buf + got, cap - got, 60000);
+    close(fd);
+    const unsigned char *end = memmem(buf, got, "\r\n\r\n", 4);
+    cr_assert(end, "a head");
+    size_t head = (size_t)(end - buf) + 4;
+    cr_assert_eq(got - head, (size_t)BODY, "the whole body arrived after the purge");
+    cr_expect_eq(memcmp(buf + head, first.body, BODY), 0, "byte for byte the stored answer");
+    free(buf);
+    e2e_resp_free(&first);
+
+    struct e2e_resp after;
+    e2e_http_key(gw->port, "POST", "/v1/pay/c", key, big, "{\"amount\":42}", 30000, &after);
+    cr_expect_eq(after.status, 200);
+    cr_expect(!e2e_resp_is_replay(&after), "purged: the key is new again");
+    e2e_resp_free(&after);
+    cr_expect_eq(e2e_upstream_count(up, key), 2);
+    e2e_gw_assert_alive(gw, "after the purge under a shared answer");
+}
+
+/* An answer the front closes the connection after (a stored 400) is not shared: it still gets Connection: close,
+ * as the first answer did. */
+Test(cache, a_replayed_400_still_closes_the_connection)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start(up, "key: required\nscope: [header:Authorization]\n", NULL, NULL);
+    wait_online(gw);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "four-hundred");
+    const char *const extra[] = {"Authorization: Bearer tenant-a", "X-Test-Status: 400", NULL};
+    struct e2e_resp a, b, c;
+    e2e_http_key(gw->port, "POST", "/v1/pay/c", key, extra, "{\"amount\":42}", 0, &a);
+    cr_assert_eq(a.status, 400, "first: %ld %s", a.status, a.error);
+    e2e_http_key(gw->port, "POST", "/v1/pay/c", key, extra, "{\"amount\":42}", 0, &b);
+    e2e_http_key(gw->port, "POST", "/v1/pay/c", key, extra, "{\"amount\":42}", 0, &c);
+    cr_assert(e2e_resp_is_replay(&b) && e2e_resp_is_replay(&c), "replays");
+    const char *conn = e2e_resp_header(&c, "Connection");
+    cr_expect(conn && strcasecmp(conn, "close") == 0, "Connection: %s", conn ? conn : "(none)");
+    e2e_expect_same_answer(&b, &c, "both replays");
+    cr_expect_eq(e2e_upstream_count(up, key), 1);
+    e2e_resp_free(&a);
+    e2e_resp_free(&b);
+    e2e_resp_free(&c);
 }
