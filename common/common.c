@@ -647,13 +647,23 @@ bool cm_consttime_eq(const void *a, size_t alen, const void *b, size_t blen)
     return diff == 0;
 }
 
+/* Tokens are drawn from a per-thread block of CSPRNG output, refilled every RANDOM_BLOCK tokens: one RAND_bytes
+ * call (and its locks) per block rather than per claim. The process never forks after drawing one, so no two
+ * processes share a block. */
+#define RANDOM_BLOCK 64
 uint64_t cm_random_token(void)
 {
+    static _Thread_local uint64_t block[RANDOM_BLOCK];
+    static _Thread_local unsigned left;
     uint64_t v = 0;
     while (v == 0) {
-        if (RAND_bytes((unsigned char *)&v, sizeof v) != 1)
-            abort();
-        v &= INT64_MAX;
+        if (left == 0) {
+            if (RAND_bytes((unsigned char *)block, sizeof block) != 1)
+                abort();
+            left = RANDOM_BLOCK;
+        }
+        v = block[--left] & INT64_MAX;
+        block[left] = 0; /* drawn once */
     }
     return v;
 }

@@ -1,5 +1,7 @@
 /* common_test.c - capped buffers, header lists, hop-by-hop filtering, response codec, log quoting. */
 #include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/common.h"
@@ -188,6 +190,39 @@ Test(misc, consttime_eq_and_token)
     cr_assert_neq(t1, 0);
     cr_assert_neq(t1, t2);
     cr_assert_leq(t1, (uint64_t)INT64_MAX);
+}
+
+#define NTOK 1000 /* several refills of the per-thread block */
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void *draw(void *arg)
+{
+    uint64_t *out = arg;
+    for (int i = 0; i < NTOK; i++)
+        out[i] = cm_random_token();
+    return NULL;
+}
+
+/* Tokens from the buffered blocks: never 0, 63 bits, never the same twice, in one thread or across two. */
+Test(misc, tokens_are_distinct_across_refills_and_threads)
+{
+    static uint64_t v[2 * NTOK];
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, draw, v + NTOK), 0);
+    draw(v);
+    pthread_join(th, NULL);
+    for (int i = 0; i < 2 * NTOK; i++) {
+        cr_assert_neq(v[i], 0);
+        cr_assert_leq(v[i], (uint64_t)INT64_MAX);
+    }
+    qsort(v, 2 * NTOK, sizeof v[0], cmp_u64);
+    for (int i = 1; i < 2 * NTOK; i++)
+        cr_assert_neq(v[i], v[i - 1], "token drawn twice");
 }
 
 Test(common, parse_digits)
