@@ -1924,7 +1924,7 @@ static const struct field replay_cache_fields[] = {
     FIELD("max_entries", F_U32, struct conf, replay_cache_max_entries, 0, 10000000),
 };
 
-/* replay_cache: {max_bytes: 1MiB, max_entries: 4096} or replay_cache: off */
+/* replay_cache: {max_bytes: 2MiB, max_entries: 4096} or replay_cache: off */
 static bool fn_replay_cache(struct ctx *x, yaml_node_t *n, void *target)
 {
     struct conf *c = target;
@@ -1975,7 +1975,7 @@ static void conf_defaults(struct conf *c)
     c->max_connections = 4096;
     c->client_timeout_ms = 30 * SEC;
     c->threads = 0;
-    c->replay_cache_max_bytes = MIB;
+    c->replay_cache_max_bytes = 2 * MIB;
     c->replay_cache_max_entries = 4096;
 }
 

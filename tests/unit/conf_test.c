@@ -139,7 +139,7 @@ Test(conf, example_config_loads)
     cr_expect_eq(c->max_response_header_bytes, 16 * 1024);
     cr_expect_eq(c->max_body, 1024 * 1024);
     cr_expect_eq(c->max_response, 8 * 1024 * 1024);
-    cr_expect_eq(c->replay_cache_max_bytes, 1024 * 1024);
+    cr_expect_eq(c->replay_cache_max_bytes, 2 * 1024 * 1024);
     cr_expect_eq(c->replay_cache_max_entries, 4096);
     cr_expect_eq(c->max_connections, 4096);
     cr_expect_eq(c->client_timeout_ms, 30000);
