@@ -1019,6 +1019,7 @@ static const struct field upstream_fields[] = {
     FIELD("connect_timeout", F_DUR, struct conf_upstream, connect_timeout_ms, 1, DURATION_MAX),
     FIELD("timeout", F_DUR, struct conf_upstream, timeout_ms, 1, DURATION_MAX),
     FIELD("max_connections", F_U32, struct conf_upstream, max_connections, 1, 100000),
+    FIELD("keepalive_timeout", F_DUR, struct conf_upstream, keepalive_timeout_ms, 1, 3600 * SEC),
 };
 
 static bool fn_upstreams(struct ctx *x, yaml_node_t *n, void *target)
@@ -1036,6 +1037,7 @@ static bool fn_upstreams(struct ctx *x, yaml_node_t *n, void *target)
         u->connect_timeout_ms = 2 * SEC;
         u->timeout_ms = 30 * SEC;
         u->max_connections = 1024;
+        u->keepalive_timeout_ms = 60 * SEC;
         size_t old = path_push(x, "[%zu]", i);
         x->key_line = 0;
         /* counted before parsing so that a half-built entry is freed */

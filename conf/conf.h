@@ -32,15 +32,16 @@ struct conf_addr {
 /* An upstream, its URL parsed once here into the parts the runtime uses as they are (never parsed again). */
 struct conf_upstream {
     char *name;
-    char *url;                   /* as written, trailing slash removed (for logs and Host): http://127.0.0.1:9000 */
-    bool https;                  /* scheme https (else http) */
-    char *host;                  /* host name or IP literal, IPv6 without brackets: "127.0.0.1", "::1", "api.local" */
-    uint16_t port;               /* as written, else 80 (http) or 443 (https) */
-    bool host_is_ip;             /* host is an IPv4 or IPv6 literal */
-    char *base_path;             /* path part of url without trailing '/', "" when none */
-    uint64_t connect_timeout_ms; /* default 2s */
-    uint64_t timeout_ms;         /* default 30s */
-    uint32_t max_connections;    /* upstream sockets, default 1024 */
+    char *url;                     /* as written, trailing slash removed (for logs and Host): http://127.0.0.1:9000 */
+    bool https;                    /* scheme https (else http) */
+    char *host;                    /* host name or IP literal, IPv6 without brackets: "127.0.0.1", "::1", "api.local" */
+    uint16_t port;                 /* as written, else 80 (http) or 443 (https) */
+    bool host_is_ip;               /* host is an IPv4 or IPv6 literal */
+    char *base_path;               /* path part of url without trailing '/', "" when none */
+    uint64_t connect_timeout_ms;   /* default 2s */
+    uint64_t timeout_ms;           /* default 30s */
+    uint32_t max_connections;      /* upstream sockets, default 1024 */
+    uint64_t keepalive_timeout_ms; /* an idle pooled connection is reused up to this long, default 60s (nginx's) */
 };
 
 /* Redis, parsed once from store.redis: TCP (redis://[:password@]host:port[/db]) or a unix socket (an absolute

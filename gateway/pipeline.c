@@ -449,6 +449,7 @@ static void forward(struct gw_job *job, bool idempotent)
                 .max_header_bytes = (size_t)job->conf->max_response_header_bytes,
                 .no_resend = job->idempotent || !method_is_idempotent(job->method),
                 .max_connections = gw_loop_upstream_max(job->loop, u),
+                .keepalive_ms = u->keepalive_timeout_ms,
             };
             p->transfer =
                 up_send(gw_loop_upstream(job->loop), &req, idempotent ? idem_forward_done : passthrough_done, job);

@@ -235,6 +235,7 @@ static bool send_lookup(struct probe_run *r)
             .max_header_bytes = (size_t)conf->max_response_header_bytes,
             .no_resend = !safe,
             .max_connections = gw_loop_upstream_max(r->p->loop, u),
+            .keepalive_ms = u->keepalive_timeout_ms,
         };
         r->transfer = up_send(gw_loop_upstream(r->p->loop), &req, looked_up, r);
         ok = r->transfer != NULL;

@@ -591,6 +591,10 @@ static struct up_transfer *up_curl_send(void *state, const struct up_request *re
     UP_SET(e, CURLOPT_CURLU, t->cu);
     UP_SET(e, CURLOPT_CONNECTTIMEOUT_MS, (long)req->connect_timeout_ms);
     UP_SET(e, CURLOPT_TIMEOUT_MS, (long)req->timeout_ms);
+    /* whole seconds for libcurl, at least one; it has no use for a server's Keep-Alive: timeout= */
+    UP_SET(e, CURLOPT_MAXAGE_CONN,
+           req->keepalive_ms > 0 ? (long)(req->keepalive_ms >= 1000 ? req->keepalive_ms / 1000 : 1)
+                                 : UP_MAX_IDLE_REUSE_S);
     UP_SET(e, CURLOPT_HTTPHEADER, t->hdr_list);
     /* The method options of the previous request on this handle are all overwritten here. */
     if (!with_body && t->had_postfields) {

@@ -57,6 +57,7 @@ struct h1_xfer {
     struct event *timer;           /* the transfer's deadline (connect, total) or its deferred result */
     uint64_t deadline_ms;          /* total timeout (cm_now_ms clock); 0: none */
     uint64_t connect_timeout_ms;   /* for each connection it waits on */
+    uint64_t keepalive_ms;         /* an idle connection older than this is not reused for it */
     uint64_t connect_deadline_ms;  /* of the connection it waits on now */
     char *hdr_mem;                 /* the request as it goes on the wire */
     size_t hdr_cap;
@@ -101,6 +102,8 @@ struct h1_conn {
     uint64_t left;
     bool want_status; /* the next line starts a head: the status line */
     bool http10, keep_alive, close_after, have_length, have_te, chunked;
+    uint64_t ka_hint_ms;     /* Keep-Alive: timeout=N of the response being read (ms; 0: none) */
+    uint64_t server_idle_ms; /* the last one the server announced: it closes idle connections after that */
 };
 
 struct h1_origin {
@@ -318,6 +321,8 @@ static void h1_fail(struct up_client *c, struct h1_xfer *t, enum up_result r, co
 }
 
 static void h1_send_more(struct up_client *c, struct h1_conn *k);
+static uint64_t h1_keepalive_hint(const char *v, size_t n);
+static uint64_t h1_reuse_limit_ms(const struct h1_xfer *t, const struct h1_conn *k);
 
 /* k waits for a response head: its status line first, no framing known yet. */
 static void h1_head_reset(struct h1_conn *k)
@@ -326,6 +331,7 @@ static void h1_head_reset(struct h1_conn *k)
     k->left = 0;
     k->want_status = true;
     k->http10 = k->keep_alive = k->close_after = k->have_length = k->have_te = k->chunked = false;
+    k->ka_hint_ms = 0;
 }
 
 /* The transfer starts on a connected k: a fresh response state, then the request goes out. */
@@ -421,7 +427,7 @@ static void h1_dispatch(struct up_client *c, struct h1_xfer *t)
         /* Every request checks (one recv(MSG_PEEK)): a byte waiting on an idle connection is the server's close
          * or an answer nobody asked for (the rest of an earlier one), which the next request would read as its
          * own. */
-        if (now - k->idle_since_ms > (uint64_t)UP_MAX_IDLE_REUSE_S * 1000 || !h1_conn_alive(k)) {
+        if (now - k->idle_since_ms >= h1_reuse_limit_ms(t, k) || !h1_conn_alive(k)) {
             h1_conn_close(c, k);
             continue;
         }
@@ -662,8 +668,43 @@ static bool h1_framing_header(struct h1_conn *k, const char *p, size_t len)
             k->close_after = true;
         if (h1_list_has(v, vl, "keep-alive"))
             k->keep_alive = true;
+    } else if (nl == 10 && strncasecmp(p, "Keep-Alive", 10) == 0) {
+        k->ka_hint_ms = h1_keepalive_hint(v, vl);
     }
     return true;
+}
+
+/* The server's "timeout=N" (seconds) of a Keep-Alive value (RFC 2068 19.7.1.1; Apache, node and evhttp send it),
+ * in ms; 0 when absent or malformed. */
+static uint64_t h1_keepalive_hint(const char *v, size_t n)
+{
+    for (size_t i = 0; i + 8 <= n; i++) {
+        if ((i == 0 || v[i - 1] == ' ' || v[i - 1] == ',' || v[i - 1] == '\t') &&
+            strncasecmp(v + i, "timeout=", 8) == 0) {
+            size_t s = i + 8, e = s;
+            while (e < n && v[e] >= '0' && v[e] <= '9')
+                e++;
+            uint64_t secs;
+            if (e > s && cm_parse_digits(v + s, e - s, 6, &secs))
+                return secs * 1000;
+            return 0;
+        }
+    }
+    return 0;
+}
+
+/* How long t may reuse idle k: its keepalive_timeout, and less than the server announced (it closes at that
+ * moment, and a request crossing its close ends as an unknown outcome): a second less, or half of one under
+ * 2 s. */
+static uint64_t h1_reuse_limit_ms(const struct h1_xfer *t, const struct h1_conn *k)
+{
+    uint64_t lim = t->keepalive_ms > 0 ? t->keepalive_ms : (uint64_t)UP_MAX_IDLE_REUSE_S * 1000;
+    if (k->server_idle_ms > 0) {
+        uint64_t srv = k->server_idle_ms >= 2000 ? k->server_idle_ms - 1000 : k->server_idle_ms / 2;
+        if (srv < lim)
+            lim = srv;
+    }
+    return lim;
 }
 
 /* Finds the next line in buf[pos..len): its start and length without CR LF (a bare LF ends a line too).
@@ -851,6 +892,8 @@ static void h1_complete(struct up_client *c, struct h1_conn *k, struct h1_xfer *
     struct h1_origin *o = k->o;
     if (reuse && h1_of(c)->idle_n < (c->max_host > 0 ? (size_t)c->max_host * 4 : H1_MAX_IDLE)) {
         k->requests++;
+        if (k->ka_hint_ms > 0)
+            k->server_idle_ms = k->ka_hint_ms;
         k->pos = k->len = 0;
         if (k->cap > (size_t)UP_RECV_BUFFER) {
             /* grown for a large head: an idle connection keeps no more than the usual buffer */
@@ -1000,6 +1043,7 @@ static struct up_transfer *h1_send(void *state, const struct up_request *req, bo
     uint64_t now = cm_now_ms();
     t->deadline_ms = req->timeout_ms > 0 ? now + req->timeout_ms : 0;
     t->connect_timeout_ms = req->connect_timeout_ms > 0 ? req->connect_timeout_ms : H1_DEFAULT_CONNECT_MS;
+    t->keepalive_ms = req->keepalive_ms;
     up_transfer_begin(c, &t->b, req, cb, arg);
     h->sync++;
     h1_dispatch(c, t);

@@ -18,10 +18,12 @@
 #define UP_MAX_HOST   253
 /* The gateway's replay marker: an upstream's own is dropped from its answer. */
 #define UP_REPLAYED_HDR "Idempotent-Replayed"
-/* An idle kept-alive connection older than this is not reused: many servers close idle connections after 5 s
- * (node, Apache), and a request sent on a connection the server is closing at that moment ends as an unknown
- * outcome. Under load connections are reused long before this. */
-#define UP_MAX_IDLE_REUSE_S 2L
+/* An idle kept-alive connection older than this is not reused when the request says nothing (up_request's
+ * keepalive_ms; conf's keepalive_timeout, default the same, as nginx's upstream keepalive_timeout). A server that
+ * closes idle connections earlier and says so (Keep-Alive: timeout=N: node, Apache) is believed, less a margin
+ * (h1.c): a request sent on a connection the server is closing at that moment ends as an unknown outcome. One that
+ * closes without saying so is seen by the idle connection's read event and the recv(MSG_PEEK) before reuse. */
+#define UP_MAX_IDLE_REUSE_S 60L
 /* Idle transfers (each with its configured easy handle, or its timer) kept for reuse after a burst. */
 #define UP_POOL_MAX 64
 /* The receive buffer of a running transfer (libcurl's, allocated per transfer; h1's, per connection). Measured at

@@ -59,6 +59,9 @@ struct up_request {
     /* Sockets to this request's host:port at most (0: the client's max_host_connections). Honoured by the built-in
      * client; through libcurl the client's bound applies. */
     size_t max_connections;
+    /* An idle connection to this request's host:port is reused only if it went idle less than this long ago
+     * (0: UP_MAX_IDLE_REUSE_S); older ones are closed. libcurl takes it in whole seconds (at least 1). */
+    uint64_t keepalive_ms;
     /* true: libcurl must never send this request twice on its own (its
      * silent retry on a dead reused connection becomes UP_NO_RESPONSE). */
     bool no_resend;

@@ -309,6 +309,53 @@ Test(proxy, upstream_connection_is_reused)
     e2e_resp_free(&b);
 }
 
+static const char conf_keepalive_1s[] = E2E_CONF_HEAD "threads: 1\n" CONF_UPSTREAM(
+    "{{UPSTREAM_URL}}", "5s") "    keepalive_timeout: 1s\n" CONF_PASS_ROUTE("1MiB") "default_upstream: api\n";
+
+/* The X-Conn-Id of GET path (the test upstream numbers its connections). */
+static char *conn_id_of(const struct e2e_gw *gw, const char *path)
+{
+    struct e2e_resp r;
+    e2e_get(gw->port, path, &r);
+    cr_assert_eq(r.status, 200, "%s: %ld %s", path, r.status, r.error);
+    const char *id = e2e_resp_header(&r, "X-Conn-Id");
+    cr_assert(id != NULL, "X-Conn-Id missing");
+    char *out = strdup(id);
+    e2e_resp_free(&r);
+    return out;
+}
+
+/* An idle upstream connection is reused after a pause (a wave of requests after a quiet second must not open a
+ * connection each), up to keepalive_timeout (60 s by default, nginx's) but less than the server announced with
+ * Keep-Alive: timeout=N (the test upstream says 5: reused up to 4 s), since it closes then. */
+Test(proxy, an_idle_upstream_connection_is_reused_until_the_server_would_close_it, .timeout = 60)
+{
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(conf_one_loop, &up, &gw);
+    char *a = conn_id_of(gw, "/v1/payments/ka-a");
+    e2e_sleep_ms(2600);
+    char *b = conn_id_of(gw, "/v1/payments/ka-b");
+    cr_expect_str_eq(a, b, "idle 2.6 s: a new connection (%s, then %s)", a, b);
+    e2e_sleep_ms(4300);
+    char *c = conn_id_of(gw, "/v1/payments/ka-c");
+    cr_expect_str_neq(b, c, "idle 4.3 s, past the server's 5 s less 1 s: reused (%s)", c);
+    free(a);
+    free(b);
+    free(c);
+
+    struct e2e_gw *short_ka = e2e_gw_start(conf_keepalive_1s, &(struct e2e_gw_opts){.up = up, .wait_ready = true});
+    char *d = conn_id_of(short_ka, "/v1/payments/ka-d");
+    char *e = conn_id_of(short_ka, "/v1/payments/ka-e");
+    cr_expect_str_eq(d, e, "back to back: reused");
+    e2e_sleep_ms(1300);
+    char *f = conn_id_of(short_ka, "/v1/payments/ka-f");
+    cr_expect_str_neq(e, f, "keepalive_timeout: 1s and idle 1.3 s: reused (%s)", f);
+    free(d);
+    free(e);
+    free(f);
+}
+
 Test(proxy, each_loop_reuses_its_upstream_connections)
 {
     struct e2e_upstream *up;

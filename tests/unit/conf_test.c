@@ -90,6 +90,7 @@ Test(conf, example_config_loads)
     cr_expect_eq(c->upstreams[0].connect_timeout_ms, 2000);
     cr_expect_eq(c->upstreams[0].timeout_ms, 30000);
     cr_expect_eq(c->upstreams[0].max_connections, 1024);
+    cr_expect_eq(c->upstreams[0].keepalive_timeout_ms, 60000);
 
     cr_assert_eq(c->routes_n, 2);
     const struct conf_route *p = &c->routes[0];
@@ -213,6 +214,7 @@ Test(conf, every_key_set)
                              "    connect_timeout: 1500ms\n"
                              "    timeout: 2m\n"
                              "    max_connections: 7\n"
+                             "    keepalive_timeout: 4s\n"
                              "  - name: b\n"
                              "    url: http://[::1]:9000/\n"
                              "routes:\n"
@@ -263,6 +265,8 @@ Test(conf, every_key_set)
     cr_expect_eq(c->upstreams[0].port, 8443);
     cr_expect_not(c->upstreams[0].host_is_ip);
     cr_expect_eq(c->upstreams[0].connect_timeout_ms, 1500);
+    cr_expect_eq(c->upstreams[0].keepalive_timeout_ms, 4000);
+    cr_expect_eq(c->upstreams[1].keepalive_timeout_ms, 60000);
     cr_expect_eq(c->upstreams[0].timeout_ms, 120000);
     cr_expect_eq(c->upstreams[0].max_connections, 7);
     cr_expect_str_eq(c->upstreams[1].url, "http://[::1]:9000");
