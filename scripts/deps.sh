@@ -16,7 +16,8 @@ PKGS=(
     curl ca-certificates clang clang-format libclang-rt-14-dev valgrind chromium
     iproute2 procps util-linux haproxy
 )
-# pgbench ships in postgresql-15 (the /usr/bin/pgbench wrapper in postgresql-client-common), already above.
+# pgbench (the shared bench's pg_limit) ships in postgresql-15 (the /usr/bin/pgbench wrapper in
+# postgresql-client-common), already above.
 BENCH_PKGS=(nginx-light wrk linux-perf strace)
 # scripts/citus-build.sh's list: with them, it finds nothing missing and runs no apt-get of its own.
 CITUS_PKGS=(postgresql-server-dev-15 libcurl4-openssl-dev liblz4-dev libzstd-dev libkrb5-dev libselinux1-dev
