@@ -1,5 +1,5 @@
--- replay.lua - wrk script: POSTs cycling over a fixed set of keys already completed (bench.sh primes them with
--- the same body first), so every request through the gateway is a replay. BENCH_RUN and BENCH_KEYS must match
+-- replay.lua - wrk script: POSTs cycling over a fixed set of keys already completed (bench/soak.sh primes them
+-- with the same body first), so every request through the gateway is a replay. BENCH_RUN and BENCH_KEYS must match
 -- the priming: keys are rp-$BENCH_RUN-1 .. rp-$BENCH_RUN-$BENCH_KEYS.
 local threads = 0
 function setup(thread)

@@ -81,29 +81,6 @@ REPLAY_DELAY_MS=${SOAK_REPLAY_DELAY_MS:-5}
 SLACK_PCT=${SOAK_SLACK_PCT:-10}
 SLACK_KB=${SOAK_SLACK_KB:-4096}
 
-die() {
-    echo "soak.sh: $*" >&2
-    exit 1
-}
-note() { echo "soak.sh: $*" >&2; }
-
-# ---- processes we start, stopped by id on exit
-T=
-PIDS=()
-SERVICES_UP=0
-KEEP=0
-cleanup() {
-    trap - EXIT INT TERM HUP
-    set +e
-    stop_started
-    if [ -n "$T" ] && [ -d "$T" ]; then
-        if [ "$KEEP" = 1 ]; then
-            note "logs kept in $T"
-        else
-            rm -rf "$T"
-        fi
-    fi
-}
 trap cleanup EXIT
 trap 'exit 130' INT TERM HUP
 
@@ -116,22 +93,10 @@ for c in wrk curl; do
 done
 ulimit -n 4096 2>/dev/null || true
 
-# ---- build (optimised, shared with bench.sh) unless given
+# ---- build (optimised, in its own dir) unless given
 if [ -z "$BUILD" ]; then
     BUILD=$ROOT/build-bench
-    if [ ! -f "$BUILD/build.ninja" ]; then
-        rm -rf "$BUILD"
-        meson setup "$BUILD" -Dbuildtype=release >/tmp/idemgate-soak-setup.log 2>&1 || {
-            cat /tmp/idemgate-soak-setup.log >&2
-            die "meson setup failed"
-        }
-        rm -f /tmp/idemgate-soak-setup.log
-    fi
-    ninja -C "$BUILD" idemgate tests/tools/testupstream >/tmp/idemgate-soak-build.log 2>&1 || {
-        tail -n 40 /tmp/idemgate-soak-build.log >&2
-        die "build failed"
-    }
-    rm -f /tmp/idemgate-soak-build.log
+    build_release "$BUILD" idemgate tests/tools/testupstream
 fi
 IDEMGATE=$BUILD/idemgate
 UPSTREAM=$BUILD/tests/tools/testupstream
@@ -149,10 +114,7 @@ start_upstream upstream 0 "$UP_PORT"
 GW_PORT=$(bash "$SVC" free-port)
 ADMIN_PORT=$(bash "$SVC" free-port)
 cat >"$T/idemgate.yaml" <<EOF
-listen: 127.0.0.1:$GW_PORT
-admin:
-  listen: 127.0.0.1:$ADMIN_PORT
-shutdown_grace: 5s
+$(gateway_conf_head)
 store:
   pool: 8
   redis_timeout: 50ms

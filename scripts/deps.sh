@@ -2,7 +2,7 @@
 # deps.sh - installs the Debian 12 packages idemgate needs to build, test and run; quick no-op when all are there.
 #
 #   scripts/deps.sh            build + test + run dependencies
-#   scripts/deps.sh --bench    also what bench/bench.sh needs (nginx, wrk, pgbench)
+#   scripts/deps.sh --bench    also what bench/ needs (nginx, wrk; perf and strace for bench/profile.sh)
 #   scripts/deps.sh --citus    also what building Citus for the tests needs (scripts/citus-build.sh); the test
 #                              command passes it, so that one apt-get update installs everything
 #   scripts/deps.sh --check    only report what is missing (exit 1 if anything is)
@@ -16,8 +16,9 @@ PKGS=(
     curl ca-certificates clang clang-format libclang-rt-14-dev valgrind chromium
     iproute2 procps util-linux haproxy
 )
-# pgbench ships in postgresql-15 (the /usr/bin/pgbench wrapper in postgresql-client-common), already above.
-BENCH_PKGS=(nginx-light wrk)
+# pgbench (the shared bench's pg_limit) ships in postgresql-15 (the /usr/bin/pgbench wrapper in
+# postgresql-client-common), already above.
+BENCH_PKGS=(nginx-light wrk linux-perf strace)
 # scripts/citus-build.sh's list: with them, it finds nothing missing and runs no apt-get of its own.
 CITUS_PKGS=(postgresql-server-dev-15 libcurl4-openssl-dev liblz4-dev libzstd-dev libkrb5-dev libselinux1-dev
     libpam0g-dev libreadline-dev libxslt1-dev flex autoconf gcc make patch)
