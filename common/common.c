@@ -587,10 +587,32 @@ uint64_t cm_fnv1a(uint64_t h, const void *p, size_t n)
     return h;
 }
 
+/* One spare digest context per thread: a hash begun takes it (a second one at the same time gets a new one), a
+ * hash finished gives its context back, so the hot path allocates none (two hashes per keyed request). The
+ * thread's spare is freed when it exits. */
+static pthread_key_t sha256_spare;
+static pthread_once_t sha256_spare_once = PTHREAD_ONCE_INIT;
+
+static void sha256_spare_free(void *ctx)
+{
+    EVP_MD_CTX_free(ctx);
+}
+
+static void sha256_spare_make(void)
+{
+    if (pthread_key_create(&sha256_spare, sha256_spare_free) != 0)
+        abort();
+}
+
 void cm_sha256_init(struct cm_sha256 *h)
 {
     pthread_once(&sha256_once, sha256_fetch);
-    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    pthread_once(&sha256_spare_once, sha256_spare_make);
+    EVP_MD_CTX *ctx = pthread_getspecific(sha256_spare);
+    if (ctx)
+        (void)pthread_setspecific(sha256_spare, NULL);
+    else
+        ctx = EVP_MD_CTX_new();
     if (!ctx || EVP_DigestInit_ex(ctx, sha256_md ? sha256_md : EVP_sha256(), NULL) != 1)
         oom(sizeof *h);
     h->ctx = ctx;
@@ -615,7 +637,10 @@ void cm_sha256_final(struct cm_sha256 *h, uint8_t out[32])
 {
     unsigned int olen = 32;
     EVP_DigestFinal_ex(h->ctx, out, &olen);
-    EVP_MD_CTX_free(h->ctx);
+    if (pthread_getspecific(sha256_spare) == NULL && pthread_setspecific(sha256_spare, h->ctx) == 0)
+        h->ctx = NULL; /* the thread's spare now */
+    else
+        EVP_MD_CTX_free(h->ctx);
     h->ctx = NULL;
 }
 
