@@ -298,3 +298,13 @@ Test(common, overdue)
     cr_expect(!cm_overdue(5001, 5000, 1000), "a start stored after now was read");
     cr_expect(!cm_overdue(UINT64_MAX, 5000, 1000));
 }
+
+/* tchar (RFC 9110 5.6.2) for every byte value, against the grammar written out. */
+Test(common, tchar_table_is_rfc9110s)
+{
+    for (int c = 0; c < 256; c++) {
+        bool want = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                    (c != 0 && strchr("!#$%&'*+-.^_`|~", c) != NULL);
+        cr_assert_eq(cm_is_tchar((unsigned char)c), want, "byte 0x%02x", c);
+    }
+}
