@@ -1036,7 +1036,7 @@ static bool fn_upstreams(struct ctx *x, yaml_node_t *n, void *target)
         struct conf_upstream *u = &c->upstreams[i];
         u->connect_timeout_ms = 2 * SEC;
         u->timeout_ms = 30 * SEC;
-        u->max_connections = 4096; /* the front's own default: no tighter bound than the clients' */
+        u->max_connections = 1024;
         u->keepalive_timeout_ms = 60 * SEC;
         size_t old = path_push(x, "[%zu]", i);
         x->key_line = 0;

@@ -40,7 +40,7 @@ struct conf_upstream {
     char *base_path;               /* path part of url without trailing '/', "" when none */
     uint64_t connect_timeout_ms;   /* default 2s */
     uint64_t timeout_ms;           /* default 30s */
-    uint32_t max_connections;      /* upstream sockets, default 4096 (the front's max_connections) */
+    uint32_t max_connections;      /* upstream sockets, default 1024 */
     uint64_t keepalive_timeout_ms; /* an idle pooled connection is reused up to this long, default 60s (nginx's) */
 };
 

@@ -89,7 +89,7 @@ Test(conf, example_config_loads)
     cr_expect_str_eq(c->upstreams[0].base_path, "");
     cr_expect_eq(c->upstreams[0].connect_timeout_ms, 2000);
     cr_expect_eq(c->upstreams[0].timeout_ms, 30000);
-    cr_expect_eq(c->upstreams[0].max_connections, 4096);
+    cr_expect_eq(c->upstreams[0].max_connections, 1024);
     cr_expect_eq(c->upstreams[0].keepalive_timeout_ms, 60000);
 
     cr_assert_eq(c->routes_n, 2);
@@ -166,7 +166,7 @@ Test(conf, defaults_applied)
     cr_expect_eq(c->redis_timeout_ms, 50);
     cr_expect_eq(c->upstreams[0].connect_timeout_ms, 2000);
     cr_expect_eq(c->upstreams[0].timeout_ms, 30000);
-    cr_expect_eq(c->upstreams[0].max_connections, 4096);
+    cr_expect_eq(c->upstreams[0].max_connections, 1024);
     cr_expect_not(c->has_default_upstream);
     cr_expect_eq(c->max_header_bytes, 16384);
     cr_expect_eq(c->max_body, 1048576);
