@@ -441,16 +441,17 @@ void gw_cache_usage(struct gw_cache *c, size_t *entries, size_t *bytes)
 
 /* ---- the pipeline's call sites */
 
-bool gw_cache_claim(struct gw_job *job, struct store_claim_res *res)
+enum gw_cache_verdict gw_cache_claim(struct gw_job *job, struct MHD_Connection *conn, bool *queued_ok,
+                                     struct store_claim_res *res)
 {
     struct gw_cache *c = gw_loop_cache(job->loop);
     if (!c || job->shadow)
-        return false;
+        return GW_CACHE_MISS;
     struct cm_resp resp;
-    enum gw_cache_verdict v =
-        gw_cache_get(c, job->route->name, job->scope, job->key, job->key_len, job->fp, cm_now_ms(), &resp);
-    if (v == GW_CACHE_MISS)
-        return false;
+    enum gw_cache_verdict v = gw_cache_queue(c, job->route->name, job->scope, job->key, job->key_len, job->fp,
+                                             cm_now_ms(), conn, queued_ok, &resp);
+    if (v == GW_CACHE_MISS || v == GW_CACHE_QUEUED)
+        return v;
     memset(res, 0, sizeof *res);
     if (v == GW_CACHE_REPLAY) {
         res->verdict = STORE_REPLAY;
@@ -459,7 +460,7 @@ bool gw_cache_claim(struct gw_job *job, struct store_claim_res *res)
         res->verdict = STORE_MISMATCH;
         cm_resp_init(&res->resp, 0);
     }
-    return true;
+    return v;
 }
 
 uint64_t gw_cache_before_store(struct gw_job *job)

@@ -73,10 +73,13 @@ void gw_cache_usage(struct gw_cache *c, size_t *entries, size_t *bytes);
 /* ---- the pipeline's call sites (loop thread) */
 struct gw_job;
 struct store_claim_res;
-/* Before the store's claim: true when the cache answers the job's record (not for shadow routes). *res is then
- * filled as the store would fill it (STORE_REPLAY with resp owned by res, or STORE_MISMATCH); the caller hands it
- * on as a claim result and frees res->resp with cm_resp_free. false: ask the store (res untouched). */
-bool gw_cache_claim(struct gw_job *job, struct store_claim_res *res);
+/* Before the store's claim: looks the job's record up (not for shadow routes). GW_CACHE_REPLAY / _MISMATCH: *res is
+ * filled as the store would fill it (STORE_REPLAY with resp owned by res, or STORE_MISMATCH); the caller answers
+ * from it and frees res->resp with cm_resp_free. GW_CACHE_MISS: ask the store (res untouched). With conn (the
+ * front, a request it can answer at once) the look-up is gw_cache_queue's: GW_CACHE_QUEUED means the prepared
+ * answer was queued on conn (*queued_ok as there) and res is untouched. */
+enum gw_cache_verdict gw_cache_claim(struct gw_job *job, struct MHD_Connection *conn, bool *queued_ok,
+                                     struct store_claim_res *res);
 /* Just before store_complete and store_claim: the epoch a fill will be checked against (the caller keeps it). */
 uint64_t gw_cache_before_store(struct gw_job *job);
 /* A claim answered STORE_REPLAY (from Postgres, or from Redis with the expiry written beside the answer): keeps a

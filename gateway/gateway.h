@@ -36,6 +36,7 @@ struct gw_job {
     size_t key_len;
     uint8_t scope[32];
     uint8_t fp[32];
+    bool cache_asked; /* the front looked the record up in the replay cache (a miss): the claim does not again */
     /* ordering guard (SPEC 6; gateway/ordering.h): parsed by the front */
     bool ordered;   /* the route's guard covers this request */
     int64_t seq;    /* its sequence */

@@ -700,6 +700,20 @@ static void answer_mismatch(struct gw_job *job)
                    "this key was already used with a different request payload");
 }
 
+/* A record's answer from the store or the cache: the stored answer byte for byte (STORE_REPLAY, res->resp moved
+ * out), or 422 for another fingerprint (STORE_MISMATCH). The request's outcome. */
+static enum cm_outcome answer_record(struct gw_job *job, struct store_claim_res *res)
+{
+    if (res->verdict != STORE_REPLAY) {
+        answer_mismatch(job);
+        return CM_OUT_MISMATCH;
+    }
+    take_resp(job, &res->resp);
+    job->replayed = true;
+    cm_metric_dedup_hit(job->route_index);
+    return CM_OUT_REPLAYED;
+}
+
 static void claimed(void *arg, struct store_claim_res *res)
 {
     struct gw_job *job = arg;
@@ -714,14 +728,10 @@ static void claimed(void *arg, struct store_claim_res *res)
     }
     case STORE_REPLAY: /* the replay point: the stored answer, byte for byte */
         gw_cache_replayed(job, res, p->started_ms, p->cache_epoch);
-        take_resp(job, &res->resp);
-        job->replayed = true;
-        cm_metric_dedup_hit(job->route_index);
-        finish(job, CM_OUT_REPLAYED);
+        finish(job, answer_record(job, res));
         return;
     case STORE_MISMATCH:
-        answer_mismatch(job);
-        finish(job, CM_OUT_MISMATCH);
+        finish(job, answer_record(job, res));
         return;
     case STORE_IN_FLIGHT:
         in_flight(job, res->lease_remaining_ms);
@@ -760,8 +770,11 @@ static void claim(struct gw_job *job)
         in_flight(job, im->lease_ms);
         return;
     }
+    /* a completed record held in memory: no store round trip (unless the front just found none) */
+    bool asked = job->cache_asked;
+    job->cache_asked = false; /* a later claim of the job (after a wait or a probe) looks again */
     struct store_claim_res cached;
-    if (gw_cache_claim(job, &cached)) { /* a completed record held in memory: no store round trip */
+    if (!asked && gw_cache_claim(job, NULL, NULL, &cached) != GW_CACHE_MISS) {
         claimed(job, &cached);
         cm_resp_free(&cached.resp);
         return;
@@ -782,35 +795,19 @@ enum gw_cached gw_pipeline_answer_cached(struct gw_job *job, struct MHD_Connecti
     if (gw_owned_held(&id))
         return GW_CACHED_NONE; /* in flight here: the pipeline answers 409 */
     struct store_claim_res cached;
-    memset(&cached, 0, sizeof cached);
-    enum gw_cache_verdict v = GW_CACHE_MISS;
-    if (conn) {
-        v = gw_cache_queue(gw_loop_cache(job->loop), job->route->name, job->scope, job->key, job->key_len, job->fp,
-                           cm_now_ms(), conn, queued_ok, &cached.resp);
-        if (v == GW_CACHE_QUEUED) {
-            cm_metric_dedup_hit(job->route_index);
-            cm_metric_request(job->route_index, CM_OUT_REPLAYED);
-            return GW_CACHED_QUEUED;
-        }
-        cached.verdict = v == GW_CACHE_REPLAY ? STORE_REPLAY : STORE_MISMATCH;
-        if (v == GW_CACHE_MISMATCH)
-            cm_resp_init(&cached.resp, 0);
-    } else if (gw_cache_claim(job, &cached)) {
-        v = cached.verdict == STORE_REPLAY ? GW_CACHE_REPLAY : GW_CACHE_MISMATCH;
-    }
-    if (v == GW_CACHE_MISS)
+    switch (gw_cache_claim(job, conn, queued_ok, &cached)) {
+    case GW_CACHE_MISS:
+        job->cache_asked = true;
         return GW_CACHED_NONE;
-    if (v == GW_CACHE_REPLAY) {
-        take_resp(job, &cached.resp);
-        job->replayed = true;
+    case GW_CACHE_QUEUED:
         cm_metric_dedup_hit(job->route_index);
         cm_metric_request(job->route_index, CM_OUT_REPLAYED);
-    } else {
-        answer_mismatch(job);
-        cm_metric_request(job->route_index, CM_OUT_MISMATCH);
+        return GW_CACHED_QUEUED;
+    default:
+        cm_metric_request(job->route_index, answer_record(job, &cached));
+        cm_resp_free(&cached.resp);
+        return GW_CACHED_ANSWER;
     }
-    cm_resp_free(&cached.resp);
-    return GW_CACHED_ANSWER;
 }
 
 void gw_pipeline_run(void *arg)

@@ -97,9 +97,11 @@ Test(cache, replay_from_the_cache_is_the_answer_the_store_replays)
     char key[96];
     e2e_mkkey(key, sizeof key, "same");
     struct e2e_resp first, cached, redis, pg;
+    double misses = metric(gw, "idemgate_replay_cache_misses_total");
     post(gw, key, NULL, &first);
     cr_assert_eq(first.status, 200, "first: %ld %s", first.status, first.error);
     cr_assert(!e2e_resp_is_replay(&first));
+    cr_expect_eq(metric(gw, "idemgate_replay_cache_misses_total"), misses + 1, "a new key: one look-up, one miss");
     double hits = metric(gw, "idemgate_replay_cache_hits_total");
     cr_assert_eq(metric(gw, "idemgate_replay_cache_entries"), 1, "the completion fills the cache");
     post(gw, key, NULL, &cached);
