@@ -102,8 +102,8 @@ struct h1_conn {
     uint64_t left;
     bool want_status; /* the next line starts a head: the status line */
     bool http10, keep_alive, close_after, have_length, have_te, chunked;
-    uint64_t ka_hint_ms;     /* Keep-Alive: timeout=N of the response being read (ms; 0: none) */
-    uint64_t server_idle_ms; /* the last one the server announced: it closes idle connections after that */
+    int64_t ka_hint_ms;     /* Keep-Alive: timeout=N of the response being read (ms; -1: none) */
+    int64_t server_idle_ms; /* the last one the server announced (-1: none): it closes idle ones after that */
 };
 
 struct h1_origin {
@@ -321,7 +321,7 @@ static void h1_fail(struct up_client *c, struct h1_xfer *t, enum up_result r, co
 }
 
 static void h1_send_more(struct up_client *c, struct h1_conn *k);
-static uint64_t h1_keepalive_hint(const char *v, size_t n);
+static int64_t h1_keepalive_hint(const char *v, size_t n);
 static uint64_t h1_reuse_limit_ms(const struct h1_xfer *t, const struct h1_conn *k);
 
 /* k waits for a response head: its status line first, no framing known yet. */
@@ -331,7 +331,7 @@ static void h1_head_reset(struct h1_conn *k)
     k->left = 0;
     k->want_status = true;
     k->http10 = k->keep_alive = k->close_after = k->have_length = k->have_te = k->chunked = false;
-    k->ka_hint_ms = 0;
+    k->ka_hint_ms = -1;
 }
 
 /* The transfer starts on a connected k: a fresh response state, then the request goes out. */
@@ -353,6 +353,7 @@ static struct h1_conn *h1_conn_new(struct up_client *c, struct h1_origin *o, int
     k->c = c;
     k->o = o;
     k->fd = fd;
+    k->server_idle_ms = -1;
     k->rev = event_new(c->base, fd, EV_READ | EV_PERSIST, h1_on_read, k);
     k->wev = event_new(c->base, fd, EV_WRITE, h1_on_write, k);
     o->conns++;
@@ -669,28 +670,36 @@ static bool h1_framing_header(struct h1_conn *k, const char *p, size_t len)
         if (h1_list_has(v, vl, "keep-alive"))
             k->keep_alive = true;
     } else if (nl == 10 && strncasecmp(p, "Keep-Alive", 10) == 0) {
-        k->ka_hint_ms = h1_keepalive_hint(v, vl);
+        int64_t hint = h1_keepalive_hint(v, vl); /* several headers: the smallest */
+        if (hint >= 0 && (k->ka_hint_ms < 0 || hint < k->ka_hint_ms))
+            k->ka_hint_ms = hint;
     }
     return true;
 }
 
 /* The server's "timeout=N" (seconds) of a Keep-Alive value (RFC 2068 19.7.1.1; Apache, node and evhttp send it),
- * in ms; 0 when absent or malformed. */
-static uint64_t h1_keepalive_hint(const char *v, size_t n)
+ * in ms: the smallest when it names several, 0 included (the server closes an idle connection at once); -1 when
+ * none is well formed: a parameter "timeout" (any case) at the start of a list element, "=", 1 to 6 significant
+ * digits, then the element's end. A malformed one is ignored, which leaves the configured keepalive_timeout. */
+static int64_t h1_keepalive_hint(const char *v, size_t n)
 {
+    int64_t best = -1;
     for (size_t i = 0; i + 8 <= n; i++) {
-        if ((i == 0 || v[i - 1] == ' ' || v[i - 1] == ',' || v[i - 1] == '\t') &&
-            strncasecmp(v + i, "timeout=", 8) == 0) {
-            size_t s = i + 8, e = s;
-            while (e < n && v[e] >= '0' && v[e] <= '9')
-                e++;
-            uint64_t secs;
-            if (e > s && cm_parse_digits(v + s, e - s, 6, &secs))
-                return secs * 1000;
-            return 0;
-        }
+        if (!(i == 0 || v[i - 1] == ' ' || v[i - 1] == ',' || v[i - 1] == ';' || v[i - 1] == '\t') ||
+            strncasecmp(v + i, "timeout=", 8) != 0)
+            continue;
+        size_t s = i + 8, e;
+        while (s + 1 < n && v[s] == '0' && v[s + 1] >= '0' && v[s + 1] <= '9')
+            s++; /* leading zeros */
+        for (e = s; e < n && v[e] >= '0' && v[e] <= '9';)
+            e++;
+        uint64_t secs;
+        bool ends = e == n || v[e] == ',' || v[e] == ';' || v[e] == ' ' || v[e] == '\t';
+        if (e > s && ends && cm_parse_digits(v + s, e - s, 6, &secs) && (best < 0 || (int64_t)secs * 1000 < best))
+            best = (int64_t)secs * 1000;
+        i = e - 1;
     }
-    return 0;
+    return best;
 }
 
 /* How long t may reuse idle k: its keepalive_timeout, and less than the server announced (it closes at that
@@ -699,8 +708,8 @@ static uint64_t h1_keepalive_hint(const char *v, size_t n)
 static uint64_t h1_reuse_limit_ms(const struct h1_xfer *t, const struct h1_conn *k)
 {
     uint64_t lim = t->keepalive_ms > 0 ? t->keepalive_ms : (uint64_t)UP_MAX_IDLE_REUSE_S * 1000;
-    if (k->server_idle_ms > 0) {
-        uint64_t srv = k->server_idle_ms >= 2000 ? k->server_idle_ms - 1000 : k->server_idle_ms / 2;
+    if (k->server_idle_ms >= 0) {
+        uint64_t srv = (uint64_t)(k->server_idle_ms >= 2000 ? k->server_idle_ms - 1000 : k->server_idle_ms / 2);
         if (srv < lim)
             lim = srv;
     }
@@ -892,7 +901,7 @@ static void h1_complete(struct up_client *c, struct h1_conn *k, struct h1_xfer *
     struct h1_origin *o = k->o;
     if (reuse && h1_of(c)->idle_n < (c->max_host > 0 ? (size_t)c->max_host * 4 : H1_MAX_IDLE)) {
         k->requests++;
-        if (k->ka_hint_ms > 0)
+        if (k->ka_hint_ms >= 0)
             k->server_idle_ms = k->ka_hint_ms;
         k->pos = k->len = 0;
         if (k->cap > (size_t)UP_RECV_BUFFER) {

@@ -40,6 +40,7 @@
  *   X-Test-Chunked: 1      answer with Transfer-Encoding: chunked
  *   X-Test-Header: N: V    add the response header "N: V" (repeatable, in order)
  *   X-Test-Header-Bytes: N add about N bytes of response headers (X-Pad-1: aaa... lines of about 90 bytes)
+ *   X-Test-Keep-Alive: V   the response's Keep-Alive value instead of timeout=5 (empty: no Keep-Alive header)
  * A HEAD answer carries the Content-Length its GET would have.
  * Default body: the request body echoed, or {"ok":true,"exec":N} when it is empty.
  *
@@ -595,7 +596,9 @@ static void tu_handle_exec(struct tu_server *s, struct evhttp_request *req)
     evhttp_add_header(out, "X-Multi", "two");
     evhttp_add_header(out, "Connection", "keep-alive, X-Hop");
     evhttp_add_header(out, "X-Hop", "secret");
-    evhttp_add_header(out, "Keep-Alive", "timeout=5");
+    const char *ka = evhttp_find_header(in, "X-Test-Keep-Alive");
+    if (ka == NULL || *ka)
+        evhttp_add_header(out, "Keep-Alive", ka ? ka : "timeout=5");
 
     uint64_t delay = s->default_delay_ms;
     const char *d = evhttp_find_header(in, "X-Test-Delay-Ms");

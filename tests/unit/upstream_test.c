@@ -442,6 +442,67 @@ Test(upstream, repeated_headers_in_order_and_hop_by_hop_stripped)
     result_free(&res);
 }
 
+#if UP_TEST_H1
+/* The conn id of a GET whose answer carries Keep-Alive: ka (NULL: the upstream's usual timeout=5). */
+static void conn_of(const char *ka, char out[32])
+{
+    struct reqspec s;
+    struct result res;
+    spec_init(&s, "GET", "/ka-hint");
+    if (ka)
+        cm_hdrs_add(&s.hdrs, "X-Test-Keep-Alive", ka);
+    do_request(g_cli, &s, &res);
+    cr_assert_eq(res.r, UP_OK, "Keep-Alive: %s", ka ? ka : "(usual)");
+    const char *id = cm_hdrs_get(&res.hdrs, "X-Conn-Id");
+    cr_assert_not_null(id);
+    snprintf(out, 32, "%s", id);
+    result_free(&res);
+}
+
+/* The built-in client believes a server's Keep-Alive: timeout=N (it closes idle connections then), the smallest
+ * when it says several, 0 included; anything malformed or hostile is ignored (the configured keepalive applies). */
+Test(upstream, the_servers_keep_alive_timeout_bounds_reuse_and_a_bad_one_is_ignored)
+{
+    static const struct {
+        const char *ka;
+        unsigned idle_ms;
+        bool reused;
+    } cases[] = {
+        {"timeout=0", 0, false},
+        {"max=100, timeout=0", 0, false},
+        {"timeout=5, timeout=0", 0, false},
+        {"TIMEOUT=0", 0, false},
+        {"timeout=0;max=3", 0, false},
+        {"timeout=1", 700, false}, /* under 2 s: half of it */
+        {"timeout=1", 100, true},
+        {"timeout=5, max=100", 300, true},
+        {"timeout=5x", 0, true},
+        {"timeout=", 0, true},
+        {"timeout=-1", 0, true},
+        {"timeout=\"0\"", 0, true},
+        {"timeout = 0", 0, true},
+        {"xtimeout=0", 0, true},
+        {"timeout=9999999", 0, true},
+        {"timeout=18446744073709551617", 0, true},
+        {"timeout=000000000000000000000000000000000000000000000000000000000000000000000000000000000001", 0, true},
+        {"max=0", 0, true},
+        {",,,=,timeout", 0, true},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char a[32], b[32];
+        conn_of(NULL, a); /* a connection the next one may reuse */
+        conn_of(cases[i].ka, a);
+        if (cases[i].idle_ms)
+            usleep(cases[i].idle_ms * 1000);
+        conn_of(NULL, b);
+        if (cases[i].reused)
+            cr_expect_str_eq(a, b, "Keep-Alive: %s, idle %u ms: not reused", cases[i].ka, cases[i].idle_ms);
+        else
+            cr_expect_str_neq(a, b, "Keep-Alive: %s, idle %u ms: reused", cases[i].ka, cases[i].idle_ms);
+    }
+}
+#endif
+
 Test(upstream, keep_alive_connection_is_reused)
 {
     char first[32] = "";
