@@ -153,17 +153,61 @@ char *cm_buf_take(struct cm_buf *b, size_t *len)
 /* ---- header lists
  * Each entry is one heap block "name\0value\0": v[i].name owns it, v[i].value points into it. */
 
+/* A header list's strings: chunks from CM_HDR_CHUNK_MIN bytes, each new one twice the last up to
+ * CM_HDR_CHUNK_MAX; a string larger than half the cap gets a chunk of its own (behind the newest, which keeps
+ * taking the small ones). */
+struct cm_hdr_chunk {
+    struct cm_hdr_chunk *next;
+    size_t used;
+    size_t cap;
+    char data[];
+};
+#define CM_HDR_CHUNK_MIN 512
+#define CM_HDR_CHUNK_MAX 4096
+
+static char *hdrs_space(struct cm_hdrs *h, size_t n)
+{
+    struct cm_hdr_chunk *c = h->chunk;
+    if (c && c->cap - c->used >= n) {
+        char *p = c->data + c->used;
+        c->used += n;
+        return p;
+    }
+    size_t cap = c ? (c->cap < CM_HDR_CHUNK_MAX ? c->cap * 2 : CM_HDR_CHUNK_MAX) : CM_HDR_CHUNK_MIN;
+    bool own = n > cap / 2;
+    if (own)
+        cap = n;
+    if (cap > SIZE_MAX - sizeof *c)
+        oom(SIZE_MAX);
+    struct cm_hdr_chunk *nc = cm_malloc(sizeof *nc + cap);
+    nc->cap = cap;
+    nc->used = n;
+    if (own && c) {
+        nc->next = c->next; /* behind the newest */
+        c->next = nc;
+    } else {
+        nc->next = c;
+        h->chunk = nc;
+    }
+    return nc->data;
+}
+
 void cm_hdrs_init(struct cm_hdrs *h)
 {
     h->v = NULL;
     h->n = 0;
     h->cap = 0;
+    h->chunk = NULL;
 }
 
 void cm_hdrs_free(struct cm_hdrs *h)
 {
-    for (size_t i = 0; i < h->n; i++)
-        free(h->v[i].name);
+    struct cm_hdr_chunk *c = h->chunk;
+    while (c) {
+        struct cm_hdr_chunk *next = c->next;
+        free(c);
+        c = next;
+    }
     free(h->v);
     cm_hdrs_init(h);
 }
@@ -176,7 +220,7 @@ void cm_hdrs_addn(struct cm_hdrs *h, const char *name, size_t nlen, const char *
     }
     if (nlen > SIZE_MAX - 2 || vlen > SIZE_MAX - 2 - nlen)
         oom(SIZE_MAX);
-    char *blk = cm_malloc(nlen + vlen + 2);
+    char *blk = hdrs_space(h, nlen + vlen + 2);
     memcpy(blk, name, nlen);
     blk[nlen] = '\0';
     memcpy(blk + nlen + 1, value, vlen);
@@ -191,23 +235,6 @@ void cm_hdrs_add(struct cm_hdrs *h, const char *name, const char *value)
     cm_hdrs_addn(h, name, strlen(name), value, strlen(value));
 }
 
-void cm_hdrs_fold(struct cm_hdrs *h, size_t i, const char *s, size_t n)
-{
-    if (i >= h->n)
-        return;
-    size_t nlen = (size_t)(h->v[i].value - h->v[i].name) - 1;
-    size_t vlen = strlen(h->v[i].value);
-    if (n > SIZE_MAX - 3 - nlen - vlen)
-        oom(SIZE_MAX);
-    char *blk = cm_realloc(h->v[i].name, nlen + 1 + vlen + 1 + n + 1);
-    char *v = blk + nlen + 1;
-    v[vlen] = ' ';
-    memcpy(v + vlen + 1, s, n);
-    v[vlen + 1 + n] = '\0';
-    h->v[i].name = blk;
-    h->v[i].value = v;
-}
-
 const char *cm_hdrs_get(const struct cm_hdrs *h, const char *name)
 {
     for (size_t i = 0; i < h->n; i++)
@@ -220,9 +247,7 @@ size_t cm_hdrs_remove(struct cm_hdrs *h, const char *name)
 {
     size_t o = 0;
     for (size_t i = 0; i < h->n; i++) {
-        if (strcasecmp(h->v[i].name, name) == 0)
-            free(h->v[i].name);
-        else
+        if (strcasecmp(h->v[i].name, name) != 0)
             h->v[o++] = h->v[i];
     }
     size_t removed = h->n - o;
@@ -302,7 +327,7 @@ static void conn_toks_split(struct conn_toks *t, const char *list)
 
 void cm_hdrs_strip_hop_by_hop(struct cm_hdrs *h)
 {
-    /* Pass 1: the items of every Connection header. They point into those values, which are freed last. */
+    /* Pass 1: the items of every Connection header (they point into those values). */
     struct conn_toks t;
     t.v = t.small;
     t.n = 0;
@@ -326,8 +351,6 @@ void cm_hdrs_strip_hop_by_hop(struct cm_hdrs *h)
             h->v[o++] = keep;
         }
     }
-    for (size_t i = o; i < h->n; i++)
-        free(h->v[i].name);
     h->n = o;
     if (t.v != t.small)
         free(t.v);

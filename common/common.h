@@ -40,23 +40,23 @@ void cm_buf_free(struct cm_buf *b);
 /* Hands the heap data to the caller (may be NULL when empty) and resets b. */
 char *cm_buf_take(struct cm_buf *b, size_t *len);
 
-/* ---- ordered header list; names keep the case they arrived with. */
+/* ---- ordered header list; names keep the case they arrived with. The strings live in chunks the list owns
+ * (a few allocations per list instead of one per header); they stay where they are until cm_hdrs_free. */
 struct cm_hdr {
     char *name;
     char *value;
 };
+struct cm_hdr_chunk;
 struct cm_hdrs {
     struct cm_hdr *v;
     size_t n;
     size_t cap;
+    struct cm_hdr_chunk *chunk; /* the newest, which takes the next strings; older ones behind it */
 };
 void cm_hdrs_init(struct cm_hdrs *h);
 void cm_hdrs_free(struct cm_hdrs *h);
 void cm_hdrs_add(struct cm_hdrs *h, const char *name, const char *value);
 void cm_hdrs_addn(struct cm_hdrs *h, const char *name, size_t nlen, const char *value, size_t vlen);
-/* Appends one space and s[0..n) to the value of entry i (obsolete line folding); no-op when i >= h->n. Entries
- * are single blocks owned by the list: name and value are never freed or reassigned one by one. */
-void cm_hdrs_fold(struct cm_hdrs *h, size_t i, const char *s, size_t n);
 /* First value of a header (case-insensitive name), or NULL. */
 const char *cm_hdrs_get(const struct cm_hdrs *h, const char *name);
 /* Removes every header whose name matches (case-insensitive); returns count. */

@@ -1,6 +1,7 @@
 /* common_test.c - capped buffers, header lists, hop-by-hop filtering, response codec, log quoting. */
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -48,6 +49,60 @@ Test(hdrs, get_is_case_insensitive_and_remove_counts)
     cr_assert_eq(cm_hdrs_remove(&h, "Set-Cookie"), 2);
     cr_assert_eq(h.n, 1);
     cr_assert_null(cm_hdrs_get(&h, "set-cookie"));
+    cm_hdrs_free(&h);
+}
+
+/* Strings of every size, across the list's chunks (small ones, ones over a chunk, empty ones, embedded NULs in
+ * the length form), stay whole and in order through removals until the list is freed (ASan checks the bounds). */
+Test(hdrs, strings_stay_whole_across_chunks)
+{
+    struct cm_hdrs h;
+    cm_hdrs_init(&h);
+    static char big[20000];
+    memset(big, 'v', sizeof big - 1);
+    char name[32], want[64];
+    for (int i = 0; i < 600; i++) {
+        snprintf(name, sizeof name, "X-H%d", i);
+        if (i % 97 == 5) {
+            size_t n = (size_t)(i * 31) % (sizeof big - 1) + 1;
+            cm_hdrs_addn(&h, name, strlen(name), big, n);
+        } else if (i % 13 == 0) {
+            cm_hdrs_add(&h, name, "");
+        } else {
+            snprintf(want, sizeof want, "value-%d-%0*d", i, i % 40, 7);
+            cm_hdrs_add(&h, name, want);
+        }
+    }
+    cr_assert_eq(cm_hdrs_remove(&h, "X-H7"), 1);
+    cr_assert_eq(h.n, 599);
+    for (int i = 0, k = 0; i < 600; i++) {
+        if (i == 7)
+            continue;
+        snprintf(name, sizeof name, "X-H%d", i);
+        cr_assert_str_eq(h.v[k].name, name);
+        if (i % 97 == 5) {
+            size_t n = (size_t)(i * 31) % (sizeof big - 1) + 1;
+            cr_assert_eq(strlen(h.v[k].value), n, "%s", name);
+            cr_assert_eq(memcmp(h.v[k].value, big, n), 0);
+        } else if (i % 13 == 0) {
+            cr_assert_str_eq(h.v[k].value, "");
+        } else {
+            snprintf(want, sizeof want, "value-%d-%0*d", i, i % 40, 7);
+            cr_assert_str_eq(h.v[k].value, want);
+        }
+        k++;
+    }
+    cm_hdrs_add(&h, "Connection", "X-H1, X-H2");
+    cm_hdrs_strip_hop_by_hop(&h);
+    cr_assert_eq(h.n, 597);
+    cr_assert_null(cm_hdrs_get(&h, "X-H1"));
+    snprintf(want, sizeof want, "value-%d-%0*d", 599, 599 % 40, 7);
+    cr_assert_str_eq(cm_hdrs_get(&h, "X-H599"), want);
+    cm_hdrs_free(&h);
+    cr_assert_eq(h.n, 0);
+    cr_assert_null(h.v);
+    cm_hdrs_add(&h, "A", "b"); /* usable again after free */
+    cr_assert_str_eq(cm_hdrs_get(&h, "a"), "b");
     cm_hdrs_free(&h);
 }
 
