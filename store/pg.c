@@ -211,15 +211,10 @@ static void ql_remove(struct qlist *l, struct pg_query *q)
     l->n--;
 }
 
+/* q, its timer's storage, its parameter arrays and their bytes are one allocation (store_pg_query). */
 static void q_free(struct pg_query *q)
 {
-    if (q->timer)
-        event_free(q->timer);
-    for (int i = 0; i < q->nparams; i++)
-        free(q->values[i]);
-    free(q->values);
-    free(q->lengths);
-    free(q->formats);
+    event_del(q->timer);
     free(q);
 }
 
@@ -1397,7 +1392,21 @@ void store_pg_destroy(struct store_pg *p)
 void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param *params, int nparams,
                     int result_format, store_pg_cb cb, void *arg)
 {
-    struct pg_query *q = cm_calloc(1, sizeof *q);
+    /* One allocation: the query, its timer's storage, the three parameter arrays, then each value's bytes with a
+     * NUL (the text format's terminator). */
+    size_t np = nparams > 0 ? (size_t)nparams : 0;
+    size_t off_ev = (sizeof(struct pg_query) + 15) & ~(size_t)15;
+    size_t off_vals = off_ev + ((event_get_struct_event_size() + 15) & ~(size_t)15);
+    size_t off_ints = off_vals + np * sizeof(char *);
+    size_t off_bytes = off_ints + 2 * np * sizeof(int);
+    size_t total = off_bytes;
+    for (size_t i = 0; i < np; i++) {
+        if (params[i].data && params[i].len > SIZE_MAX / 2 - total)
+            abort(); /* no parameter comes near: they are bounded by the request's limits */
+        total += params[i].data ? params[i].len + 1 : 0;
+    }
+    char *blk = cm_calloc(1, total);
+    struct pg_query *q = (struct pg_query *)blk;
     q->pool = p;
     q->stmt = stmt;
     q->nparams = nparams;
@@ -1405,20 +1414,22 @@ void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param
     q->cb = cb;
     q->arg = arg;
     q->start_ms = cm_now_ms();
-    q->timer = evtimer_new(p->base, query_timer_cb, q);
-    if (!q->timer)
+    q->timer = (struct event *)(blk + off_ev);
+    if (evtimer_assign(q->timer, p->base, query_timer_cb, q) != 0)
         abort();
-    if (nparams > 0) {
-        q->values = cm_calloc((size_t)nparams, sizeof *q->values);
-        q->lengths = cm_calloc((size_t)nparams, sizeof *q->lengths);
-        q->formats = cm_calloc((size_t)nparams, sizeof *q->formats);
-        for (int i = 0; i < nparams; i++) {
+    if (np > 0) {
+        q->values = (char **)(blk + off_vals);
+        q->lengths = (int *)(blk + off_ints);
+        q->formats = q->lengths + np;
+        char *bytes = blk + off_bytes;
+        for (size_t i = 0; i < np; i++) {
             q->formats[i] = params[i].binary ? 1 : 0;
             if (!params[i].data)
                 continue;
-            q->values[i] = cm_malloc(params[i].len + 1);
-            memcpy(q->values[i], params[i].data, params[i].len);
-            q->values[i][params[i].len] = '\0';
+            q->values[i] = bytes;
+            memcpy(bytes, params[i].data, params[i].len);
+            bytes[params[i].len] = '\0';
+            bytes += params[i].len + 1;
             q->lengths[i] = (int)params[i].len;
         }
     }
