@@ -53,7 +53,8 @@ struct rd_cmd {
     struct store_rd *r;
     store_rd_cb cb;
     void *arg;
-    struct event *timer; /* NULL for setup commands (the connect timer covers them) */
+    struct event *timer; /* storage after the struct, same allocation; NULL for setup commands (the connect timer
+                          * covers them) */
     uint64_t start_ms;
     bool done; /* the caller has been answered (timeout) */
     bool setup;
@@ -115,7 +116,7 @@ static void rd_ready(struct store_rd *r)
 static void cmd_free(struct rd_cmd *cmd)
 {
     if (cmd->timer)
-        event_free(cmd->timer);
+        event_del(cmd->timer);
     free(cmd);
 }
 
@@ -355,13 +356,14 @@ bool store_rd_command(struct store_rd *r, store_rd_cb cb, void *arg, int argc, c
 {
     if (!r || r->state != R_UP || !r->ac || r->destroying)
         return false;
-    struct rd_cmd *cmd = cm_calloc(1, sizeof *cmd);
+    size_t off_ev = (sizeof(struct rd_cmd) + 15) & ~(size_t)15; /* the timer's storage follows: one allocation */
+    struct rd_cmd *cmd = cm_calloc(1, off_ev + event_get_struct_event_size());
     cmd->r = r;
     cmd->cb = cb;
     cmd->arg = arg;
     cmd->start_ms = cm_now_ms();
-    cmd->timer = evtimer_new(r->base, cmd_timer_cb, cmd);
-    if (!cmd->timer)
+    cmd->timer = (struct event *)((char *)cmd + off_ev);
+    if (evtimer_assign(cmd->timer, r->base, cmd_timer_cb, cmd) != 0)
         abort();
     if (redisAsyncCommandArgv(r->ac, reply_cb, cmd, argc, argv, argvlen) != REDIS_OK) {
         cmd_free(cmd);
