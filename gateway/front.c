@@ -690,6 +690,18 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     job->finish = job_finish;
     const char *block_bad = raw_block_check(r, c, method, version);
 
+    /* The route first (when the target is sound), so that even the refusals below answer in its errors: format
+     * (SPEC 9: every gateway problem). */
+    const struct conf_route *route = r->target_res == CM_TARGET_OK ? conf_match_route(conf, job->path) : NULL;
+    if (route) {
+        job->route = route;
+        job->route_index = r->cref->route_slot[route - conf->routes]; /* its name's metrics slot */
+        job->upstream = &conf->upstreams[route->upstream];
+    } else if (conf->has_default_upstream && r->target_res == CM_TARGET_OK) {
+        job->route_index = CM_ROUTE_DEFAULT;
+        job->upstream = &conf->upstreams[conf->default_upstream];
+    } /* else CM_ROUTE_NONE, as set at the request line */
+
     struct conn_track *t = track_of(c);
     if (t && t->over_limit)
         return reject(r, c, 503, "too-many-connections", "Too many connections",
@@ -709,18 +721,6 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     if (method_case_variant(method))
         return reject(r, c, 501, "not-implemented", "Not implemented",
                       "methods are case-sensitive; this one is a case variant of a standard method", CM_OUT_ERROR);
-
-    const struct conf_route *route = conf_match_route(conf, job->path);
-    if (route) {
-        job->route = route;
-        job->route_index = r->cref->route_slot[route - conf->routes]; /* its name's metrics slot */
-        job->upstream = &conf->upstreams[route->upstream];
-    } else if (conf->has_default_upstream) {
-        job->route_index = CM_ROUTE_DEFAULT;
-        job->upstream = &conf->upstreams[conf->default_upstream];
-    } else {
-        job->route_index = CM_ROUTE_NONE;
-    }
 
     /* SPEC 9: on a route whose scope needs a JWT, its idempotent methods check the token first (401 before any 400) */
     bool keyed = route && route->idem.key != CONF_KEY_OFF && (route->methods & conf_method_bit(method));
