@@ -415,3 +415,34 @@ Test(audit15, problems_carry_type_title_status_and_detail)
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, NULL), 2);
 }
+
+/* ---- SPEC 5 (and 9: the admin listener always answers problem+json): the key endpoints before the schema is
+ * there (Postgres unreachable since the start) */
+
+Test(audit15, admin_keys_without_a_store_answer_a_problem)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw_opts o = {.up = up, .env = admin_env};
+    struct e2e_gw *gw = e2e_gw_start(
+        E2E_CONF_PORTS "store:\n"
+                       "  postgres: \"postgresql://idemgate@127.0.0.1:{{DEAD_PORT}}/idemgate\"\n"
+                       "upstreams:\n" E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "5s") "routes:\n" E2E_CONF_ROUTE(
+                           "pay", "/v1/pay", "api") "      key: required\n",
+        &o);
+    struct e2e_resp r;
+    e2e_get(gw->admin_port, "/readyz", &r);
+    cr_expect_eq(r.status, 503, "/readyz without Postgres: %ld", r.status);
+    cr_expect(strstr((const char *)r.body, "\"postgres\":\"down\"") != NULL, "%.200s", (const char *)r.body);
+    e2e_resp_free(&r);
+    static const char *const methods[][2] = {{"GET", "keys"}, {"DELETE", "keys"}, {"POST", "keys/release"}};
+    for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
+        admin(gw, methods[i][0], methods[i][1], "pay", "k-1", ADMIN_TOKEN, &r);
+        expect_full_problem(&r, 503, "store-unavailable", methods[i][0]);
+        e2e_resp_free(&r);
+    }
+    post(gw->port, "/v1/pay", "k-1", "x", NULL, &r);
+    expect_full_problem(&r, 503, "store-unavailable", "a keyed request without Postgres");
+    cr_expect_not_null(e2e_resp_header(&r, "Retry-After"), "503 store-unavailable carries Retry-After");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, NULL), 0, "nothing forwarded");
+}
