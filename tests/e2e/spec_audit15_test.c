@@ -446,3 +446,47 @@ Test(audit15, admin_keys_without_a_store_answer_a_problem)
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, NULL), 0, "nothing forwarded");
 }
+
+/* ---- SPEC 2: past shutdown_grace the gateway still exits 0, promptly, and the request it gave up on was sent, so
+ * its key is not released (SPEC 1: an unknown outcome) */
+
+Test(audit15, sigterm_past_the_grace_exits_0_and_keeps_the_key)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    static const char conf[] = "listen: 127.0.0.1:{{LISTEN_PORT}}\n"
+                               "admin:\n"
+                               "  listen: 127.0.0.1:{{ADMIN_PORT}}\n"
+                               "shutdown_grace: 1s\n" E2E_CONF_STORE("{{REDIS_URL}}") "upstreams:\n" E2E_CONF_UPSTREAM(
+                                   "api", "{{UPSTREAM_URL}}",
+                                   "10s") "routes:\n" E2E_CONF_ROUTE("pay", "/v1/pay", "api") "      key: required\n"
+                                                                                              "      lease: 2s\n";
+    struct e2e_gw_opts o = {.up = up, .wait_ready = true};
+    struct e2e_gw *gw = e2e_gw_start(conf, &o);
+    char key[96], kh[128];
+    e2e_mkkey(key, sizeof key, "grace");
+    snprintf(kh, sizeof kh, "Idempotency-Key: %s", key);
+    const char *h[] = {kh, "X-Test-Delay-Ms: 5000", NULL};
+    struct e2e_req rq = {
+        .method = "POST", .path = "/v1/pay", .headers = h, .body = "x", .body_len = 1, .timeout_ms = 9000};
+    struct e2e_async *a = e2e_http_async(gw->port, &rq);
+    cr_assert_eq(e2e_upstream_wait_count(up, key, 1, 3000), 1, "the request reached the upstream");
+    uint64_t t0 = e2e_now_ms();
+    cr_assert_eq(kill(gw->proc.pid, SIGTERM), 0);
+    struct e2e_resp r;
+    e2e_http_join(a, &r);
+    cr_expect(r.status == 503 || r.status == 0, "past the grace: 503 or a closed connection, got %ld", r.status);
+    e2e_resp_free(&r);
+    cr_assert(e2e_proc_wait(&gw->proc, 8000), "idemgate still running after SIGTERM");
+    uint64_t took = e2e_now_ms() - t0;
+    cr_expect_eq(e2e_proc_exit_code(&gw->proc), 0, "exit code past the grace: %d", e2e_proc_exit_code(&gw->proc));
+    cr_expect(took < 4000, "the 1 s grace bounds the shutdown: %llu ms", (unsigned long long)took);
+
+    /* after the lease the record is an unknown outcome (reject): no second execution */
+    e2e_sleep_ms(2200);
+    struct e2e_gw_opts o2 = {.up = up, .wait_ready = true};
+    struct e2e_gw *gw2 = e2e_gw_start(conf, &o2);
+    post(gw2->port, "/v1/pay", key, "x", NULL, &r);
+    cr_expect_eq(r.status, 409, "the retry: %ld %.200s", r.status, (const char *)r.body);
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 1, "never executed twice");
+}
