@@ -490,3 +490,50 @@ Test(audit15, sigterm_past_the_grace_exits_0_and_keeps_the_key)
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "never executed twice");
 }
+
+/* ---- SPEC 4: hop-by-hop headers are never stored: a replay (from this process and from Postgres) has none */
+
+static void expect_no_hop_by_hop(const struct e2e_resp *r, const char *what)
+{
+    static const char *const gone[] = {"X-Hop", "Keep-Alive", "Transfer-Encoding", "Upgrade", "Trailer"};
+    for (size_t i = 0; i < sizeof gone / sizeof gone[0]; i++)
+        cr_expect_null(e2e_resp_header(r, gone[i]), "%s: %s was returned", what, gone[i]);
+    for (size_t i = 0; i < e2e_resp_header_count(r, "Connection"); i++)
+        cr_expect(strcasestr(e2e_resp_header_nth(r, "Connection", i), "x-hop") == NULL, "%s: Connection: %s", what,
+                  e2e_resp_header_nth(r, "Connection", i));
+    cr_expect_eq(e2e_resp_header_count(r, "Set-Cookie"), 2, "%s: both Set-Cookie kept", what);
+}
+
+Test(audit15, replays_carry_no_hop_by_hop_header)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_pay_conf pc = {.idem = "key: required\n"};
+    struct e2e_gw *gw = e2e_gw_start_pay(up, &pc, NULL);
+    static const char *const variants[] = {NULL, "X-Test-Chunked: 1"};
+    char keys[2][96];
+    struct e2e_resp r;
+    for (size_t v = 0; v < 2; v++) {
+        e2e_mkkey(keys[v], sizeof keys[v], "hop");
+        for (int i = 0; i < 2; i++) {
+            post(gw->port, "/v1/pay", keys[v], "hop-body", variants[v], &r);
+            cr_expect_eq(r.status, 200);
+            cr_expect_eq(e2e_resp_is_replay(&r), i == 1, "variant %zu attempt %d", v, i);
+            cr_expect(r.body_len == 8 && memcmp(r.body, "hop-body", 8) == 0, "body %.100s", (const char *)r.body);
+            expect_no_hop_by_hop(&r, i == 0 ? "the first answer" : "a replay from this process");
+            e2e_resp_free(&r);
+        }
+    }
+    /* another gateway without Redis: the replay is read from Postgres */
+    char pg_env[600];
+    snprintf(pg_env, sizeof pg_env, "IDEMGATE_POSTGRES_URL=%s", e2e_env("IDEMGATE_TEST_PG_URL"));
+    const char *env[] = {pg_env, "IDEMGATE_REDIS_URL=", NULL};
+    struct e2e_gw *gw2 = e2e_gw_start_pay(up, &pc, env);
+    for (size_t v = 0; v < 2; v++) {
+        post(gw2->port, "/v1/pay", keys[v], "hop-body", variants[v], &r);
+        cr_expect(e2e_resp_is_replay(&r), "variant %zu replayed from Postgres", v);
+        cr_expect(r.body_len == 8 && memcmp(r.body, "hop-body", 8) == 0, "body %.100s", (const char *)r.body);
+        expect_no_hop_by_hop(&r, "a replay from Postgres");
+        e2e_resp_free(&r);
+        cr_expect_eq(e2e_upstream_count(up, keys[v]), 1);
+    }
+}
