@@ -537,3 +537,61 @@ Test(audit15, replays_carry_no_hop_by_hop_header)
         cr_expect_eq(e2e_upstream_count(up, keys[v]), 1);
     }
 }
+
+/* ---- SPEC 3: idempotency.header names the key header; fingerprint may name a header and leave the body out;
+ * methods lists the idempotent methods */
+
+Test(audit15, key_header_fingerprint_header_and_methods_are_configurable)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw_opts o = {.up = up, .wait_ready = true};
+    struct e2e_gw *gw =
+        e2e_gw_start(E2E_CONF_HEAD "upstreams:\n" E2E_CONF_UPSTREAM(
+                         "api", "{{UPSTREAM_URL}}", "5s") "routes:\n"
+                                                          "  - name: put\n"
+                                                          "    match:\n"
+                                                          "      path_prefix: /v1/put\n"
+                                                          "      methods: [PUT]\n"
+                                                          "    upstream: api\n"
+                                                          "    idempotency:\n"
+                                                          "      key: required\n"
+                                                          "      header: X-Request-Key\n"
+                                                          "      fingerprint: [method, path, header:X-Amount]\n",
+                     &o);
+    char key[96], kh[128];
+    e2e_mkkey(key, sizeof key, "custom");
+    snprintf(kh, sizeof kh, "X-Request-Key: %s", key);
+    struct e2e_resp r;
+    /* POST is not in methods: passes through without a key */
+    post(gw->port, "/v1/put", NULL, "x", NULL, &r);
+    cr_expect_eq(r.status, 200, "POST on a PUT route: %ld %.200s", r.status, (const char *)r.body);
+    e2e_resp_free(&r);
+    /* an Idempotency-Key is not the key header here */
+    e2e_http_key(gw->port, "PUT", "/v1/put", key, NULL, "x", 0, &r);
+    expect_full_problem(&r, 400, "idempotency-key-missing", "Idempotency-Key on a route keyed by X-Request-Key");
+    e2e_resp_free(&r);
+    const char *h1[] = {kh, "X-Amount: 10", NULL};
+    e2e_http_key(gw->port, "PUT", "/v1/put", NULL, h1, "first body", 0, &r);
+    cr_expect_eq(r.status, 200);
+    cr_expect(!e2e_resp_is_replay(&r));
+    e2e_resp_free(&r);
+    long n = e2e_upstream_count(up, NULL);
+    /* the body is not fingerprinted: another body is the same request */
+    e2e_http_key(gw->port, "PUT", "/v1/put", NULL, h1, "another body", 0, &r);
+    cr_expect(e2e_resp_is_replay(&r), "the body is not in the fingerprint: %ld %.200s", r.status, (const char *)r.body);
+    e2e_resp_free(&r);
+    /* the header is */
+    const char *h2[] = {kh, "X-Amount: 11", NULL};
+    e2e_http_key(gw->port, "PUT", "/v1/put", NULL, h2, "first body", 0, &r);
+    expect_full_problem(&r, 422, "idempotency-key-mismatch", "another X-Amount");
+    e2e_resp_free(&r);
+    const char *h3[] = {kh, NULL};
+    e2e_http_key(gw->port, "PUT", "/v1/put", NULL, h3, "first body", 0, &r);
+    expect_full_problem(&r, 422, "idempotency-key-mismatch", "no X-Amount");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, NULL), n, "nothing more executed");
+    /* the key header is forwarded (forward_key defaults to true) */
+    char *last = e2e_upstream_last_headers(up);
+    cr_expect(strstr(last, kh) != NULL, "X-Request-Key forwarded:\n%s", last);
+    free(last);
+}
