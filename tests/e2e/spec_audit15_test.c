@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -594,4 +595,55 @@ Test(audit15, key_header_fingerprint_header_and_methods_are_configurable)
     char *last = e2e_upstream_last_headers(up);
     cr_expect(strstr(last, kh) != NULL, "X-Request-Key forwarded:\n%s", last);
     free(last);
+}
+
+/* ---- SPEC 2: the schema is created at start, safely when several instances start at once (a fresh database) */
+
+static char fresh_db[64];
+
+static void drop_fresh_db(void)
+{
+    if (fresh_db[0] != '\0') {
+        char sql[160];
+        snprintf(sql, sizeof sql, "DROP DATABASE IF EXISTS %s WITH (FORCE)", fresh_db);
+        free(e2e_psql(sql));
+    }
+    e2e_teardown();
+}
+
+Test(audit15, three_instances_starting_at_once_create_one_schema, .fini = drop_fresh_db)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    snprintf(fresh_db, sizeof fresh_db, "audit15_%ld_%u", (long)getpid(), (unsigned)(e2e_now_ms() % 100000));
+    char sql[160];
+    snprintf(sql, sizeof sql, "CREATE DATABASE %s OWNER idemgate", fresh_db);
+    free(e2e_psql(sql));
+    const char *pg = e2e_env("IDEMGATE_TEST_PG_URL");
+    const char *slash = strrchr(pg, '/');
+    cr_assert(slash != NULL && slash > pg + 13, "IDEMGATE_TEST_PG_URL: %s", pg);
+    char pg_env[700];
+    snprintf(pg_env, sizeof pg_env, "IDEMGATE_POSTGRES_URL=%.*s/%s", (int)(slash - pg), pg, fresh_db);
+    const char *env[] = {pg_env, "IDEMGATE_REDIS_URL=", NULL};
+    static const char conf[] = E2E_CONF_HEAD "upstreams:\n" E2E_CONF_UPSTREAM(
+        "api", "{{UPSTREAM_URL}}", "5s") "routes:\n" E2E_CONF_ROUTE("pay", "/v1/pay", "api") "      key: required\n";
+    struct e2e_gw_opts o = {.up = up, .env = env, .no_wait = true};
+    struct e2e_gw *gw[3];
+    for (int i = 0; i < 3; i++)
+        gw[i] = e2e_gw_start(conf, &o);
+    for (int i = 0; i < 3; i++) {
+        cr_assert(e2e_gw_readyz_wait(gw[i], 200, 15000), "instance %d never ready", i);
+        cr_expect(!e2e_gw_log_contains(gw[i], "level=error"), "instance %d logged an error", i);
+    }
+    char key[96];
+    e2e_mkkey(key, sizeof key, "fresh");
+    struct e2e_resp r;
+    for (int i = 0; i < 3; i++) {
+        post(gw[i]->port, "/v1/pay", key, "x", NULL, &r);
+        cr_expect_eq(r.status, 200, "instance %d: %ld %.200s", i, r.status, (const char *)r.body);
+        cr_expect_eq(e2e_resp_is_replay(&r), i > 0, "instance %d replayed: %d", i, (int)e2e_resp_is_replay(&r));
+        e2e_resp_free(&r);
+    }
+    cr_expect_eq(e2e_upstream_count(up, key), 1, "one execution over the three instances");
+    for (int i = 0; i < 3; i++)
+        cr_expect_eq(e2e_gw_stop(gw[i], 8000), 0);
 }
