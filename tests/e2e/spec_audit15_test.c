@@ -178,6 +178,12 @@ Test(audit15, sigint_finishes_in_flight_records_within_the_default_grace)
     cr_assert_eq(e2e_upstream_wait_count(up, key, 1, 3000), 1, "the request reached the upstream");
     cr_assert_eq(kill(gw->proc.pid, SIGINT), 0);
     struct e2e_resp r;
+    /* it stops accepting: a new request is refused (connection refused, or 503) while the first one finishes */
+    e2e_sleep_ms(300);
+    struct e2e_req late = {.method = "GET", .path = "/v1/pay", .timeout_ms = 2000};
+    e2e_http(gw->port, &late, &r);
+    cr_expect(r.status == 0 || r.status == 503, "a new request after SIGINT: %ld", r.status);
+    e2e_resp_free(&r);
     e2e_http_join(a, &r);
     cr_expect_eq(r.status, 200, "the in-flight request finishes (3 s < the default 10 s grace): %ld (%s) %.200s",
                  r.status, r.error, (const char *)r.body);
