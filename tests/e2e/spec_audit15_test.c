@@ -653,3 +653,37 @@ Test(audit15, three_instances_starting_at_once_create_one_schema, .fini = drop_f
     for (int i = 0; i < 3; i++)
         cr_expect_eq(e2e_gw_stop(gw[i], 8000), 0);
 }
+
+/* ---- SPEC 4: the answer is stored before the client gets it: the moment the first answer arrives, a retry at
+ * another instance is a replay (never 409) and the record is listed completed */
+
+Test(audit15, the_answer_is_stored_before_the_client_gets_it)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_pay_conf pc = {.idem = "key: required\n"};
+    struct e2e_gw *a = e2e_gw_start_pay(up, &pc, admin_env);
+    struct e2e_gw *b = e2e_gw_start_pay(up, &pc, admin_env);
+    int bad = 0;
+    for (int i = 0; i < 30; i++) {
+        char key[96];
+        e2e_mkkey(key, sizeof key, "stored");
+        struct e2e_resp r;
+        post(a->port, "/v1/pay", key, "x", NULL, &r);
+        cr_assert_eq(r.status, 200, "first %d: %ld %.200s", i, r.status, (const char *)r.body);
+        e2e_resp_free(&r);
+        post(b->port, "/v1/pay", key, "x", NULL, &r);
+        if (r.status != 200 || !e2e_resp_is_replay(&r)) {
+            cr_log_error("key %d: the retry at the other instance got %ld %.200s", i, r.status, (const char *)r.body);
+            bad++;
+        }
+        e2e_resp_free(&r);
+        if (i % 10 == 0) {
+            admin(a, "GET", "keys", "pay", key, ADMIN_TOKEN, &r);
+            cr_expect(strstr((const char *)r.body, "\"state\":\"completed\"") != NULL, "listed completed: %.300s",
+                      (const char *)r.body);
+            e2e_resp_free(&r);
+        }
+        cr_expect_eq(e2e_upstream_count(up, key), 1);
+    }
+    cr_expect_eq(bad, 0, "%d retries right after the answer were not replays", bad);
+}
