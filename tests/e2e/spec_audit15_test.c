@@ -687,3 +687,46 @@ Test(audit15, the_answer_is_stored_before_the_client_gets_it)
     }
     cr_expect_eq(bad, 0, "%d retries right after the answer were not replays", bad);
 }
+
+/* ---- SPEC 4: on_unknown: retry forwards again after the lease with the same key under a new fencing token */
+
+/* The "token" string of the first record in an /admin/keys listing (copied into out; "" when none). */
+static void listed_token(const struct e2e_gw *g, const char *key, char *out, size_t n)
+{
+    struct e2e_resp r;
+    admin(g, "GET", "keys", "pay", key, ADMIN_TOKEN, &r);
+    out[0] = '\0';
+    const char *t = r.body ? strstr((const char *)r.body, "\"token\":\"") : NULL;
+    if (t != NULL) {
+        t += 9;
+        size_t len = strcspn(t, "\"");
+        snprintf(out, n, "%.*s", (int)len, t);
+    }
+    e2e_resp_free(&r);
+}
+
+Test(audit15, a_retried_unknown_outcome_gets_a_new_fencing_token)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_pay_conf pc = {.idem = "key: required\nlease: 1s\non_unknown: retry\n"};
+    struct e2e_gw *gw = e2e_gw_start_pay(up, &pc, admin_env);
+    char key[96], t1[64], t2[64];
+    e2e_mkkey(key, sizeof key, "fence");
+    struct e2e_resp r;
+    post(gw->port, "/v1/pay", key, "x", "X-Test-Action: close", &r);
+    expect_full_problem(&r, 502, "upstream-no-response", "closed after the request");
+    e2e_resp_free(&r);
+    listed_token(gw, key, t1, sizeof t1);
+    cr_expect(t1[0] != '\0', "the unknown record is listed with its token");
+    e2e_sleep_ms(1300);
+    post(gw->port, "/v1/pay", key, "x", NULL, &r);
+    cr_expect_eq(r.status, 200, "after the lease: %ld %.200s", r.status, (const char *)r.body);
+    cr_expect(!e2e_resp_is_replay(&r));
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 2, "forwarded again with the same key");
+    listed_token(gw, key, t2, sizeof t2);
+    cr_expect(t2[0] != '\0' && strcmp(t1, t2) != 0, "a new fencing token: %s then %s", t1, t2);
+    post(gw->port, "/v1/pay", key, "x", NULL, &r);
+    cr_expect(e2e_resp_is_replay(&r), "the retried attempt's answer is stored");
+    e2e_resp_free(&r);
+}
