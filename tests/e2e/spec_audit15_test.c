@@ -8,6 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include "harness.h"
 
@@ -62,6 +65,22 @@ static void expect_full_problem(const struct e2e_resp *r, long status, const cha
     cr_expect(strstr(b, st) != NULL, "%s: the body must carry %s: %.300s", what, st, b);
     cr_expect(strstr(b, "\"title\":\"") != NULL, "%s: title (a string): %.300s", what, b);
     cr_expect(strstr(b, "\"detail\":\"") != NULL, "%s: detail (a string): %.300s", what, b);
+}
+
+/* POSTs a new key n times to /v1/pay: executed once, then replayed, each answer within a second. */
+static void once_then_replays(const struct e2e_gw *gw, const struct e2e_upstream *up, const char *tag, int n)
+{
+    char key[96];
+    e2e_mkkey(key, sizeof key, tag);
+    for (int i = 0; i < n; i++) {
+        struct e2e_resp r;
+        post(gw->port, "/v1/pay", key, "x", NULL, &r);
+        cr_expect_eq(r.status, 200, "%s attempt %d: %ld %.200s", tag, i, r.status, (const char *)r.body);
+        cr_expect_eq(e2e_resp_is_replay(&r), i > 0, "%s attempt %d replayed: %d", tag, i, (int)e2e_resp_is_replay(&r));
+        cr_expect(r.seconds < 1.0, "%s attempt %d took %.3f s", tag, i, r.seconds);
+        e2e_resp_free(&r);
+    }
+    cr_expect_eq(e2e_upstream_count(up, key), 1, "%s executed once", tag);
 }
 
 /* ---- SPEC 4: a key reused with another request is 422, also while its first request is in flight */
@@ -127,15 +146,7 @@ Test(audit15, environment_overrides_store_postgres_and_redis)
     cr_expect(strstr((const char *)r.body, "\"postgres\":\"up\"") != NULL, "postgres: %.200s", (const char *)r.body);
     cr_expect(strstr((const char *)r.body, "\"redis\":\"disabled\"") != NULL, "redis: %.200s", (const char *)r.body);
     e2e_resp_free(&r);
-    char key[96];
-    e2e_mkkey(key, sizeof key, "envpg");
-    for (int i = 0; i < 2; i++) {
-        post(gw->port, "/v1/pay", key, "x", NULL, &r);
-        cr_expect_eq(r.status, 200, "attempt %d: %ld %.200s", i, r.status, (const char *)r.body);
-        cr_expect_eq(e2e_resp_is_replay(&r), i == 1, "attempt %d replayed: %d", i, (int)e2e_resp_is_replay(&r));
-        e2e_resp_free(&r);
-    }
-    cr_expect_eq(e2e_upstream_count(up, key), 1);
+    once_then_replays(gw, up, "envpg", 2);
     cr_expect(!e2e_gw_log_contains(gw, "event=redis_up"), "no Redis connection with IDEMGATE_REDIS_URL empty");
 
     /* IDEMGATE_REDIS_URL set replaces the file's Redis too */
@@ -729,4 +740,46 @@ Test(audit15, a_retried_unknown_outcome_gets_a_new_fencing_token)
     post(gw->port, "/v1/pay", key, "x", NULL, &r);
     cr_expect(e2e_resp_is_replay(&r), "the retried attempt's answer is stored");
     e2e_resp_free(&r);
+}
+
+/* ---- SPEC 5: /readyz's redis state (and idemgate_redis_up) tells the truth about a Redis that accepts connections
+ * but never answers (a paused server: the kernel completes the handshake); requests do not wait for it */
+
+Test(audit15, a_redis_that_never_answers_is_down_and_costs_nothing)
+{
+    int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    cr_assert(ls >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sa;
+    cr_assert_eq(bind(ls, (struct sockaddr *)&sa, sizeof sa), 0);
+    cr_assert_eq(listen(ls, 64), 0); /* never accepted, never answered */
+    cr_assert_eq(getsockname(ls, (struct sockaddr *)&sa, &sl), 0);
+    char port[16];
+    snprintf(port, sizeof port, "%u", (unsigned)ntohs(sa.sin_port));
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    const char *vars[] = {"MUTE_PORT", port, NULL};
+    struct e2e_gw_opts o = {.up = up, .vars = vars, .wait_ready = true};
+    struct e2e_gw *gw = e2e_gw_start(
+        E2E_CONF_PORTS E2E_CONF_STORE(
+            "redis://127.0.0.1:{{MUTE_PORT}}/0") "  redis_timeout: 50ms\n"
+                                                 "upstreams:\n" E2E_CONF_UPSTREAM(
+                                                     "api", "{{UPSTREAM_URL}}",
+                                                     "5s") "routes:\n" E2E_CONF_ROUTE("pay", "/v1/pay",
+                                                                                      "api") "      key: required\n",
+        &o);
+    struct e2e_resp r;
+    bool seen_up = false;
+    for (uint64_t end = e2e_now_ms() + 1500; e2e_now_ms() < end; e2e_sleep_ms(50)) {
+        e2e_get(gw->admin_port, "/readyz", &r);
+        seen_up = seen_up || strstr((const char *)r.body, "\"redis\":\"up\"") != NULL;
+        cr_expect_eq(r.status, 200, "Postgres answers: ready (%ld)", r.status);
+        e2e_resp_free(&r);
+    }
+    cr_expect(!seen_up, "a Redis that never answered a command was reported up");
+    e2e_get(gw->admin_port, "/metrics", &r);
+    cr_expect_eq(e2e_metric_value((const char *)r.body, "idemgate_redis_up", (const char *const[]){NULL}), 0.0,
+                 "idemgate_redis_up");
+    e2e_resp_free(&r);
+    once_then_replays(gw, up, "mute", 3);
+    close(ls);
 }
