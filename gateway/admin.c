@@ -91,7 +91,10 @@ static void admin_run(void *arg)
     struct admin_job *j = arg;
     struct store *st = gw_loop_store(j->a->loop);
     if (!gw_loop_schema_ready(j->a->loop)) {
-        admin_done(j, 503, cm_strdup("{\"error\":\"the store is not ready\"}"));
+        size_t len; /* a problem, as every other admin error (SPEC 9) */
+        admin_done(j, 503,
+                   gw_problem_json(503, "store-unavailable", "Store unavailable",
+                                   "the idempotency store is not ready yet; nothing was done", &len));
         return;
     }
     switch (j->op) {

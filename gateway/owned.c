@@ -23,6 +23,8 @@ struct owned {
     struct owned *next;
     uint64_t hash;
     uint8_t scope[32];
+    uint8_t fp[32]; /* the holder's request fingerprint */
+    bool has_fp;
     size_t route_len, key_len;
     char bytes[]; /* route, then key */
 };
@@ -54,7 +56,7 @@ static struct owned **find(const struct store_id *id, size_t rl, uint64_t h)
     return pp;
 }
 
-enum gw_owned gw_owned_take(const struct store_id *id)
+enum gw_owned gw_owned_take(const struct store_id *id, const uint8_t *fp)
 {
     size_t rl = strlen(id->route);
     uint64_t h = id_hash(id, rl);
@@ -70,6 +72,9 @@ enum gw_owned gw_owned_take(const struct store_id *id)
         o->next = NULL;
         o->hash = h;
         memcpy(o->scope, id->scope, sizeof o->scope);
+        o->has_fp = fp != NULL;
+        if (fp != NULL)
+            memcpy(o->fp, fp, sizeof o->fp);
         o->route_len = rl;
         o->key_len = id->key_len;
         memcpy(o->bytes, id->route, rl);
@@ -96,14 +101,22 @@ void gw_owned_drop(const struct store_id *id)
     pthread_mutex_unlock(&owned_mu);
 }
 
-bool gw_owned_held(const struct store_id *id)
+enum gw_held gw_owned_held_fp(const struct store_id *id, const uint8_t *fp)
 {
     size_t rl = strlen(id->route);
     uint64_t h = id_hash(id, rl);
     pthread_mutex_lock(&owned_mu);
-    bool held = *find(id, rl, h) != NULL;
+    const struct owned *o = *find(id, rl, h);
+    enum gw_held r = o == NULL                                                         ? GW_HELD_NO
+                     : fp != NULL && o->has_fp && memcmp(o->fp, fp, sizeof o->fp) != 0 ? GW_HELD_OTHER
+                                                                                       : GW_HELD_SAME;
     pthread_mutex_unlock(&owned_mu);
-    return held;
+    return r;
+}
+
+bool gw_owned_held(const struct store_id *id)
+{
+    return gw_owned_held_fp(id, NULL) != GW_HELD_NO;
 }
 
 size_t gw_owned_count(void)

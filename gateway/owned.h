@@ -6,6 +6,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "store/store.h"
 
@@ -15,10 +16,19 @@ enum gw_owned {
     GW_OWNED_UNRECORDED, /* the table is full: not recorded (Postgres alone decides, as before) */
 };
 
+enum gw_held {
+    GW_HELD_NO,    /* no request of this process holds it */
+    GW_HELD_SAME,  /* held by a request with the same fingerprint (or one recorded without): in flight, 409 / wait */
+    GW_HELD_OTHER, /* held by a request with another fingerprint: a 422, as Postgres answers */
+};
+
 /* Whether a request of this process holds id's claim (checked before asking Postgres). */
 bool gw_owned_held(const struct store_id *id);
-/* Records id (copied) as held by the caller, once Postgres gave it the claim. */
-enum gw_owned gw_owned_take(const struct store_id *id);
+/* The same, comparing the holder's fingerprint with fp (32 bytes). */
+enum gw_held gw_owned_held_fp(const struct store_id *id, const uint8_t *fp);
+/* Records id (copied) and its request's fingerprint fp (32 bytes, copied; NULL: none) as held by the caller, once
+ * Postgres gave it the claim. */
+enum gw_owned gw_owned_take(const struct store_id *id, const uint8_t *fp);
 /* Forgets id; a no-op when it is not recorded. */
 void gw_owned_drop(const struct store_id *id);
 /* Entries recorded (for tests and metrics). */

@@ -722,7 +722,7 @@ static void claimed(void *arg, struct store_claim_res *res)
     switch (res->verdict) {
     case STORE_NEW: {
         struct store_id id = job_id(job);
-        p->owned = gw_owned_take(&id) == GW_OWNED_TAKEN; /* held here until the job ends */
+        p->owned = gw_owned_take(&id, job->fp) == GW_OWNED_TAKEN; /* held here until the job ends */
         forward_owned(job, res->token);
         return;
     }
@@ -766,7 +766,13 @@ static void claim(struct gw_job *job)
     set_state(job, GW_PIPE_CLAIMING);
     /* A key this process holds in flight is in flight, whatever its lease in Postgres says: its owner is alive
      * (SPEC 8), and asking Postgres could take it over from the owner after an outage longer than the lease. */
-    if (!job->shadow && gw_owned_held(&req.id)) {
+    enum gw_held held = job->shadow ? GW_HELD_NO : gw_owned_held_fp(&req.id, job->fp);
+    if (held == GW_HELD_OTHER) { /* another request's key: 422 whatever its state, as Postgres answers (SPEC 4) */
+        answer_mismatch(job);
+        finish(job, CM_OUT_MISMATCH);
+        return;
+    }
+    if (held == GW_HELD_SAME) {
         in_flight(job, im->lease_ms);
         return;
     }

@@ -1,5 +1,5 @@
 /* redis.c - hiredis 0.14 async client on libevent: per-command timers (the
- * async API has none), AUTH/SELECT on connect, reconnect with backoff from a
+ * async API has none), AUTH/SELECT (or PING) on connect, reconnect with backoff from a
  * timer (never from hiredis callbacks), drop the link after repeated timeouts. */
 #include "store/redis.h"
 
@@ -266,6 +266,10 @@ static void rd_connect(struct store_rd *r)
         snprintf(db, sizeof db, "%ld", r->db);
         const char *argv[2] = {"SELECT", db};
         ok = send_setup(r, 2, argv);
+    }
+    if (ok && r->setup_pending == 0) { /* up only once the server answered: a TCP handshake is not an answer */
+        const char *argv[1] = {"PING"};
+        ok = send_setup(r, 1, argv);
     }
     if (!ok) {
         rd_drop(r, "setup");

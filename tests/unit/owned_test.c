@@ -24,7 +24,7 @@ Test(owned, held_exactly_by_route_scope_and_key)
     size_t n0 = gw_owned_count();
     struct store_id a = id_of("pay", 1, "k-1");
     cr_expect(!gw_owned_held(&a));
-    cr_expect_eq(gw_owned_take(&a), GW_OWNED_TAKEN);
+    cr_expect_eq(gw_owned_take(&a, NULL), GW_OWNED_TAKEN);
     cr_expect(gw_owned_held(&a));
     struct store_id other_route = id_of("book", 1, "k-1"), other_scope = id_of("pay", 2, "k-1"),
                     other_key = id_of("pay", 1, "k-2"), prefix = id_of("pay", 1, "k-"),
@@ -34,13 +34,32 @@ Test(owned, held_exactly_by_route_scope_and_key)
     cr_expect(!gw_owned_held(&other_key));
     cr_expect(!gw_owned_held(&prefix));
     cr_expect(!gw_owned_held(&route_key_shift), "route and key do not run into each other");
-    cr_expect_eq(gw_owned_take(&a), GW_OWNED_BUSY, "recorded once");
+    cr_expect_eq(gw_owned_take(&a, NULL), GW_OWNED_BUSY, "recorded once");
     cr_expect_eq(gw_owned_count(), n0 + 1);
     gw_owned_drop(&other_scope); /* not recorded: a no-op */
     cr_expect(gw_owned_held(&a));
     gw_owned_drop(&a);
     cr_expect(!gw_owned_held(&a));
     cr_expect_eq(gw_owned_count(), n0);
+}
+
+Test(owned, the_holders_fingerprint_is_compared)
+{
+    struct store_id a = id_of("pay", 3, "k-fp"), b = id_of("pay", 3, "k-nofp");
+    uint8_t fp[32], other[32];
+    memset(fp, 0xab, sizeof fp);
+    memcpy(other, fp, sizeof other);
+    other[31] ^= 1;
+    cr_expect_eq(gw_owned_held_fp(&a, fp), GW_HELD_NO);
+    cr_expect_eq(gw_owned_take(&a, fp), GW_OWNED_TAKEN);
+    cr_expect_eq(gw_owned_held_fp(&a, fp), GW_HELD_SAME);
+    cr_expect_eq(gw_owned_held_fp(&a, other), GW_HELD_OTHER, "another request with the held key");
+    cr_expect_eq(gw_owned_held_fp(&a, NULL), GW_HELD_SAME, "no fingerprint to compare: held");
+    cr_expect_eq(gw_owned_take(&b, NULL), GW_OWNED_TAKEN);
+    cr_expect_eq(gw_owned_held_fp(&b, other), GW_HELD_SAME, "recorded without a fingerprint: never another");
+    gw_owned_drop(&a);
+    gw_owned_drop(&b);
+    cr_expect_eq(gw_owned_held_fp(&a, fp), GW_HELD_NO);
 }
 
 static void *churn(void *arg)
@@ -50,7 +69,7 @@ static void *churn(void *arg)
     for (int i = 0; i < 2000; i++) {
         snprintf(key, sizeof key, "t%d-%d", t, i % 50);
         struct store_id id = id_of("pay", t, key);
-        if (gw_owned_take(&id) == GW_OWNED_TAKEN) {
+        if (gw_owned_take(&id, NULL) == GW_OWNED_TAKEN) {
             if (!gw_owned_held(&id))
                 return (void *)1;
             gw_owned_drop(&id);
