@@ -799,7 +799,7 @@ enum gw_cached gw_pipeline_answer_cached(struct gw_job *job, struct MHD_Connecti
         return GW_CACHED_NONE;
     struct store_id id = job_id(job);
     if (gw_owned_held(&id))
-        return GW_CACHED_NONE; /* in flight here: the pipeline answers 409 */
+        return GW_CACHED_NONE; /* in flight here: the pipeline answers 409, or 422 for another fingerprint */
     struct store_claim_res cached;
     switch (gw_cache_claim(job, conn, queued_ok, &cached)) {
     case GW_CACHE_MISS:
