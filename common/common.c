@@ -151,7 +151,7 @@ char *cm_buf_take(struct cm_buf *b, size_t *len)
 }
 
 /* ---- header lists
- * Each entry is one heap block "name\0value\0": v[i].name owns it, v[i].value points into it. */
+ * Each entry's strings are one block "name\0value\0" in the list's chunks: v[i].value points into it. */
 
 /* A header list's strings: chunks from CM_HDR_CHUNK_MIN bytes, each new one twice the last up to
  * CM_HDR_CHUNK_MAX; a string larger than half the cap gets a chunk of its own (behind the newest, which keeps

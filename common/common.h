@@ -10,6 +10,8 @@
 
 #define CM_MUST_CHECK   __attribute__((warn_unused_result))
 #define CM_PRINTF(a, b) __attribute__((format(printf, a, b)))
+/* n rounded up to a multiple of 16 (malloc's alignment): offsets of parts laid out in one allocation. */
+#define CM_ROUND16(n) (((size_t)(n) + 15) & ~(size_t)15)
 
 #define IDEMGATE_VERSION "0.1.0"
 

@@ -306,9 +306,8 @@ static bool put(struct gw_cache *c, const char *route, const uint8_t scope[32], 
         return false;
     }
     size_t size = sizeof(struct entry) + route_len + 1 + key_len + 1 + b.len;
-    size_t bytes =
-        (size + 8 + 15) & ~(size_t)15; /* what the allocator takes for it (glibc: 8-byte header, 16-aligned) */
-    bytes += PREP_BYTES;               /* and its prepared answer, once replayed */
+    size_t bytes = CM_ROUND16(size + 8); /* what the allocator takes for it (glibc: 8-byte header, 16-aligned) */
+    bytes += PREP_BYTES;                 /* and its prepared answer, once replayed */
     for (size_t i = 0; i < resp->hdrs.n; i++)
         bytes += strlen(resp->hdrs.v[i].name) + strlen(resp->hdrs.v[i].value) + 2 + PREP_HDR_BYTES;
     if (bytes > c->max_bytes / ENTRY_MAX_SHARE) {

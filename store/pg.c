@@ -1395,8 +1395,8 @@ void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param
     /* One allocation: the query, its timer's storage, the three parameter arrays, then each value's bytes with a
      * NUL (the text format's terminator). */
     size_t np = nparams > 0 ? (size_t)nparams : 0;
-    size_t off_ev = (sizeof(struct pg_query) + 15) & ~(size_t)15;
-    size_t off_vals = off_ev + ((event_get_struct_event_size() + 15) & ~(size_t)15);
+    size_t off_ev = CM_ROUND16(sizeof(struct pg_query));
+    size_t off_vals = off_ev + CM_ROUND16(event_get_struct_event_size());
     size_t off_ints = off_vals + np * sizeof(char *);
     size_t off_bytes = off_ints + 2 * np * sizeof(int);
     size_t total = off_bytes;

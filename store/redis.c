@@ -360,7 +360,7 @@ bool store_rd_command(struct store_rd *r, store_rd_cb cb, void *arg, int argc, c
 {
     if (!r || r->state != R_UP || !r->ac || r->destroying)
         return false;
-    size_t off_ev = (sizeof(struct rd_cmd) + 15) & ~(size_t)15; /* the timer's storage follows: one allocation */
+    size_t off_ev = CM_ROUND16(sizeof(struct rd_cmd)); /* the timer's storage follows: one allocation */
     struct rd_cmd *cmd = cm_calloc(1, off_ev + event_get_struct_event_size());
     cmd->r = r;
     cmd->cb = cb;
