@@ -458,7 +458,7 @@ struct owner_op {
     int attempts;
     bool encode_failed;
     struct event *timer;
-    long rows; /* complete: rows Postgres reported, while the cache write runs */
+    long rows; /* release: rows Postgres reported, while the marker's removal runs */
 };
 
 struct admin_op {
@@ -1204,37 +1204,16 @@ static void settle_kick(struct store *s)
 
 /* The completed answer's cache write is done (or failed: then the stale
  * in-flight marker is dropped, best effort, so Postgres is asked next). */
-static void complete_cached_cb(void *arg, const struct redisReply *reply)
-{
-    struct owner_op *w = arg;
-    if (!reply)
-        redis_del(w->h.s, w->rkey);
-    owner_finish(w, true, w->rows);
-}
-
 static void complete_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
     struct owner_op *w = arg;
-    struct store *s = w->h.s;
     if (st == STORE_PG_OK) {
         long rows = PQntuples(pr);
         if (w->attempts > 1)
             cm_log(CM_INFO, "store_complete_retried", "attempts=%d rows=%ld", w->attempts, rows);
-        if (rows > 0 && !PQgetisnull(pr, 0, 0) && PQgetlength(pr, 0, 0) == 32) {
-            uint64_t spent = cm_now_ms() - w->attempt_ms;
-            uint64_t ttl = w->arg_ms > spent ? w->arg_ms - spent : 0;
-            /* The answer waits for the cache write (bounded by redis_timeout):
-             * until it lands, the in-flight marker would make another
-             * instance answer 409 to a retry of an answered request. */
-            w->rows = rows;
-            const uint8_t *fp = (const uint8_t *)PQgetvalue(pr, 0, 0);
-            uint8_t mine[MARKER_LEN];
-            make_marker(mine, fp, w->token);
-            /* the attempt's wall time + retention: Postgres' expires_at is its now() + retention, later */
-            if (redis_cache_then(s, w->rkey, mine, MARKER_LEN, fp, w->blob, w->blob_len, ttl, cm_wall_ms() + ttl,
-                                 complete_cached_cb, w))
-                return;
-        }
+        /* Nothing is written to Redis here: most keys are never retried, and a retry that finds the in-flight
+         * marker (or nothing) asks Postgres, whose replay puts the answer into Redis over that marker (claim_pg_cb).
+         * The marker this claim placed stays until its lease runs out; it never answers anything by itself. */
         owner_finish(w, true, rows);
         return;
     }
