@@ -184,12 +184,12 @@ void gw_cache_destroy(struct gw_cache *c)
     free(c);
 }
 
-void gw_cache_set_online(struct gw_cache *c, bool online)
+void gw_cache_set_online(struct gw_cache *c, bool online, bool keep)
 {
     if (!c)
         return;
     pthread_rwlock_wrlock(&c->lock);
-    if (!online)
+    if (!online && !keep)
         flush_locked(c);
     c->online = online;
     atomic_fetch_add(&c->epoch, 1);

@@ -14,16 +14,18 @@ struct gw_cache;
 struct gw_loop;
 
 /* Creates an empty cache holding at most max_entries entries and max_bytes bytes (entry, names, headers and body
- * counted). It starts offline (unused until gw_cache_set_online(c, true)). Returns NULL when either bound is 0 (the
- * cache is off); every function below accepts NULL as "off". */
+ * counted). It starts offline (unused until gw_cache_set_online(c, true, ...)). Returns NULL when either bound is 0
+ * (the cache is off); every function below accepts NULL as "off". */
 struct gw_cache *gw_cache_create(uint64_t max_bytes, uint32_t max_entries);
 /* Frees every entry and the cache. NULL is a no-op. */
 void gw_cache_destroy(struct gw_cache *c);
 
-/* The purge listener's state. Going offline (the listener lost its connection, or is not connected yet) empties
- * the cache: a notification may have been missed meanwhile. Either way the epoch moves on, so that a fill begun
+/* The purge listener's state. Offline, the cache answers nothing and takes no fill. Going offline with keep false
+ * (the listener lost its connection, or is not connected yet) empties it: a notification may have been missed
+ * meanwhile; with keep true (the listener is late: notifications are delayed, none is lost, and they still drop
+ * entries) the entries stay for when it is online again. Either way the epoch moves on, so that a fill begun
  * before the change is refused. Any thread. */
-void gw_cache_set_online(struct gw_cache *c, bool online);
+void gw_cache_set_online(struct gw_cache *c, bool online, bool keep);
 /* The epoch to hand to gw_cache_put: take it before the completion is sent. */
 uint64_t gw_cache_epoch(struct gw_cache *c);
 

@@ -323,10 +323,14 @@ static void cache_listen_cb(void *arg, enum store_notify_event ev, const char *p
     struct gw_cache *c = arg;
     switch (ev) {
     case STORE_NOTIFY_UP:
-        gw_cache_set_online(c, true);
+        gw_cache_set_online(c, true, true);
+        return;
+    case STORE_NOTIFY_LATE:
+        gw_cache_set_online(c, false, true); /* a notification may be late, none is lost: unused, kept */
         return;
     case STORE_NOTIFY_DOWN:
-        gw_cache_set_online(c, false); /* a notification may be missed from now on: the cache is emptied, unused */
+        /* a notification may be missed from now on: the cache is emptied, unused */
+        gw_cache_set_online(c, false, false);
         return;
     case STORE_NOTIFY_MESSAGE:
         gw_cache_notified(c, payload, len);

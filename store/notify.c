@@ -10,7 +10,8 @@
 #include "common/common.h"
 
 #define PING_EVERY_MS      200
-#define PING_DEADLINE_MS   500
+#define PING_DEADLINE_MS   500  /* a ping unanswered this long: late (LATE reported, the connection kept) */
+#define PING_GIVEUP_MS     3000 /* unanswered this long: the connection counts as lost */
 #define CONNECT_TIMEOUT_MS 3000
 #define BACKOFF_FIRST_MS   100
 #define BACKOFF_MAX_MS     2000
@@ -27,7 +28,9 @@ struct store_notify {
     struct event *timer;
     enum nstate state;
     uint64_t backoff_ms;
-    uint64_t deadline_ms; /* N_CONNECTING / N_LISTENING: give up then; N_UP: the ping's deadline (0: none out) */
+    uint64_t ping_sent_ms; /* N_UP: when the ping now out was sent (0: none out) */
+    bool late;             /* N_UP: LATE was reported; UP again after a ping sent after the late one's answer */
+    bool confirming;       /* late, and the ping out is that one */
 };
 
 static void io_cb(evutil_socket_t fd, short what, void *arg);
@@ -69,6 +72,8 @@ static void lost(struct store_notify *n, const char *why)
         n->pg = NULL;
     }
     n->state = N_IDLE;
+    n->ping_sent_ms = 0;
+    n->late = n->confirming = false;
     cm_log(was_up ? CM_WARN : CM_INFO, "cache_listener_down", "detail=%s retry_ms=%llu", q,
            (unsigned long long)n->backoff_ms);
     if (was_up)
@@ -93,6 +98,30 @@ static void send_cmd(struct store_notify *n, const char *sql)
         lost(n, PQerrorMessage(n->pg));
 }
 
+static void send_ping(struct store_notify *n)
+{
+    n->ping_sent_ms = cm_now_ms();
+    send_cmd(n, "SELECT 1");
+}
+
+/* The ping out came back. After a late one, another ping is sent: the server process reads it only after it
+ * sent every notification pending when it read it (it delivers them while it waits for its next command), so
+ * once that one is answered too, every purge committed before it was sent has been heard of. */
+static void pong(struct store_notify *n)
+{
+    n->ping_sent_ms = 0;
+    if (!n->late)
+        return;
+    if (!n->confirming) {
+        n->confirming = true;
+        send_ping(n);
+        return;
+    }
+    n->late = n->confirming = false;
+    cm_log(CM_INFO, "cache_listener_back", "channel=%s", STORE_NOTIFY_CHANNEL);
+    n->cb(n->arg, STORE_NOTIFY_UP, NULL, 0);
+}
+
 /* Reads what arrived: results (the LISTEN's, the pings') and notifications. */
 static void consume(struct store_notify *n)
 {
@@ -100,10 +129,13 @@ static void consume(struct store_notify *n)
         lost(n, PQerrorMessage(n->pg));
         return;
     }
+    bool answered = false; /* a ping's result, and libpq has nothing more of it */
     while (!PQisBusy(n->pg)) {
         PGresult *r = PQgetResult(n->pg);
-        if (!r)
+        if (!r) {
+            answered = answered && n->state == N_UP;
             break;
+        }
         ExecStatusType st = PQresultStatus(r);
         PQclear(r);
         if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
@@ -113,13 +145,14 @@ static void consume(struct store_notify *n)
         if (n->state == N_LISTENING) {
             n->state = N_UP;
             n->backoff_ms = BACKOFF_FIRST_MS;
-            n->deadline_ms = 0;
+            n->ping_sent_ms = 0;
+            n->late = n->confirming = false;
             cm_log(CM_INFO, "cache_listener_up", "channel=%s", STORE_NOTIFY_CHANNEL);
             n->cb(n->arg, STORE_NOTIFY_UP, NULL, 0);
             evtimer_del(n->timer);
             arm(n, PING_EVERY_MS);
         } else if (n->state == N_UP) {
-            n->deadline_ms = 0; /* the ping came back */
+            answered = true;
         }
     }
     PGnotify *msg;
@@ -128,6 +161,8 @@ static void consume(struct store_notify *n)
             n->cb(n->arg, STORE_NOTIFY_MESSAGE, msg->extra, strlen(msg->extra));
         PQfreemem(msg);
     }
+    if (answered) /* after the notifications that came with it */
+        pong(n);
 }
 
 static void connect_poll(struct store_notify *n)
@@ -185,13 +220,22 @@ static void timer_cb(evutil_socket_t fd, short what, void *arg)
         lost(n, "connect timeout");
         return;
     case N_UP:
-        if (n->deadline_ms && now >= n->deadline_ms) {
-            lost(n, "ping unanswered");
-            return;
-        }
-        if (!n->deadline_ms) {
-            n->deadline_ms = now + PING_DEADLINE_MS;
-            send_cmd(n, "SELECT 1");
+        if (n->ping_sent_ms) {
+            uint64_t waited = now - n->ping_sent_ms;
+            if (waited >= PING_GIVEUP_MS) {
+                lost(n, "ping unanswered");
+                return;
+            }
+            if (waited >= PING_DEADLINE_MS && !n->late) {
+                /* Slow, not gone: a notification on a live session is never dropped, only late. The cache stops
+                 * answering (it might not have heard of a purge yet) and keeps its entries. */
+                n->late = true;
+                cm_log(CM_WARN, "cache_listener_late", "waited_ms=%llu giveup_ms=%d", (unsigned long long)waited,
+                       PING_GIVEUP_MS);
+                n->cb(n->arg, STORE_NOTIFY_LATE, NULL, 0);
+            }
+        } else {
+            send_ping(n);
             if (n->state != N_UP)
                 return;
         }

@@ -16,6 +16,8 @@ struct store_notify;
 enum store_notify_event {
     STORE_NOTIFY_UP,      /* LISTEN is in force: from now on no notification is missed */
     STORE_NOTIFY_DOWN,    /* the connection was lost (or stopped answering): notifications may be missed */
+    STORE_NOTIFY_LATE,    /* a ping is late: a notification may be late too (none is lost); UP follows when the
+                           * listener is sure to have heard everything sent until then, DOWN when it gives up */
     STORE_NOTIFY_MESSAGE, /* a notification: payload[0..len) */
 };
 /* Called on base's thread. payload is valid during the call only (NULL unless STORE_NOTIFY_MESSAGE). */
@@ -23,7 +25,7 @@ typedef void (*store_notify_cb)(void *arg, enum store_notify_event ev, const cha
 
 /* Starts connecting to postgres_url (libpq URL or key=value string, as store.postgres) and listening on
  * STORE_NOTIFY_CHANNEL; cb reports every change. The connection is reconnected with backoff (100 ms doubling to
- * 2 s) and pinged every 200 ms; a ping unanswered for 500 ms counts as a lost connection. Returns NULL only when
+ * 2 s) and pinged every 200 ms; a ping unanswered for 500 ms is LATE, for 3 s a lost connection. Returns NULL only when
  * the event base refuses the timer. postgres_url is copied. */
 struct store_notify *store_notify_create(struct event_base *base, const char *postgres_url, store_notify_cb cb,
                                          void *arg);

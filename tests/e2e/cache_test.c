@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -191,19 +192,27 @@ Test(cache, a_purge_on_one_instance_reaches_the_other_within_a_second)
     cr_expect_eq(e2e_upstream_count(up, key), 2, "executed again after the purge");
 }
 
-Test(cache, no_stale_replay_after_a_purge_missed_while_the_listener_was_down)
+/* A gateway without Redis (a replay is the cache's or Postgres') whose cache holds one executed key. */
+static struct e2e_gw *gw_holding_one(const struct e2e_upstream *up, const char *tag, char *key, size_t key_size)
 {
-    struct e2e_upstream *up = e2e_upstream_start(NULL);
-    /* no Redis: its cached answer would survive the SQL purge below, and this test is about the process's cache */
     struct e2e_gw *gw = gw_start(up, "key: required\n", NULL, "");
     wait_online(gw);
-    char key[96];
-    e2e_mkkey(key, sizeof key, "lost");
+    e2e_mkkey(key, key_size, tag);
     struct e2e_resp r;
     post(gw, key, NULL, &r);
     cr_assert_eq(r.status, 200);
     e2e_resp_free(&r);
     cr_assert_eq(metric(gw, "idemgate_replay_cache_entries"), 1);
+    return gw;
+}
+
+Test(cache, no_stale_replay_after_a_purge_missed_while_the_listener_was_down)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    /* no Redis: its cached answer would survive the SQL purge below, and this test is about the process's cache */
+    char key[96];
+    struct e2e_gw *gw = gw_holding_one(up, "lost", key, sizeof key);
+    struct e2e_resp r;
     /* the listener's connection dies; the purge comes with no notification at all (one sent while nobody
      * listened is lost the same way) */
     free(e2e_psql("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = "
@@ -224,6 +233,131 @@ Test(cache, no_stale_replay_after_a_purge_missed_while_the_listener_was_down)
     post(gw, key, NULL, &r);
     e2e_resp_free(&r);
     cr_expect_eq(metric(gw, "idemgate_replay_cache_entries"), before + 1, "used again once the listener is back");
+}
+
+/* ---- a listener that is slow, not gone: its server process paused (SIGSTOP) past the ping's deadline */
+
+static int paused_listener;
+
+static void resume_listener(void)
+{
+    if (paused_listener > 0)
+        (void)kill(paused_listener, SIGCONT);
+    paused_listener = 0;
+}
+
+/* Is port the local port of a TCP socket the process pid holds? (/proc: its fds' socket inodes, then
+ * /proc/net/tcp's local address of each.) */
+static bool holds_local_port(pid_t pid, long port)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/net/tcp", (int)pid);
+    FILE *f = fopen(path, "r");
+    cr_assert(f, "%s", path);
+    char line[512];
+    unsigned long inode = 0;
+    while (!inode && fgets(line, sizeof line, f)) {
+        unsigned lport;
+        unsigned long ino;
+        if (sscanf(line, " %*d: %*x:%x %*x:%*x %*x %*x:%*x %*x:%*x %*x %*d %*d %lu", &lport, &ino) == 2 &&
+            lport == (unsigned)port)
+            inode = ino;
+    }
+    fclose(f);
+    if (!inode)
+        return false;
+    char want[64];
+    snprintf(want, sizeof want, "socket:[%lu]", inode);
+    for (int fd = 0; fd < 4096; fd++) {
+        char link[64], target[64];
+        snprintf(link, sizeof link, "/proc/%d/fd/%d", (int)pid, fd);
+        ssize_t n = readlink(link, target, sizeof target - 1);
+        if (n > 0) {
+            target[n] = '\0';
+            if (strcmp(target, want) == 0)
+                return true;
+        }
+    }
+    return false;
+}
+
+/* Pauses the server process of this gateway's listener (other tests' gateways run beside it). */
+static void pause_listener(const struct e2e_gw *g)
+{
+    char *rows = e2e_psql("SELECT string_agg(pid || ' ' || client_port, ',') FROM pg_stat_activity"
+                          " WHERE application_name = 'idemgate-listen'");
+    int pid = 0;
+    for (char *tok = strtok(rows, ","); tok && !pid; tok = strtok(NULL, ",")) {
+        int p = 0;
+        long port = 0;
+        if (sscanf(tok, "%d %ld", &p, &port) == 2 && holds_local_port(g->proc.pid, port))
+            pid = p;
+    }
+    free(rows);
+    cr_assert_gt(pid, 0, "no listener session of this gateway");
+    paused_listener = pid;
+    cr_assert_eq(kill(paused_listener, SIGSTOP), 0);
+}
+
+/* Paused for 1.5 s: the cache stops answering at the ping's deadline but keeps its entries; the purge committed
+ * meanwhile reaches it when the server process runs again, and only after a ping sent after that is it used
+ * again: the purged entry is gone, the other one answers without a store read. */
+Test(cache, a_slow_listener_keeps_the_entries_and_still_drops_a_purged_one, .fini = resume_listener)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    char kept[96], purged[96];
+    struct e2e_gw *gw = gw_holding_one(up, "slow-kept", kept, sizeof kept);
+    e2e_mkkey(purged, sizeof purged, "slow-purged");
+    struct e2e_resp r;
+    post(gw, purged, NULL, &r);
+    cr_assert_eq(r.status, 200);
+    e2e_resp_free(&r);
+    cr_assert_eq(metric(gw, "idemgate_replay_cache_entries"), 2);
+    pause_listener(gw);
+    bool offline = metric_wait(gw, "idemgate_replay_cache_online", 0, 3000);
+    double entries_offline = metric(gw, "idemgate_replay_cache_entries");
+    admin_purge(gw, purged); /* its notification waits in the paused process */
+    double hits = metric(gw, "idemgate_replay_cache_hits_total");
+    post(gw, kept, NULL, &r); /* not from the cache while it is not sure to hear of purges */
+    bool replay_offline = e2e_resp_is_replay(&r);
+    e2e_resp_free(&r);
+    double hits_offline = metric(gw, "idemgate_replay_cache_hits_total") - hits;
+    e2e_sleep_ms(800);
+    resume_listener();
+    cr_assert(offline, "the cache still answered after the ping's deadline");
+    cr_expect_eq(entries_offline, 2, "a late ping empties nothing");
+    cr_expect(replay_offline, "a replay from Postgres meanwhile");
+    cr_expect_eq(hits_offline, 0, "the cache answered while its listener was late");
+    wait_online(gw);
+    cr_expect(e2e_gw_log_wait(gw, "event=cache_listener_late", 1000), "the late ping is logged");
+    cr_expect(e2e_gw_log_wait(gw, "event=cache_listener_back", 1000), "its return is logged");
+    cr_expect_not(e2e_gw_log_wait(gw, "event=cache_listener_down", 100), "the connection was kept");
+    cr_expect_eq(metric(gw, "idemgate_replay_cache_entries"), 1, "the purged entry dropped, the other one kept");
+    hits = metric(gw, "idemgate_replay_cache_hits_total");
+    post(gw, kept, NULL, &r);
+    cr_expect(e2e_resp_is_replay(&r));
+    e2e_resp_free(&r);
+    cr_expect_eq(metric(gw, "idemgate_replay_cache_hits_total"), hits + 1, "the kept entry answers again");
+    post(gw, purged, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    cr_expect(!e2e_resp_is_replay(&r), "the purged record replayed from the cache");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, purged), 2, "the purged key executes again");
+    cr_expect_eq(e2e_upstream_count(up, kept), 1);
+}
+
+/* Paused past the give-up time: the connection counts as lost, the cache is emptied, a new session listens. */
+Test(cache, a_listener_paused_too_long_is_replaced_and_the_cache_emptied, .fini = resume_listener)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    char key[96];
+    struct e2e_gw *gw = gw_holding_one(up, "slow-gone", key, sizeof key);
+    pause_listener(gw);
+    bool down = e2e_gw_log_wait(gw, "event=cache_listener_down", 6000);
+    resume_listener();
+    cr_assert(down, "a listener paused for seconds is not given up");
+    wait_online(gw);
+    cr_expect_eq(metric(gw, "idemgate_replay_cache_entries"), 0, "notifications may be lost: emptied");
 }
 
 Test(cache, retention_ends_the_entry)

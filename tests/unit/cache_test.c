@@ -38,7 +38,7 @@ static struct gw_cache *online_cache(uint64_t bytes, uint32_t entries)
 {
     struct gw_cache *c = gw_cache_create(bytes, entries);
     cr_assert(c);
-    gw_cache_set_online(c, true);
+    gw_cache_set_online(c, true, true);
     return c;
 }
 
@@ -139,12 +139,40 @@ Test(cache, unused_and_emptied_while_the_listener_is_down)
     struct cm_resp r, out;
     make_resp(&r, "x");
     cr_expect(!put(c, "pay", SCOPE_A, "k", FP1, &r, 60000), "offline at start: no fill");
-    gw_cache_set_online(c, true);
+    gw_cache_set_online(c, true, true);
     cr_assert(put(c, "pay", SCOPE_A, "k", FP1, &r, 60000));
-    gw_cache_set_online(c, false);
+    gw_cache_set_online(c, false, false);
     cr_expect_eq(get(c, "pay", SCOPE_A, "k", FP1, &out), GW_CACHE_MISS);
-    gw_cache_set_online(c, true);
+    gw_cache_set_online(c, true, true);
     cr_expect_eq(get(c, "pay", SCOPE_A, "k", FP1, &out), GW_CACHE_MISS, "an entry from before the outage is gone");
+    cm_resp_free(&r);
+    gw_cache_destroy(c);
+}
+
+/* A late listener: unused meanwhile, its entries kept (a purge heard meanwhile still drops one), a fill begun
+ * before or during it refused. */
+Test(cache, unused_but_kept_while_the_listener_is_late)
+{
+    struct gw_cache *c = online_cache(1 << 20, 100);
+    struct cm_resp r, out;
+    make_resp(&r, "x");
+    cr_assert(put(c, "pay", SCOPE_A, "kept", FP1, &r, 60000));
+    cr_assert(put(c, "pay", SCOPE_A, "purged", FP1, &r, 60000));
+    uint64_t before = gw_cache_epoch(c);
+    gw_cache_set_online(c, false, true);
+    cr_expect_eq(get(c, "pay", SCOPE_A, "kept", FP1, &out), GW_CACHE_MISS, "a late listener's cache answers");
+    cr_expect(!put(c, "pay", SCOPE_A, "new", FP1, &r, 60000), "a fill while late");
+    uint64_t during = gw_cache_epoch(c);
+    gw_cache_notified(c, "pay\npurged", 10);
+    size_t n = 0, b = 0;
+    gw_cache_usage(c, &n, &b);
+    cr_expect_eq(n, 1, "kept, less the purged one: %zu", n);
+    gw_cache_set_online(c, true, true);
+    cr_expect(!gw_cache_put(c, "pay", SCOPE_A, "k2", 2, FP1, &r, cm_now_ms() + 60000, before), "begun before");
+    cr_expect(!gw_cache_put(c, "pay", SCOPE_A, "k3", 2, FP1, &r, cm_now_ms() + 60000, during), "begun while late");
+    cr_expect_eq(get(c, "pay", SCOPE_A, "kept", FP1, &out), GW_CACHE_REPLAY, "kept for when it is back");
+    cm_resp_free(&out);
+    cr_expect_eq(get(c, "pay", SCOPE_A, "purged", FP1, &out), GW_CACHE_MISS, "the purge heard while late");
     cm_resp_free(&r);
     gw_cache_destroy(c);
 }
@@ -158,8 +186,8 @@ Test(cache, a_fill_that_raced_an_invalidation_is_refused)
     gw_cache_notified(c, "pay\nother", 9); /* any purge between the completion's send and its fill */
     cr_expect(!gw_cache_put(c, "pay", SCOPE_A, "k", 1, FP1, &r, cm_now_ms() + 60000, e));
     e = gw_cache_epoch(c);
-    gw_cache_set_online(c, false);
-    gw_cache_set_online(c, true); /* a reconnect in between */
+    gw_cache_set_online(c, false, false);
+    gw_cache_set_online(c, true, true); /* a reconnect in between */
     cr_expect(!gw_cache_put(c, "pay", SCOPE_A, "k", 1, FP1, &r, cm_now_ms() + 60000, e));
     cr_expect_eq(get(c, "pay", SCOPE_A, "k", FP1, &out), GW_CACHE_MISS);
     cm_resp_free(&r);
