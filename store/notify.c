@@ -29,6 +29,7 @@ struct store_notify {
     enum nstate state;
     uint64_t backoff_ms;
     uint64_t ping_sent_ms; /* N_UP: when the ping now out was sent (0: none out) */
+    bool ping_result;      /* N_UP: the ping's result came, libpq has not yet ended its command */
     bool late;             /* N_UP: LATE was reported; UP again after a ping sent after the late one's answer */
     bool confirming;       /* late, and the ping out is that one */
 };
@@ -60,6 +61,12 @@ static void watch(struct store_notify *n, short what)
     event_add(n->io, NULL);
 }
 
+static void ping_reset(struct store_notify *n)
+{
+    n->ping_sent_ms = 0;
+    n->ping_result = n->late = n->confirming = false;
+}
+
 /* Drops the connection; reports DOWN when it was up, and reconnects after the backoff. */
 static void lost(struct store_notify *n, const char *why)
 {
@@ -72,8 +79,7 @@ static void lost(struct store_notify *n, const char *why)
         n->pg = NULL;
     }
     n->state = N_IDLE;
-    n->ping_sent_ms = 0;
-    n->late = n->confirming = false;
+    ping_reset(n);
     cm_log(was_up ? CM_WARN : CM_INFO, "cache_listener_down", "detail=%s retry_ms=%llu", q,
            (unsigned long long)n->backoff_ms);
     if (was_up)
@@ -129,11 +135,12 @@ static void consume(struct store_notify *n)
         lost(n, PQerrorMessage(n->pg));
         return;
     }
-    bool answered = false; /* a ping's result, and libpq has nothing more of it */
+    bool answered = false; /* the ping's command ended: libpq takes the next one */
     while (!PQisBusy(n->pg)) {
         PGresult *r = PQgetResult(n->pg);
         if (!r) {
-            answered = answered && n->state == N_UP;
+            answered = n->state == N_UP && n->ping_result;
+            n->ping_result = false;
             break;
         }
         ExecStatusType st = PQresultStatus(r);
@@ -145,14 +152,13 @@ static void consume(struct store_notify *n)
         if (n->state == N_LISTENING) {
             n->state = N_UP;
             n->backoff_ms = BACKOFF_FIRST_MS;
-            n->ping_sent_ms = 0;
-            n->late = n->confirming = false;
+            ping_reset(n);
             cm_log(CM_INFO, "cache_listener_up", "channel=%s", STORE_NOTIFY_CHANNEL);
             n->cb(n->arg, STORE_NOTIFY_UP, NULL, 0);
             evtimer_del(n->timer);
             arm(n, PING_EVERY_MS);
         } else if (n->state == N_UP) {
-            answered = true;
+            n->ping_result = true;
         }
     }
     PGnotify *msg;

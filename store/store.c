@@ -454,7 +454,6 @@ struct owner_op {
     int status;
     uint64_t deadline_ms;
     uint64_t backoff_ms;
-    uint64_t attempt_ms;
     int attempts;
     bool encode_failed;
     struct event *timer;
@@ -675,16 +674,15 @@ static void make_marker(uint8_t out[MARKER_LEN], const uint8_t fp[32], uint64_t 
 static const char redis_cas_lua[] = "if redis.call('GET', KEYS[1]) == ARGV[1] then"
                                     " return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) else return 0 end";
 
-/* Caches a completed answer: "E" + fingerprint + the record's expiry (wall ms, big-endian; never later than
- * Postgres' expires_at: taken from before the statement that set or read it) + cm_resp_encode blob, for ttl_ms,
- * if the key still holds expect (expect_len bytes), then calls cb (may be NULL) once. Returns false, without
- * calling cb, when nothing was sent. Values of the older form "C" + fingerprint + blob are still read. */
-static bool redis_cache_then(struct store *s, const char *rkey, const void *expect, size_t expect_len,
-                             const uint8_t fp[32], const void *blob, size_t blob_len, uint64_t ttl_ms,
-                             uint64_t expiry_wall_ms, store_rd_cb cb, void *arg)
+/* Caches a completed answer, fire-and-forget: "E" + fingerprint + the record's expiry (wall ms, big-endian; never
+ * later than Postgres' expires_at: taken from before the statement that read it) + cm_resp_encode blob, for ttl_ms,
+ * if the key still holds expect (expect_len bytes). Values of the older form "C" + fingerprint + blob are still
+ * read. */
+static void redis_cache(struct store *s, const char *rkey, const void *expect, size_t expect_len, const uint8_t fp[32],
+                        const void *blob, size_t blob_len, uint64_t ttl_ms, uint64_t expiry_wall_ms)
 {
     if (!s->rd || ttl_ms == 0 || !store_rd_up(s->rd))
-        return false;
+        return;
     size_t vlen = 1 + 32 + 8 + blob_len;
     char *val = cm_malloc(vlen);
     val[0] = 'E';
@@ -695,9 +693,8 @@ static bool redis_cache_then(struct store *s, const char *rkey, const void *expe
     snprintf(px, sizeof px, "%llu", (unsigned long long)ttl_ms);
     const char *argv[7] = {"EVAL", redis_cas_lua, "1", rkey, expect, val, px};
     size_t lens[7] = {4, sizeof redis_cas_lua - 1, 1, strlen(rkey), expect_len, vlen, strlen(px)};
-    bool sent = store_rd_command(s->rd, cb, arg, 7, argv, lens);
+    redis_fire(s, 7, argv, lens);
     free(val);
-    return sent;
 }
 
 /* ---- claim */
@@ -815,8 +812,8 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         uint8_t mine[MARKER_LEN];
         make_marker(mine, c->fp, c->token);
         if (c->marker_ours || c->seen_marker)
-            (void)redis_cache_then(s, c->rkey, c->marker_ours ? mine : c->seen, MARKER_LEN, c->fp, blob, blob_len, ttl,
-                                   c->sent_wall_ms + ttl, NULL, NULL);
+            redis_cache(s, c->rkey, c->marker_ours ? mine : c->seen, MARKER_LEN, c->fp, blob, blob_len, ttl,
+                        c->sent_wall_ms + ttl);
         claim_finish(c, &res);
         return;
     }
@@ -1202,8 +1199,6 @@ static void settle_kick(struct store *s)
     }
 }
 
-/* The completed answer's cache write is done (or failed: then the stale
- * in-flight marker is dropped, best effort, so Postgres is asked next). */
 static void complete_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
     struct owner_op *w = arg;
@@ -1240,7 +1235,6 @@ static void complete_send(struct owner_op *w)
         {ret, 8, true},
     };
     w->attempts++;
-    w->attempt_ms = cm_now_ms();
     store_pg_query(s->pg, S_COMPLETE, p, 7, 1, complete_pg_cb, w);
 }
 
