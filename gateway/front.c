@@ -2,8 +2,11 @@
  * by that loop's thread (MHD's epoll fd in the loop's libevent base), reads a
  * request, checks route, key and limits, then suspends the connection while
  * the same thread runs the pipeline, and answers when it resumes it. No
- * request crosses a thread. */
+ * request crosses a thread. The front accepts itself, on one listening socket
+ * watched by every loop, and places each connection on the loop that holds
+ * the fewest (MHD_add_connection), so the loops share the clients evenly. */
 #include <arpa/inet.h>
+#include <errno.h>
 #include <event2/event.h>
 #include <microhttpd.h>
 #include <netdb.h>
@@ -42,10 +45,14 @@ struct shard {
     struct gw_front *f;
     struct gw_loop *loop;
     struct MHD_Daemon *d;
-    struct event *io;   /* MHD's epoll fd is readable */
-    struct event *tick; /* MHD's next timeout, or work left over */
-    struct event *kick; /* a connection was resumed */
-    bool quiesced;
+    struct event *io;        /* MHD's epoll fd is readable */
+    struct event *tick;      /* MHD's next timeout, or work left over */
+    struct event *kick;      /* a connection was resumed */
+    struct event *acc;       /* the shared listening socket is readable */
+    struct event *acc_retry; /* accept() ran out of descriptors or memory: listen again after a pause */
+    atomic_bool quiesced;    /* takes no new connection any more */
+    atomic_long open;        /* connections its daemon holds (MHD's STARTED .. CLOSED) */
+    atomic_long incoming;    /* handed to this loop by another one, not added yet */
 };
 
 struct gw_front {
@@ -173,8 +180,10 @@ static struct conn_track *track_of(struct MHD_Connection *c)
 
 static void conn_notify(void *cls, struct MHD_Connection *c, void **socket_ctx, enum MHD_ConnectionNotificationCode toe)
 {
-    struct gw_front *f = ((struct shard *)cls)->f;
+    struct shard *sh = cls;
+    struct gw_front *f = sh->f;
     if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+        atomic_fetch_add(&sh->open, 1);
         long prev = atomic_fetch_add(&f->connections, 1);
         cm_metric_connections(1);
         struct conn_track *t = cm_calloc(1, sizeof *t);
@@ -190,6 +199,7 @@ static void conn_notify(void *cls, struct MHD_Connection *c, void **socket_ctx, 
         pthread_mutex_unlock(&f->mu);
         *socket_ctx = t;
     } else {
+        atomic_fetch_sub(&sh->open, 1);
         atomic_fetch_sub(&f->connections, 1);
         cm_metric_connections(-1);
         struct conn_track *t = *socket_ctx;
@@ -916,11 +926,6 @@ static bool make_addr(const struct conf_addr *a, struct sockaddr_storage *ss, ch
     return true;
 }
 
-static unsigned mhd_family_flag(const struct sockaddr_storage *ss)
-{
-    return ss->ss_family == AF_INET6 ? MHD_USE_IPv6 : 0;
-}
-
 /* ---- each daemon on its loop thread */
 
 /* Runs the daemon and arms the timer for what it has to do next. */
@@ -996,64 +1001,221 @@ static bool on_loop(struct shard *sh, void (*fn)(struct shard *))
     return true;
 }
 
+/* ---- accepting: every loop watches the one listening socket; a connection goes to the loop holding the fewest */
+
+#define ACCEPT_BATCH    64  /* connections accepted per wake-up before the loop turns to its other events */
+#define HANDOFF_SLACK   1   /* a connection stays on the loop that accepted it unless another holds this many fewer */
+#define ACCEPT_PAUSE_MS 100 /* after EMFILE, ENFILE, ENOBUFS or ENOMEM */
+
+struct handoff {
+    struct shard *sh;
+    int fd;
+    socklen_t len;
+    struct sockaddr_storage sa;
+};
+
+static long shard_load(struct shard *sh)
+{
+    return atomic_load_explicit(&sh->open, memory_order_relaxed) +
+           atomic_load_explicit(&sh->incoming, memory_order_relaxed);
+}
+
+/* The loop a connection accepted on self goes to: the one holding the fewest, self unless another holds at least
+ * HANDOFF_SLACK fewer (a hand-off costs a wake-up of the other loop). */
+static struct shard *place_on(struct shard *self)
+{
+    struct gw_front *f = self->f;
+    struct shard *best = self;
+    long mine = shard_load(self), least = mine;
+    for (size_t i = 0; i < f->nshards; i++) {
+        struct shard *o = &f->shards[i];
+        if (o == self || atomic_load(&o->quiesced))
+            continue;
+        long l = shard_load(o);
+        if (l < least) {
+            least = l;
+            best = o;
+        }
+    }
+    return mine - least >= HANDOFF_SLACK ? best : self;
+}
+
+/* On sh's loop thread: the daemon takes the connection (MHD closes it when it cannot); with MHD_USE_TURBO it
+ * waits in the daemon's ready list, so the daemon runs now. */
+static void shard_add(struct shard *sh, int fd, const struct sockaddr_storage *sa, socklen_t len)
+{
+    if (atomic_load(&sh->quiesced) || !sh->d) {
+        close(fd);
+        return;
+    }
+    (void)MHD_add_connection(sh->d, fd, (const struct sockaddr *)sa, len);
+}
+
+static void handoff_run(void *arg)
+{
+    struct handoff *h = arg;
+    struct shard *sh = h->sh;
+    shard_add(sh, h->fd, &h->sa, h->len);
+    atomic_fetch_sub(&sh->incoming, 1);
+    free(h);
+    shard_run(sh);
+}
+
+static void accept_retry_cb(evutil_socket_t fd, short what, void *arg)
+{
+    struct shard *sh = arg;
+    (void)fd;
+    (void)what;
+    if (!atomic_load(&sh->quiesced) && sh->acc)
+        event_add(sh->acc, NULL);
+}
+
+static void accept_cb(evutil_socket_t lfd, short what, void *arg)
+{
+    struct shard *sh = arg;
+    (void)what;
+    bool added = false;
+    for (int i = 0; i < ACCEPT_BATCH && !atomic_load(&sh->quiesced); i++) {
+        struct sockaddr_storage sa;
+        socklen_t len = sizeof sa;
+        int fd = accept4(lfd, (struct sockaddr *)&sa, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            int e = errno;
+            if (e == EAGAIN || e == EWOULDBLOCK)
+                break;
+            if (e == EINTR || e == ECONNABORTED || e == EPROTO || e == EPERM || e == ENETDOWN || e == ENOPROTOOPT ||
+                e == EHOSTDOWN || e == ENONET || e == EHOSTUNREACH || e == EOPNOTSUPP || e == ENETUNREACH)
+                continue; /* that connection is gone; the next one may be fine */
+            /* Out of descriptors or memory (or the socket is gone): listen again later, the backlog waits. */
+            cm_log(CM_WARN, "accept_failed", "error=\"%s\" pause_ms=%d", strerror(e), ACCEPT_PAUSE_MS);
+            event_del(sh->acc);
+            struct timeval tv = {0, ACCEPT_PAUSE_MS * 1000};
+            evtimer_add(sh->acc_retry, &tv);
+            break;
+        }
+        struct shard *to = place_on(sh);
+        if (to == sh) {
+            shard_add(sh, fd, &sa, len);
+            added = true;
+            continue;
+        }
+        struct handoff *h = cm_malloc(sizeof *h);
+        h->sh = to;
+        h->fd = fd;
+        h->len = len;
+        memcpy(&h->sa, &sa, sizeof sa);
+        atomic_fetch_add(&to->incoming, 1);
+        gw_loop_submit(to->loop, handoff_run, h);
+    }
+    if (added)
+        shard_run(sh);
+}
+
 static void shard_attach(struct shard *sh)
 {
     struct event_base *base = gw_loop_base(sh->loop);
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(sh->d, MHD_DAEMON_INFO_EPOLL_FD);
     sh->tick = evtimer_new(base, shard_cb, sh);
     sh->kick = evtimer_new(base, shard_cb, sh);
+    sh->acc = event_new(base, sh->f->lsock, EV_READ | EV_PERSIST, accept_cb, sh);
+    sh->acc_retry = evtimer_new(base, accept_retry_cb, sh);
     if (di && sh->tick && sh->kick) {
         sh->io = event_new(base, di->epoll_fd, EV_READ | EV_PERSIST, shard_cb, sh);
         if (sh->io)
             event_add(sh->io, NULL);
     }
-    if (!sh->io || !sh->tick || !sh->kick)
+    if (!sh->io || !sh->tick || !sh->kick || !sh->acc || !sh->acc_retry)
         abort(); /* out of memory */
+    event_add(sh->acc, NULL);
     shard_run(sh);
+}
+
+/* On sh's loop thread: no new connection any more. Hand-offs to sh already queued close their connection. */
+static void shard_quiesce(struct shard *sh)
+{
+    atomic_store(&sh->quiesced, true);
+    if (sh->acc)
+        event_del(sh->acc);
+    if (sh->acc_retry)
+        evtimer_del(sh->acc_retry);
 }
 
 static void shard_detach(struct shard *sh)
 {
+    shard_quiesce(sh);
     if (sh->io)
         event_free(sh->io);
     if (sh->tick)
         event_free(sh->tick);
     if (sh->kick)
         event_free(sh->kick);
-    sh->io = sh->tick = sh->kick = NULL;
+    if (sh->acc)
+        event_free(sh->acc);
+    if (sh->acc_retry)
+        event_free(sh->acc_retry);
+    sh->io = sh->tick = sh->kick = sh->acc = sh->acc_retry = NULL;
 }
 
-static void shard_quiesce(struct shard *sh)
+static void shard_nop(struct shard *sh)
 {
-    if (sh->d && !sh->quiesced) {
-        (void)MHD_quiesce_daemon(sh->d); /* the shared socket is closed once, by the front */
-        sh->quiesced = true;
-    }
+    (void)sh;
 }
 
-static struct MHD_Daemon *start_daemon(struct shard *sh, const struct sockaddr_storage *ss, MHD_socket lsock,
-                                       size_t mem, unsigned timeout_s)
+/* Every loop stops accepting, then each runs what was queued to it before (hand-offs from a loop that accepted
+ * just before it stopped): after this no hand-off is left anywhere. False when a loop did not answer. */
+static bool front_stop_accepting(struct gw_front *f)
+{
+    bool all = true;
+    for (size_t i = 0; i < f->nshards; i++)
+        all = on_loop(&f->shards[i], shard_quiesce) && all;
+    for (size_t i = 0; i < f->nshards; i++)
+        all = on_loop(&f->shards[i], shard_nop) && all;
+    return all;
+}
+
+/* The listening socket, made as libmicrohttpd makes its own: SO_REUSEADDR, IPv6 only for an IPv6 address. */
+static int listen_socket(const struct sockaddr_storage *ss, uint16_t *port)
+{
+    int fd = socket(ss->ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    int one = 1;
+    (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (ss->ss_family == AF_INET6)
+        (void)setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
+    socklen_t len = ss->ss_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+    if (bind(fd, (const struct sockaddr *)ss, len) != 0 || listen(fd, 4096) != 0) {
+        close(fd);
+        return -1;
+    }
+    struct sockaddr_storage b;
+    socklen_t blen = sizeof b;
+    if (getsockname(fd, (struct sockaddr *)&b, &blen) != 0) {
+        close(fd);
+        return -1;
+    }
+    *port =
+        ntohs(b.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&b)->sin6_port : ((struct sockaddr_in *)&b)->sin_port);
+    return fd;
+}
+
+static struct MHD_Daemon *start_daemon(struct shard *sh, size_t mem, unsigned timeout_s)
 {
     const struct conf *conf = sh->f->conf;
-    unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG | MHD_USE_TURBO | mhd_family_flag(ss);
-    /* The first daemon binds; the others accept on its socket. */
+    unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG | MHD_USE_TURBO |
+                     MHD_USE_NO_LISTEN_SOCKET; /* the front accepts (accept_cb) */
     return MHD_start_daemon(flags, 0, NULL, NULL, handler, sh, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "front",
-                            lsock == MHD_INVALID_SOCKET ? MHD_OPTION_SOCK_ADDR : MHD_OPTION_LISTEN_SOCKET,
-                            lsock == MHD_INVALID_SOCKET ? (intptr_t)ss : (intptr_t)lsock, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned)(conf->max_connections + 64), MHD_OPTION_CONNECTION_TIMEOUT, timeout_s,
-                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, mem, MHD_OPTION_LISTEN_BACKLOG_SIZE, 4096,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)(conf->max_connections + 64),
+                            MHD_OPTION_CONNECTION_TIMEOUT, timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT, mem,
                             MHD_OPTION_URI_LOG_CALLBACK, uri_log, sh, MHD_OPTION_NOTIFY_COMPLETED, completed, sh,
                             MHD_OPTION_NOTIFY_CONNECTION, conn_notify, sh, MHD_OPTION_UNESCAPE_CALLBACK, no_unescape,
                             sh, MHD_OPTION_END);
 }
 
-/* Main thread, with no loop running a daemon any more: every daemon stops
- * listening first (none may close the shared socket), then stops; the socket
- * is closed once, here or at quiesce. */
+/* Main thread, with no loop running a daemon any more (each detached, or never attached); the socket is closed
+ * once, here or at quiesce. */
 static void front_free(struct gw_front *f)
 {
-    for (size_t i = 0; i < f->nshards; i++)
-        shard_quiesce(&f->shards[i]);
     for (size_t i = 0; i < f->nshards; i++) {
         if (f->shards[i].d)
             MHD_stop_daemon(f->shards[i].d);
@@ -1094,25 +1256,25 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
                "another layout every request is refused with 400\"",
                mhd_version ? mhd_version : "unknown");
     unsigned timeout_s = (unsigned)((conf->client_timeout_ms + 999) / 1000);
+    f->lsock = listen_socket(&ss, &f->port);
+    if (f->lsock < 0) {
+        f->lsock = MHD_INVALID_SOCKET;
+        *err = cm_asprintf("cannot listen on %s:%u (address in use or not permitted)", conf->listen.host,
+                           conf->listen.port);
+        front_free(f);
+        return NULL;
+    }
     f->shards = cm_calloc(loops->n, sizeof *f->shards);
     for (size_t i = 0; i < loops->n; i++) {
         struct shard *sh = &f->shards[i];
         sh->f = f;
         sh->loop = loops->v[i];
-        sh->d = start_daemon(sh, &ss, f->lsock, mem, timeout_s);
+        sh->d = start_daemon(sh, mem, timeout_s);
         f->nshards = i + 1;
         if (!sh->d) {
-            *err = i == 0 ? cm_asprintf("cannot listen on %s:%u (address in use or not permitted)", conf->listen.host,
-                                        conf->listen.port)
-                          : cm_asprintf("cannot start the HTTP daemon of loop %zu", i);
+            *err = cm_asprintf("cannot start the HTTP daemon of loop %zu", i);
             front_free(f);
             return NULL;
-        }
-        if (i == 0) {
-            const union MHD_DaemonInfo *li = MHD_get_daemon_info(sh->d, MHD_DAEMON_INFO_LISTEN_FD);
-            f->lsock = li ? li->listen_fd : MHD_INVALID_SOCKET;
-            const union MHD_DaemonInfo *di = MHD_get_daemon_info(sh->d, MHD_DAEMON_INFO_BIND_PORT);
-            f->port = di ? di->port : conf->listen.port;
         }
     }
     for (size_t i = 0; i < f->nshards; i++) {
@@ -1123,9 +1285,11 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
     }
     if (pthread_create(&f->watchdog, NULL, watchdog_main, f) != 0) {
         *err = cm_asprintf("cannot start the front watchdog thread");
+        bool all = front_stop_accepting(f);
         for (size_t i = 0; i < f->nshards; i++)
-            (void)on_loop(&f->shards[i], shard_detach);
-        front_free(f);
+            all = on_loop(&f->shards[i], shard_detach) && all;
+        if (all)
+            front_free(f);
         return NULL;
     }
     return f;
@@ -1144,9 +1308,7 @@ long gw_front_suspended(struct gw_front *f)
 void gw_front_quiesce(struct gw_front *f)
 {
     atomic_store(&f->shutting_down, true);
-    bool all = true;
-    for (size_t i = 0; i < f->nshards; i++)
-        all = on_loop(&f->shards[i], shard_quiesce) && all;
+    bool all = front_stop_accepting(f);
     if (all && f->lsock != MHD_INVALID_SOCKET && !f->lsock_closed) {
         close(f->lsock);
         f->lsock_closed = true;
@@ -1159,6 +1321,7 @@ void gw_front_stop(struct gw_front *f)
         return;
     atomic_store(&f->stop, true);
     pthread_join(f->watchdog, NULL);
+    (void)front_stop_accepting(f);
     for (size_t i = 0; i < f->nshards; i++)
         (void)on_loop(&f->shards[i], shard_detach);
     front_free(f);

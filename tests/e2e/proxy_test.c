@@ -40,6 +40,11 @@ static const char conf_two_loops[] =
 static const char conf_two_conns[] = E2E_CONF_HEAD "max_body: 2MiB\n" "threads: 2\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s")
     "    max_connections: 2\n" CONF_PASS_ROUTE("2MiB") "default_upstream: api\n";
 
+/* Two loops, an upstream with max_connections: 16 (each loop's share: 8). */
+static const char conf_sixteen_conns[] = E2E_CONF_HEAD "max_body: 2MiB\n" "threads: 2\n"
+    CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") "    max_connections: 16\n" CONF_PASS_ROUTE("2MiB")
+    "default_upstream: api\n";
+
 /* Same, without default_upstream. */
 static const char conf_nodefault[] = E2E_CONF_HEAD CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") CONF_PASS_ROUTE("1MiB");
 
@@ -848,6 +853,45 @@ Test(proxy, hundred_concurrent_requests_run_in_parallel)
     cr_expect_eq(ok, N, "%d of %d answered 200 with their own body", ok, N);
     cr_expect(took < 3000, "100 x 200 ms took %llu ms: not parallel", (unsigned long long)took);
     cr_expect_eq(e2e_upstream_count(up, NULL), N);
+}
+
+/* The loops share the clients evenly: 12 clients connecting at once through two loops, each holding 8 of the
+ * upstream's max_connections: 16, all reach the upstream at once, in one round of 600 ms (the placement is even
+ * within one, and counts a connection another test step left open; 8 per loop leaves room for both). When one loop
+ * took more than 8 of them (the kernel wakes both on the shared socket and the first to run took what it found),
+ * its extra ones waited a whole round for a connection. */
+Test(proxy, clients_are_shared_evenly_between_the_loops)
+{
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(conf_sixteen_conns, &up, &gw);
+    enum { N = 12, DELAY_MS = 600 };
+    static const char *const h[] = {"X-Test-Delay-Ms: 600", NULL};
+    struct e2e_req rq[N];
+    struct e2e_resp out[N];
+    for (int round = 0; round < 2; round++) { /* the second after the first's connections closed */
+        if (round > 0)
+            e2e_sleep_ms(300); /* each loop has seen its connections close */
+        for (int i = 0; i < N; i++)
+            rq[i] = (struct e2e_req){.method = "GET", .path = "/v1/payments/even", .headers = h, .timeout_ms = 10000};
+        uint64_t t0 = e2e_now_ms();
+        e2e_http_parallel(gw->port, rq, out, N);
+        uint64_t took = e2e_now_ms() - t0;
+        int ok = 0;
+        for (int i = 0; i < N; i++) {
+            if (out[i].status == 200)
+                ok++;
+            else
+                cr_log_error("round %d, request %d: status %ld (%s)", round, i, out[i].status, out[i].error);
+            e2e_resp_free(&out[i]);
+        }
+        cr_expect_eq(ok, N, "round %d: %d of %d answered 200", round, ok, N);
+        cr_expect(took < 2 * DELAY_MS - 100,
+                  "round %d: 12 x 600 ms over 2 loops x 8 connections took %llu ms: "
+                  "some waited for a second round",
+                  round, (unsigned long long)took);
+    }
+    cr_expect_eq(e2e_upstream_count(up, NULL), 2 * N);
 }
 
 /* An upstream's max_connections bounds its sockets over all I/O loops together: 12 parallel requests of 300 ms
