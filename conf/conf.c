@@ -107,6 +107,13 @@ static enum num_err size_parse(const char *s, uint64_t *bytes)
     return NUM_BAD;
 }
 
+const char *conf_addr_fmt(char *buf, size_t n, const char *host, unsigned port)
+{
+    bool v6 = strchr(host, ':') != NULL;
+    snprintf(buf, n, v6 ? "[%s]:%u" : "%s:%u", host, port);
+    return buf;
+}
+
 bool conf_parse_duration(const char *s, uint64_t *ms)
 {
     uint64_t v = 0;

@@ -213,6 +213,9 @@ struct conf *conf_load(const char *file, char **err);
 struct conf *conf_load_string(const char *name, const char *yaml, size_t len, char **err);
 void conf_destroy(struct conf *c); /* NULL is a no-op */
 
+/* "host:port" into buf, an IPv6 host in brackets ("[::1]:8080"), truncated to n; returns buf. */
+const char *conf_addr_fmt(char *buf, size_t n, const char *host, unsigned port);
+
 /* Parsers shared with tests; return false on malformed or out-of-range input. */
 bool conf_parse_duration(const char *s, uint64_t *ms) CM_MUST_CHECK; /* 500ms 30s 5m 24h 7d */
 bool conf_parse_size(const char *s, uint64_t *bytes) CM_MUST_CHECK;  /* 512B 64KiB 1MiB 1GiB, bare number = bytes */

@@ -335,7 +335,9 @@ struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_loop *loop, c
                             MHD_OPTION_CONNECTION_TIMEOUT, 30u, MHD_OPTION_NOTIFY_COMPLETED, completed, a,
                             MHD_OPTION_URI_LOG_CALLBACK, admin_uri_log, a, MHD_OPTION_END);
     if (!a->d) {
-        *err = cm_asprintf("cannot listen on admin address %s:%u", conf->admin_listen.host, conf->admin_listen.port);
+        char addr[320];
+        *err = cm_asprintf("cannot listen on admin address %s",
+                           conf_addr_fmt(addr, sizeof addr, conf->admin_listen.host, conf->admin_listen.port));
         free(a);
         return NULL;
     }

@@ -1259,8 +1259,9 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
     f->lsock = listen_socket(&ss, &f->port);
     if (f->lsock < 0) {
         f->lsock = MHD_INVALID_SOCKET;
-        *err = cm_asprintf("cannot listen on %s:%u (address in use or not permitted)", conf->listen.host,
-                           conf->listen.port);
+        char addr[320];
+        *err = cm_asprintf("cannot listen on %s (address in use or not permitted)",
+                           conf_addr_fmt(addr, sizeof addr, conf->listen.host, conf->listen.port));
         front_free(f);
         return NULL;
     }

@@ -173,14 +173,16 @@ static int run(const char *file, struct gw_conf *gc)
         cm_log(CM_ERROR, "start_failed", "error=%s", cm_log_quote(q, sizeof q, err ? err : "?"));
         goto out;
     }
-    cm_log(CM_INFO, "listening", "addr=%s:%u", conf->listen.host, gw_front_port(front));
+    char addr[320];
+    cm_log(CM_INFO, "listening", "addr=%s", conf_addr_fmt(addr, sizeof addr, conf->listen.host, gw_front_port(front)));
     if (conf->admin_enabled) {
         admin = gw_admin_start(conf, loops->v[0], &err);
         if (!admin) {
             cm_log(CM_ERROR, "start_failed", "error=%s", cm_log_quote(q, sizeof q, err ? err : "?"));
             goto out;
         }
-        cm_log(CM_INFO, "admin_listening", "addr=%s:%u", conf->admin_listen.host, gw_admin_port(admin));
+        cm_log(CM_INFO, "admin_listening", "addr=%s",
+               conf_addr_fmt(addr, sizeof addr, conf->admin_listen.host, gw_admin_port(admin)));
     }
     char pg[512], rd[512];
     cm_log(CM_INFO, "started", "version=%s routes=%zu upstreams=%zu postgres=%s redis=%s pool=%u loops=%zu",

@@ -5,6 +5,7 @@
 #include <criterion/criterion.h>
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -1132,4 +1133,108 @@ Test(hostile, thousand_concurrent_connections_are_served_by_a_few_threads)
     cr_log_info("1000 x 100 ms: %llu ms, max %ld threads, max VmRSS %ld kB", (unsigned long long)wall, s.max_threads,
                 s.max_rss);
     expect_serving(gw, "after 1000 concurrent connections");
+}
+
+/* ---- out of file descriptors */
+
+/* clang-format off */
+/* Two loops, a long client_timeout so that the clients waiting in the backlog are not idle-closed. */
+static const char conf_fds[] = E2E_CONF_HEAD "threads: 2\n" "client_timeout: 20s\n" CONF_REST("5s");
+/* clang-format on */
+
+/* The lowest descriptor number the process does not hold: with RLIMIT_NOFILE at it, no new one can be had. */
+static int lowest_free_fd(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd", (int)pid);
+    enum { MAXFD = 4096 };
+    static bool used[MAXFD];
+    memset(used, 0, sizeof used);
+    DIR *d = opendir(path);
+    if (d == NULL)
+        return -1;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        char *end = NULL;
+        long n = strtol(e->d_name, &end, 10);
+        if (end != e->d_name && *end == '\0' && n >= 0 && n < MAXFD)
+            used[n] = true;
+    }
+    closedir(d);
+    for (int i = 0; i < MAXFD; i++)
+        if (!used[i])
+            return i;
+    return -1;
+}
+
+static size_t count_substr(const char *hay, const char *needle)
+{
+    size_t n = 0;
+    for (const char *p = hay; p != NULL && (p = strstr(p, needle)) != NULL; p += strlen(needle))
+        n++;
+    return n;
+}
+
+/* accept() failing with EMFILE must pause accepting, not stop it: libmicrohttpd's own accept stopped at the first
+ * EMFILE until one of its connections closed, so with idle clients connected the backlog was never served. */
+Test(hostile, out_of_descriptors_pauses_accepting_then_serves_the_backlog)
+{
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(conf_fds, &up, &gw);
+    expect_serving(gw, "warm-up");
+    /* A few clients stay connected and idle throughout: no loop is empty when it runs out. */
+    enum { IDLE = 4 };
+    int idle[IDLE];
+    for (size_t i = 0; i < IDLE; i++)
+        idle[i] = tcp_connect(gw->port);
+    e2e_sleep_ms(300);
+    pid_t pid = gw->proc.pid;
+    struct rlimit old;
+    cr_assert_eq(prlimit(pid, RLIMIT_NOFILE, NULL, &old), 0, "prlimit (read): %s", strerror(errno));
+    int lim = lowest_free_fd(pid);
+    cr_assert(lim > 2, "cannot read the gateway's descriptors");
+    struct rlimit low = {.rlim_cur = (rlim_t)lim, .rlim_max = old.rlim_max};
+    cr_assert_eq(prlimit(pid, RLIMIT_NOFILE, &low, NULL), 0, "prlimit (lower to %d): %s", lim, strerror(errno));
+
+    /* The clients connect (the kernel's backlog completes the handshake) while the gateway cannot accept. */
+    enum { N = 8 };
+    struct peer p[N];
+    memset(p, 0, sizeof p);
+    for (size_t i = 0; i < N; i++)
+        p[i].fd = tcp_connect(gw->port);
+    bool failed = e2e_gw_log_wait(gw, "accept_failed", 3000);
+    e2e_sleep_ms(600);
+    cr_assert_eq(prlimit(pid, RLIMIT_NOFILE, &old, NULL), 0, "prlimit (restore): %s", strerror(errno));
+    cr_expect(failed, "accept() at RLIMIT_NOFILE %d: no accept_failed line", lim);
+    e2e_gw_assert_alive(gw, "out of descriptors");
+
+    /* Their requests go only now, so that none of them needs a new upstream socket while the limit is low. */
+    for (size_t i = 0; i < N; i++) {
+        char req[128];
+        int n = snprintf(req, sizeof req, "GET /hostile/fds/%zu HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", i);
+        cr_assert_eq(send(p[i].fd, req, (size_t)n, MSG_NOSIGNAL), n, "send on connection %zu: %s", i, strerror(errno));
+    }
+    peers_read(p, N, 5000);
+    size_t ok = 0;
+    for (size_t i = 0; i < N; i++) {
+        int st[1];
+        size_t complete = 0;
+        size_t nr = parse_responses(p[i].buf, p[i].len, st, 1, &complete);
+        if (nr > 0 && st[0] == 200 && complete >= 1)
+            ok++;
+        else
+            cr_log_error("connection %zu: %s after 5 s: %.200s", i, p[i].closed ? "closed" : "no answer", p[i].buf);
+        close(p[i].fd);
+    }
+    cr_expect_eq(ok, N, "%zu of %d clients that waited in the backlog during EMFILE were served", ok, N);
+
+    /* The pause bounds the log: two loops, 100 ms apart, for under 4 s. */
+    char *log = e2e_gw_log(gw);
+    size_t lines = count_substr(log, "accept_failed");
+    free(log);
+    cr_expect(lines >= 1 && lines <= 80, "%zu accept_failed lines (bound 80: one per loop per 100 ms pause)", lines);
+    for (size_t i = 0; i < IDLE; i++)
+        close(idle[i]);
+    expect_serving(gw, "after the descriptors came back");
 }

@@ -2,11 +2,17 @@
  * with the real Postgres and Redis (methods, bodies, headers, limits, errors, routing, shutdown, admin, load). */
 #include <criterion/criterion.h>
 
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -676,10 +682,10 @@ Test(proxy, path_prefix_matches_whole_segments)
 }
 
 /* Port 0 in listen and admin.listen: the gateway picks free ports and logs them. */
-static uint16_t logged_port(const struct e2e_gw *gw, const char *event)
+static uint16_t logged_port_of(const struct e2e_gw *gw, const char *event, const char *host)
 {
-    char needle[64];
-    snprintf(needle, sizeof needle, "event=%s addr=127.0.0.1:", event);
+    char needle[96];
+    snprintf(needle, sizeof needle, "event=%s addr=%s:", event, host);
     if (!e2e_gw_log_wait(gw, needle, E2E_READY_TIMEOUT_MS)) {
         e2e_proc_dump_log(&gw->proc, 4000);
         cr_assert_fail("no '%s' line in the gateway log", needle);
@@ -694,18 +700,93 @@ static uint16_t logged_port(const struct e2e_gw *gw, const char *event)
     return (uint16_t)port;
 }
 
-Test(proxy, port_zero_picks_free_ports_and_logs_them)
+static uint16_t logged_port(const struct e2e_gw *gw, const char *event)
 {
-    static const char conf[] =
-        "listen: 127.0.0.1:0\n"
-        "admin:\n"
-        "  listen: 127.0.0.1:0\n"
-        "store:\n"
-        "  postgres: \"{{PG_URL}}\"\n"
-        "  redis: \"{{REDIS_URL}}\"\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") "default_upstream: api\n";
+    return logged_port_of(gw, event, "127.0.0.1");
+}
+
+/* One GET / over a fresh connection to addr:port (IPv4 or IPv6): its status, 0 when nothing answered within 3 s,
+ * -1 when the connection was refused. */
+static int raw_get_status(int family, const char *addr, uint16_t port)
+{
+    struct sockaddr_storage ss = {0};
+    socklen_t len;
+    if (family == AF_INET6) {
+        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
+        a->sin6_family = AF_INET6;
+        a->sin6_port = htons(port);
+        cr_assert_eq(inet_pton(AF_INET6, addr, &a->sin6_addr), 1, "address %s", addr);
+        len = sizeof *a;
+    } else {
+        struct sockaddr_in *a = (struct sockaddr_in *)&ss;
+        a->sin_family = AF_INET;
+        a->sin_port = htons(port);
+        cr_assert_eq(inet_pton(AF_INET, addr, &a->sin_addr), 1, "address %s", addr);
+        len = sizeof *a;
+    }
+    int fd = socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    cr_assert(fd >= 0, "socket: %s", strerror(errno));
+    if (connect(fd, (struct sockaddr *)&ss, len) != 0) {
+        int e = errno;
+        close(fd);
+        cr_assert_eq(e, ECONNREFUSED, "connect to %s port %u: %s", addr, (unsigned)port, strerror(e));
+        return -1;
+    }
+    static const char req[] = "GET /v6 HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n";
+    cr_assert_eq(send(fd, req, sizeof req - 1, MSG_NOSIGNAL), (ssize_t)(sizeof req - 1));
+    char buf[512];
+    size_t got = 0;
+    uint64_t deadline = e2e_now_ms() + 3000;
+    while (got < 12 && e2e_now_ms() < deadline) {
+        struct pollfd pf = {.fd = fd, .events = POLLIN};
+        if (poll(&pf, 1, 100) <= 0)
+            continue;
+        ssize_t r = recv(fd, buf + got, sizeof buf - 1 - got, 0);
+        if (r <= 0)
+            break;
+        got += (size_t)r;
+    }
+    close(fd);
+    buf[got] = '\0';
+    if (got < 12 || strncmp(buf, "HTTP/1.1 ", 9) != 0)
+        return 0;
+    return (int)strtol(buf + 9, NULL, 10);
+}
+
+/* listen on the given address, the admin on 127.0.0.1, a free port for each. */
+#define CONF_LISTEN_ON(addr)                                                                                           \
+    "listen: \"" addr ":0\"\n"                                                                                         \
+    "admin:\n"                                                                                                         \
+    "  listen: 127.0.0.1:0\n"                                                                                          \
+    "store:\n"                                                                                                         \
+    "  postgres: \"{{PG_URL}}\"\n"                                                                                     \
+    "  redis: \"{{REDIS_URL}}\"\n" CONF_UPSTREAM("{{UPSTREAM_URL}}", "5s") "default_upstream: api\n"
+
+/* An IPv6 listen address: served there; with IPV6_V6ONLY, as libmicrohttpd set it, "[::]" takes no IPv4. */
+Test(proxy, ipv6_listen_addresses_serve_ipv6_only)
+{
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_gw_opts o = {.up = up, .no_wait = true};
-    struct e2e_gw *gw = e2e_gw_start(conf, &o);
+
+    struct e2e_gw *lo = e2e_gw_start(CONF_LISTEN_ON("[::1]"), &o);
+    uint16_t port = logged_port_of(lo, "listening", "[::1]");
+    cr_expect_eq(raw_get_status(AF_INET6, "::1", port), 200, "GET on [::1]:%u", (unsigned)port);
+    cr_expect_eq(raw_get_status(AF_INET, "127.0.0.1", port), -1, "127.0.0.1:%u must not be served", (unsigned)port);
+    cr_expect_eq(e2e_gw_stop(lo, 5000), 0, "exit code after SIGTERM");
+
+    struct e2e_gw *any = e2e_gw_start(CONF_LISTEN_ON("[::]"), &o);
+    port = logged_port_of(any, "listening", "[::]");
+    cr_expect_eq(raw_get_status(AF_INET6, "::1", port), 200, "GET on [::1]:%u through [::]", (unsigned)port);
+    cr_expect_eq(raw_get_status(AF_INET, "127.0.0.1", port), -1,
+                 "[::] is IPv6 only (IPV6_V6ONLY): 127.0.0.1:%u must not be served", (unsigned)port);
+    cr_expect_eq(e2e_upstream_count(up, NULL), 2, "two requests reached the upstream");
+}
+
+Test(proxy, port_zero_picks_free_ports_and_logs_them)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw_opts o = {.up = up, .no_wait = true};
+    struct e2e_gw *gw = e2e_gw_start(CONF_LISTEN_ON("127.0.0.1"), &o);
     uint16_t front = logged_port(gw, "listening");
     uint16_t admin = logged_port(gw, "admin_listening");
     cr_expect_neq(front, admin);

@@ -386,6 +386,17 @@ Test(conf, durations)
     cr_expect_not(conf_parse_duration(NULL, &v));
 }
 
+Test(conf, listen_addresses_are_shown_with_ipv6_in_brackets)
+{
+    char b[64];
+    cr_expect_str_eq(conf_addr_fmt(b, sizeof b, "127.0.0.1", 8080), "127.0.0.1:8080");
+    cr_expect_str_eq(conf_addr_fmt(b, sizeof b, "localhost", 0), "localhost:0");
+    cr_expect_str_eq(conf_addr_fmt(b, sizeof b, "::1", 8080), "[::1]:8080");
+    cr_expect_str_eq(conf_addr_fmt(b, sizeof b, "::", 65535), "[::]:65535");
+    char small[8];
+    cr_expect_str_eq(conf_addr_fmt(small, sizeof small, "::1", 8080), "[::1]:8", "truncated to the buffer");
+}
+
 struct size_case {
     const char *in;
     bool ok;
