@@ -71,6 +71,8 @@ struct h1_xfer {
 };
 
 /* The backend's state: the origins it has sent to, idle transfers, the sync depth. */
+#define H1_SPARE_BUFS 8 /* per client (loop); a loop reads one response at a time, so a few are enough */
+
 struct up_h1 {
     struct up_client *c;
     struct h1_origin **origins; /* one per upstream address seen, never freed before the client */
@@ -78,6 +80,10 @@ struct up_h1 {
     size_t idle_n;            /* idle connections over all origins */
     struct up_transfer *pool; /* idle transfers, linked by next */
     size_t pool_n;
+    /* Receive buffers (UP_RECV_BUFFER each) of connections between responses. A connection holds one only while it
+     * reads a response: 1000 connections waiting on a slow upstream hold none (4 MB less resident). */
+    char *spare_buf[H1_SPARE_BUFS];
+    size_t spare_n;
     int sync; /* > 0: inside up_send, up_cancel or a start of waiting transfers: failures are deferred */
 };
 
@@ -876,6 +882,12 @@ static enum h1_step h1_parse(struct h1_conn *k, struct h1_xfer *t, const char **
  * h1_parse waits for the end of a line, which its caps bound (the head, a chunk-size line, the trailers). */
 static void h1_buf_room(struct h1_conn *k)
 {
+    if (k->cap == 0) {
+        struct up_h1 *h = h1_of(k->c);
+        k->buf = h->spare_n > 0 ? h->spare_buf[--h->spare_n] : cm_malloc(UP_RECV_BUFFER);
+        k->cap = UP_RECV_BUFFER;
+        return;
+    }
     if (k->len < k->cap)
         return;
     if (k->pos > 0) {
@@ -884,10 +896,22 @@ static void h1_buf_room(struct h1_conn *k)
         k->pos = 0;
     }
     if (k->len == k->cap) {
-        size_t ncap = k->cap ? k->cap * 2 : (size_t)UP_RECV_BUFFER;
+        size_t ncap = k->cap * 2;
         k->buf = cm_realloc(k->buf, ncap);
         k->cap = ncap;
     }
+}
+
+/* k is between responses: its buffer goes back to the client's spares (one grown for a large head is freed). */
+static void h1_buf_put(struct up_client *c, struct h1_conn *k)
+{
+    struct up_h1 *h = h1_of(c);
+    if (k->cap == (size_t)UP_RECV_BUFFER && h->spare_n < H1_SPARE_BUFS)
+        h->spare_buf[h->spare_n++] = k->buf;
+    else
+        free(k->buf);
+    k->buf = NULL;
+    k->cap = 0;
 }
 
 /* The response on k is complete: the connection goes idle (or to a waiting transfer) or closes; then t's
@@ -904,12 +928,7 @@ static void h1_complete(struct up_client *c, struct h1_conn *k, struct h1_xfer *
         if (k->ka_hint_ms >= 0)
             k->server_idle_ms = k->ka_hint_ms;
         k->pos = k->len = 0;
-        if (k->cap > (size_t)UP_RECV_BUFFER) {
-            /* grown for a large head: an idle connection keeps no more than the usual buffer */
-            free(k->buf);
-            k->buf = NULL;
-            k->cap = 0;
-        }
+        h1_buf_put(c, k);
         k->idle_since_ms = cm_now_ms();
         k->prev = NULL;
         k->next = o->idle;
@@ -1086,6 +1105,8 @@ static void h1_destroy(void *state)
         free(o);
     }
     free(h->origins);
+    for (size_t i = 0; i < h->spare_n; i++)
+        free(h->spare_buf[i]);
     while (h->pool != NULL) {
         struct up_transfer *pooled = h->pool;
         h->pool = pooled->next;
