@@ -883,8 +883,8 @@ static enum h1_step h1_parse(struct h1_conn *k, struct h1_xfer *t, const char **
 static void h1_buf_room(struct h1_conn *k)
 {
     if (k->cap == 0) {
-        struct up_h1 *h = h1_of(k->c);
-        k->buf = h->spare_n > 0 ? h->spare_buf[--h->spare_n] : cm_malloc(UP_RECV_BUFFER);
+        struct up_h1 *h = k->c != NULL ? h1_of(k->c) : NULL; /* none: a standalone h1_parser */
+        k->buf = h != NULL && h->spare_n > 0 ? h->spare_buf[--h->spare_n] : cm_malloc(UP_RECV_BUFFER);
         k->cap = UP_RECV_BUFFER;
         return;
     }
