@@ -70,9 +70,9 @@ struct h1_xfer {
     const char *deferred_err;
 };
 
-/* The backend's state: the origins it has sent to, idle transfers, the sync depth. */
 #define H1_SPARE_BUFS 8 /* per client (loop); a loop reads one response at a time, so a few are enough */
 
+/* The backend's state: the origins it has sent to, idle transfers, spare receive buffers, the sync depth. */
 struct up_h1 {
     struct up_client *c;
     struct h1_origin **origins; /* one per upstream address seen, never freed before the client */
