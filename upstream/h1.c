@@ -878,7 +878,8 @@ static enum h1_step h1_parse(struct h1_conn *k, struct h1_xfer *t, const char **
     }
 }
 
-/* Makes room for more bytes in k->buf: the parsed part moved out first, then the buffer doubled. It grows only while
+/* Makes room for more bytes in k->buf: a buffer when it has none (a spare of the client's if there is one), else the
+ * parsed part moved out first, then the buffer doubled. It grows only while
  * h1_parse waits for the end of a line, which its caps bound (the head, a chunk-size line, the trailers). */
 static void h1_buf_room(struct h1_conn *k)
 {

@@ -921,6 +921,16 @@ bool e2e_gw_log_contains(const struct e2e_gw *g, const char *needle)
     return found;
 }
 
+size_t e2e_gw_log_count(const struct e2e_gw *g, const char *needle)
+{
+    char *log = e2e_gw_log(g);
+    size_t n = 0;
+    for (const char *p = log; (p = strstr(p, needle)) != NULL; p += strlen(needle))
+        n++;
+    free(log);
+    return n;
+}
+
 bool e2e_gw_log_wait(const struct e2e_gw *g, const char *needle, int timeout_ms)
 {
     uint64_t deadline = e2e_now_ms() + (uint64_t)timeout_ms;

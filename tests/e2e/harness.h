@@ -143,6 +143,8 @@ int e2e_gw_stop(struct e2e_gw *g, int grace_ms);
 /* Gateway log (heap, caller frees) and searches in it. */
 char *e2e_gw_log(const struct e2e_gw *g);
 bool e2e_gw_log_contains(const struct e2e_gw *g, const char *needle);
+/* Occurrences of needle in the gateway's log. */
+size_t e2e_gw_log_count(const struct e2e_gw *g, const char *needle);
 /* Polls the log until needle appears (true) or timeout_ms passes (false). */
 bool e2e_gw_log_wait(const struct e2e_gw *g, const char *needle, int timeout_ms);
 /* Renders a template with the same placeholders (for --check tests); heap. */

@@ -106,23 +106,12 @@ static void rig_start_with(struct rig *r, const char *tmpl)
     r->vars[8] = NULL;
 }
 
-/* Occurrences of needle in the gateway's log. */
-static size_t log_count(const struct e2e_gw *g, const char *needle)
-{
-    char *log = e2e_gw_log(g);
-    size_t n = 0;
-    for (const char *p = log; (p = strstr(p, needle)) != NULL; p += strlen(needle))
-        n++;
-    free(log);
-    return n;
-}
-
 /* Polls until the log holds at least n reload outcome lines (reloaded, reload_failed, reload_refused); bounded. */
 static bool wait_outcomes(const struct e2e_gw *g, size_t n, int timeout_ms)
 {
     for (int waited = 0; waited <= timeout_ms; waited += 10) {
-        if (log_count(g, "event=reloaded") + log_count(g, "event=reload_failed") +
-                log_count(g, "event=reload_refused") >=
+        if (e2e_gw_log_count(g, "event=reloaded") + e2e_gw_log_count(g, "event=reload_failed") +
+                e2e_gw_log_count(g, "event=reload_refused") >=
             n)
             return true;
         struct timespec ts = {0, 10 * 1000 * 1000};
@@ -134,8 +123,8 @@ static bool wait_outcomes(const struct e2e_gw *g, size_t n, int timeout_ms)
 /* Writes tmpl (rendered) as the gateway's config, atomically (rename), and sends SIGHUP; waits for its outcome. */
 static void reload_to(struct rig *r, const char *tmpl)
 {
-    size_t before = log_count(r->gw, "event=reloaded") + log_count(r->gw, "event=reload_failed") +
-                    log_count(r->gw, "event=reload_refused");
+    size_t before = e2e_gw_log_count(r->gw, "event=reloaded") + e2e_gw_log_count(r->gw, "event=reload_failed") +
+                    e2e_gw_log_count(r->gw, "event=reload_refused");
     char *text = e2e_render(tmpl, r->vars);
     const char *tmp = e2e_write_file("next.yaml", text);
     free(text);
@@ -318,7 +307,7 @@ Test(reload, load_across_20_reloads_no_failure_no_mix)
         reload_to(&r, t);
         if (t == conf_broken) {
             failed_lines++;
-            cr_expect_eq(log_count(r.gw, "event=reload_failed"), failed_lines);
+            cr_expect_eq(e2e_gw_log_count(r.gw, "event=reload_failed"), failed_lines);
         } else {
             in_force = t == conf_a ? 'a' : 'b';
         }
@@ -358,7 +347,7 @@ Test(reload, load_across_20_reloads_no_failure_no_mix)
      * config's route with the other's upstream */
     cr_expect_eq(e2e_upstream_count(r.u1, NULL), got_a + probes_a);
     cr_expect_eq(e2e_upstream_count(r.u2, NULL), got_b + probes_b);
-    cr_expect_eq(log_count(r.gw, "event=reloaded"), 20 - failed_lines);
+    cr_expect_eq(e2e_gw_log_count(r.gw, "event=reloaded"), 20 - failed_lines);
     /* the broken file's line names the file, the line and the key */
     char want[600];
     snprintf(want, sizeof want, "event=reload_failed file=\"%s\" error=\"%s:21: ", r.gw->conf_path, r.gw->conf_path);
@@ -486,15 +475,15 @@ Test(reload, added_probe_makes_the_sweeper_resolve_an_unknown_outcome)
     e2e_resp_free(&resp);
 
     reload_to(&r, conf_probe);
-    cr_assert_eq(log_count(r.gw, "event=reloaded"), 1, "the probe: block is reloaded");
+    cr_assert_eq(e2e_gw_log_count(r.gw, "event=reloaded"), 1, "the probe: block is reloaded");
     bool resolved = false;
     for (int i = 0; i < 200 && !resolved; i++) { /* the sweeper looks every 5 s: at most 20 s */
-        resolved = log_count(r.gw, "event=unknown_resolved route=pay how=found by=sweeper") > 0;
+        resolved = e2e_gw_log_count(r.gw, "event=unknown_resolved route=pay how=found by=sweeper") > 0;
         if (!resolved)
             e2e_sleep_ms(100);
     }
     cr_expect(resolved, "the sweeper resolved the record under the reloaded on_unknown: probe");
-    cr_expect_eq(log_count(r.gw, "reason=not_a_probe_route"), 0, "the current configuration's route probes");
+    cr_expect_eq(e2e_gw_log_count(r.gw, "reason=not_a_probe_route"), 0, "the current configuration's route probes");
     e2e_http_key(r.gw->port, "POST", "/v1/pay", key, NULL, "{\"amount\":7}", 0, &resp);
     cr_expect_eq(resp.status, 200, "the retry after the look-up: %ld %s", resp.status,
                  resp.body ? (const char *)resp.body : "");
@@ -524,7 +513,7 @@ Test(reload, stuck_gauge_counts_a_route_added_by_reload)
     struct rig r;
     rig_start_with(&r, conf_reject);
     reload_to(&r, conf_late);
-    cr_assert_eq(log_count(r.gw, "event=reloaded"), 1);
+    cr_assert_eq(e2e_gw_log_count(r.gw, "event=reloaded"), 1);
     char key[64];
     e2e_mkkey(key, sizeof key, "reload-stuck");
     times_out(&r, "/v1/late", key);
