@@ -435,6 +435,15 @@ struct claim_op {
     char rkey[RKEY_LEN + 1];
     store_claim_cb cb;
     void *arg;
+    /* Redis' SET NX GET and the Postgres claim run at once: the op lives until both came back. */
+    bool rd_pending; /* the SET NX GET has not answered yet (its timer bounds it) */
+    bool pg_pending; /* the claim (with its re-runs) has not settled yet */
+    bool answered;   /* cb ran */
+    /* Postgres' verdict, held while Redis (which may hold the answer, and tells whose marker is there) is pending */
+    bool held;
+    struct store_claim_res held_res;
+    char *held_blob; /* a replay's stored answer, for the Redis refill */
+    size_t held_blob_len;
 };
 
 struct owner_op {
@@ -521,6 +530,9 @@ static void op_free(struct op *o)
         struct claim_op *c = (struct claim_op *)o;
         free(c->route);
         free(c->key);
+        if (c->held)
+            cm_resp_free(&c->held_res.resp);
+        free(c->held_blob);
         break;
     }
     case OP_COMPLETE:
@@ -699,24 +711,91 @@ static void redis_cache(struct store *s, const char *rkey, const void *expect, s
 
 /* ---- claim */
 
-static void claim_pg(struct claim_op *c);
-static void doubt_add(struct store *s, const struct claim_op *c);
+/* A claim sends Redis' SET NX GET and the Postgres claim at once, so a new key waits for the slower of the two
+ * rather than for both in turn. Postgres decides, except that a completed answer cached in Redis is answered as
+ * soon as Redis has it (as before, without waiting for Postgres):
+ *  - Postgres took the key (STORE_NEW): answered at once, whatever Redis says or is still to say;
+ *  - Redis holds a completed answer, and nothing was answered yet: that answer (replay, or 422 for another
+ *    fingerprint); a claim Postgres makes after it is not used, and is released, fenced by its token (below);
+ *  - any other verdict of Postgres waits for Redis (bounded by redis_timeout): a completed answer there is answered
+ *    instead (Postgres failed, say), and otherwise Redis tells whose marker is there, which the refill of a replay
+ *    and the removal of our own marker need.
+ * The op lives until both came back; store_destroy frees one still waiting (neither side calls back then). */
 
-static void claim_finish(struct claim_op *c, struct store_claim_res *res)
+static void claim_pg(struct claim_op *c);
+static void doubt_remember(struct store *s, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
+                           uint64_t token, const int *pids, int npids, uint64_t sent_wall_ms, bool unused);
+
+/* Frees c once neither Redis nor Postgres will call back with it. */
+static void claim_done(struct claim_op *c)
+{
+    if (c->rd_pending || c->pg_pending)
+        return;
+    op_unlink(&c->h);
+    op_free(&c->h);
+}
+
+/* The one answer of the claim. */
+static void claim_answer(struct claim_op *c, struct store_claim_res *res)
 {
     struct store *s = c->h.s;
-    /* An attempt that may still commit, and no later one that made the key
-     * ours: remember the claim and release it once that is settled. */
-    if (c->ndoubt > 0 && res->verdict != STORE_NEW)
-        doubt_add(s, c);
     /* Our marker must not outlive a claim that did not take the key: it
      * would answer "in flight" for a record that is not ours. */
     if (c->marker_ours && res->verdict != STORE_NEW && res->verdict != STORE_REPLAY)
         redis_del(s, c->rkey);
-    op_unlink(&c->h);
+    c->answered = true;
     c->cb(c->arg, res);
     cm_resp_free(&res->resp);
-    op_free(&c->h);
+}
+
+/* Postgres' verdict when Redis has answered (or was never asked): a replay refills Redis, only over the marker this
+ * claim placed or saw (a purge meanwhile removed it). */
+static void claim_answer_pg(struct claim_op *c, struct store_claim_res *res, const char *blob, size_t blob_len)
+{
+    if (res->verdict == STORE_REPLAY && blob != NULL && (c->marker_ours || c->seen_marker)) {
+        uint8_t mine[MARKER_LEN];
+        make_marker(mine, c->fp, c->token);
+        redis_cache(c->h.s, c->rkey, c->marker_ours ? mine : c->seen, MARKER_LEN, c->fp, blob, blob_len,
+                    res->expires_in_ms, c->sent_wall_ms + res->expires_in_ms);
+    }
+    claim_answer(c, res);
+}
+
+/* Postgres settled the claim with res (blob: a replay's stored answer, or NULL). */
+static void claim_pg_settled(struct claim_op *c, struct store_claim_res *res, const char *blob, size_t blob_len)
+{
+    struct store *s = c->h.s;
+    c->pg_pending = false;
+    if (c->answered) {
+        /* Redis answered first. A key Postgres gave us now is not used: nothing is forwarded under its token. */
+        if (res->verdict == STORE_NEW)
+            doubt_remember(s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt,
+                           c->ndoubt > 0 ? c->doubt_wall_ms : c->sent_wall_ms, true);
+        else if (c->ndoubt > 0) /* an attempt that may still commit, and none that made the key ours */
+            doubt_remember(s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt,
+                           c->doubt_wall_ms, false);
+        cm_resp_free(&res->resp);
+        claim_done(c);
+        return;
+    }
+    if (c->ndoubt > 0 && res->verdict != STORE_NEW)
+        doubt_remember(s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt, c->doubt_wall_ms,
+                       false);
+    if (res->verdict == STORE_NEW || !c->rd_pending) {
+        claim_answer_pg(c, res, blob, blob_len);
+        claim_done(c);
+        return;
+    }
+    /* Redis may still hold the answer, and tells whose marker is there: wait for it. */
+    c->held = true;
+    c->held_res = *res;
+    memset(&res->resp, 0, sizeof res->resp);
+    cm_resp_init(&res->resp, 0);
+    if (blob != NULL) {
+        c->held_blob = cm_malloc(blob_len ? blob_len : 1);
+        memcpy(c->held_blob, blob, blob_len);
+        c->held_blob_len = blob_len;
+    }
 }
 
 static void claim_fail(struct claim_op *c, const char *err)
@@ -726,7 +805,7 @@ static void claim_fail(struct claim_op *c, const char *err)
     cm_resp_init(&res.resp, 0);
     res.verdict = STORE_UNAVAILABLE;
     res.err = err;
-    claim_finish(c, &res);
+    claim_pg_settled(c, &res, NULL, 0);
 }
 
 static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
@@ -784,13 +863,13 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
     if (STATE_IS("new") || (STATE_IS("in_flight") && token == c->token)) {
         res.verdict = STORE_NEW;
         res.token = token;
-        claim_finish(c, &res);
+        claim_pg_settled(c, &res, NULL, 0);
         return;
     }
     const uint8_t *fp = (const uint8_t *)PQgetvalue(pr, 0, 2);
     if (PQgetisnull(pr, 0, 2) || PQgetlength(pr, 0, 2) != 32 || memcmp(fp, c->fp, 32) != 0) {
         res.verdict = STORE_MISMATCH;
-        claim_finish(c, &res);
+        claim_pg_settled(c, &res, NULL, 0);
         return;
     }
     if (STATE_IS("completed")) {
@@ -801,20 +880,12 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
             cm_log(CM_ERROR, "store_error", "op=claim status=corrupt_response route=%s", c->route);
             res.verdict = STORE_UNAVAILABLE;
             res.err = "stored response is corrupt";
-            claim_finish(c, &res);
+            claim_pg_settled(c, &res, NULL, 0);
             return;
         }
         res.verdict = STORE_REPLAY;
-        /* Redis missed it (flushed, evicted, down): put it back, only over
-         * the marker this claim placed or saw (a purge meanwhile removed it). */
-        uint64_t ttl = (uint64_t)store_pg_get_i64(pr, 0, 6);
-        res.expires_in_ms = ttl;
-        uint8_t mine[MARKER_LEN];
-        make_marker(mine, c->fp, c->token);
-        if (c->marker_ours || c->seen_marker)
-            redis_cache(s, c->rkey, c->marker_ours ? mine : c->seen, MARKER_LEN, c->fp, blob, blob_len, ttl,
-                        c->sent_wall_ms + ttl);
-        claim_finish(c, &res);
+        res.expires_in_ms = (uint64_t)store_pg_get_i64(pr, 0, 6);
+        claim_pg_settled(c, &res, blob, blob_len); /* Redis missed it (flushed, evicted, down): refilled */
         return;
     }
     bool live = !PQgetisnull(pr, 0, 8) && PQgetlength(pr, 0, 8) == 1 && PQgetvalue(pr, 0, 8)[0] != 0;
@@ -826,7 +897,7 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         res.verdict = STORE_UNKNOWN;
     }
 #undef STATE_IS
-    claim_finish(c, &res);
+    claim_pg_settled(c, &res, NULL, 0);
 }
 
 static void claim_pg(struct claim_op *c)
@@ -851,51 +922,67 @@ static void claim_pg(struct claim_op *c)
     store_pg_query(s->pg, S_CLAIM, p, 8, 1, claim_pg_cb, c);
 }
 
+/* A completed answer cached in Redis ('C', or 'E' with the record's expiry) decides the claim: true, with res
+ * filled (a replay, or a mismatch for another fingerprint). */
+static bool claim_from_redis(const struct claim_op *c, const redisReply *r, struct store_claim_res *res)
+{
+    const uint8_t *v = (const uint8_t *)r->str;
+    if (!(v[0] == 'C' || (v[0] == 'E' && r->len >= 41)))
+        return false;
+    memset(res, 0, sizeof *res);
+    res->from_redis = true;
+    size_t off = v[0] == 'E' ? 41 : 33;
+    if (v[0] == 'E') {
+        /* what is left of the record, less a margin for the clocks of the hosts that wrote and read it */
+        uint64_t exp = rd_be64(v + 33), now = cm_wall_ms();
+        res->expires_in_ms = exp > now + REDIS_EXPIRY_MARGIN_MS ? exp - now - REDIS_EXPIRY_MARGIN_MS : 0;
+    }
+    if (memcmp(v + 1, c->fp, 32) != 0) {
+        cm_resp_init(&res->resp, 0);
+        res->verdict = STORE_MISMATCH;
+        return true;
+    }
+    if (cm_resp_decode(v + off, r->len - off, &res->resp)) {
+        res->verdict = STORE_REPLAY;
+        return true;
+    }
+    cm_resp_free(&res->resp);
+    return false;
+}
+
 static void claim_redis_cb(void *arg, const struct redisReply *reply)
 {
     struct claim_op *c = arg;
     const redisReply *r = reply;
+    c->rd_pending = false;
+    struct store_claim_res res;
     if (r && r->type == REDIS_REPLY_NIL) {
-        c->marker_ours = true; /* the marker is ours: Postgres decides */
-        claim_pg(c);
-        return;
-    }
-    if (r && r->type == REDIS_REPLY_STRING && r->len >= 33) {
-        const uint8_t *v = (const uint8_t *)r->str;
-        bool same = memcmp(v + 1, c->fp, 32) == 0;
-        if (v[0] == 'C' || (v[0] == 'E' && r->len >= 41)) {
-            struct store_claim_res res;
-            memset(&res, 0, sizeof res);
-            res.from_redis = true;
-            size_t off = v[0] == 'E' ? 41 : 33;
-            if (v[0] == 'E') {
-                /* what is left of the record, less a margin for the clocks of the hosts that wrote and read it */
-                uint64_t exp = rd_be64(v + 33), now = cm_wall_ms();
-                res.expires_in_ms = exp > now + REDIS_EXPIRY_MARGIN_MS ? exp - now - REDIS_EXPIRY_MARGIN_MS : 0;
+        c->marker_ours = true; /* the marker is ours */
+    } else if (r && r->type == REDIS_REPLY_STRING && r->len >= 33) {
+        if (!c->answered && claim_from_redis(c, r, &res)) {
+            if (c->held) { /* Postgres' verdict (it failed, say) gives way to the answer */
+                cm_resp_free(&c->held_res.resp);
+                c->held = false;
             }
-            if (!same) {
-                cm_resp_init(&res.resp, 0);
-                res.verdict = STORE_MISMATCH;
-                claim_finish(c, &res);
-                return;
-            }
-            if (cm_resp_decode(v + off, r->len - off, &res.resp)) {
-                res.verdict = STORE_REPLAY;
-                claim_finish(c, &res);
-                return;
-            }
-            cm_resp_free(&res.resp);
-        } else if (v[0] == 'F' && r->len == MARKER_LEN) {
+            claim_answer(c, &res);
+            claim_done(c);
+            return;
+        }
+        if (r->str[0] == 'F' && r->len == MARKER_LEN) {
             /* Somebody's in-flight marker. It never answers 409 by itself:
              * one left by a SET NX that timed out, a claim that failed or a
              * completion that could not be written would refuse a free key
              * for up to a lease. Postgres decides; a refill compares to it. */
-            memcpy(c->seen, v, MARKER_LEN);
+            memcpy(c->seen, r->str, MARKER_LEN);
             c->seen_marker = true;
         }
     }
     /* Error, timeout, a marker, anything unexpected: Postgres decides. */
-    claim_pg(c);
+    if (c->held) {
+        c->held = false;
+        claim_answer_pg(c, &c->held_res, c->held_blob, c->held_blob_len);
+    }
+    claim_done(c);
 }
 
 void store_claim(struct store *s, const struct store_claim_req *req, store_claim_cb cb, void *arg)
@@ -923,9 +1010,9 @@ void store_claim(struct store *s, const struct store_claim_req *req, store_claim
         snprintf(px, sizeof px, "%llu", (unsigned long long)c->lease_ms);
         const char *argv[7] = {"SET", c->rkey, (const char *)marker, "NX", "PX", px, "GET"};
         size_t lens[7] = {3, RKEY_LEN, sizeof marker, 2, 2, strlen(px), 3};
-        if (store_rd_command(s->rd, claim_redis_cb, c, 7, argv, lens))
-            return;
+        c->rd_pending = store_rd_command(s->rd, claim_redis_cb, c, 7, argv, lens);
     }
+    c->pg_pending = true;
     claim_pg(c);
 }
 
@@ -973,9 +1060,10 @@ static struct doubt *doubt_pop(struct store *s)
  * that could not be written). At DOUBT_MAX the oldest entry not being worked
  * on is dropped: that claim stays in flight until its lease lapses, then
  * reads as an unknown outcome (idemgate_stuck_processing counts it after 5
- * minutes); the log line says so. */
+ * minutes); the log line says so. unused: a claim Postgres made after Redis
+ * had answered its request (claim_pg_settled), logged as claim_unused. */
 static void doubt_remember(struct store *s, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
-                           uint64_t token, const int *pids, int npids, uint64_t sent_wall_ms)
+                           uint64_t token, const int *pids, int npids, uint64_t sent_wall_ms, bool unused)
 {
     if (s->ndoubt >= DOUBT_MAX) {
         struct doubt *old = s->doubt_head;
@@ -1005,13 +1093,11 @@ static void doubt_remember(struct store *s, const char *route, const uint8_t sco
     doubt_push(s, d);
     s->ndoubt++;
     cm_metric_claims_in_doubt(1);
-    cm_log(CM_WARN, "claim_in_doubt", "route=%s processes=%d in_doubt=%zu", route, d->npids, s->ndoubt);
+    if (unused) /* Redis answered the request before Postgres gave us the key */
+        cm_log(CM_INFO, "claim_unused", "route=%s processes=%d in_doubt=%zu", route, d->npids, s->ndoubt);
+    else
+        cm_log(CM_WARN, "claim_in_doubt", "route=%s processes=%d in_doubt=%zu", route, d->npids, s->ndoubt);
     doubt_schedule(s, s->doubt_backoff_ms);
-}
-
-static void doubt_add(struct store *s, const struct claim_op *c)
-{
-    doubt_remember(s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt, c->doubt_wall_ms);
 }
 
 /* Postgres failed: try again later, with backoff. */
@@ -1303,7 +1389,7 @@ static void owner_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
              * for a release): the release is not given up, it waits in the
              * list of claims in doubt, so the key never reads as an unknown
              * outcome while this process runs. */
-            doubt_remember(s, w->route, w->scope, w->key, w->key_len, w->token, NULL, 0, 0);
+            doubt_remember(s, w->route, w->scope, w->key, w->key_len, w->token, NULL, 0, 0, false);
         }
         owner_finish(w, false, 0);
         return;

@@ -85,8 +85,10 @@ struct store_claim_res {
 /* res is valid only during the callback; the store frees what is left. */
 typedef void (*store_claim_cb)(void *arg, struct store_claim_res *res);
 
-/* Looks the key up (Redis first when enabled, then the Postgres claim: one
- * INSERT .. ON CONFLICT statement) and calls cb exactly once. A claim whose
+/* Looks the key up (Redis' SET NX GET, when enabled, at the same time as the
+ * Postgres claim: one INSERT .. ON CONFLICT statement; a completed answer in
+ * Redis answers without waiting for Postgres, a key Postgres gave answers
+ * without waiting for Redis) and calls cb exactly once. A claim whose
  * commit outcome is not known (its statement timed out or its connection
  * broke: STORE_UNAVAILABLE) is remembered and released, fenced by its
  * token, as soon as no server process can commit it any more. */

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/wait.h>
 
 #include "harness.h"
 
@@ -161,6 +162,143 @@ Test(faults, redis_stopped_still_deduplicates, .fini = restore_redis)
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
     cr_expect_eq(e2e_upstream_count(up, key2), 1);
+}
+
+/* ---- Redis and Postgres asked at once (issue 14) */
+
+/* A gateway on the test Postgres, the given Redis (a URL) with a 3 s redis_timeout, and the extra top-level
+ * lines (e.g. "replay_cache: off\n"); route "pay" on /v1/pay, key required. */
+static struct e2e_gw *gw_start_at_once(const struct e2e_upstream *up, const char *redis, const char *extra)
+{
+    const char *vars[] = {"RD", redis, "EXTRA", extra, NULL};
+    struct e2e_gw_opts o = {.up = up, .vars = vars, .wait_ready = true};
+    return e2e_gw_start(
+        E2E_CONF_PORTS E2E_CONF_STORE(
+            "{{RD}}") "  redis_timeout: 3s\n"
+                      "{{EXTRA}}"
+                      "upstreams:\n" E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "5s") "routes:\n" E2E_CONF_ROUTE(
+                          "pay", "/v1/pay", "api") "      key: "
+                                                   "required\n",
+        &o);
+}
+
+static double gw_metric(const struct e2e_gw *gw, const char *name, const char *const *labels)
+{
+    struct e2e_resp r;
+    e2e_get(gw->admin_port, "/metrics", &r);
+    double v = e2e_metric_value((const char *)r.body, name, labels);
+    e2e_resp_free(&r);
+    return v;
+}
+
+/* Redis paused after it answered (so the link is up): a new key's claim is decided by Postgres and forwarded
+ * without waiting for Redis' reply. Before, the claim asked Redis first and went to Postgres only at
+ * redis_timeout (3 s here). */
+Test(faults, a_new_key_does_not_wait_for_a_paused_redis)
+{
+    char path[512];
+    pid_t rpid = e2e_redis_unix_start(path, sizeof path);
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    char url[600];
+    snprintf(url, sizeof url, "unix://%s", path);
+    struct e2e_gw *gw = gw_start_at_once(up, url, "");
+    cr_assert(e2e_gw_log_wait(gw, "event=redis_up", 5000), "the gateway never connected to its Redis");
+    char k0[96], key[96];
+    e2e_mkkey(k0, sizeof k0, "rd-warm");
+    e2e_mkkey(key, sizeof key, "rd-paused");
+    struct e2e_resp r;
+    post(gw->port, "/v1/pay", k0, "{\"w\":1}", NULL, &r);
+    cr_expect_eq(r.status, 200, "with Redis up: %ld (%s)", r.status, r.error);
+    e2e_resp_free(&r);
+
+    cr_assert_eq(kill(rpid, SIGSTOP), 0);
+    uint64_t t0 = e2e_now_ms();
+    post(gw->port, "/v1/pay", key, "{\"p\":1}", NULL, &r);
+    uint64_t took = e2e_now_ms() - t0;
+    cr_expect_eq(r.status, 200, "Redis paused: %ld (%s) %.300s", r.status, r.error, (const char *)r.body);
+    cr_expect(!e2e_resp_is_replay(&r));
+    cr_expect_lt(took, 1500, "a new key waited %llu ms for a paused Redis (redis_timeout 3 s)",
+                 (unsigned long long)took);
+    e2e_resp_free(&r);
+    post(gw->port, "/v1/pay", key, "{\"p\":1}", NULL, &r);
+    cr_expect(e2e_resp_is_replay(&r), "the retry while Redis is paused: %ld", r.status);
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 1);
+    kill(rpid, SIGCONT);
+    e2e_gw_stop(gw, 5000);
+    kill(rpid, SIGTERM);
+    waitpid(rpid, NULL, 0);
+}
+
+/* Redis holds a completed answer for a record Postgres no longer has (a purge between the two, the race the
+ * purge's compare-and-set narrows): the answer Redis holds is given at once, while the claim Postgres makes meanwhile
+ * (here held back by a row lock until the row is deleted) is not used: it is released, fenced by its token, and the
+ * key is free again; nothing is forwarded. */
+Test(faults, a_claim_made_after_redis_answered_is_released)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start_at_once(up, e2e_env("IDEMGATE_TEST_REDIS_URL"), "replay_cache: off\n");
+    char key[96];
+    e2e_mkkey(key, sizeof key, "rd-first");
+    struct e2e_resp orig, r;
+    post(gw->port, "/v1/pay", key, "{\"u\":1}", NULL, &orig);
+    cr_assert_eq(orig.status, 200, "first: %ld (%s)", orig.status, orig.error);
+    /* the retry replays from Postgres and refills Redis over the claim's marker (its SET NX and the EVAL) */
+    const char *const rd[] = {"store", "redis", NULL};
+    double before = gw_metric(gw, "idemgate_store_seconds_count", rd);
+    post(gw->port, "/v1/pay", key, "{\"u\":1}", NULL, &r);
+    cr_expect(e2e_resp_is_replay(&r), "the retry: %ld", r.status);
+    e2e_resp_free(&r);
+    for (uint64_t end = e2e_now_ms() + 3000;
+         gw_metric(gw, "idemgate_store_seconds_count", rd) < before + 2 && e2e_now_ms() < end;)
+        e2e_sleep_ms(20);
+    cr_assert_geq(gw_metric(gw, "idemgate_store_seconds_count", rd), before + 2, "Redis was not refilled");
+
+    /* a session locks the record, then deletes it after 1 s */
+    char sql[512];
+    snprintf(sql, sizeof sql,
+             "BEGIN; SELECT 1 FROM idemgate_keys WHERE key = '%s' FOR UPDATE; SELECT pg_sleep(1);"
+             " DELETE FROM idemgate_keys WHERE key = '%s'; COMMIT;",
+             key, key);
+    const char *const argv[] = {"/usr/bin/psql",
+                                "-X",
+                                "-q",
+                                "-v",
+                                "ON_ERROR_STOP=1",
+                                "-d",
+                                e2e_env("IDEMGATE_TEST_PG_ADMIN_URL"),
+                                "-c",
+                                sql,
+                                NULL};
+    struct e2e_proc *locker = e2e_proc_start(argv, "psql locker");
+    char q[256];
+    snprintf(q, sizeof q,
+             "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND query LIKE '%%%s%%'"
+             " AND pid <> pg_backend_pid()",
+             key);
+    uint64_t end = e2e_now_ms() + 5000;
+    while (e2e_psql_long(q) == 0 && e2e_now_ms() < end)
+        e2e_sleep_ms(20);
+    cr_assert(e2e_now_ms() < end, "the locking session never slept");
+
+    uint64_t t0 = e2e_now_ms();
+    post(gw->port, "/v1/pay", key, "{\"u\":1}", NULL, &r);
+    uint64_t took = e2e_now_ms() - t0;
+    cr_expect(e2e_resp_is_replay(&r), "Redis' answer: %ld (%s)", r.status, r.error);
+    e2e_expect_same_answer(&orig, &r, "the answer Redis holds");
+    cr_expect_lt(took, 800, "the answer waited %llu ms for the locked record", (unsigned long long)took);
+    e2e_resp_free(&r);
+    e2e_resp_free(&orig);
+
+    cr_expect(e2e_proc_wait(locker, 10000), "the locking session did not end");
+    cr_expect(e2e_gw_log_wait(gw, "event=claim_unused", 5000), "the claim Postgres made was not noticed");
+    snprintf(q, sizeof q, "SELECT count(*) FROM idemgate_keys WHERE key = '%s'", key);
+    end = e2e_now_ms() + 5000;
+    while (e2e_psql_long(q) != 0 && e2e_now_ms() < end)
+        e2e_sleep_ms(20);
+    cr_expect_eq(e2e_psql_long(q), 0, "the unused claim was not released");
+    cr_expect_eq(e2e_upstream_count(up, key), 1, "nothing is forwarded for the unused claim");
+    cr_expect_eq(gw_metric(gw, "idemgate_claims_in_doubt", (const char *const[]){NULL}), 0.0);
 }
 
 Test(faults, redis_on_a_dead_port_from_the_start)

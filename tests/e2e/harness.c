@@ -1654,6 +1654,54 @@ void e2e_engine_apply(void)
     cr_assert(setenv("IDEMGATE_STORE_DISTRIBUTED", "citus", 1) == 0, "setenv IDEMGATE_STORE_DISTRIBUTED");
 }
 
+/* ---- a Redis of the test's own */
+
+/* name's full path from PATH (e2e_run executes a path, not a name), into out. */
+const char *e2e_in_path(const char *name, char *out, size_t n)
+{
+    const char *p = getenv("PATH");
+    while (p != NULL && *p) {
+        size_t l = strcspn(p, ":");
+        snprintf(out, n, "%.*s/%s", (int)l, p, name);
+        if (access(out, X_OK) == 0)
+            return out;
+        p += l + (p[l] == ':');
+    }
+    cr_assert_fail("%s is not on PATH", name);
+    return NULL;
+}
+
+/* Starts redis-server on a unix socket only (no TCP port) in the test's temp dir; returns its pid once it answers
+ * PING (bounded), the socket path in path. */
+pid_t e2e_redis_unix_start(char *path, size_t n)
+{
+    snprintf(path, n, "%s/redis.sock", e2e_tmpdir());
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        int devnull = open("/dev/null", O_WRONLY);
+        dup2(devnull, STDOUT_FILENO);
+        execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", path, "--unixsocketperm", "700", "--save",
+               "", "--appendonly", "no", "--dir", e2e_tmpdir(), (char *)NULL);
+        _exit(127);
+    }
+    uint64_t deadline = e2e_now_ms() + E2E_READY_TIMEOUT_MS;
+    for (;;) {
+        char *out = NULL;
+        char cli[512];
+        const char *argv[] = {e2e_in_path("redis-cli", cli, sizeof cli), "-s", path, "PING", NULL};
+        if (access(path, F_OK) == 0 && e2e_run(argv, NULL, 5000, &out, NULL) == 0 && out != NULL &&
+            strstr(out, "PONG") != NULL) {
+            free(out);
+            return pid;
+        }
+        free(out);
+        cr_assert(e2e_now_ms() < deadline, "redis-server on %s did not answer PING", path);
+        e2e_sleep_ms(50);
+    }
+}
+
 /* Starts argv (a long-running helper, e.g. haproxy) with its output in the temp dir; teardown stops it. */
 struct e2e_proc *e2e_proc_start(const char *const *argv, const char *what)
 {

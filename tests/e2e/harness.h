@@ -345,6 +345,11 @@ void e2e_engine_apply(void);
 /* True when this run is against the Citus cluster. */
 bool e2e_engine_citus(void);
 
+/* name's full path from PATH (e2e_run executes a path, not a name), into out; fails the test when missing. */
+const char *e2e_in_path(const char *name, char *out, size_t n);
+/* Starts redis-server on a unix socket only (no TCP port) in the test's temp dir, killed with the test process;
+ * returns its pid once it answers PING (bounded), the socket path in path. The test stops it. */
+pid_t e2e_redis_unix_start(char *path, size_t n);
 /* Starts argv[0] (absolute path) as a long-running helper (stdout and stderr into a log in the temp dir);
  * e2e_teardown stops it like the gateways. Fails the test when it cannot fork. */
 struct e2e_proc *e2e_proc_start(const char *const *argv, const char *what);

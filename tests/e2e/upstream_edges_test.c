@@ -405,59 +405,13 @@ Test(upstream_edges, invalid_answers_are_unknown_outcomes)
 
 /* ---- 4. Redis on a unix socket, end to end */
 
-/* name's full path from PATH (e2e_run executes a path, not a name), into out. */
-static const char *in_path(const char *name, char *out, size_t n)
-{
-    const char *p = getenv("PATH");
-    while (p != NULL && *p) {
-        size_t l = strcspn(p, ":");
-        snprintf(out, n, "%.*s/%s", (int)l, p, name);
-        if (access(out, X_OK) == 0)
-            return out;
-        p += l + (p[l] == ':');
-    }
-    cr_assert_fail("%s is not on PATH", name);
-    return NULL;
-}
-
-/* Starts redis-server on a unix socket only (no TCP port) in the test's temp dir; returns its pid once it answers
- * PING (bounded), the socket path in path. */
-static pid_t redis_unix_start(char *path, size_t n)
-{
-    snprintf(path, n, "%s/redis.sock", e2e_tmpdir());
-    pid_t pid = fork();
-    cr_assert(pid >= 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        int devnull = open("/dev/null", O_WRONLY);
-        dup2(devnull, STDOUT_FILENO);
-        execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", path, "--unixsocketperm", "700", "--save",
-               "", "--appendonly", "no", "--dir", e2e_tmpdir(), (char *)NULL);
-        _exit(127);
-    }
-    uint64_t deadline = e2e_now_ms() + E2E_READY_TIMEOUT_MS;
-    for (;;) {
-        char *out = NULL;
-        char cli[512];
-        const char *argv[] = {in_path("redis-cli", cli, sizeof cli), "-s", path, "PING", NULL};
-        if (access(path, F_OK) == 0 && e2e_run(argv, NULL, 5000, &out, NULL) == 0 && out != NULL &&
-            strstr(out, "PONG") != NULL) {
-            free(out);
-            return pid;
-        }
-        free(out);
-        cr_assert(e2e_now_ms() < deadline, "redis-server on %s did not answer PING", path);
-        e2e_sleep_ms(50);
-    }
-}
-
 /* store.redis: unix:///path?db=2 works: the gateway connects to the socket (/readyz says redis up), a completed
  * answer is cached there (an idg: key in database 2) and a replay comes back. Before: --check accepted a socket
  * path, and the gateway refused it at start ("redis URL must start with redis://"). */
 Test(upstream_edges, redis_on_a_unix_socket)
 {
     char path[512];
-    pid_t rpid = redis_unix_start(path, sizeof path);
+    pid_t rpid = e2e_redis_unix_start(path, sizeof path);
     struct e2e_upstream *up = e2e_upstream_start(NULL);
     struct e2e_pay_conf pc = {.idem = "key: required\n", .redis = "unix://{{TMPDIR}}/redis.sock?db=2"};
     struct e2e_gw *gw = e2e_gw_start_pay(up, &pc, NULL);
@@ -478,7 +432,7 @@ Test(upstream_edges, redis_on_a_unix_socket)
     while (!cached && e2e_now_ms() < deadline) {
         char cli[512];
         const char *argv[] = {
-            in_path("redis-cli", cli, sizeof cli), "-s", path, "-n", "2", "--scan", "--pattern", "idg:*", NULL};
+            e2e_in_path("redis-cli", cli, sizeof cli), "-s", path, "-n", "2", "--scan", "--pattern", "idg:*", NULL};
         free(out);
         out = NULL;
         cr_assert_eq(e2e_run(argv, NULL, 5000, &out, NULL), 0);
