@@ -108,19 +108,22 @@ forget_pid() {
     PIDS=("${keep[@]}")
 }
 
+# reap PID: waits up to 10 s for PID (already sent TERM) to end, then KILLs it; reaps it.
+reap() {
+    for _ in $(seq 1 100); do
+        kill -0 "$1" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL "$1" 2>/dev/null || true
+    wait "$1" 2>/dev/null || true
+}
+
 # stop_started: stops every process in PIDS (TERM, then KILL after 10 s each) and the services when they were
 # started; for the sourcing script's exit trap.
 stop_started() {
     local pid
     for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for pid in "${PIDS[@]}"; do
-        for _ in $(seq 1 100); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -KILL "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
+    for pid in "${PIDS[@]}"; do reap "$pid"; done
     if [ "$SERVICES_UP" = 1 ]; then bash "$SVC" stop "$T/svc" >/dev/null 2>&1 || true; fi
 }
 
