@@ -24,10 +24,6 @@ SVC=$ROOT/scripts/services.sh
 LOAD=new
 PAIRS=5
 DUR=8
-usage_err() {
-    echo "ab.sh: $*" >&2
-    exit 2
-}
 while [ $# -gt 0 ]; do
     case "$1" in
     --load)

@@ -19,6 +19,11 @@ die() {
     exit 1
 }
 note() { echo "$PROG: $*" >&2; }
+# usage_err MSG: a wrong command line; exits 2.
+usage_err() {
+    echo "$PROG: $*" >&2
+    exit 2
+}
 
 # build_release DIR TARGET...: an optimised build in DIR (meson setup --buildtype=release when DIR has no
 # build.ninja), then ninja TARGET...; dies with the log when either fails.

@@ -30,10 +30,6 @@ ALL_SCENARIOS=(pass replay new slow slow_new)
 DUR=10
 ONLY=
 deps=1
-usage_err() {
-    echo "profile.sh: $*" >&2
-    exit 2
-}
 while [ $# -gt 0 ]; do
     case "$1" in
     --only)

@@ -764,33 +764,26 @@ static void claim_answer_pg(struct claim_op *c, struct store_claim_res *res, con
 /* Postgres settled the claim with res (blob: a replay's stored answer, or NULL). */
 static void claim_pg_settled(struct claim_op *c, struct store_claim_res *res, const char *blob, size_t blob_len)
 {
-    struct store *s = c->h.s;
     c->pg_pending = false;
+    /* Released once settled: an attempt that may still commit and none that made the key ours (in doubt), or a
+     * key Postgres gave after Redis answered (unused: nothing is forwarded under its token). */
+    bool in_doubt = c->ndoubt > 0 && res->verdict != STORE_NEW, unused = c->answered && res->verdict == STORE_NEW;
+    if (in_doubt || unused)
+        doubt_remember(c->h.s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt,
+                       c->doubt_wall_ms, unused);
     if (c->answered) {
-        /* Redis answered first. A key Postgres gave us now is not used: nothing is forwarded under its token. */
-        if (res->verdict == STORE_NEW)
-            doubt_remember(s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt,
-                           c->ndoubt > 0 ? c->doubt_wall_ms : c->sent_wall_ms, true);
-        else if (c->ndoubt > 0) /* an attempt that may still commit, and none that made the key ours */
-            doubt_remember(s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt,
-                           c->doubt_wall_ms, false);
         cm_resp_free(&res->resp);
         claim_done(c);
         return;
     }
-    if (c->ndoubt > 0 && res->verdict != STORE_NEW)
-        doubt_remember(s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt, c->doubt_wall_ms,
-                       false);
     if (res->verdict == STORE_NEW || !c->rd_pending) {
         claim_answer_pg(c, res, blob, blob_len);
         claim_done(c);
         return;
     }
-    /* Redis may still hold the answer, and tells whose marker is there: wait for it. */
+    /* Redis may still hold the answer, and tells whose marker is there: wait for it (the op owns res's answer). */
     c->held = true;
     c->held_res = *res;
-    memset(&res->resp, 0, sizeof res->resp);
-    cm_resp_init(&res->resp, 0);
     if (blob != NULL) {
         c->held_blob = cm_malloc(blob_len ? blob_len : 1);
         memcpy(c->held_blob, blob, blob_len);
