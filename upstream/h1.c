@@ -71,6 +71,11 @@ struct h1_xfer {
 };
 
 #define H1_SPARE_BUFS 8 /* per client (loop); a loop reads one response at a time, so a few are enough */
+/* The idle sweep: how often it looks while connections are idle, and at most how many it closes per look (a burst of
+ * connections that went idle together is closed in slices, not in one stall of the loop). */
+#define H1_SWEEP_MS    1000
+#define H1_SWEEP_SLICE 64
+#define H1_SWEEP_NEXT  50 /* ms to the next slice when one was full */
 
 /* The backend's state: the origins it has sent to, idle transfers, spare receive buffers, the sync depth. */
 struct up_h1 {
@@ -84,7 +89,8 @@ struct up_h1 {
      * reads a response: 1000 connections waiting on a slow upstream hold none (4 MB less resident). */
     char *spare_buf[H1_SPARE_BUFS];
     size_t spare_n;
-    int sync; /* > 0: inside up_send, up_cancel or a start of waiting transfers: failures are deferred */
+    int sync;            /* > 0: inside up_send, up_cancel or a start of waiting transfers: failures are deferred */
+    struct event *sweep; /* closes idle connections past their reuse limit (armed while any is idle) */
 };
 
 static struct up_h1 *h1_of(const struct up_client *c)
@@ -120,6 +126,7 @@ struct h1_origin {
     socklen_t sa_len;
     size_t conns;          /* open: connecting, busy or idle */
     size_t max;            /* bound on conns (0: none), from the latest request */
+    uint64_t keepalive_ms; /* keepalive_timeout of the latest request (0: the default), for the idle sweep */
     struct h1_conn *idle;  /* most recently used first */
     struct h1_xfer *waitq; /* waiting for a connection slot, first in first out (wnext/wprev) */
     struct h1_xfer *waitq_tail;
@@ -234,6 +241,7 @@ static void h1_on_read(evutil_socket_t fd, short what, void *arg);
 static void h1_on_write(evutil_socket_t fd, short what, void *arg);
 static void h1_dispatch(struct up_client *c, struct h1_xfer *t);
 static void h1_set_timer(struct h1_xfer *t);
+static void h1_sweep_arm(struct up_h1 *h, unsigned ms);
 
 static void h1_idle_unlink(struct up_client *c, struct h1_conn *k)
 {
@@ -328,7 +336,7 @@ static void h1_fail(struct up_client *c, struct h1_xfer *t, enum up_result r, co
 
 static void h1_send_more(struct up_client *c, struct h1_conn *k);
 static int64_t h1_keepalive_hint(const char *v, size_t n);
-static uint64_t h1_reuse_limit_ms(const struct h1_xfer *t, const struct h1_conn *k);
+static uint64_t h1_reuse_limit_ms(uint64_t keepalive_ms, const struct h1_conn *k);
 
 /* k waits for a response head: its status line first, no framing known yet. */
 static void h1_head_reset(struct h1_conn *k)
@@ -434,7 +442,7 @@ static void h1_dispatch(struct up_client *c, struct h1_xfer *t)
         /* Every request checks (one recv(MSG_PEEK)): a byte waiting on an idle connection is the server's close
          * or an answer nobody asked for (the rest of an earlier one), which the next request would read as its
          * own. */
-        if (now - k->idle_since_ms >= h1_reuse_limit_ms(t, k) || !h1_conn_alive(k)) {
+        if (now - k->idle_since_ms >= h1_reuse_limit_ms(t->keepalive_ms, k) || !h1_conn_alive(k)) {
             h1_conn_close(c, k);
             continue;
         }
@@ -708,12 +716,12 @@ static int64_t h1_keepalive_hint(const char *v, size_t n)
     return best;
 }
 
-/* How long t may reuse idle k: its keepalive_timeout, and less than the server announced (it closes at that
- * moment, and a request crossing its close ends as an unknown outcome): a second less, or half of one under
- * 2 s. */
-static uint64_t h1_reuse_limit_ms(const struct h1_xfer *t, const struct h1_conn *k)
+/* How long idle k may be reused under keepalive_timeout keepalive_ms (0: the default), and less than the server
+ * announced (it closes at that moment, and a request crossing its close ends as an unknown outcome): a second
+ * less, or half of one under 2 s. */
+static uint64_t h1_reuse_limit_ms(uint64_t keepalive_ms, const struct h1_conn *k)
 {
-    uint64_t lim = t->keepalive_ms > 0 ? t->keepalive_ms : (uint64_t)UP_MAX_IDLE_REUSE_S * 1000;
+    uint64_t lim = keepalive_ms > 0 ? keepalive_ms : (uint64_t)UP_MAX_IDLE_REUSE_S * 1000;
     if (k->server_idle_ms >= 0) {
         uint64_t srv = (uint64_t)(k->server_idle_ms >= 2000 ? k->server_idle_ms - 1000 : k->server_idle_ms / 2);
         if (srv < lim)
@@ -937,6 +945,7 @@ static void h1_complete(struct up_client *c, struct h1_conn *k, struct h1_xfer *
             o->idle->prev = k;
         o->idle = k;
         h1_of(c)->idle_n++;
+        h1_sweep_arm(h1_of(c), H1_SWEEP_MS);
     } else {
         h1_conn_close(c, k);
     }
@@ -998,6 +1007,45 @@ static void h1_on_read(evutil_socket_t fd, short what, void *arg)
     }
 }
 
+/* ---- the idle sweep */
+
+/* Arms the sweep in ms unless it is already pending (it re-arms itself while connections stay idle). */
+static void h1_sweep_arm(struct up_h1 *h, unsigned ms)
+{
+    if (h->sweep == NULL || evtimer_pending(h->sweep, NULL))
+        return;
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)(ms % 1000) * 1000};
+    evtimer_add(h->sweep, &tv);
+}
+
+/* Closes idle connections past their reuse limit, as nginx's keepalive timer does, so that a request never pays
+ * for the close of connections that expired while the loop was quiet: a wave after a pause longer than
+ * keepalive_timeout would otherwise close every stale connection in its first dispatch, one close() and the
+ * server's FIN each, before it connects. At most H1_SWEEP_SLICE per run; the reuse check in h1_dispatch stays
+ * (a connection can expire between two sweeps). */
+static void h1_sweep(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    struct up_h1 *h = arg;
+    uint64_t now = cm_now_ms();
+    size_t closed = 0;
+    for (size_t i = 0; i < h->origins_n && closed < H1_SWEEP_SLICE; i++) {
+        struct h1_origin *o = h->origins[i];
+        struct h1_conn *k = o->idle;
+        while (k != NULL && closed < H1_SWEEP_SLICE) {
+            struct h1_conn *next = k->next;
+            if (now - k->idle_since_ms >= h1_reuse_limit_ms(o->keepalive_ms, k)) {
+                h1_conn_close(h->c, k);
+                closed++;
+            }
+            k = next;
+        }
+    }
+    if (h->idle_n > 0)
+        h1_sweep_arm(h, closed == H1_SWEEP_SLICE ? H1_SWEEP_NEXT : H1_SWEEP_MS);
+}
+
 /* ---- the backend table */
 
 static struct h1_xfer *h1_transfer_get(struct up_client *c)
@@ -1040,6 +1088,7 @@ static void *h1_create(struct up_client *c)
 {
     struct up_h1 *h = cm_calloc(1, sizeof *h);
     h->c = c;
+    h->sweep = evtimer_new(c->base, h1_sweep, h); /* NULL: no sweep; the reuse check still closes stale ones */
     return h;
 }
 
@@ -1056,6 +1105,7 @@ static struct up_transfer *h1_send(void *state, const struct up_request *req, bo
         return NULL;
     *taken = true;
     o->max = req->max_connections > 0 ? req->max_connections : (size_t)c->max_host;
+    o->keepalive_ms = req->keepalive_ms;
     struct h1_xfer *t = h1_transfer_get(c);
     if (t == NULL)
         return NULL;
@@ -1097,6 +1147,8 @@ static void h1_cancel(void *state, struct up_transfer *bt)
 static void h1_destroy(void *state)
 {
     struct up_h1 *h = state;
+    if (h->sweep != NULL)
+        event_free(h->sweep);
     for (size_t i = 0; i < h->origins_n; i++) {
         struct h1_origin *o = h->origins[i];
         while (o->idle != NULL)

@@ -367,6 +367,44 @@ Test(proxy, an_idle_upstream_connection_is_reused_until_the_server_would_close_i
     free(f);
 }
 
+/* Established TCP connections to 127.0.0.1:port from this network namespace (/proc/net/tcp, state 01). */
+static int established_to(uint16_t port)
+{
+    FILE *f = fopen("/proc/net/tcp", "r");
+    cr_assert(f, "/proc/net/tcp");
+    char line[512];
+    int n = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned rport, st;
+        if (sscanf(line, " %*d: %*x:%*x %*x:%x %x", &rport, &st) == 2 && rport == port && st == 0x01)
+            n++;
+    }
+    fclose(f);
+    return n;
+}
+
+/* An idle upstream connection past keepalive_timeout is closed by the gateway's sweep, not left open until the next
+ * request: that request (after a pause, the first of a wave) would otherwise pay for closing every stale one
+ * before it connects. nginx closes an idle upstream connection on its keepalive timer too. */
+Test(proxy, an_idle_upstream_connection_is_closed_when_its_keepalive_ends, .timeout = 30)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = e2e_gw_start(conf_keepalive_1s, &(struct e2e_gw_opts){.up = up, .wait_ready = true});
+    char *a = conn_id_of(gw, "/v1/payments/sweep-a");
+    cr_expect_eq(established_to(up->port), 1, "one upstream connection, idle after the answer");
+    uint64_t t0 = e2e_now_ms();
+    while (established_to(up->port) > 0 && e2e_now_ms() - t0 < 4000)
+        e2e_sleep_ms(50);
+    uint64_t took = e2e_now_ms() - t0;
+    cr_expect_eq(established_to(up->port), 0, "keepalive_timeout 1s: still open %llu ms later",
+                 (unsigned long long)took);
+    cr_expect_geq(took, 800, "closed after %llu ms, before its keepalive_timeout", (unsigned long long)took);
+    char *b = conn_id_of(gw, "/v1/payments/sweep-b");
+    cr_expect_str_neq(a, b, "a request after the sweep opens a new connection");
+    free(a);
+    free(b);
+}
+
 Test(proxy, each_loop_reuses_its_upstream_connections)
 {
     struct e2e_upstream *up;
