@@ -6,10 +6,13 @@
 #
 #   bench/ab.sh A_BIN B_BIN                    8 s runs of the fast new-key load, 5 pairs
 #   bench/ab.sh --load slow_new A_BIN B_BIN    the load: new (64 conns, 0 ms upstream) | slow_new (1000 conns,
-#                                              100 ms) | pass (64 conns, GET, key off, 0 ms)
+#                                              100 ms) | pass (64 conns, GET, key off, 0 ms) | slow (1000 conns,
+#                                              GET, key off, 100 ms: the shared bench's gw_slow)
 #   bench/ab.sh --pairs N --duration S ...     pairs of runs, seconds per run
+#   bench/ab.sh --pause S ...                  seconds between the warm-up and the measured run (default 0): with
+#                                              --load slow --pause 65, a first wave after keepalive_timeout (60 s)
 #
-# Per run one line: `ab NAME rps= p50_ms= gw_us= pg_us= redis_us= commits_per_req=` (CPU of the gateway, of every
+# Per run one line: `ab NAME rps= p50_ms= p99_ms= gw_us= pg_us= redis_us= commits_per_req=` (CPU of the gateway, of every
 # Postgres process and of Redis over the run, per request; Postgres commits per request), then a `mean NAME` line
 # per binary. Postgres has fsync and full_page_writes on (as the shared bench's). Everything listens on 127.0.0.1
 # and is stopped on exit; every wait is bounded.
@@ -24,6 +27,7 @@ SVC=$ROOT/scripts/services.sh
 LOAD=new
 PAIRS=5
 DUR=8
+PAUSE=0
 while [ $# -gt 0 ]; do
     case "$1" in
     --load)
@@ -41,9 +45,14 @@ while [ $# -gt 0 ]; do
         DUR=$2
         shift
         ;;
+    --pause)
+        [ $# -ge 2 ] || usage_err "--pause needs seconds"
+        PAUSE=$2
+        shift
+        ;;
     --keep) KEEP=1 ;;
     -h | --help)
-        sed -n '6,10p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '6,13p' "$0" | sed 's/^# \{0,1\}//'
         exit 0
         ;;
     -*) usage_err "unknown option $1" ;;
@@ -54,8 +63,9 @@ done
 [ $# = 2 ] || usage_err "two binaries, A and B"
 BINS=("$(realpath "$1")" "$(realpath "$2")")
 for b in "${BINS[@]}"; do [ -x "$b" ] || usage_err "$b is not an executable"; done
-case "$LOAD" in new | slow_new | pass) ;; *) usage_err "--load: new, slow_new or pass" ;; esac
-case "$PAIRS$DUR" in *[!0-9]*) usage_err "--pairs and --duration want whole numbers" ;; esac
+case "$LOAD" in new | slow_new | pass | slow) ;; *) usage_err "--load: new, slow_new, pass or slow" ;; esac
+case "$PAIRS$DUR$PAUSE" in *[!0-9]*) usage_err "--pairs, --duration and --pause want whole numbers" ;; esac
+((PAUSE <= 600)) || usage_err "--pause 0..600"
 ((PAIRS >= 1 && PAIRS <= 50 && DUR >= 1 && DUR <= 120)) || usage_err "--pairs 1..50, --duration 1..120"
 
 SHARED=${IDEMGATE_SHARED_BENCH:-$ROOT/../shared/bench}
@@ -79,10 +89,11 @@ gcc -O2 -pthread -o "$T/slow_upstream" "$SHARED/slow_upstream.c" 2>"$T/slow_upst
 start_services
 PORTS+=("$PG_PORT" "$REDIS_PORT")
 UP_PORT=$(bash "$SVC" free-port)
-delay=0 conns=64 threads=2 path=/v1/payments lua=new_keys
+delay=0 conns=64 threads=2 path=/v1/payments lua=new_keys warm=1
 case "$LOAD" in
 slow_new) delay=100 conns=1000 threads=1 ;;
 pass) path=/pass/ping lua=get ;;
+slow) delay=100 conns=1000 path=/pass/ping lua=get warm=2 ;;
 esac
 "$T/slow_upstream" -p "$UP_PORT" -a 127.0.0.1 -d "$delay" -t 1 >"$T/upstream.log" 2>&1 </dev/null &
 PIDS+=($!)
@@ -146,8 +157,9 @@ run() {
     local name=$1 IDEMGATE=$2 out=$T/wrk.out g0 g1 p0 p1 r0 r1 c0 c1
     timeout 20 "$IDEMGATE" --check -c "$T/idemgate.yaml" >"$T/check.log" 2>&1 || die "$name rejected the config"
     start_gateway "$T/idemgate.yaml" "$T/idemgate-$name.log"
-    BENCH_PATH=$path BENCH_NONCE=w$RANDOM$SECONDS timeout -k 5 30 wrk -t"$threads" -c"$conns" -d1s \
+    BENCH_PATH=$path BENCH_NONCE=w$RANDOM$SECONDS timeout -k 5 30 wrk -t"$threads" -c"$conns" -d"${warm}s" \
         -s "$T/$lua.lua" "http://127.0.0.1:$GW_PORT$path" >/dev/null 2>&1 </dev/null || true
+    sleep "$PAUSE"
     g0=$(ticks "$GW_PID") p0=$(pg_ticks) r0=$(ticks "$REDIS_SRV") c0=$(commits)
     BENCH_PATH=$path BENCH_NONCE=m$RANDOM$SECONDS timeout -k 5 $((DUR + 30)) wrk -t"$threads" -c"$conns" \
         -d"${DUR}s" --timeout 10s -s "$T/$lua.lua" "http://127.0.0.1:$GW_PORT$path" >"$out" 2>&1 </dev/null ||
@@ -162,12 +174,12 @@ run() {
         n = v["requests"]; d = v["duration_us"] / 1e6
         err = v["err_connect"] + v["err_read"] + v["err_write"] + v["err_status"] + v["err_timeout"]
         if (n == 0 || d == 0) { printf "ab %s no requests\n", name; exit }
-        printf "ab %s rps=%.0f p50_ms=%.2f errors=%d gw_us=%.1f pg_us=%.1f redis_us=%.1f commits_per_req=%.3f\n",
-            name, n / d, v["p50_us"] / 1000, err, 1e6 * g / hz / n, 1e6 * p / hz / n, 1e6 * r / hz / n, c / n
+        printf "ab %s rps=%.0f p50_ms=%.2f p99_ms=%.2f errors=%d gw_us=%.1f pg_us=%.1f redis_us=%.1f commits_per_req=%.3f\n",
+            name, n / d, v["p50_us"] / 1000, v["p99_us"] / 1000, err, 1e6 * g / hz / n, 1e6 * p / hz / n, 1e6 * r / hz / n, c / n
     }' | tee -a "$RESULTS"
 }
 
-echo "ab: load $LOAD (wrk -t$threads -c$conns, ${DUR} s, upstream ${delay} ms), $PAIRS pairs; A=${BINS[0]} B=${BINS[1]}"
+echo "ab: load $LOAD (wrk -t$threads -c$conns, ${warm} s warm-up, ${PAUSE} s pause, ${DUR} s, upstream ${delay} ms), $PAIRS pairs; A=${BINS[0]} B=${BINS[1]}"
 for i in $(seq 1 "$PAIRS"); do
     if ((i % 2)); then order=(0 1); else order=(1 0); fi
     for j in "${order[@]}"; do run "$([ "$j" = 0 ] && echo A || echo B)" "${BINS[$j]}"; done
