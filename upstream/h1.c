@@ -944,8 +944,10 @@ static void h1_complete(struct up_client *c, struct h1_conn *k, struct h1_xfer *
         if (o->idle != NULL)
             o->idle->prev = k;
         o->idle = k;
-        h1_of(c)->idle_n++;
-        h1_sweep_arm(h1_of(c), H1_SWEEP_MS);
+        /* The sweep is pending whenever a connection is idle (it re-arms itself while any is): only the first
+         * idle one arms it, so a busy loop's completions do not each ask libevent (a locked call). */
+        if (++h1_of(c)->idle_n == 1)
+            h1_sweep_arm(h1_of(c), H1_SWEEP_MS);
     } else {
         h1_conn_close(c, k);
     }
