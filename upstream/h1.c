@@ -384,7 +384,16 @@ static enum up_result h1_unsent(const struct h1_xfer *t)
     return t->sent_any ? UP_NO_RESPONSE : UP_CONNECT_FAILED;
 }
 
-/* A new connection for t; a failure is deferred to t's timer (never a callback from here). */
+/* Has fd's handshake completed? One getsockopt(TCP_INFO); false when it cannot tell (the write event decides). */
+static bool h1_established(int fd)
+{
+    struct tcp_info ti;
+    socklen_t len = sizeof ti;
+    return getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) == 0 && len >= 1 && ti.tcpi_state == TCP_ESTABLISHED;
+}
+
+/* A new connection for t; a failure to connect is deferred to t's timer (never a callback from here). Connected
+ * at once, t goes on as on an idle connection (h1_attach: a failed send ends t through h1_fail). */
 static void h1_connect(struct up_client *c, struct h1_origin *o, struct h1_xfer *t)
 {
     int fd = socket(o->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -410,15 +419,23 @@ static void h1_connect(struct up_client *c, struct h1_origin *o, struct h1_xfer 
         h1_defer(t, h1_unsent(t), e == ECONNREFUSED ? "connection refused" : "connect failed");
         return;
     }
-    if (event_add(k->wev, NULL) != 0) {
+    /* Connected already (a local server completes the handshake inside connect()): the request goes out now,
+     * not after the loop's next turn, which after a burst of new clients comes once all of them are read and
+     * connected. Otherwise the write event tells, as for any connect. */
+    bool now = rc == 0 || h1_established(fd);
+    if (event_add(now ? k->rev : k->wev, NULL) != 0) {
         h1_conn_close(c, k);
         h1_defer(t, h1_unsent(t), "event_add failed");
         return;
     }
     k->t = t;
     t->conn = k;
-    t->phase = H1_CONNECT;
     t->connect_deadline_ms = cm_now_ms() + t->connect_timeout_ms;
+    if (now) {
+        h1_attach(c, k, t);
+        return;
+    }
+    t->phase = H1_CONNECT;
     h1_set_timer(t);
 }
 

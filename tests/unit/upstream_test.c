@@ -1034,6 +1034,127 @@ Test(upstream, early_answer_while_the_body_is_still_sent)
     evconnlistener_free(l);
 }
 
+/* A listening socket on a loopback port, not on the loop: the kernel completes handshakes into its queue. */
+static int plain_listen(int backlog, int *port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(fd, backlog) == 0);
+    socklen_t sl = sizeof sa;
+    cr_assert(getsockname(fd, (struct sockaddr *)&sa, &sl) == 0);
+    *port = ntohs(sa.sin_port);
+    return fd;
+}
+
+/* Waits at most ms for fd to be readable, then reads what is there (NUL-terminated); returns the byte count. */
+static ssize_t read_within(int fd, char *buf, size_t n, int ms)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, ms) != 1)
+        return 0;
+    ssize_t r = recv(fd, buf, n - 1, MSG_DONTWAIT);
+    buf[r > 0 ? r : 0] = 0;
+    return r;
+}
+
+/* Starts GET path to the loopback port on the shared client, without running the loop. */
+static void start_get(struct reqspec *s, struct result *res, const char *path, int port)
+{
+    memset(res, 0, sizeof *res);
+    cm_hdrs_init(&res->hdrs);
+    spec_init(s, "GET", path);
+    s->port = port;
+    cr_assert_not_null(up_send(g_cli, spec_req(s), on_done, res));
+}
+
+/* The server's side of a transfer that reached it on fd: a 200 "ok", then the loop runs until res's callback. */
+static void answer_ok(int fd, struct result *res)
+{
+    const char *answer = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+    cr_assert_eq(send(fd, answer, strlen(answer), MSG_NOSIGNAL), (ssize_t)strlen(answer));
+    run_until(&res->calls, 1, 10000);
+    cr_assert_eq(res->calls, 1);
+    cr_assert_eq(res->r, UP_OK, "got %s (%s)", up_result_name(res->r), res->err);
+    cr_assert(res->status == 200 && res->body_len == 2 && memcmp(res->body, "ok", 2) == 0);
+    result_free(res);
+}
+
+/* A request on a new connection to a local server leaves inside up_send: the handshake completed in connect(),
+ * so it does not wait for the loop's next turn (after a burst of new clients that turn comes once all of them
+ * are read and connected, and every one of their requests would leave late). The loop does not run until the
+ * server has read it. The built-in client only: libcurl starts every transfer from its multi handle's loop. */
+#if UP_TEST_H1
+Test(upstream, a_new_local_connection_sends_the_request_before_the_loop_turns)
+{
+    int port;
+    int lfd = plain_listen(16, &port);
+    struct reqspec s;
+    struct result res;
+    start_get(&s, &res, "/first-turn", port);
+    struct pollfd p = {.fd = lfd, .events = POLLIN};
+    cr_assert_eq(poll(&p, 1, 2000), 1, "no connection reached the server");
+    int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+    cr_assert(fd >= 0);
+    char buf[4096];
+    ssize_t n = read_within(fd, buf, sizeof buf, 1000);
+    cr_assert(n > 0, "the request was not sent before the loop ran (%zd bytes within 1 s)", n);
+    cr_assert(strncmp(buf, "GET /first-turn HTTP/1.1\r\n", 26) == 0, "got: %.60s", buf);
+    answer_ok(fd, &res);
+    cm_hdrs_free(&s.hdrs);
+    close(fd);
+    close(lfd);
+}
+#endif
+
+/* A handshake that does not complete inside connect() (the server's queue is full, so its SYN is dropped and sent
+ * again a second later): the request waits for the connection and goes out once it is up. */
+Test(upstream, a_handshake_that_completes_later_still_sends_the_request)
+{
+    int port;
+    int lfd = plain_listen(0, &port);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK), .sin_port = htons(port)};
+    int fill[4];
+    for (int i = 0; i < 4; i++) { /* fill the queue; the later of these stay in SYN_SENT themselves */
+        fill[i] = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        cr_assert(fill[i] >= 0);
+        (void)connect(fill[i], (struct sockaddr *)&sa, sizeof sa);
+    }
+    struct reqspec s;
+    struct result res;
+    start_get(&s, &res, "/late-handshake", port);
+    run_for(200);
+    cr_assert_eq(res.calls, 0, "ended before the server took the connection: %s (%s)", up_result_name(res.r), res.err);
+    for (int i = 0; i < 4; i++)
+        close(fill[i]);
+    /* Accept until the gateway's request shows up (the queue holds the fillers' connections first). */
+    char buf[4096];
+    int fd = -1;
+    uint64_t deadline = cm_now_ms() + 8000;
+    while (fd < 0 && cm_now_ms() < deadline) {
+        run_for(20);
+        struct pollfd p = {.fd = lfd, .events = POLLIN};
+        if (poll(&p, 1, 50) != 1)
+            continue;
+        int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+        cr_assert(c >= 0);
+        uint64_t wait_until = cm_now_ms() + 300;
+        ssize_t n = 0;
+        while (n == 0 && cm_now_ms() < wait_until) {
+            run_for(10);
+            n = read_within(c, buf, sizeof buf, 10);
+        }
+        if (n > 0 && strncmp(buf, "GET /late-handshake ", 20) == 0)
+            fd = c;
+        else
+            close(c);
+    }
+    cr_assert(fd >= 0, "the request never reached the server");
+    answer_ok(fd, &res);
+    cm_hdrs_free(&s.hdrs);
+    close(fd);
+    close(lfd);
+}
+
 /* A long head: a 20 KiB header line arrives whole (the receive buffer grows) under a 64 KiB cap; a 300 KiB head
  * over a 256 KiB cap is an invalid answer. */
 Test(upstream, long_heads)
