@@ -11,6 +11,8 @@
 #   bench/ab.sh --pairs N --duration S ...     pairs of runs, seconds per run
 #   bench/ab.sh --pause S ...                  seconds between the warm-up and the measured run (default 0): with
 #                                              --load slow --pause 65, a first wave after keepalive_timeout (60 s)
+#   bench/ab.sh --warmup S ...                 seconds of warm-up (default 1; 2 for slow); 0: the measured run is
+#                                              the fresh gateway's first load (with --load slow, a cold first wave)
 #
 # Per run one line: `ab NAME rps= p50_ms= p99_ms= gw_us= pg_us= redis_us= commits_per_req=` (CPU of the gateway, of every
 # Postgres process and of Redis over the run, per request; Postgres commits per request), then a `mean NAME` line
@@ -28,6 +30,7 @@ LOAD=new
 PAIRS=5
 DUR=8
 PAUSE=0
+WARMUP=
 while [ $# -gt 0 ]; do
     case "$1" in
     --load)
@@ -50,9 +53,14 @@ while [ $# -gt 0 ]; do
         PAUSE=$2
         shift
         ;;
+    --warmup)
+        [ $# -ge 2 ] || usage_err "--warmup needs seconds"
+        WARMUP=$2
+        shift
+        ;;
     --keep) KEEP=1 ;;
     -h | --help)
-        sed -n '6,13p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '6,15p' "$0" | sed 's/^# \{0,1\}//'
         exit 0
         ;;
     -*) usage_err "unknown option $1" ;;
@@ -64,8 +72,9 @@ done
 BINS=("$(realpath "$1")" "$(realpath "$2")")
 for b in "${BINS[@]}"; do [ -x "$b" ] || usage_err "$b is not an executable"; done
 case "$LOAD" in new | slow_new | pass | slow) ;; *) usage_err "--load: new, slow_new, pass or slow" ;; esac
-case "$PAIRS$DUR$PAUSE" in *[!0-9]*) usage_err "--pairs, --duration and --pause want whole numbers" ;; esac
+case "$PAIRS$DUR$PAUSE$WARMUP" in *[!0-9]*) usage_err "--pairs, --duration, --pause and --warmup want whole numbers" ;; esac
 ((PAUSE <= 600)) || usage_err "--pause 0..600"
+((${WARMUP:-0} <= 60)) || usage_err "--warmup 0..60"
 ((PAIRS >= 1 && PAIRS <= 50 && DUR >= 1 && DUR <= 120)) || usage_err "--pairs 1..50, --duration 1..120"
 
 SHARED=${IDEMGATE_SHARED_BENCH:-$ROOT/../shared/bench}
@@ -95,6 +104,7 @@ slow_new) delay=100 conns=1000 threads=1 ;;
 pass) path=/pass/ping lua=get ;;
 slow) delay=100 conns=1000 path=/pass/ping lua=get warm=2 ;;
 esac
+warm=${WARMUP:-$warm}
 "$T/slow_upstream" -p "$UP_PORT" -a 127.0.0.1 -d "$delay" -t 1 >"$T/upstream.log" 2>&1 </dev/null &
 PIDS+=($!)
 PORTS+=("$UP_PORT")
@@ -152,13 +162,15 @@ REDIS_SRV=$(head -n 1 "$REDIS_PIDFILE")
 RESULTS=$T/results
 : >"$RESULTS"
 
-# run NAME BIN: a fresh gateway from BIN, a 1 s warm-up, then DUR s measured; one `ab` line.
+# run NAME BIN: a fresh gateway from BIN, a warm-up of $warm s (none at 0), then DUR s measured; one `ab` line.
 run() {
     local name=$1 IDEMGATE=$2 out=$T/wrk.out g0 g1 p0 p1 r0 r1 c0 c1
     timeout 20 "$IDEMGATE" --check -c "$T/idemgate.yaml" >"$T/check.log" 2>&1 || die "$name rejected the config"
     start_gateway "$T/idemgate.yaml" "$T/idemgate-$name.log"
-    BENCH_PATH=$path BENCH_NONCE=w$RANDOM$SECONDS timeout -k 5 30 wrk -t"$threads" -c"$conns" -d"${warm}s" \
-        -s "$T/$lua.lua" "http://127.0.0.1:$GW_PORT$path" >/dev/null 2>&1 </dev/null || true
+    if ((warm > 0)); then
+        BENCH_PATH=$path BENCH_NONCE=w$RANDOM$SECONDS timeout -k 5 30 wrk -t"$threads" -c"$conns" -d"${warm}s" \
+            -s "$T/$lua.lua" "http://127.0.0.1:$GW_PORT$path" >/dev/null 2>&1 </dev/null || true
+    fi
     sleep "$PAUSE"
     g0=$(ticks "$GW_PID") p0=$(pg_ticks) r0=$(ticks "$REDIS_SRV") c0=$(commits)
     BENCH_PATH=$path BENCH_NONCE=m$RANDOM$SECONDS timeout -k 5 $((DUR + 30)) wrk -t"$threads" -c"$conns" \
