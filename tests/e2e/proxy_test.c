@@ -405,6 +405,37 @@ Test(proxy, an_idle_upstream_connection_is_closed_when_its_keepalive_ends, .time
     free(b);
 }
 
+/* More idle connections than one turn of the sweep closes (64): the rest go in the turns after it, 50 ms apart, so
+ * a hundred connections idle since the same moment are all closed soon after their keepalive_timeout. */
+Test(proxy, a_hundred_idle_upstream_connections_are_all_closed_by_the_sweep, .timeout = 60)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = e2e_gw_start(conf_keepalive_1s, &(struct e2e_gw_opts){.up = up, .wait_ready = true});
+    enum { N = 100 };
+    static const char *const hold[] = {"X-Test-Delay-Ms: 400", NULL}; /* all in flight at once: a connection each */
+    struct e2e_req rq[N];
+    struct e2e_resp out[N];
+    char paths[N][48];
+    for (int i = 0; i < N; i++) {
+        snprintf(paths[i], sizeof paths[i], "/v1/payments/sweep-many-%d", i);
+        rq[i] = (struct e2e_req){.path = paths[i], .headers = hold, .timeout_ms = 20000};
+    }
+    e2e_http_parallel(gw->port, rq, out, N);
+    for (int i = 0; i < N; i++) {
+        cr_expect_eq(out[i].status, 200, "request %d: %ld %s", i, out[i].status, out[i].error);
+        e2e_resp_free(&out[i]);
+    }
+    int open0 = established_to(up->port);
+    cr_assert_gt(open0, 64, "only %d upstream connections idle: not more than one sweep turn", open0);
+    uint64_t t0 = e2e_now_ms();
+    /* idle for keepalive_timeout (1 s), then at most one sweep period (1 s) and a few turns; the test upstream's
+     * own idle close (Keep-Alive: timeout=5) comes later */
+    while (established_to(up->port) > 0 && e2e_now_ms() - t0 < 3000)
+        e2e_sleep_ms(50);
+    cr_expect_eq(established_to(up->port), 0, "of %d idle connections, %d still open %llu ms later", open0,
+                 established_to(up->port), (unsigned long long)(e2e_now_ms() - t0));
+}
+
 Test(proxy, each_loop_reuses_its_upstream_connections)
 {
     struct e2e_upstream *up;
