@@ -414,9 +414,11 @@ static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
     char *body = cm_buf_take(&job->resp_body, &len);
     uint64_t head_len = 0;
     struct MHD_Response *resp;
-    if (!body && head_content_length(job, &head_len)) /* MHD writes Content-Length from the size; no body is read */
+    if (head_content_length(job, &head_len)) { /* MHD writes Content-Length from the size; no body is read */
+        free(body); /* a HEAD's record has an empty body (a replay decodes it as an empty buffer, not none) */
+        body = NULL;
         resp = MHD_create_response_from_callback(head_len, 4096, no_body_read, NULL, NULL);
-    else if (body)
+    } else if (body)
         resp = MHD_create_response_from_buffer_with_free_callback(len, body, free);
     else
         resp = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
