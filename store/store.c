@@ -252,9 +252,11 @@ static const char sql_mark_unknown[] =
     "UPDATE idemgate_keys SET state = 'unknown', lease_until = now() + $5 * interval '1 ms'"
     " WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4 AND state IN ('in_flight', 'unknown')";
 
+/* A claim in flight whose lease lapsed is listed as what a retry is told it is: an unknown outcome (SPEC 4). */
 /* clang-format off */
 static const char sql_admin_list[] =
-    "SELECT route, key, encode(scope, 'hex'), state, token::text,"
+    "SELECT route, key, encode(scope, 'hex'),"
+    " CASE WHEN state = 'in_flight' AND lease_until < now() THEN 'unknown' ELSE state END, token::text,"
     " " TS("created_at") ", " TS("expires_at") ", " TS("lease_until") ", status, " TS("completed_at")
     " FROM idemgate_keys WHERE route = $1 AND key = $2"
     " ORDER BY created_at, scope LIMIT 1000";
@@ -327,16 +329,18 @@ static const char sql_doubt_release[] = "DELETE FROM idemgate_keys WHERE route =
 
 /* A look-up (on_unknown: probe) takes an unknown outcome whose lease lapsed under its own new token, for as long
  * as the look-up may take: one prober at a time per record, and whatever it writes next (completion, release,
- * giving the record back) is fenced by that token. The state stays unknown: a retry meanwhile is in flight. */
+ * giving the record back) is fenced by that token. The state stays: a retry meanwhile is in flight. A claim in
+ * flight whose lease lapsed is an unknown outcome too (its owner is gone: a crash, or a completion it could not
+ * write; SPEC 4), so it is taken the same way; its old owner's writes are fenced off by the new token. */
 static const char sql_probe_take[] =
     "UPDATE idemgate_keys SET token = $4, lease_until = now() + $5 * interval '1 ms'"
-    " WHERE route = $1 AND scope = $2 AND key = $3 AND state = 'unknown' AND lease_until < now()";
+    " WHERE route = $1 AND scope = $2 AND key = $3 AND state IN ('in_flight', 'unknown') AND lease_until < now()";
 
-/* The sweeper's batch: unknown outcomes whose lease lapsed, of the probe routes ($1: their names joined by '\n';
- * route names never hold one), those looked at least recently first (a failed look-up gives its record back with
- * lease_until = now()). */
+/* The sweeper's batch: unknown outcomes (and claims in flight) whose lease lapsed, of the probe routes ($1: their
+ * names joined by '\n'; route names never hold one), those looked at least recently first (a failed look-up gives
+ * its record back with lease_until = now()). */
 static const char sql_probe_list[] =
-    "SELECT route, scope, key FROM idemgate_keys WHERE state = 'unknown' AND lease_until < now()"
+    "SELECT route, scope, key FROM idemgate_keys WHERE state IN ('in_flight', 'unknown') AND lease_until < now()"
     " AND route = ANY (string_to_array($1, E'\\n')) ORDER BY lease_until LIMIT $2";
 static const Oid probe_list_types[] = {OID_TEXT, OID_INT8};
 

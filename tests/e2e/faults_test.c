@@ -477,7 +477,9 @@ Test(faults, sigkill_mid_request_never_executes_twice)
     cr_expect_eq(r.status, 0, "the killed gateway cannot have answered (got %ld)", r.status);
     e2e_resp_free(&r);
 
-    struct e2e_gw *gw2 = gw_start(up, idem, "{{REDIS_URL}}");
+    static const char *const env[] = {"IDEMGATE_ADMIN_TOKEN=faults-admin", NULL};
+    struct e2e_pay_conf pc = {.idem = idem, .timeout = "10s", .redis = "{{REDIS_URL}}", .redis_timeout = "50ms"};
+    struct e2e_gw *gw2 = e2e_gw_start_pay(up, &pc, env);
     uint64_t since = e2e_now_ms() - t0;
     cr_log_info("restarted %llu ms after the kill", (unsigned long long)since);
     post(gw2->port, "/v1/pay/kill", key, "{\"k\":1}", NULL, &r);
@@ -502,6 +504,16 @@ Test(faults, sigkill_mid_request_never_executes_twice)
                        "retry after the orphaned claim's lease (on_unknown reject)");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "a crash mid-request must never lead to a second execution");
+    /* what /admin/keys says of it is what the retry was told: an unknown outcome (it said in_flight) */
+    char path[256];
+    snprintf(path, sizeof path, "/admin/keys?route=pay&key=%s", key);
+    static const char *const ah[] = {"Authorization: Bearer faults-admin", NULL};
+    struct e2e_req arq = {.method = "GET", .path = path, .headers = ah};
+    e2e_http(gw2->admin_port, &arq, &r);
+    cr_expect_eq(r.status, 200);
+    cr_expect(r.body && strstr((const char *)r.body, "\"state\":\"unknown\"") != NULL,
+              "the orphan past its lease is listed as unknown: %s", r.body ? (const char *)r.body : "");
+    e2e_resp_free(&r);
 }
 
 Test(faults, two_instances_forty_duplicates_execute_once)

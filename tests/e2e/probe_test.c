@@ -3,6 +3,7 @@
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
 
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -244,6 +245,53 @@ Test(probe, sweeper_resolves_a_record_no_client_retries)
     cr_expect(strstr((const char *)r.body, "\"found\":true") != NULL, "%s", r.body);
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1);
+}
+
+/* A claim orphaned by a crash (the gateway killed while the upstream executes) is in flight until its lease ends,
+ * then an unknown outcome (SPEC 4), and on_unknown: probe applies to it: a retry and the sweeper both look it up.
+ * Before, the look-up took only records in state unknown: the orphan stayed in flight for good and every retry
+ * was 409 idempotency-outcome-unknown without a look-up. */
+static void orphan(struct e2e_gw **gw, const struct e2e_upstream *up, const char *key)
+{
+    static const char *const h[] = {"X-Test-Delay-Ms: 700", NULL};
+    struct e2e_resp r;
+    e2e_http_key((*gw)->port, "POST", "/v1/pay", key, h, "{\"amount\":42}", 250, &r); /* gives up at 250 ms */
+    e2e_resp_free(&r);
+    cr_assert_eq(e2e_upstream_wait_count(up, key, 1, 3000), 1, "the upstream executes it");
+    cr_assert_eq(kill((*gw)->proc.pid, SIGKILL), 0);
+    cr_assert(e2e_proc_wait(&(*gw)->proc, 5000));
+    *gw = gw_start_probe(up, NULL);
+}
+
+Test(probe, an_orphaned_claim_is_looked_up_after_its_lease)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start_probe(up, NULL);
+    char key[64], key2[64];
+    e2e_mkkey(key, sizeof key, "orphan-retry");
+    e2e_mkkey(key2, sizeof key2, "orphan-sweep");
+    orphan(&gw, up, key);
+    orphan(&gw, up, key2);
+    e2e_sleep_ms(1300); /* both leases (1 s) lapsed */
+
+    struct e2e_resp r;
+    e2e_http_key(gw->port, "POST", "/v1/pay", key, NULL, "{\"amount\":42}", 0, &r);
+    cr_expect_eq(r.status, 200, "the retry after the lease: %ld %.300s", r.status, r.body ? (char *)r.body : "");
+    cr_expect(e2e_resp_is_replay(&r), "the retry is the looked-up answer, replayed");
+    e2e_resp_free(&r);
+    cr_expect_geq(lookups(up, key), 1, "the retry looked the orphan up");
+
+    bool done = false;
+    for (int i = 0; i < 150 && !done; i++) { /* the sweeper looks every 5 s: at most 15 s */
+        char *json = admin_keys(gw, key2);
+        done = strstr(json, "\"state\":\"completed\"") != NULL;
+        free(json);
+        if (!done)
+            e2e_sleep_ms(100);
+    }
+    cr_expect(done, "the sweeper looked up the orphan nobody retried and completed it");
+    cr_expect_eq(e2e_upstream_count(up, key), 1, "executed once");
+    cr_expect_eq(e2e_upstream_count(up, key2), 1, "executed once");
 }
 
 Test(probe, config_errors)
