@@ -892,6 +892,9 @@ void gw_pipeline_abort_all(void *arg)
 {
     struct gw_loop *l = arg;
     gw_loop_set_closing(l);
+    /* A completion (release, mark unknown) retried while Postgres is away would keep its client waiting for up to
+     * a lease: it gives up now, and its client gets the answer it has (SPEC 4). */
+    store_settle_stop(gw_loop_store(l));
     /* Jobs waiting for the store keep going (every store operation is
      * bounded); the others are answered now. */
     struct gw_loop_link *link = gw_loop_first_job(l);

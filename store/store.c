@@ -397,6 +397,7 @@ struct store {
     /* the ordering guard (store/order.c): its statements follow ours in the pool's table */
     struct store_pg_stmt all_stmts[S__COUNT + STORE_ORDER_NSTMTS];
     struct store_order *order;
+    bool settle_stop; /* shutting down past the grace: a settle operation that fails is not tried again */
 };
 
 /* A claim whose commit outcome the gateway does not know (its statement
@@ -1253,7 +1254,7 @@ static void settle_init(struct owner_op *w, uint64_t retry_for_ms)
 static bool settle_retry_later(struct owner_op *w, enum store_pg_status st)
 {
     uint64_t now = cm_now_ms();
-    if (st == STORE_PG_SQL_ERROR || now + w->backoff_ms >= w->deadline_ms)
+    if (st == STORE_PG_SQL_ERROR || now + w->backoff_ms >= w->deadline_ms || w->h.s->settle_stop)
         return false;
     cm_log(CM_DEBUG, "store_settle_retry", "op=%s attempt=%d status=%s backoff_ms=%llu", owner_op_name(w), w->attempts,
            store_pg_status_name(st), (unsigned long long)w->backoff_ms);
@@ -1278,6 +1279,24 @@ static void settle_kick(struct store *s)
         if (w->timer && evtimer_pending(w->timer, NULL)) {
             evtimer_del(w->timer);
             settle_timer_cb(-1, 0, w);
+        }
+    }
+}
+
+void store_settle_stop(struct store *s)
+{
+    s->settle_stop = true;
+    struct op *next;
+    for (struct op *o = s->ops; o; o = next) {
+        next = o->next;
+        if (o->kind != OP_COMPLETE && o->kind != OP_RELEASE && o->kind != OP_MARK_UNKNOWN)
+            continue;
+        struct owner_op *w = (struct owner_op *)o;
+        if (w->timer && evtimer_pending(w->timer, NULL)) {
+            evtimer_del(w->timer);
+            cm_log(CM_ERROR, "store_error", "op=%s attempts=%d status=given_up_at_shutdown", owner_op_name(w),
+                   w->attempts);
+            owner_finish(w, false, 0);
         }
     }
 }

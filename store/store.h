@@ -99,6 +99,11 @@ void store_claim(struct store *s, const struct store_claim_req *req, store_claim
  * the claim is no longer ours (fenced out). */
 typedef void (*store_done_cb)(void *arg, bool ok, long rows);
 
+/* Shutting down past the grace: every settle operation (complete, release, mark unknown) waiting to be tried
+ * again ends now as failed (its callback runs with ok = false), and one whose statement fails from now on is not
+ * tried again. The record stays as it is (in flight: unknown after its lease, never released). */
+void store_settle_stop(struct store *s);
+
 /* Writes the completed answer (state completed, expires after retention)
  * and then the Redis cache. Retries transport failures with backoff for up
  * to retry_for_ms before reporting ok=false. */

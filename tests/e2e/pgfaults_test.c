@@ -258,6 +258,47 @@ Test(pgfaults, the_lease_is_renewed_while_the_completion_is_retried, .fini = res
     cr_expect_eq(e2e_upstream_count(up, key), 1, "one execution");
 }
 
+/* SIGTERM while a completion is retried (Postgres stopped after the request was forwarded): when the grace ends
+ * the client gets the upstream's answer (SPEC 4: the answer goes out even when the completion cannot be written)
+ * and the process exits within the grace and a second. Before, the completion kept retrying for its lease, the
+ * process left 7 s after the grace with _exit and the client got no answer at all. */
+Test(pgfaults, a_completion_retried_at_shutdown_gives_the_answer_within_the_grace, .fini = restore_postgres)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    char *conf = NULL;
+    cr_assert(asprintf(&conf, "listen: 127.0.0.1:{{LISTEN_PORT}}\n"
+                              "admin:\n"
+                              "  listen: 127.0.0.1:{{ADMIN_PORT}}\n"
+                              "shutdown_grace: 2s\n" E2E_CONF_STORE("{{REDIS_URL}}") "upstreams:\n" E2E_CONF_UPSTREAM(
+                                  "api", "{{UPSTREAM_URL}}",
+                                  "20s") "routes:\n" E2E_CONF_ROUTE("pay", "/v1/pay", "api") "      key: required\n"
+                                                                                             "      lease: 30s\n") > 0);
+    struct e2e_gw_opts o = {.up = up, .wait_ready = true};
+    struct e2e_gw *gw = e2e_gw_start(conf, &o);
+    free(conf);
+    char key[96], kh[160];
+    e2e_mkkey(key, sizeof key, "stopcomplete");
+    snprintf(kh, sizeof kh, "Idempotency-Key: %s", key);
+    const char *hh[] = {kh, "X-Test-Delay-Ms: 800", NULL};
+    struct e2e_req rq = {
+        .method = "POST", .path = "/v1/pay/s", .headers = hh, .body = "{\"s\":1}", .body_len = 7, .timeout_ms = 20000};
+    struct e2e_async *a = e2e_http_async(gw->port, &rq);
+    cr_assert_eq(e2e_upstream_wait_count(up, key, 1, 3000), 1, "the request did not reach the upstream");
+    cr_assert_eq(e2e_services("pg-stop"), 0, "pg-stop failed");
+    uint64_t t0 = e2e_now_ms();
+    cr_assert_eq(kill(gw->proc.pid, SIGTERM), 0);
+    bool exited = e2e_proc_wait(&gw->proc, 15000);
+    uint64_t took = e2e_now_ms() - t0;
+    cr_expect(exited, "the gateway did not exit");
+    cr_expect_leq(took, 3000, "the gateway exited %llu ms after SIGTERM (grace 2 s)", (unsigned long long)took);
+    struct e2e_resp r;
+    e2e_http_join(a, &r);
+    cr_expect_eq(r.status, 200, "the client got the upstream's answer: %ld (%s)", r.status, r.error);
+    e2e_resp_free(&r);
+    cr_expect(e2e_gw_log_contains(gw, "event=completion_failed"), "the lost completion is logged");
+    cr_expect_eq(e2e_upstream_count(up, key), 1);
+}
+
 /* ---- 5. /readyz tells the truth within a second, for every loop */
 
 /* Two loops, no traffic (idle connections that have not noticed anything): after pg-stop, /readyz answers 503
