@@ -250,6 +250,20 @@ static void timer_cb(evutil_socket_t fd, short what, void *arg)
     }
 }
 
+/* libpq's default notice processor prints to stderr; a server ending the session (FATAL on an idle connection)
+ * arrives as such a notice. Logged as a key=value line like every other. */
+static void notice_cb(void *arg, const char *message)
+{
+    (void)arg;
+    char line[512];
+    size_t n = strlen(message);
+    while (n > 0 && (message[n - 1] == '\n' || message[n - 1] == '\r'))
+        n--;
+    char *copy = cm_strndup(message, n);
+    cm_log(CM_INFO, "postgres_notice", "conn=listen msg=%s", cm_log_quote(line, sizeof line, copy));
+    free(copy);
+}
+
 static void connect_start(struct store_notify *n)
 {
     /* dbname last: what the URL says (application_name too) wins. */
@@ -260,6 +274,7 @@ static void connect_start(struct store_notify *n)
         lost(n, n->pg ? PQerrorMessage(n->pg) : "out of memory");
         return;
     }
+    PQsetNoticeProcessor(n->pg, notice_cb, NULL);
     n->state = N_CONNECTING;
     arm(n, CONNECT_TIMEOUT_MS); /* covers the LISTEN's answer too */
     watch(n, EV_WRITE);

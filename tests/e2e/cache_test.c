@@ -281,8 +281,8 @@ static bool holds_local_port(pid_t pid, long port)
     return false;
 }
 
-/* Pauses the server process of this gateway's listener (other tests' gateways run beside it). */
-static void pause_listener(const struct e2e_gw *g)
+/* The server process of this gateway's listener (other tests' gateways run beside it), or 0. */
+static int listener_pid(const struct e2e_gw *g)
 {
     char *rows = e2e_psql("SELECT string_agg(pid || ' ' || client_port, ',') FROM pg_stat_activity"
                           " WHERE application_name = 'idemgate-listen'");
@@ -294,9 +294,43 @@ static void pause_listener(const struct e2e_gw *g)
             pid = p;
     }
     free(rows);
+    return pid;
+}
+
+/* Pauses the server process of this gateway's listener. */
+static void pause_listener(const struct e2e_gw *g)
+{
+    int pid = listener_pid(g);
     cr_assert_gt(pid, 0, "no listener session of this gateway");
     paused_listener = pid;
     cr_assert_eq(kill(paused_listener, SIGSTOP), 0);
+}
+
+/* The server ends the listener's session (an administrator, a restart): libpq reports the FATAL message as a
+ * notice; it is logged as a key=value line like every other, not printed raw on stderr (it was: "FATAL:
+ * terminating connection due to administrator command"), and the listener comes back. */
+Test(cache, a_terminated_listener_session_is_logged_as_key_value)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    char kept[96];
+    struct e2e_gw *gw = gw_holding_one(up, "terminated", kept, sizeof kept);
+    int pid = listener_pid(gw);
+    cr_assert_gt(pid, 0, "no listener session of this gateway");
+    char sql[128];
+    snprintf(sql, sizeof sql, "SELECT pg_terminate_backend(%d)", pid);
+    free(e2e_psql(sql));
+    cr_expect(e2e_gw_log_wait(gw, "event=cache_listener_down", 3000), "the lost session is logged");
+    wait_online(gw);
+    char *log = e2e_gw_log(gw);
+    size_t bad = 0;
+    for (char *line = strtok(log, "\n"); line; line = strtok(NULL, "\n")) {
+        if (strncmp(line, "ts=", 3) != 0) {
+            cr_log_error("not a key=value line: %.300s", line);
+            bad++;
+        }
+    }
+    free(log);
+    cr_expect_eq(bad, 0, "every line of the log is key=value");
 }
 
 /* Paused for 1.5 s: the cache stops answering at the ping's deadline but keeps its entries; the purge committed
