@@ -757,6 +757,11 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     if (!headers_well_formed(&r->in_hdrs, keyed ? route->idem.header : NULL) || framing_ambiguous(&r->in_hdrs))
         return reject(r, c, 400, "bad-request", "Bad request", "malformed header field or ambiguous message framing",
                       CM_OUT_ERROR);
+    /* RFC 9112 6.1: Transfer-Encoding in an HTTP/1.0 message is faulty framing (a 1.0 hop would read the chunks
+     * as the next request); the 400 closes the connection. */
+    if (version && strcmp(version, "HTTP/1.0") == 0 && cm_hdrs_get(&r->in_hdrs, "Transfer-Encoding") != NULL)
+        return reject(r, c, 400, "bad-request", "Bad request", "Transfer-Encoding in an HTTP/1.0 request",
+                      CM_OUT_ERROR);
     if (transfer_coding_unsupported(&r->in_hdrs))
         return reject(r, c, 501, "not-implemented", "Not implemented",
                       "the only transfer coding accepted on a request body is chunked", CM_OUT_ERROR);

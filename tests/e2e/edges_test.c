@@ -320,6 +320,27 @@ Test(edges, header_block_rewrites_are_refused)
     e2e_gw_assert_alive(gw, "after the header block cases");
 }
 
+/* Transfer-Encoding in an HTTP/1.0 request: RFC 9112 6.1 says the framing is faulty and the connection must be
+ * closed (an HTTP/1.0 hop behind or before us would read the chunks as the next request: TE.0). It was served
+ * and the connection kept, so the request written after it was served too. */
+Test(edges, transfer_encoding_in_http_1_0_is_refused_and_the_connection_closed)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start_edges(up, "api");
+    long before = e2e_upstream_count(up, NULL);
+    struct e2e_raw r;
+    raw(gw,
+        "POST /v1/pass/te0 HTTP/1.0\r\nHost: t\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+        "1\r\nb\r\n0\r\n\r\n"
+        "GET /v1/pass/second HTTP/1.1\r\nHost: t\r\n\r\n",
+        &r);
+    expect_raw_problem(&r, 400, "bad-request", "HTTP/1.0 with Transfer-Encoding");
+    const char *data = r.data ? r.data : "";
+    cr_expect_null(strstr(data + 1, "HTTP/1.1 "), "one answer only, the connection closed: %.600s", data);
+    free(r.data);
+    cr_expect_eq(e2e_upstream_count(up, NULL), before, "nothing forwarded");
+}
+
 Test(edges, header_block_odd_but_sound_passes_with_exact_values)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
