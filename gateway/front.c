@@ -528,15 +528,17 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     cm_hdrs_add(fh, "X-Forwarded-For", ok ? xff.data : ip);
     cm_buf_free(&xff);
     cm_hdrs_add(fh, "X-Forwarded-Proto", "http"); /* the front listens on plain HTTP only */
-    const char *via = cm_hdrs_get(fh, "Via");
-    if (via) {
-        char *v = cm_asprintf("%s, 1.1 idemgate", via);
-        cm_hdrs_remove(fh, "Via");
-        cm_hdrs_add(fh, "Via", v);
-        free(v);
-    } else {
-        cm_hdrs_add(fh, "Via", "1.1 idemgate");
-    }
+    /* every Via of the client, in order, then ours (RFC 9110 7.6.3), as one field */
+    struct cm_buf via;
+    cm_buf_init(&via, 16 * 1024);
+    ok = true;
+    for (size_t i = 0; i < r->in_hdrs.n; i++)
+        if (strcasecmp(r->in_hdrs.v[i].name, "Via") == 0)
+            ok = ok && cm_buf_appendf(&via, "%s, ", r->in_hdrs.v[i].value);
+    ok = ok && cm_buf_append(&via, "1.1 idemgate", strlen("1.1 idemgate"));
+    cm_hdrs_remove(fh, "Via");
+    cm_hdrs_add(fh, "Via", ok ? via.data : "1.1 idemgate");
+    cm_buf_free(&via);
 }
 
 /* RFC 9110 field names are tokens; values carry no control byte but HTAB.

@@ -428,7 +428,7 @@ Test(edges, forwarded_headers_are_the_gateways_own)
         "GET /v1/pass/xf HTTP/1.1\r\nHost: client.example:8443\r\nX-Forwarded-Proto: https\r\n"
         "X-Forwarded-Host: evil.example\r\nForwarded: for=1.2.3.4;proto=https;host=evil.example\r\n"
         "X-Forwarded-For: 1.2.3.4\r\nx-forwarded-proto: gopher\r\nforwarded: by=x\r\n"
-        "X-Forwarded-Host: evil2.example\r\n\r\n",
+        "X-Forwarded-Host: evil2.example\r\nVia: 1.0 x\r\nvia: 1.1 y\r\n\r\n",
         &r);
     cr_expect_eq(r.status, 200, "%.300s", r.data);
     free(r.data);
@@ -442,6 +442,9 @@ Test(edges, forwarded_headers_are_the_gateways_own)
     cr_expect_eq(e2e_hdrs_count(h, n, "Forwarded"), 0, "%s", text);
     cr_expect_eq(e2e_hdrs_count(h, n, "X-Forwarded-For"), 1, "%s", text);
     cr_expect_str_eq(e2e_hdrs_get(h, n, "X-Forwarded-For") ?: "", "1.2.3.4, 127.0.0.1");
+    /* every Via of the client kept, in order, ours last (the second one used to be lost) */
+    cr_expect_eq(e2e_hdrs_count(h, n, "Via"), 1, "%s", text);
+    cr_expect_str_eq(e2e_hdrs_get(h, n, "Via") ?: "", "1.0 x, 1.1 y, 1.1 idemgate");
     e2e_hdrs_free(h, n);
     free(text);
 }
