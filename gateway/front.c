@@ -83,6 +83,7 @@ struct req {
     const char *target;
     size_t target_len;
     enum cm_target_result target_res;
+    bool long_target_parsed; /* target_res TOO_LONG, but the path is sound: job->path is it, for the route only */
     const char *target_why;
     struct gw_jwt_claims *jwt; /* the verified bearer token of a jwt:CLAIM scope, NULL otherwise */
     struct gw_conf *cref;      /* the configuration this request is served under (one reference) */
@@ -116,7 +117,12 @@ static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
     r->target_why = "no request target";
     r->target_res =
         uri ? cm_target_parse(uri, r->target_len, r->job.conf->max_header_bytes, &t, &r->target_why) : CM_TARGET_BAD;
-    if (r->target_res == CM_TARGET_OK) {
+    /* A target too long is still refused (414), but in the errors: format of the route its path names: it is
+     * parsed once more without the bound (MHD's pool bounds it) only to find that route. */
+    const char *why2;
+    if (r->target_res == CM_TARGET_TOO_LONG && cm_target_parse(uri, r->target_len, SIZE_MAX, &t, &why2) == CM_TARGET_OK)
+        r->long_target_parsed = true;
+    if (r->target_res == CM_TARGET_OK || r->long_target_parsed) {
         r->job.uri = t.uri;
         r->job.path = t.path;
         r->job.query = t.query;
@@ -706,7 +712,8 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
 
     /* The route first (when the target is sound), so that even the refusals below answer in its errors: format
      * (SPEC 9: every gateway problem). */
-    const struct conf_route *route = r->target_res == CM_TARGET_OK ? conf_match_route(conf, job->path) : NULL;
+    const struct conf_route *route =
+        r->target_res == CM_TARGET_OK || r->long_target_parsed ? conf_match_route(conf, job->path) : NULL;
     if (route) {
         job->route = route;
         job->route_index = r->cref->route_slot[route - conf->routes]; /* its name's metrics slot */

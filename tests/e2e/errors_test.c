@@ -95,6 +95,18 @@ Test(errors, stripe_format_for_every_gateway_problem)
     e2e_get(gw->port, "/nowhere", &r);
     cr_expect(e2e_resp_is_problem(&r, "route-not-found"), "no route: problem+json");
     e2e_resp_free(&r);
+
+    /* a target over max_header_bytes on the route's path: 414 in the route's format (it was problem+json) */
+    enum { LONG = 17000 };
+    char *path = malloc(LONG + 32);
+    cr_assert_not_null(path);
+    int pl = snprintf(path, 32, "/v1/stripe/");
+    memset(path + pl, 'a', LONG);
+    path[pl + LONG] = '\0';
+    e2e_http_key(gw->port, "POST", path, key, NULL, "x", 0, &r);
+    expect_stripe(&r, 414, "invalid_request_error", "uri-too-long");
+    e2e_resp_free(&r);
+    free(path);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "nothing but the first request executed");
 }
 
