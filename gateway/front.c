@@ -810,6 +810,14 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         } else {
             job->idempotent = true;
         }
+    } else if (!(route && route->idem.mode == CONF_MODE_SHADOW)) {
+        /* SPEC 7: two key headers are refused on any request, also one that passes through (a method outside the
+         * route's, key: off, the default upstream): the upstream would pick one of them. Shadow mode forwards
+         * everything. */
+        const char *kname = route && route->idem.header ? route->idem.header : "Idempotency-Key";
+        if (header_count(&r->in_hdrs, kname) > 1)
+            return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
+                          "the request carries more than one idempotency key header", CM_OUT_KEY_INVALID);
     }
     if (!order_headers(r, route, method)) {
         if (!shadow)

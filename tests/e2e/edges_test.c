@@ -407,6 +407,13 @@ Test(edges, two_key_headers_are_refused)
         "Content-Length: 2\r\n\r\n{}",
         "POST /v1/payments HTTP/1.1\r\nHost: t\r\nIdempotency-Key: \"k1\"\r\nX-A: 1\r\nIDEMPOTENCY-KEY: k1\r\n"
         "Content-Length: 2\r\n\r\n{}",
+        /* SPEC 7: any request, also one that passes through (a method outside the route's, a key: off route, the
+         * default upstream); these were forwarded with both headers */
+        "GET /v1/payments HTTP/1.1\r\nHost: t\r\nIdempotency-Key: k1\r\nIdempotency-Key: k2\r\n\r\n",
+        "POST /v1/pass/x HTTP/1.1\r\nHost: t\r\nIdempotency-Key: k1\r\nIdempotency-Key: k2\r\n"
+        "Content-Length: 2\r\n\r\n{}",
+        "POST /elsewhere HTTP/1.1\r\nHost: t\r\nIdempotency-Key: k1\r\nIdempotency-Key: k1\r\n"
+        "Content-Length: 2\r\n\r\n{}",
     };
     for (size_t i = 0; i < sizeof reqs / sizeof reqs[0]; i++) {
         struct e2e_raw r;
