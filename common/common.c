@@ -577,15 +577,37 @@ const char *cm_redact_url(char *out, size_t n, const char *url)
             }
         }
     }
-    /* key=value form: password=... */
-    char *pw = strstr(out, "password=");
-    if (pw) {
-        char *end = pw + 9;
-        while (*end && *end != ' ')
-            end++;
+    /* libpq's other forms: `password = 'a b\' c'` (keyword=value, spaces around '=', a quoted value with
+     * backslash escapes), `?password=x&...` (a URL's query), sslpassword; every occurrence. The value is read
+     * from the original (out may have been cut at n). */
+    char *pw = out;
+    while ((pw = strstr(pw, "password")) != NULL) {
+        char *p = pw + 8;
+        while (*p == ' ')
+            p++;
+        if (*p != '=') {
+            pw += 8;
+            continue;
+        }
+        p++;
+        while (*p == ' ')
+            p++;
+        char *end = p;
+        if (*end == '\'') {
+            for (end++; *end && *end != '\''; end++)
+                if (*end == '\\' && end[1])
+                    end++;
+            if (*end)
+                end++;
+        } else {
+            while (*end && *end != ' ' && *end != '&')
+                end++;
+        }
         char rest[1024];
         snprintf(rest, sizeof rest, "%s", end);
-        snprintf(pw + 9, n - (size_t)(pw + 9 - out), "***%s", rest);
+        size_t at = (size_t)(p - out);
+        snprintf(p, n - at, "***%s", rest);
+        pw = p + 3 <= out + strlen(out) ? p + 3 : out + strlen(out);
     }
     return out;
 }

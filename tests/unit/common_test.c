@@ -216,6 +216,24 @@ Test(log, redact_url_password)
     cr_assert_str_eq(cm_redact_url(out, sizeof out, "postgresql://user@h/db"), "postgresql://user@h/db");
 }
 
+/* The forms libpq also takes: a quoted value with spaces and escapes, spaces around '=', a URL's query
+ * parameter, sslpassword, several of them. Each used to leak (the quoted one from its first space on). */
+Test(log, redact_every_password_form)
+{
+    char out[512];
+    cr_expect_str_eq(cm_redact_url(out, sizeof out, "host=x password='a b\\' c' dbname=y"),
+                     "host=x password=*** dbname=y");
+    cr_expect_str_eq(cm_redact_url(out, sizeof out, "host=x password = s3cret dbname=y"),
+                     "host=x password = *** dbname=y");
+    cr_expect_str_eq(cm_redact_url(out, sizeof out, "postgresql://h/db?user=u&password=s3cret&sslmode=disable"),
+                     "postgresql://h/db?user=u&password=***&sslmode=disable");
+    cr_expect_str_eq(cm_redact_url(out, sizeof out, "host=x sslpassword=k1 password=k2"),
+                     "host=x sslpassword=*** password=***");
+    cr_expect_str_eq(cm_redact_url(out, sizeof out, "host=x password='unterminated"), "host=x password=***");
+    char small[16];
+    cr_expect_str_eq(cm_redact_url(small, sizeof small, "password=abcdefghijklmnopqrstuvwxyz"), "password=***");
+}
+
 Test(hash, sha256_known_vector_and_parts)
 {
     uint8_t d[32];
