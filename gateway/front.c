@@ -6,6 +6,7 @@
  * watched by every loop, and places each connection on the loop that holds
  * the fewest (MHD_add_connection), so the loops share the clients evenly. */
 #include <arpa/inet.h>
+#include <ctype.h>
 #include <errno.h>
 #include <event2/event.h>
 #include <microhttpd.h>
@@ -497,6 +498,37 @@ static void upstream_host(const char *url, char *out, size_t n)
 
 /* The headers sent upstream: hop-by-hop removed, Host set to the upstream's,
  * X-Forwarded-For/-Proto/-Host and Via added, the key header per forward_key. */
+/* A client header that spells one the gateway sets with '_' for '-' (X_Forwarded_Proto): CGI, WSGI and Rack
+ * servers read it as the same header (HTTP_X_FORWARDED_PROTO), so it would bypass the replacement; dropped, as
+ * nginx drops every header with an underscore by default. */
+static void drop_underscore_spellings(struct cm_hdrs *fh)
+{
+    static const char *const owned[] = {"X-Forwarded-For", "X-Forwarded-Proto", "X-Forwarded-Host", "Forwarded", "Via"};
+    for (size_t i = 0; i < fh->n;) {
+        const char *name = fh->v[i].name;
+        bool drop = false;
+        if (strchr(name, '_')) {
+            for (size_t k = 0; k < sizeof owned / sizeof owned[0] && !drop; k++) {
+                size_t len = strlen(owned[k]);
+                if (strlen(name) != len)
+                    continue;
+                drop = true;
+                for (size_t j = 0; j < len && drop; j++) {
+                    char a = name[j] == '_' ? '-' : name[j];
+                    drop = tolower((unsigned char)a) == tolower((unsigned char)owned[k][j]);
+                }
+            }
+        }
+        if (!drop) {
+            i++;
+            continue;
+        }
+        char *copy = cm_strdup(name);
+        cm_hdrs_remove(fh, copy); /* this spelling, every occurrence */
+        free(copy);
+    }
+}
+
 static void build_forward_headers(struct req *r, struct MHD_Connection *c)
 {
     struct gw_job *job = &r->job;
@@ -512,6 +544,7 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
         cm_hdrs_remove(fh, job->route->idem.header);
 
     /* the client's X-Forwarded-Proto/-Host and Forwarded are never passed on: the upstream trusts these */
+    drop_underscore_spellings(fh);
     cm_hdrs_remove(fh, "X-Forwarded-Host");
     cm_hdrs_remove(fh, "X-Forwarded-Proto");
     cm_hdrs_remove(fh, "Forwarded");

@@ -435,7 +435,9 @@ Test(edges, forwarded_headers_are_the_gateways_own)
         "GET /v1/pass/xf HTTP/1.1\r\nHost: client.example:8443\r\nX-Forwarded-Proto: https\r\n"
         "X-Forwarded-Host: evil.example\r\nForwarded: for=1.2.3.4;proto=https;host=evil.example\r\n"
         "X-Forwarded-For: 1.2.3.4\r\nx-forwarded-proto: gopher\r\nforwarded: by=x\r\n"
-        "X-Forwarded-Host: evil2.example\r\nVia: 1.0 x\r\nvia: 1.1 y\r\n\r\n",
+        "X-Forwarded-Host: evil2.example\r\nVia: 1.0 x\r\nvia: 1.1 y\r\n"
+        "X_Forwarded_Proto: https\r\nx_forwarded_host: evil3.example\r\nX_Forwarded-For: 6.6.6.6\r\n"
+        "FORWARDED_: x\r\n\r\n",
         &r);
     cr_expect_eq(r.status, 200, "%.300s", r.data);
     free(r.data);
@@ -449,6 +451,11 @@ Test(edges, forwarded_headers_are_the_gateways_own)
     cr_expect_eq(e2e_hdrs_count(h, n, "Forwarded"), 0, "%s", text);
     cr_expect_eq(e2e_hdrs_count(h, n, "X-Forwarded-For"), 1, "%s", text);
     cr_expect_str_eq(e2e_hdrs_get(h, n, "X-Forwarded-For") ?: "", "1.2.3.4, 127.0.0.1");
+    /* underscore spellings, which CGI/WSGI servers read as the same header (HTTP_X_FORWARDED_PROTO), are dropped:
+     * they were forwarded and bypassed the replacement */
+    for (size_t i = 0; i < n; i++)
+        cr_expect(strchr(h[i].name, '_') == NULL || strcmp(h[i].name, "FORWARDED_") == 0, "forwarded: %s: %s",
+                  h[i].name, h[i].value);
     /* every Via of the client kept, in order, ours last (the second one used to be lost) */
     cr_expect_eq(e2e_hdrs_count(h, n, "Via"), 1, "%s", text);
     cr_expect_str_eq(e2e_hdrs_get(h, n, "Via") ?: "", "1.0 x, 1.1 y, 1.1 idemgate");
