@@ -26,6 +26,7 @@ struct gw_admin {
     struct MHD_Daemon *d;
     uint16_t port;
     atomic_size_t jobs;
+    atomic_bool draining; /* SIGTERM: /readyz is 503 while in-flight requests finish */
 };
 
 enum admin_op { OP_LIST, OP_PURGE, OP_RELEASE };
@@ -251,10 +252,14 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     if (strcmp(url, "/readyz") == 0) {
         struct store *st = gw_loop_store(a->loop);
         bool pg = gw_loop_postgres_ready(a->loop);
+        bool draining = atomic_load(&a->draining);
         const char *redis = !store_redis_enabled(st) ? "disabled" : store_redis_up(st) ? "up" : "down";
-        char *body = cm_asprintf("{\"status\":\"%s\",\"postgres\":\"%s\",\"redis\":\"%s\"}\n", pg ? "ready" : "unready",
+        char *body = cm_asprintf("{\"status\":\"%s\",\"postgres\":\"%s\",\"redis\":\"%s\"}\n",
+                                 draining ? "draining"
+                                 : pg     ? "ready"
+                                          : "unready",
                                  pg ? "up" : "down", redis);
-        return answer(c, pg ? 200 : 503, "application/json", body, strlen(body));
+        return answer(c, pg && !draining ? 200 : 503, "application/json", body, strlen(body));
     }
     if (strcmp(url, "/") == 0) {
         size_t len;
@@ -354,6 +359,12 @@ uint16_t gw_admin_port(const struct gw_admin *a)
 size_t gw_admin_jobs(struct gw_admin *a)
 {
     return a ? atomic_load(&a->jobs) : 0;
+}
+
+void gw_admin_draining(struct gw_admin *a)
+{
+    if (a)
+        atomic_store(&a->draining, true);
 }
 
 void gw_admin_stop(struct gw_admin *a)

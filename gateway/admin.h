@@ -14,6 +14,8 @@ struct gw_loop;
  * failure. */
 struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_loop *loop, char **err);
 uint16_t gw_admin_port(const struct gw_admin *a);
+/* Shutting down: /readyz answers 503 "draining" from now on (a load balancer stops sending); NULL is a no-op. */
+void gw_admin_draining(struct gw_admin *a);
 /* Stops the daemon and frees it; NULL is a no-op. */
 void gw_admin_stop(struct gw_admin *a);
 /* Admin requests waiting for the store (for graceful shutdown). */

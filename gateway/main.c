@@ -212,6 +212,7 @@ static int run(const char *file, struct gw_conf *gc)
     cm_log(CM_INFO, "stopping", "signal=%s grace_ms=%llu jobs=%zu", sig == SIGINT ? "SIGINT" : "SIGTERM",
            (unsigned long long)grace_ms, gw_loops_jobs(loops));
 
+    gw_admin_draining(admin);
     gw_front_quiesce(front);
     struct running r = {loops, front, admin};
     if (!wait_until(jobs_busy, &r, cm_now_ms() + grace_ms)) {

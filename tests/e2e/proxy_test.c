@@ -887,6 +887,17 @@ Test(proxy, sigterm_lets_in_flight_requests_finish_then_exits_0)
     e2e_sleep_ms(200);
     uint64_t t0 = e2e_now_ms();
     cr_assert_eq(kill(gw->proc.pid, SIGTERM), 0);
+    /* while it drains, /readyz says so (a load balancer stops sending); it said 200 ready */
+    bool draining = false;
+    for (int i = 0; i < 50 && !draining; i++) {
+        struct e2e_resp rz;
+        e2e_get(gw->admin_port, "/readyz", &rz);
+        draining = rz.status == 503 && rz.body && strstr((const char *)rz.body, "\"status\":\"draining\"");
+        e2e_resp_free(&rz);
+        if (!draining)
+            e2e_sleep_ms(10);
+    }
+    cr_expect(draining, "/readyz is 503 draining while in-flight requests finish");
     struct e2e_resp r;
     e2e_http_join(a, &r);
     cr_expect_eq(r.status, 200, "the in-flight request must complete: %ld (%s)", r.status, r.error);
