@@ -24,10 +24,13 @@ bool gw_order_match(const char *tmpl, const char *path, size_t *inst_len) CM_MUS
 bool gw_seq_parse(const char *v, size_t len, int64_t *out) CM_MUST_CHECK;
 
 /* Reads the sequence at the JSON Pointer ptr (RFC 6901, "" is the whole
- * document) of a JSON body: it must be a JSON integer 1 .. 2^63-1 (not a
- * string, not a real). false when the body is not JSON (duplicate object
- * members included), the pointer names nothing, or the value is not such an
- * integer. Nothing is kept of the body. */
+ * document) of a JSON body: it must be a JSON integer 1 .. 2^63-1 (digits
+ * only: not a string, not 1.0 or 1e3). The rest of the body is validated as
+ * RFC 8259 JSON text (UTF-8) and nothing more: numbers of any magnitude,
+ * "\u0000" and lone surrogate escapes are valid there. false when the body
+ * is not such JSON (duplicate member names in any object, or nesting deeper
+ * than 2048, refused too), the pointer names nothing, or the value is not
+ * such an integer. One iterative pass; nothing is kept of the body. */
 bool gw_seq_from_json(const char *body, size_t len, const char *ptr, int64_t *out) CM_MUST_CHECK;
 
 #endif

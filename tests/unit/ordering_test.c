@@ -114,6 +114,162 @@ Test(seq_parse, json_pointer)
     cr_expect(!gw_seq_from_json(NULL, 0, "/x", &v));
 }
 
+/* Valid JSON (RFC 8259) beyond what jansson loads: numbers outside int64/double, "\u0000", lone surrogates. The
+ * value at the pointer is read exactly; the rest of the document is only validated. */
+Test(seq_parse, json_pointer_valid_documents_jansson_refuses)
+{
+    static const struct {
+        const char *body, *ptr;
+        int64_t want;
+    } cases[] = {
+        {"{\"seq\":1,\"account\":18446744073709551615}", "/seq", 1},
+        {"{\"seq\":1,\"x\":-9223372036854775809}", "/seq", 1},
+        {"{\"seq\":1,\"x\":1e400}", "/seq", 1},
+        {"{\"seq\":7,\"x\":\"\\u0000\"}", "/seq", 7},
+        {"{\"x\":-1e400,\"seq\":2,\"y\":[1E+999,0.0e-99999,123456789012345678901234567890]}", "/seq", 2},
+        {"{\"a\\u0000b\":1,\"a\\u0000c\":2,\"seq\":3}", "/seq", 3},
+        {"{\"x\":\"\\ud800\",\"y\":\"\\udc00\\ud800\",\"seq\":4}", "/seq", 4},
+        {"{\"m\":{\"v\":[18446744073709551616,{\"seq\":5}]}}", "/m/v/1/seq", 5},
+        {"[1e400,\"\\u0000\",9223372036854775807]", "/2", INT64_MAX},
+        {" \t\r\n{ \"seq\" : 6 , \"z\" : [ ] , \"o\" : { } } \n", "/seq", 6},
+        {"{\"\\u00e9t\\u00E9\":8,\"s\\u00e9q\":9}", "/s\xc3\xa9q", 9},
+        {"{\"\\ud83d\\ude00\":10}", "/\xf0\x9f\x98\x80", 10},
+        {"{\"seq\":11,\"t\":[true,false,null,\"\\\"\\\\\\/\\b\\f\\n\\r\\t\",-0,0.5,1e5]}", "/seq", 11},
+        {"{\"\":12}", "/", 12},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int64_t v = -7;
+        bool ok = gw_seq_from_json(cases[i].body, strlen(cases[i].body), cases[i].ptr, &v);
+        cr_expect(ok, "refused: %s at '%s'", cases[i].body, cases[i].ptr);
+        if (ok)
+            cr_expect_eq(v, cases[i].want, "%s: %lld", cases[i].body, (long long)v);
+    }
+}
+
+/* What stays refused: a bad value at the pointer, invalid JSON anywhere, trailing garbage, duplicates, deep nesting.
+ */
+Test(seq_parse, json_pointer_refusals)
+{
+    static const struct {
+        const char *body, *ptr;
+    } cases[] = {
+        {"{\"seq\":1.0}", "/seq"},
+        {"{\"seq\":1e3}", "/seq"},
+        {"{\"seq\":1E3}", "/seq"},
+        {"{\"seq\":-0}", "/seq"},
+        {"{\"seq\":18446744073709551615}", "/seq"},
+        {"{\"seq\":1e400}", "/seq"},
+        {"{\"seq\":[1]}", "/seq"},
+        {"{\"seq\":{}}", "/seq"},
+        {"{\"seq\":01}", "/seq"},
+        {"{\"seq\":+1}", "/seq"},
+        {"{\"seq\":1,\"x\":01}", "/seq"},
+        {"{\"seq\":1,\"x\":1.}", "/seq"},
+        {"{\"seq\":1,\"x\":.5}", "/seq"},
+        {"{\"seq\":1,\"x\":1e}", "/seq"},
+        {"{\"seq\":1,\"x\":-}", "/seq"},
+        {"{\"seq\":1,\"x\":1e400.5}", "/seq"},
+        {"{\"seq\":1,\"x\":NaN}", "/seq"},
+        {"{\"seq\":1,\"x\":Infinity}", "/seq"},
+        {"{\"seq\":1,\"x\":tru}", "/seq"},
+        {"{\"seq\":1,\"x\":\"\\x\"}", "/seq"},
+        {"{\"seq\":1,\"x\":\"\\u12\"}", "/seq"},
+        {"{\"seq\":1,\"x\":\"\\u12G4\"}", "/seq"},
+        {"{\"seq\":1,\"x\":\"a\tb\"}", "/seq"},
+        {"{\"seq\":1,\"x\":\"\xff\"}", "/seq"},
+        {"{\"seq\":1,\"x\":\"\xc0\xaf\"}", "/seq"},
+        {"{\"seq\":1,\"x\":\"\xed\xa0\x80\"}", "/seq"},
+        {"{\"seq\":1,\"x\":\"\xf4\x90\x80\x80\"}", "/seq"},
+        {"{\"seq\":1,\"x\":\"\xe2\x82\"}", "/seq"},
+        {"{\"seq\":1,\"x\":'a'}", "/seq"},
+        {"{\"seq\":1,}", "/seq"},
+        {"{\"seq\":1,\"x\":[1,]}", "/seq"},
+        {"{\"seq\":1 \"x\":2}", "/seq"},
+        {"{seq:1}", "/seq"},
+        {"{\"seq\" 1}", "/seq"},
+        {"{\"seq\":1]", "/seq"},
+        {"[1}", "/0"},
+        {"{\"seq\":1}}", "/seq"},
+        {"{\"seq\":1} x", "/seq"},
+        {"{\"seq\":1}{}", "/seq"},
+        {"\xef\xbb\xbf{\"seq\":1}", "/seq"},
+        {"{\"seq\":1,\"x\":1e400,\"seq\":2}", "/seq"},
+        {"{\"seq\":1,\"x\":{\"a\":1e400,\"a\":2}}", "/seq"},
+        {"{\"seq\":1,\"x\":{\"\\u0061\":0,\"a\":2}}", "/seq"},
+        {"{\"seq\":1,\"x\":{\"\\ud83d\\ude00\":0,\"\xf0\x9f\x98\x80\":2}}", "/seq"},
+        {"{\"seq\":1,\"x\":{\"a\\u0000\":0,\"a\\u0000\":2}}", "/seq"},
+        {"{\"seq\":1,\"x\":\"\\u0000\"", "/seq"},
+        {"{\"seq\":1,\"x\":\"abc", "/seq"},
+        {"{\"seq\":1,\"x\":\"abc\\", "/seq"},
+        {"{\"seq\":1", "/seq"},
+        {"{\"seq\":", "/seq"},
+        {"{\"seq\"", "/seq"},
+        {"[", "/0"},
+        {"  ", ""},
+        {"{\"seq\":1}", "/seq/0"},
+        {"{\"seq\":1}", ""},
+        {"{\"seq\":1}", "/Seq"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int64_t v = -7;
+        cr_expect(!gw_seq_from_json(cases[i].body, strlen(cases[i].body), cases[i].ptr, &v), "accepted: %s at '%s'",
+                  cases[i].body, cases[i].ptr);
+    }
+    static const char nul_after[] = "{\"seq\":1}\0";
+    int64_t v;
+    cr_expect(!gw_seq_from_json(nul_after, sizeof nul_after - 1, "/seq", &v), "a NUL byte after the document");
+}
+
+/* Nesting is bounded (2048 levels, as jansson's parser was): deeper is refused, iteratively (no recursion). */
+Test(seq_parse, json_pointer_nesting_bound)
+{
+    enum { MAX = 2048 };
+    size_t cap = 2 * (MAX + 1) + 64;
+    char *b = malloc(cap);
+    cr_assert_not_null(b);
+    int64_t v;
+    for (int depth = MAX - 1; depth <= MAX + 1; depth++) {
+        /* {"seq":1,"d":[[[...]]]} with depth - 1 arrays: depth containers in all */
+        size_t n = (size_t)snprintf(b, cap, "{\"seq\":1,\"d\":");
+        for (int i = 1; i < depth; i++)
+            b[n++] = '[';
+        for (int i = 1; i < depth; i++)
+            b[n++] = ']';
+        b[n++] = '}';
+        bool ok = gw_seq_from_json(b, n, "/seq", &v);
+        cr_expect_eq(ok, depth <= MAX, "depth %d: %d", depth, ok);
+    }
+    /* a very deep unbalanced prefix: refused at the bound, no stack growth */
+    size_t big = 1u << 20;
+    char *d = malloc(big);
+    cr_assert_not_null(d);
+    memset(d, '[', big);
+    cr_expect(!gw_seq_from_json(d, big, "/0", &v));
+    free(d);
+    free(b);
+}
+
+/* Large objects: duplicates found among many members (sorted, not compared pairwise), the pointer's value read. */
+Test(seq_parse, json_pointer_many_members)
+{
+    enum { N = 50000 };
+    size_t cap = (size_t)N * 24 + 64;
+    char *b = malloc(cap);
+    cr_assert_not_null(b);
+    size_t n = 0;
+    b[n++] = '{';
+    for (int i = 0; i < N; i++)
+        n += (size_t)snprintf(b + n, cap - n, "\"k%d\":%d,", i, i);
+    n += (size_t)snprintf(b + n, cap - n, "\"seq\":42}");
+    int64_t v = 0;
+    cr_expect(gw_seq_from_json(b, n, "/seq", &v));
+    cr_expect_eq(v, 42);
+    n -= 10; /* back over "seq":42} */
+    n += (size_t)snprintf(b + n, cap - n, "\"k%d\":42}", N / 2);
+    cr_expect(!gw_seq_from_json(b, n, "/k1", &v), "a duplicate among %d members", N);
+    free(b);
+}
+
 #define ORD_BASE                                                                                                       \
     "store:\n"                                                                                                         \
     "  postgres: postgres://u@127.0.0.1/db\n"                                                                          \
