@@ -266,7 +266,6 @@ static void acquire_cb(void *arg, enum store_pg_status st, const PGresult *r, co
         res.lease_left_ms = (uint64_t)get_i64(r, 3);
         const PGresult *del = store_pg_cb_then(p->o->pg); /* Citus: the companion DELETE */
         res.key_deleted = del ? atol(PQcmdTuples((PGresult *)del)) > 0 : get_i64(r, 4) > 0;
-        res.gap = res.applied > 0 && p->seq > res.applied + 1;
         if (mine)
             res.verdict = STORE_ORDER_OK;
         else if (PQgetvalue(r, 0, 5)[0] == 't')
@@ -275,6 +274,10 @@ static void acquire_cb(void *arg, enum store_pg_status st, const PGresult *r, co
             res.verdict = STORE_ORDER_IN_USE;
         else
             res.verdict = STORE_ORDER_GAP;
+        /* Judged against applied with no other request in flight: a request that waits for (or is refused for) a
+         * lower one in flight is no gap yet (SPEC 6, the in-flight rule), nor is a stale one. */
+        res.gap = (res.verdict == STORE_ORDER_OK || res.verdict == STORE_ORDER_GAP) && res.applied > 0 &&
+                  p->seq > res.applied + 1;
     } else {
         cm_log(CM_WARN, "order_acquire_failed", "route=%s status=%s detail=\"%s\"", p->route, store_pg_status_name(st),
                msg);

@@ -65,8 +65,10 @@ enum store_order_verdict {
 
 struct store_order_res {
     enum store_order_verdict verdict;
-    int64_t applied;        /* the applied sequence (0: fresh resource) */
-    bool gap;               /* seq > applied + 1 on a resource that is not fresh */
+    int64_t applied; /* the applied sequence (0: fresh resource) */
+    /* Judged a gap: seq > applied + 1 on a resource that is not fresh, with no other request in flight
+     * (STORE_ORDER_OK on accept, or STORE_ORDER_GAP); never with STORE_ORDER_IN_USE or STORE_ORDER_STALE. */
+    bool gap;
     bool key_deleted;       /* a final refusal deleted the key claim */
     uint64_t lease_left_ms; /* STORE_ORDER_IN_USE: the holder's lease left */
 };

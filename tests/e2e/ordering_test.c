@@ -210,6 +210,74 @@ Test(ordering, gap_accept_forwards_and_counts)
     cr_expect_eq(e2e_upstream_count(up, NULL), 2);
 }
 
+/* SPEC 6: a request arriving while a lower one is in flight waits for it before it can be a gap. v7 arrives while
+ * v6 is at the (slow) upstream after v5: it waits, is forwarded as 6 + 1, and is no gap; a real gap (v9 after v7)
+ * still counts once. */
+Test(ordering, waiting_for_a_lower_one_in_flight_is_not_a_gap)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start(up, NULL, NULL, NULL);
+    char p[160], k6[96], k7[96];
+    resource(p, sizeof p, "inflgap");
+    e2e_mkkey(k6, sizeof k6, "i6");
+    e2e_mkkey(k7, sizeof k7, "i7");
+    struct e2e_resp r;
+    send_seq(gw->port, p, "5", NULL, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    e2e_resp_free(&r);
+    char kh6[128];
+    snprintf(kh6, sizeof kh6, "Idempotency-Key: %s", k6);
+    const char *h6[] = {kh6, "X-Sequence: 6", "X-Test-Delay-Ms: 700", NULL};
+    struct e2e_req r6 = {.method = "PATCH", .path = p, .headers = h6, .body = "{}", .body_len = 2};
+    struct e2e_async *a6 = e2e_http_async(gw->port, &r6);
+    cr_assert_eq(e2e_upstream_wait_count(up, k6, 1, 3000), 1, "v6 reached the upstream");
+    send_seq(gw->port, p, "7", k7, NULL, &r);
+    cr_expect_eq(r.status, 200, "v7 waited for v6, then forwarded: %ld %s", r.status,
+                 r.body ? (const char *)r.body : "");
+    e2e_resp_free(&r);
+    e2e_http_join(a6, &r);
+    cr_expect_eq(r.status, 200, "v6: %ld", r.status);
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, k7), 1);
+    cr_expect_eq(metric(gw, "idemgate_sequence_gaps_total", "route=\"acct\""), 0, "v7 was no gap: %g",
+                 metric(gw, "idemgate_sequence_gaps_total", "route=\"acct\""));
+    send_seq(gw->port, p, "9", NULL, NULL, &r); /* a real gap: 9 after 7 */
+    cr_expect_eq(r.status, 200);
+    e2e_resp_free(&r);
+    cr_expect_eq(metric(gw, "idemgate_sequence_gaps_total", "route=\"acct\""), 1, "v9 counted once");
+}
+
+/* A request that ends as sequence-in-use (a lower one in flight past hold) is no gap either; on reject, a real gap
+ * after it still counts once. */
+Test(ordering, sequence_in_use_is_not_a_gap)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start(up, NULL, "      on_gap: reject\n      hold: 300ms\n", NULL);
+    char p[160];
+    resource(p, sizeof p, "inusegap");
+    struct e2e_resp r;
+    send_seq(gw->port, p, "5", NULL, NULL, &r);
+    cr_expect_eq(r.status, 200);
+    e2e_resp_free(&r);
+    const char *h6[] = {"X-Sequence: 6", "X-Test-Delay-Ms: 1200", NULL};
+    struct e2e_req r6 = {.method = "PATCH", .path = p, .headers = h6, .body = "{}", .body_len = 2};
+    struct e2e_async *a6 = e2e_http_async(gw->port, &r6);
+    cr_assert_eq(e2e_upstream_wait_count(up, NULL, 2, 3000), 2, "v6 reached the upstream");
+    send_seq(gw->port, p, "7", NULL, NULL, &r);
+    e2e_expect_problem(&r, 409, "sequence-in-use", "v7 while v6 in flight past hold");
+    e2e_resp_free(&r);
+    cr_expect_eq(metric(gw, "idemgate_sequence_gaps_total", "route=\"acct\""), 0, "sequence-in-use is no gap: %g",
+                 metric(gw, "idemgate_sequence_gaps_total", "route=\"acct\""));
+    e2e_http_join(a6, &r);
+    cr_expect_eq(r.status, 200, "v6: %ld", r.status);
+    e2e_resp_free(&r);
+    send_seq(gw->port, p, "8", NULL, NULL, &r);
+    expect_current(&r, "sequence-gap", 6, "v8 after v6");
+    e2e_resp_free(&r);
+    cr_expect_eq(metric(gw, "idemgate_sequence_gaps_total", "route=\"acct\""), 1, "v8 counted once");
+    cr_expect_eq(e2e_upstream_count(up, NULL), 2);
+}
+
 Test(ordering, gap_reject_then_the_missing_one_then_retry)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
@@ -262,6 +330,8 @@ Test(ordering, gap_hold_released_by_the_missing_one)
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, k7), 1);
     cr_expect_eq(e2e_upstream_count(up, NULL), 3);
+    /* v7 was a gap when it came (nothing in flight): counted once, however many polls it waited */
+    cr_expect_eq(metric(gw, "idemgate_sequence_gaps_total", "route=\"acct\""), 1);
 }
 
 Test(ordering, gap_hold_times_out)
@@ -281,6 +351,7 @@ Test(ordering, gap_hold_times_out)
     cr_expect(took >= 450 && took < 2000, "held about 500 ms: %llu", (unsigned long long)took);
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, k7), 0);
+    cr_expect_eq(metric(gw, "idemgate_sequence_gaps_total", "route=\"acct\""), 1);
 }
 
 Test(ordering, retry_of_applied_v11_is_a_replay_after_v12)
