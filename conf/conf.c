@@ -1629,15 +1629,35 @@ static void idem_defaults(struct conf_idem *d)
 
 static const char *const tmpl_names[] = {"status", "name", "title", "detail"};
 
-/* Length of a "{lowercase_name}" at s, 0 when s does not start with one. */
+static bool tmpl_space(char ch)
+{
+    return ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r';
+}
+
+static bool tmpl_name_char(char ch)
+{
+    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' || ch == '-' ||
+           ch == '.';
+}
+
+/* Length of what reads as a placeholder at s: '{', optional spaces, a name of letters, digits, '_', '-' or '.',
+ * optional spaces (or tabs, newlines), '}'; 0 when s does not start with one. JSON braces ('{' then '"', '}' or spaces
+ * and '"') are no placeholder, so {"a":1}, { "a": 1 } and {} stay text. */
 static size_t tmpl_ref_len(const char *s, size_t n)
 {
     size_t i = 1;
     if (n < 3 || s[0] != '{')
         return 0;
-    while (i < n && ((s[i] >= 'a' && s[i] <= 'z') || s[i] == '_'))
+    while (i < n && tmpl_space(s[i]))
         i++;
-    return (i > 1 && i < n && s[i] == '}') ? i + 1 : 0;
+    size_t name = i;
+    while (i < n && tmpl_name_char(s[i]))
+        i++;
+    if (i == name)
+        return 0;
+    while (i < n && tmpl_space(s[i]))
+        i++;
+    return (i < n && s[i] == '}') ? i + 1 : 0;
 }
 
 enum conf_tmpl_var conf_tmpl_var_at(const char *s, size_t n, size_t *len)
@@ -1662,7 +1682,8 @@ static bool fn_errors_template(struct ctx *x, yaml_node_t *n, void *target)
     for (size_t i = 0; i < len; i++) {
         size_t l;
         if (s[i] == '{' && conf_tmpl_var_at(s + i, len - i, &l) == CONF_TMPL_NONE && l > 0)
-            return fail(x, n, "unknown placeholder '%.*s' (use {status}, {name}, {title}, {detail})", (int)l, s + i);
+            return fail(x, n, "unknown placeholder '%.*s' (use {status}, {name}, {title}, {detail})",
+                        (int)(l > 64 ? 64 : l), s + i);
     }
     free(e->tmpl);
     e->tmpl = cm_strdup(s);

@@ -222,9 +222,11 @@ bool conf_parse_size(const char *s, uint64_t *bytes) CM_MUST_CHECK;  /* 512B 64K
 
 /* Placeholders an errors template may use, in the order of enum conf_tmpl_var. */
 enum conf_tmpl_var { CONF_TMPL_STATUS, CONF_TMPL_NAME, CONF_TMPL_TITLE, CONF_TMPL_DETAIL, CONF_TMPL_NONE };
-/* The placeholder starting at s[0] == '{' (s[0..n)): CONF_TMPL_NONE when s is not one of {status} {name} {title}
- * {detail} (then '{' is a literal); *len gets the placeholder's length. A '{' followed by a lower-case name and '}'
- * that is none of them makes the template invalid (conf refuses it). */
+/* The placeholder starting at s[0] == '{' (s[0..n)): CONF_TMPL_NONE when s is not exactly one of {status} {name}
+ * {title} {detail} (then '{' is a literal). *len gets the length of what reads as a placeholder ('{', optional
+ * spaces, a name of letters, digits, '_', '-' or '.', optional spaces, '}'), 0 when s does not start with one (JSON
+ * like {"a":1} or {}). One with *len > 0 that is none of the four ({Status}, { name }) makes the template invalid
+ * (conf refuses it). */
 enum conf_tmpl_var conf_tmpl_var_at(const char *s, size_t n, size_t *len);
 
 /* The keys whose change from old to neu a running gateway cannot apply (new sockets, pools, threads, or the

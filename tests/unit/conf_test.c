@@ -1065,3 +1065,88 @@ Test(conf, store_distributed_from_file_and_env)
     free(err);
     unsetenv("IDEMGATE_STORE_DISTRIBUTED");
 }
+
+/* SPEC 9: the only placeholders are {status} {name} {title} {detail}; anything else written like one ({Status},
+ * {requestId}, { name }) is a config error naming the line and key, not text sent as is. JSON braces stay text. */
+Test(conf, errors_template_placeholders)
+{
+    static const struct {
+        const char *tmpl; /* a YAML single-quoted scalar's content */
+        const char *bad;  /* the placeholder the message must name, NULL: valid */
+    } cases[] = {
+        {"{\"a\":\"{Status}\"}", "{Status}"},
+        {"{\"a\":\"{NAME}\"}", "{NAME}"},
+        {"{\"id\":\"{requestId}\"}", "{requestId}"},
+        {"{\"c\":\"{code1}\"}", "{code1}"},
+        {"{\"r\":\"{request-id}\"}", "{request-id}"},
+        {"{\"n\":\"{ name }\"}", "{ name }"},
+        {"{\"n\":\"{name }\"}", "{name }"},
+        {"{\"n\":{ status}}", "{ status}"},
+        {"{\"n\":\"{a.b}\"}", "{a.b}"},
+        {"{\"n\":{1}}", "{1}"},
+        {"{\"n\":\"{foo}\"}", "{foo}"},
+        {"{\"a\":1}", NULL},
+        {"{ \"a\": 1 }", NULL},
+        {"{}", NULL},
+        {"{ }", NULL},
+        {"[{},{\"a\":{\"b\":{status}}}]", NULL},
+        {"{\"e\":{\"s\":{status},\"n\":\"{name}\",\"t\":\"{title}\",\"d\":\"{detail}\"}}", NULL},
+        {"{{name}}", NULL},
+        {"<e s=\"{status}\">{detail}</e>", NULL},
+        {"{", NULL},
+        {"}", NULL},
+        {"{name", NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char yaml[1024];
+        snprintf(yaml, sizeof yaml, BASE ROUTE("    errors:\n      template: '%s'\n"), cases[i].tmpl);
+        char *err = NULL;
+        struct conf *c = load(yaml, &err);
+        if (cases[i].bad == NULL) {
+            cr_expect_not_null(c, "template %s refused: %s", cases[i].tmpl, err ? err : "(none)");
+            if (c != NULL)
+                cr_expect_str_eq(c->routes[0].errors.tmpl, cases[i].tmpl);
+        } else {
+            char want[256];
+            snprintf(want, sizeof want, "t.yaml:11: routes[0].errors.template: unknown placeholder '%s'", cases[i].bad);
+            cr_expect_null(c, "template %s accepted", cases[i].tmpl);
+            cr_expect(err && strstr(err, want) != NULL, "template %s: want '%s', got '%s'", cases[i].tmpl, want,
+                      err ? err : "(none)");
+        }
+        free(err);
+        conf_destroy(c);
+    }
+    /* the renderer's view agrees: a placeholder-like reference is recognised (and is none of the four) */
+    size_t len = 0;
+    cr_expect_eq(conf_tmpl_var_at("{Status}", 8, &len), CONF_TMPL_NONE);
+    cr_expect_eq(len, 8);
+    cr_expect_eq(conf_tmpl_var_at("{status}x", 9, &len), CONF_TMPL_STATUS);
+    cr_expect_eq(len, 8);
+    cr_expect_eq(conf_tmpl_var_at("{\"a\":1}", 7, &len), CONF_TMPL_NONE);
+    cr_expect_eq(len, 0);
+    cr_expect_eq(conf_tmpl_var_at("{\n  \"a\": 1}", 11, &len), CONF_TMPL_NONE);
+    cr_expect_eq(len, 0, "JSON over several lines is text");
+    cr_expect_eq(conf_tmpl_var_at("{\tname}", 7, &len), CONF_TMPL_NONE);
+    cr_expect_eq(len, 7, "a tab is a space");
+    cr_expect_eq(conf_tmpl_var_at("{}", 2, &len), CONF_TMPL_NONE);
+    cr_expect_eq(len, 0);
+}
+
+/* probe.path has one placeholder, {key}, exactly: {KEY} or { key } is refused like any other brace. */
+Test(conf, probe_path_placeholder_is_exactly_key)
+{
+    static const char *const paths[] = {"/x?k={KEY}", "/x?k={ key }", "/x?k={Key}", "/x/{id}?k={key}"};
+    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
+        char yaml[1024];
+        snprintf(yaml, sizeof yaml, BASE ROUTE("    idempotency: {on_unknown: probe, probe: {path: '%s'}}\n"),
+                 paths[i]);
+        char *err = NULL;
+        struct conf *c = load(yaml, &err);
+        cr_expect_null(c, "probe path %s accepted", paths[i]);
+        cr_expect(err && strstr(err, "t.yaml:10: routes[0].idempotency.probe.path: invalid path") != NULL &&
+                      strstr(err, "(the only placeholder is {key})") != NULL,
+                  "probe path %s: got '%s'", paths[i], err ? err : "(none)");
+        free(err);
+        conf_destroy(c);
+    }
+}
