@@ -1881,6 +1881,22 @@ static bool fn_routes(struct ctx *x, yaml_node_t *n, void *target)
 
 /* ---- top level */
 
+/* Line of the first key named key in the mapping map (the top level, "store", "jwt"), or 0. */
+static size_t find_line(struct ctx *x, yaml_node_t *map, const char *key, yaml_node_t **value)
+{
+    if (map == NULL || map->type != YAML_MAPPING_NODE)
+        return 0;
+    for (yaml_node_pair_t *p = map->data.mapping.pairs.start; p < map->data.mapping.pairs.top; p++) {
+        yaml_node_t *k = yaml_document_get_node(x->doc, p->key);
+        if (k && k->type == YAML_SCALAR_NODE && strcmp((const char *)k->data.scalar.value, key) == 0) {
+            if (value)
+                *value = yaml_document_get_node(x->doc, p->value);
+            return node_line(k);
+        }
+    }
+    return 0;
+}
+
 /* ---- jwt: keys, secret_env, issuer, audience, leeway */
 
 static bool fn_jwt_string(struct ctx *x, yaml_node_t *n, void *target, const char *what)
@@ -1945,6 +1961,10 @@ static bool fn_jwt(struct ctx *x, yaml_node_t *n, void *target)
         return false;
     if (!j->keys_file && !j->secret_env)
         return fail_line(x, line, "needs keys (a JWKS file) or secret_env (an HS256 secret), or both");
+    /* the keys load later (gateway/jwt.c): their errors name these lines */
+    j->file = x->c->file;
+    j->keys_line = find_line(x, n, "keys", NULL);
+    j->secret_env_line = find_line(x, n, "secret_env", NULL);
     j->enabled = true;
     return true;
 }
@@ -2007,23 +2027,6 @@ static void conf_defaults(struct conf *c)
     c->threads = 0;
     c->replay_cache_max_bytes = 2 * MIB;
     c->replay_cache_max_entries = 4096;
-}
-
-/* Line of the first key named key in the top-level mapping or in its nested
- * mapping parent ("store"), or 0. */
-static size_t find_line(struct ctx *x, yaml_node_t *map, const char *key, yaml_node_t **value)
-{
-    if (map == NULL || map->type != YAML_MAPPING_NODE)
-        return 0;
-    for (yaml_node_pair_t *p = map->data.mapping.pairs.start; p < map->data.mapping.pairs.top; p++) {
-        yaml_node_t *k = yaml_document_get_node(x->doc, p->key);
-        if (k && k->type == YAML_SCALAR_NODE && strcmp((const char *)k->data.scalar.value, key) == 0) {
-            if (value)
-                *value = yaml_document_get_node(x->doc, p->value);
-            return node_line(k);
-        }
-    }
-    return 0;
 }
 
 static bool apply_env(struct ctx *x, yaml_node_t *root)

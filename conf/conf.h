@@ -162,6 +162,12 @@ struct conf_jwt {
     char *issuer;       /* NULL: iss not checked */
     char *audience;     /* NULL: aud not checked */
     uint64_t leeway_ms; /* default 30s, for exp and nbf */
+    /* Where the entries were written, for the key loader's errors ("FILE:LINE: jwt.keys: ..."): the config file
+     * (conf.file, not owned; NULL when the struct was not loaded by conf) and the lines of the keys: and secret_env:
+     * entries (0: not given). */
+    const char *file;
+    size_t keys_line;
+    size_t secret_env_line;
 };
 
 struct conf {

@@ -296,6 +296,16 @@ static char *read_file(const char *path, size_t max, size_t *len, char **err)
     return buf;
 }
 
+/* The key loader's message msg as a config error, "FILE:LINE: jwt.KEY: msg" (SPEC 2: file, line and key) with the
+ * config file and line conf recorded, "jwt.KEY: msg" without them. Takes msg; returns a heap string. */
+static char *config_error(const struct conf_jwt *c, const char *key, size_t line, char *msg)
+{
+    char *e = (c->file && line) ? cm_asprintf("%s:%zu: jwt.%s: %s", c->file, line, key, msg)
+                                : cm_asprintf("jwt.%s: %s", key, msg);
+    free(msg);
+    return e;
+}
+
 struct gw_jwt *gw_jwt_create(const struct conf_jwt *c, char **err)
 {
     struct gw_jwt *j = cm_calloc(1, sizeof *j);
@@ -305,12 +315,14 @@ struct gw_jwt *gw_jwt_create(const struct conf_jwt *c, char **err)
     if (c->secret_env) {
         const char *v = getenv(c->secret_env);
         if (!v || !*v) {
-            *err = cm_asprintf("jwt.secret_env: the environment variable %s is not set or empty", c->secret_env);
+            *err = config_error(c, "secret_env", c->secret_env_line,
+                                cm_asprintf("the environment variable %s is not set or empty", c->secret_env));
             goto fail;
         }
         if (strlen(v) < HS256_MIN_BYTES) {
-            *err = cm_asprintf("jwt.secret_env: the HS256 secret in %s must have at least %d bytes", c->secret_env,
-                               HS256_MIN_BYTES);
+            *err = config_error(
+                c, "secret_env", c->secret_env_line,
+                cm_asprintf("the HS256 secret in %s must have at least %d bytes", c->secret_env, HS256_MIN_BYTES));
             goto fail;
         }
         j->secret_len = strlen(v);
@@ -319,12 +331,12 @@ struct gw_jwt *gw_jwt_create(const struct conf_jwt *c, char **err)
     if (c->keys_file) {
         size_t len;
         char *text = read_file(c->keys_file, JWKS_MAX_BYTES, &len, err);
-        if (!text)
-            goto fail;
-        bool ok = load_jwks(j, c->keys_file, text, len, err);
+        bool ok = text && load_jwks(j, c->keys_file, text, len, err);
         free(text);
-        if (!ok)
+        if (!ok) {
+            *err = config_error(c, "keys", c->keys_line, *err); /* "FILE:LINE: jwt.keys: JWKS: what is wrong" */
             goto fail;
+        }
     }
     if (!j->secret && j->keys_n == 0) {
         *err = cm_strdup("jwt: needs keys (a JWKS file) or secret_env");

@@ -26,8 +26,9 @@ enum gw_jwt_result {
 const char *gw_jwt_result_name(enum gw_jwt_result r);
 
 /* Loads the keys c names (the JWKS file, the secret's environment variable). Returns NULL and sets *err (heap,
- * caller frees) when the file cannot be read, is not a JWKS with at least one usable key, or the variable is unset
- * or empty. */
+ * caller frees) when the file cannot be read, is not a JWKS with at least one usable key, or the variable is unset,
+ * empty or too short: a config error "FILE:LINE: jwt.keys: ..." or "FILE:LINE: jwt.secret_env: ..." (c->file and
+ * the entry's line; "jwt.KEY: ..." when c has none). */
 struct gw_jwt *gw_jwt_create(const struct conf_jwt *c, char **err);
 void gw_jwt_destroy(struct gw_jwt *j); /* NULL is a no-op */
 

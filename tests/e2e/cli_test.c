@@ -261,3 +261,48 @@ Test(cli, unknown_flag_exits_1)
         free(err);
     }
 }
+
+/* JWT keys load after the YAML; their errors are still config errors: FILE:LINE: jwt.KEY (SPEC 2), the JWKS file's
+ * own name and problem after it. Lines 34.. below: default_upstream, jwt:, then the entry. */
+Test(cli, jwt_key_errors_name_file_line_and_key)
+{
+    char jwks[600];
+    snprintf(jwks, sizeof jwks, "%s", e2e_write_file("badjwks.json", "{\"keys\":[{\"kty\":\"RSA\",\"e\":\"AQAB\"}]}"));
+    char *missing = e2e_render("{{TMPDIR}}/no-such-jwks.json", NULL);
+    char keys_bad[800], keys_missing[800];
+    snprintf(keys_bad, sizeof keys_bad, "default_upstream: api\njwt:\n  issuer: x\n  keys: %s", jwks);
+    snprintf(keys_missing, sizeof keys_missing, "default_upstream: api\njwt:\n  issuer: x\n  keys: %s", missing);
+    static const char *const unset_env[] = {"IDEMGATE_CLI_TEST_JWT=", NULL};
+    static const char *const short_env[] = {"IDEMGATE_CLI_TEST_JWT=short", NULL};
+    const struct {
+        const char *tail;
+        const char *const *env;
+        const char *key;
+        const char *what;
+    } cases[] = {
+        {"default_upstream: api\njwt:\n  issuer: x\n  secret_env: IDEMGATE_CLI_TEST_JWT", unset_env, "jwt.secret_env",
+         "the environment variable IDEMGATE_CLI_TEST_JWT is not set or empty"},
+        {"default_upstream: api\njwt:\n  issuer: x\n  secret_env: IDEMGATE_CLI_TEST_JWT", short_env, "jwt.secret_env",
+         "the HS256 secret in IDEMGATE_CLI_TEST_JWT must have at least 32 bytes"},
+        {keys_missing, NULL, "jwt.keys", "cannot open"},
+        {keys_bad, NULL, "jwt.keys", "keys[0]: an RSA key needs base64url n and e"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "jwt-%zu.yaml", i);
+        char *text = config_with(34, cases[i].tail);
+        const char *path = e2e_write_file(name, text);
+        free(text);
+        char *out, *err;
+        const char *a[] = {"--check", "-c", path, NULL};
+        int code = idemgate(a, cases[i].env, &out, &err);
+        cr_expect_eq(code, 1, "[%s] --check exit %d (want 1); stderr: %s", cases[i].what, code, err);
+        char where[900];
+        snprintf(where, sizeof where, "%s:37: %s: ", path, cases[i].key);
+        cr_expect(strstr(err, where) != NULL, "[%s] stderr must name '%s'; got: %s", cases[i].what, where, err);
+        cr_expect(strstr(err, cases[i].what) != NULL, "[%s] stderr must say it; got: %s", cases[i].what, err);
+        free(out);
+        free(err);
+    }
+    free(missing);
+}

@@ -1150,3 +1150,19 @@ Test(conf, probe_path_placeholder_is_exactly_key)
         conf_destroy(c);
     }
 }
+
+/* The JWT keys load after conf (gateway/jwt.c); conf keeps the file and the lines of keys: and secret_env: so that
+ * a missing secret or a bad JWKS is reported as FILE:LINE: jwt.KEY like any other config error (SPEC 2). */
+Test(conf, jwt_entries_keep_their_file_and_line)
+{
+    struct conf *c = load_ok(BASE "jwt:\n  issuer: https://auth.example\n  secret_env: S\n  keys: /x/jwks.json\n");
+    cr_expect_str_eq(c->jwt.file, "t.yaml");
+    cr_expect_eq(c->jwt.secret_env_line, 8);
+    cr_expect_eq(c->jwt.keys_line, 9);
+    conf_destroy(c);
+    c = load_ok(BASE "jwt: {secret_env: S}\n");
+    cr_expect_str_eq(c->jwt.file, "t.yaml");
+    cr_expect_eq(c->jwt.secret_env_line, 6);
+    cr_expect_eq(c->jwt.keys_line, 0, "no keys: entry");
+    conf_destroy(c);
+}
