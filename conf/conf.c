@@ -5,10 +5,14 @@
 #include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <netdb.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
+#include <time.h>
 
 #include <yaml.h>
 
@@ -736,6 +740,119 @@ _Static_assert(sizeof(enum conf_distributed) == sizeof(int), "enum stored throug
 
 /* ---------------------------------------------------------------- field handlers */
 
+#define LISTEN_LOOKUP_MS 5000 /* a listen host name's look-up (DNS) during validation */
+
+/* getaddrinfo as the front and the admin listener call it for their bind (AI_PASSIVE); 0 or an EAI_ code. */
+static int listen_gai(const char *host, int flags)
+{
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV | flags;
+    int rc = getaddrinfo(host, "0", &hints, &res);
+    if (rc == 0 && res == NULL)
+        rc = EAI_NONAME;
+    if (res != NULL)
+        freeaddrinfo(res);
+    return rc;
+}
+
+/* One name look-up on its own thread, so that a resolver that does not answer holds the load (start, SIGHUP) for
+ * LISTEN_LOOKUP_MS at most; the last of the caller and the thread to let go frees it. */
+struct lookup {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;
+    bool done;
+    int rc;
+    char host[256];
+};
+
+static void lookup_unref(struct lookup *l)
+{
+    pthread_mutex_lock(&l->mu);
+    bool last = --l->refs == 0;
+    pthread_mutex_unlock(&l->mu);
+    if (!last)
+        return;
+    pthread_cond_destroy(&l->cv);
+    pthread_mutex_destroy(&l->mu);
+    free(l);
+}
+
+static void *lookup_main(void *arg)
+{
+    struct lookup *l = arg;
+    int rc = listen_gai(l->host, 0);
+    pthread_mutex_lock(&l->mu);
+    l->rc = rc;
+    l->done = true;
+    pthread_cond_signal(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+    lookup_unref(l);
+    return NULL;
+}
+
+/* Whether host can be a listen address (SPEC 2: an address that can never work is a config error, not a start
+ * failure): NULL when it resolves as the listeners will resolve it (nothing is bound), otherwise why not, in buf. A
+ * numeric address is parsed without a look-up, and one that does not parse (999.1.1.1, 127.0.0.1.5) never goes to
+ * DNS; a name is looked up within LISTEN_LOOKUP_MS. */
+static const char *listen_resolves(const char *host, char *buf, size_t n)
+{
+    char b[80];
+    if (listen_gai(host, AI_NUMERICHOST) == 0)
+        return NULL;
+    if (strchr(host, ':') != NULL) {
+        snprintf(buf, n, "'%s' is not an IPv6 address", shown(b, host));
+        return buf;
+    }
+    if (host[strspn(host, "0123456789.")] == '\0') {
+        snprintf(buf, n, "'%s' is not an IPv4 address", shown(b, host));
+        return buf;
+    }
+    struct lookup *l = cm_calloc(1, sizeof *l);
+    pthread_mutex_init(&l->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&l->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    snprintf(l->host, sizeof l->host, "%s", host);
+    l->refs = 2;
+    pthread_t t;
+    pthread_attr_t ta;
+    pthread_attr_init(&ta);
+    pthread_attr_setdetachstate(&ta, PTHREAD_CREATE_DETACHED);
+    bool started = pthread_create(&t, &ta, lookup_main, l) == 0;
+    pthread_attr_destroy(&ta);
+    if (!started) { /* no thread to spare: look it up here, bounded by the resolver's own timeouts */
+        l->refs = 1;
+        l->rc = listen_gai(host, 0);
+        l->done = true;
+    }
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += LISTEN_LOOKUP_MS / 1000;
+    until.tv_nsec += (long)(LISTEN_LOOKUP_MS % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&l->mu);
+    while (!l->done && pthread_cond_timedwait(&l->cv, &l->mu, &until) != ETIMEDOUT) {
+    }
+    bool done = l->done;
+    int rc = l->rc;
+    pthread_mutex_unlock(&l->mu);
+    lookup_unref(l);
+    if (!done)
+        snprintf(buf, n, "cannot resolve '%s' (no answer within %ds)", shown(b, host), LISTEN_LOOKUP_MS / 1000);
+    else if (rc != 0)
+        snprintf(buf, n, "cannot resolve '%s' (%s)", shown(b, host), gai_strerror(rc));
+    return (done && rc == 0) ? NULL : buf;
+}
+
 static bool parse_listen(struct ctx *x, yaml_node_t *n, struct conf_addr *out)
 {
     const char *s = scalar(x, n, "host:port");
@@ -752,8 +869,13 @@ static bool parse_listen(struct ctx *x, yaml_node_t *n, struct conf_addr *out)
     uint16_t port;
     if (!parse_port(port_s, port_n, true, &port))
         return fail(x, n, "invalid address '%s': port must be between 0 and 65535", shown(b, s));
+    char *h = cm_strndup(host, hostn), reason[256];
+    if (listen_resolves(h, reason, sizeof reason) != NULL) {
+        free(h);
+        return fail(x, n, "invalid address '%s': %s", shown(b, s), reason);
+    }
     free(out->host);
-    out->host = cm_strndup(host, hostn);
+    out->host = h;
     out->port = port;
     return true;
 }

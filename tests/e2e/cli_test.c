@@ -133,6 +133,12 @@ static const struct bad_case {
     const char *key;  /* must appear in the message */
 } bad_cases[] = {
     {1, "listen: 127.0.0.1:99999", "listen"},
+    /* an address that can never be bound is refused by --check, not found at start (SPEC 2) */
+    {1, "listen: 127.0.0.1.5:18080", "listen"},
+    {1, "listen: 999.1.1.1:18080", "listen"},
+    {1, "listen: nosuchhost.invalid:18080", "listen"},
+    {3, "  listen: 999.1.1.1:19090", "admin.listen"},
+    {3, "  listen: nosuchhost.invalid:19090", "admin.listen"},
     {4, "shutdown_grace: banana", "shutdown_grace"},
     {4, "bogus_key: 1", "bogus_key"},
     {7, "  pool: 0", "pool"},
@@ -260,6 +266,26 @@ Test(cli, unknown_flag_exits_1)
         free(out);
         free(err);
     }
+}
+
+/* The same listen address fails the start too, with file, line and key, before anything starts (nothing listens,
+ * no Postgres needed). */
+Test(cli, start_with_an_unresolvable_listen_address_names_file_line_and_key)
+{
+    char *text = config_with(1, "listen: 999.1.1.1:18080");
+    const char *path = e2e_write_file("badlisten.yaml", text);
+    free(text);
+    char *out, *err;
+    const char *a[] = {"-c", path, NULL};
+    int code = idemgate(a, NULL, &out, &err);
+    cr_expect_eq(code, 1, "start with listen 999.1.1.1: exit %d; stderr: %s", code, err);
+    char where[600];
+    snprintf(where, sizeof where, "%s:1: listen: invalid address '999.1.1.1:18080'", path);
+    cr_expect(strstr(err, "event=config_invalid") != NULL && strstr(err, where) != NULL,
+              "stderr must be config_invalid naming '%s'; got: %s", where, err);
+    cr_expect(strstr(err, "start_failed") == NULL, "refused as a config error, not at start: %s", err);
+    free(out);
+    free(err);
 }
 
 /* JWT keys load after the YAML; their errors are still config errors: FILE:LINE: jwt.KEY (SPEC 2), the JWKS file's

@@ -711,6 +711,18 @@ static const struct bad_case bad_cases[] = {
      "t.yaml:6: listen: invalid address '127.0.0.1:70000': port must be between 0 and 65535"},
     {"listen bare IPv6", BASE "listen: ::1:8080\n",
      "t.yaml:6: listen: invalid address '::1:8080': an IPv6 address must be written in brackets"},
+    {"listen IPv4 with five parts", BASE "listen: 127.0.0.1.5:8080\n",
+     "t.yaml:6: listen: invalid address '127.0.0.1.5:8080': '127.0.0.1.5' is not an IPv4 address"},
+    {"listen IPv4 out of range", BASE "listen: 999.1.1.1:8080\n",
+     "t.yaml:6: listen: invalid address '999.1.1.1:8080': '999.1.1.1' is not an IPv4 address"},
+    {"listen IPv6 that does not parse", BASE "listen: '[1::2::3]:8080'\n",
+     "t.yaml:6: listen: invalid address '[1::2::3]:8080': '1::2::3' is not an IPv6 address"},
+    {"listen host that does not resolve", BASE "listen: nosuchhost.invalid:8080\n",
+     "t.yaml:6: listen: invalid address 'nosuchhost.invalid:8080': cannot resolve 'nosuchhost.invalid'"},
+    {"admin listen IPv4 out of range", BASE "admin:\n  listen: 999.1.1.1:9090\n",
+     "t.yaml:7: admin.listen: invalid address '999.1.1.1:9090': '999.1.1.1' is not an IPv4 address"},
+    {"admin listen host that does not resolve", BASE "admin: {listen: 'nosuchhost.invalid:9090'}\n",
+     "t.yaml:6: admin.listen: invalid address 'nosuchhost.invalid:9090': cannot resolve 'nosuchhost.invalid'"},
     {"admin port out of range", BASE "admin:\n  listen: 127.0.0.1:99999\n",
      "t.yaml:7: admin.listen: invalid address '127.0.0.1:99999': port must be between 0 and 65535"},
     {"admin on the listen address", BASE "listen: 127.0.0.1:8000\nadmin:\n  listen: 127.0.0.1:8000\n",
@@ -1164,5 +1176,17 @@ Test(conf, jwt_entries_keep_their_file_and_line)
     cr_expect_str_eq(c->jwt.file, "t.yaml");
     cr_expect_eq(c->jwt.secret_env_line, 6);
     cr_expect_eq(c->jwt.keys_line, 0, "no keys: entry");
+    conf_destroy(c);
+}
+
+/* A listen address that resolves (numeric first, then a name) is accepted as written; nothing is bound. */
+Test(conf, listen_addresses_resolve)
+{
+    struct conf *c = load_ok(BASE "listen: localhost:0\nadmin:\n  listen: '[::]:0'\n");
+    cr_expect_str_eq(c->listen.host, "localhost");
+    cr_expect_str_eq(c->admin_listen.host, "::");
+    conf_destroy(c);
+    c = load_ok(BASE "listen: 127.1:8080\n");
+    cr_expect_str_eq(c->listen.host, "127.1", "the short IPv4 form inet_aton takes");
     conf_destroy(c);
 }
