@@ -284,8 +284,9 @@ int main(int argc, char **argv)
     /* the JWT keys are part of the configuration: a bad JWKS or a missing secret fails here */
     struct gw_conf *gc = gw_conf_load(file, &err);
     if (!gc) {
-        char q[2048];
-        cm_log(CM_ERROR, "config_invalid", "file=%s error=%s", file, cm_log_quote(q, sizeof q, err ? err : "?"));
+        char fq[1024], q[2048];
+        cm_log(CM_ERROR, "config_invalid", "file=%s error=%s", cm_log_quote(fq, sizeof fq, file),
+               cm_log_quote(q, sizeof q, err ? err : "?"));
         free(err);
         return 1;
     }
@@ -293,7 +294,9 @@ int main(int argc, char **argv)
     /* SPEC 9: an idempotent route without a scope shares one key space between all its clients. */
     gw_warn_unscoped(conf);
     if (check) {
-        cm_log(CM_INFO, "config_ok", "file=%s routes=%zu upstreams=%zu", file, conf->routes_n, conf->upstreams_n);
+        char fq[1024];
+        cm_log(CM_INFO, "config_ok", "file=%s routes=%zu upstreams=%zu", cm_log_quote(fq, sizeof fq, file),
+               conf->routes_n, conf->upstreams_n);
         gw_conf_unref(gc);
         return 0;
     }

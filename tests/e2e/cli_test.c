@@ -332,3 +332,33 @@ Test(cli, jwt_key_errors_name_file_line_and_key)
     }
     free(missing);
 }
+
+/* file= in config_ok and config_invalid is quoted like every other value: a path with a space stays one value. */
+Test(cli, check_quotes_the_file_name)
+{
+    char *text = config_with(0, NULL);
+    const char *path = e2e_write_file("with space.yaml", text);
+    free(text);
+    char want[700];
+    snprintf(want, sizeof want, "file=\"%s\"", path);
+    char *out, *err;
+    const char *a[] = {"--check", "-c", path, NULL};
+    int code = idemgate(a, NULL, &out, &err);
+    cr_expect_eq(code, 0, "exit %d; stderr: %s", code, err);
+    cr_expect(strstr(err, "event=config_ok") != NULL && strstr(err, want) != NULL, "want %s in config_ok; got: %s",
+              want, err);
+    free(out);
+    free(err);
+
+    text = config_with(4, "shutdown_grace: banana");
+    path = e2e_write_file("bad with space.yaml", text);
+    free(text);
+    snprintf(want, sizeof want, "file=\"%s\"", path);
+    const char *b[] = {"--check", "-c", path, NULL};
+    code = idemgate(b, NULL, &out, &err);
+    cr_expect_eq(code, 1, "exit %d; stderr: %s", code, err);
+    cr_expect(strstr(err, "event=config_invalid") != NULL && strstr(err, want) != NULL,
+              "want %s in config_invalid; got: %s", want, err);
+    free(out);
+    free(err);
+}
