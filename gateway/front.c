@@ -775,6 +775,8 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     if (method_case_variant(method))
         return reject(r, c, 501, "not-implemented", "Not implemented",
                       "methods are case-sensitive; this one is a case variant of a standard method", CM_OUT_ERROR);
+    if (strcmp(method, "CONNECT") == 0) /* a tunnel, which a reverse proxy does not give (nor does nginx) */
+        return reject(r, c, 501, "not-implemented", "Not implemented", "CONNECT is not supported", CM_OUT_ERROR);
 
     /* SPEC 9: on a route whose scope needs a JWT, its idempotent methods check the token first (401 before any 400) */
     bool keyed = route && route->idem.key != CONF_KEY_OFF && (route->methods & conf_method_bit(method));
