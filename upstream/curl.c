@@ -1,7 +1,8 @@
 /* curl.c - the libcurl backend: one multi handle driven by the loop's libevent base, for the origins the built-in
  * client does not take (https, host names). It classifies every failure by whether the request may have reached
  * the upstream, stops libcurl's silent re-send on a dead reused connection, and drops a parked connection that
- * became readable (libcurl 7.88 checks only for a close before reuse). */
+ * became readable (libcurl 7.88 checks only for a close before reuse). It refuses the framing h1.c refuses (libcurl
+ * takes the last of two Content-Lengths, reads "2x" as 2, passes any three-digit status, waits on a 101's tunnel). */
 #include <curl/curl.h>
 #include <event2/event.h>
 #include <pthread.h>
@@ -26,8 +27,14 @@ struct curl_xfer {
     struct curl_slist *hdr_list; /* nodes and text in hdr_mem (libcurl only reads the list) */
     char *hdr_mem;
     size_t hdr_cap;
-    void *body;            /* our copy of the request body (CURLOPT_POSTFIELDS does not copy) */
-    bool refused_resend;   /* our prereq callback refused libcurl's second send */
+    void *body;          /* our copy of the request body (CURLOPT_POSTFIELDS does not copy) */
+    bool refused_resend; /* our prereq callback refused libcurl's second send */
+    /* the response head being read, as h1.c frames it */
+    bool want_status; /* the next header line is a status line (first, or after a 1xx head) */
+    bool have_length; /* a Content-Length line was seen in this head; length holds its value */
+    bool have_te;     /* a Transfer-Encoding line was seen in this head */
+    uint64_t length;
+    const char *malformed; /* a constant: the answer's framing is one h1 refuses (UP_ERROR) */
     bool had_postfields;   /* the easy handle holds a CURLOPT_POSTFIELDS pointer from an earlier request */
     unsigned prereq_calls; /* times libcurl was about to send the request */
     char errbuf[CURL_ERROR_SIZE];
@@ -262,7 +269,51 @@ static int up_prereq_cb(void *clientp, char *primary_ip, char *local_ip, int pri
     return CURL_PREREQFUNC_OK;
 }
 
-/* One header line per call (CRLF included), status lines and the blank line ending each block included. */
+/* The answer's framing is malformed (h1.c's STEP_ERROR): the transfer stops (0 from the header callback), the
+ * connection is closed with it, and the result is UP_ERROR. */
+static size_t up_malformed(struct curl_xfer *t, const char *why)
+{
+    t->malformed = why;
+    return 0;
+}
+
+/* A status line h1.c takes: "HTTP/1.0" or "HTTP/1.1", SP, a status 100-599, then the end or SP and a reason. */
+static bool up_curl_status_ok(const char *p, size_t n)
+{
+    return n >= 12 && memcmp(p, "HTTP/1.", 7) == 0 && (p[7] == '0' || p[7] == '1') && p[8] == ' ' && p[9] >= '1' &&
+           p[9] <= '5' && p[10] >= '0' && p[10] <= '9' && p[11] >= '0' && p[11] <= '9' && (n == 12 || p[12] == ' ');
+}
+
+/* The framing headers of the head being read, as h1_framing_header takes them: every Content-Length line is 1 to 19
+ * digits and all of them the same number (libcurl would take the last one, and "2x" or "2, 2" as 2). false:
+ * malformed. p is a header line up_header_line accepted (it has a colon). */
+static bool up_curl_framing(struct curl_xfer *t, const char *p, size_t len)
+{
+    const char *colon = memchr(p, ':', len);
+    size_t nl = (size_t)(colon - p);
+    const char *v = colon + 1;
+    size_t vl = len - nl - 1;
+    while (vl > 0 && (*v == ' ' || *v == '\t')) {
+        v++;
+        vl--;
+    }
+    while (vl > 0 && (v[vl - 1] == ' ' || v[vl - 1] == '\t'))
+        vl--;
+    if (nl == 14 && strncasecmp(p, "Content-Length", 14) == 0) {
+        uint64_t x;
+        if (!cm_parse_digits(v, vl, 19, &x) || (t->have_length && t->length != x))
+            return false;
+        t->have_length = true;
+        t->length = x;
+    } else if (nl == 17 && strncasecmp(p, "Transfer-Encoding", 17) == 0) {
+        t->have_te = true;
+    }
+    return true;
+}
+
+/* One header line per call (CRLF included), status lines and the blank line ending each block included; trailers
+ * of a chunked body after the final head. The checks and their order are h1_parse's: the status line's form
+ * (malformed), then up_status_line / up_header_line (invalid), then the framing headers (malformed). */
 static size_t up_header_cb(char *p, size_t size, size_t nitems, void *userdata)
 {
     struct curl_xfer *t = userdata;
@@ -270,9 +321,31 @@ static size_t up_header_cb(char *p, size_t size, size_t nitems, void *userdata)
     size_t len = n;
     while (len > 0 && (p[len - 1] == '\n' || p[len - 1] == '\r'))
         len--;
-    if (!t->b.hdrs_final && len >= 5 && memcmp(p, "HTTP/", 5) == 0)
+    if (t->b.hdrs_final)
+        return up_header_line(&t->b, p, len) ? n : 0; /* a trailer: ignored */
+    if (t->want_status) {
+        if (!up_curl_status_ok(p, len))
+            return up_malformed(t, "malformed status line");
+        t->want_status = false;
+        t->have_length = t->have_te = false;
+        t->length = 0;
         return up_status_line(&t->b, p, len) ? n : 0;
-    return up_header_line(&t->b, p, len) ? n : 0;
+    }
+    if (len == 0) {
+        int st = t->b.resp.status;
+        if (st < 200) {
+            /* libcurl would read a 101's tunnel as a body to the close */
+            if (st == 101)
+                return up_malformed(t, "unexpected 101 Switching Protocols");
+            t->want_status = true; /* an interim answer: the final head follows */
+            return n;
+        }
+        (void)up_header_line(&t->b, p, 0);
+        return n;
+    }
+    if (!up_header_line(&t->b, p, len))
+        return 0;
+    return up_curl_framing(t, p, len) ? n : up_malformed(t, "malformed Content-Length");
 }
 
 static size_t up_write_cb(char *p, size_t size, size_t nmemb, void *userdata)
@@ -313,6 +386,8 @@ static enum up_result up_classify(const struct curl_xfer *t, CURLcode rc)
 {
     if (t->b.invalid)
         return UP_INVALID_RESPONSE;
+    if (t->malformed != NULL)
+        return UP_ERROR; /* as h1.c: malformed framing, the request was sent */
     if (rc == CURLE_OK)
         return t->b.resp.status >= 200 ? UP_OK : UP_ERROR;
     if (t->b.too_large)
@@ -521,6 +596,8 @@ static bool up_check_done(struct up_curl *c)
             err = t->errbuf[0] ? t->errbuf : curl_easy_strerror(rc);
         if (r == UP_NO_RESPONSE && t->refused_resend)
             err = "connection closed without a response; libcurl's re-send was refused";
+        if (r == UP_ERROR && t->malformed != NULL)
+            err = t->malformed;
         up_deliver(cl, &t->b, r, err);
     }
     return up_dispatch_end(cl);
@@ -576,6 +653,10 @@ static struct up_transfer *up_curl_send(void *state, const struct up_request *re
     CURL *e = t->easy;
     t->refused_resend = false;
     t->prereq_calls = 0;
+    t->want_status = true;
+    t->have_length = t->have_te = false;
+    t->length = 0;
+    t->malformed = NULL;
     t->errbuf[0] = '\0';
     up_transfer_begin(c->cl, &t->b, req, cb, arg);
 

@@ -27,6 +27,8 @@ TestSuite(upstream_edges, .init = e2e_setup, .fini = e2e_teardown, .timeout = 18
 #define RAW_MAX_CONNS 64
 #define SMUGGLED      "HTTP/1.1 200 OK\r\nX-Smuggled: 1\r\nContent-Length: 0\r\n\r\n"
 #define REAL          "HTTP/1.1 200 OK\r\nX-Real: 1\r\nContent-Length: 4\r\n\r\nreal"
+/* 38 bytes: with "ok" before it, the 40-byte body of the second Content-Length */
+#define SMUGGLED_40 "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
 
 struct raw_up {
     int lfd;
@@ -108,6 +110,22 @@ static void raw_answer(const char *line, const char **out, size_t *n, bool *heap
             return;
         } else if (strncmp(c, "replayed/", 9) == 0)
             a = "HTTP/1.1 200 OK\r\nIdempotent-Replayed: true\r\nX-Real: 1\r\nContent-Length: 4\r\n\r\nreal";
+        /* framing h1 refuses: two different lengths (the second one's body a whole answer), not digits, a list, a
+         * status outside 100-599, a 101 (the connection then stays open) */
+        else if (strncmp(c, "dupcl/", 6) == 0)
+            a = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nokk";
+        else if (strncmp(c, "dupcl40/", 8) == 0)
+            a = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 40\r\n\r\nok" SMUGGLED_40;
+        else if (strncmp(c, "badcl/", 6) == 0)
+            a = "HTTP/1.1 200 OK\r\nContent-Length: 2x\r\n\r\nok";
+        else if (strncmp(c, "cllist/", 7) == 0)
+            a = "HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok";
+        else if (strncmp(c, "s600/", 5) == 0)
+            a = "HTTP/1.1 600 OK\r\nContent-Length: 2\r\n\r\nok";
+        else if (strncmp(c, "s101/", 5) == 0)
+            a = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\nTUNNEL";
+        else if (strncmp(c, "samecl/", 7) == 0)
+            a = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok";
     }
     *out = a;
     *n = strlen(a);
@@ -400,6 +418,55 @@ Test(upstream_edges, invalid_answers_are_unknown_outcomes)
         e2e_resp_free(&r2);
     }
     e2e_gw_assert_alive(gw, "after the invalid answers");
+    raw_stop();
+}
+
+/* ---- 3b. framing h1 refuses is refused through libcurl too, with the same result */
+
+/* Each answer the built-in client refuses as malformed framing (two different Content-Lengths, the second one's
+ * 40-byte body holding a whole answer; "2x"; the list "2, 2"; status 600; an unasked-for 101 with the connection
+ * kept open), through h1 and through libcurl: a keyed POST executes once and answers 502 upstream-no-response at
+ * once (not after the 5 s timeout), its retry 409 without executing again, a passthrough GET the same 502; two
+ * identical Content-Length lines pass. Before: libcurl took the last Content-Length (200, "okk" or the 40 bytes
+ * stored), read "2x" and "2, 2" as 2, passed 600 on, and waited for the 101's tunnel to close (504). */
+Test(upstream_edges, framing_h1_refuses_is_refused_through_libcurl)
+{
+    raw_start();
+    struct e2e_gw *gw = start_edges(CONF_EDGES("1"), "h1");
+    const char *cases[] = {"dupcl", "dupcl40", "badcl", "cllist", "s600", "s101"};
+    const char *prefixes[] = {"/h1", "/curl"};
+    for (size_t p = 0; p < 2; p++) {
+        for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+            char path[128], key[64], what[160];
+            e2e_mkkey(key, sizeof key, cases[i]);
+            snprintf(path, sizeof path, "%s/case/%s/x", prefixes[p], cases[i]);
+            snprintf(what, sizeof what, "%s %s", prefixes[p], cases[i]);
+            long before = atomic_load(&g_raw.requests);
+            struct e2e_resp r;
+            e2e_http_key(gw->port, "POST", path, key, NULL, "{}", 0, &r);
+            e2e_expect_problem(&r, 502, "upstream-no-response", what);
+            cr_expect(r.seconds < 3.0, "%s: answered after %.1f s", what, r.seconds);
+            e2e_resp_free(&r);
+            e2e_http_key(gw->port, "POST", path, key, NULL, "{}", 0, &r);
+            cr_expect(r.status == 409 && (e2e_resp_is_problem(&r, "idempotency-key-in-use") ||
+                                          e2e_resp_is_problem(&r, "idempotency-outcome-unknown")),
+                      "%s: retry answered %ld, not 409 in-use/outcome-unknown", what, r.status);
+            cr_expect(!e2e_resp_is_replay(&r), "%s: a malformed answer was stored and replayed", what);
+            e2e_resp_free(&r);
+            cr_expect_eq(atomic_load(&g_raw.requests) - before, 1, "%s: executions", what);
+            e2e_get(gw->port, path, &r);
+            e2e_expect_problem(&r, 502, "upstream-no-response", what);
+            e2e_resp_free(&r);
+        }
+        char path[128];
+        snprintf(path, sizeof path, "%s/case/samecl/x", prefixes[p]);
+        struct e2e_resp r;
+        e2e_get(gw->port, path, &r);
+        cr_expect(r.status == 200 && r.body_len == 2 && memcmp(r.body, "ok", 2) == 0,
+                  "%s samecl: status %ld, %zu bytes", prefixes[p], r.status, r.body_len);
+        e2e_resp_free(&r);
+    }
+    e2e_gw_assert_alive(gw, "after the malformed framing");
     raw_stop();
 }
 
