@@ -2,7 +2,9 @@
  * client does not take (https, host names). It classifies every failure by whether the request may have reached
  * the upstream, stops libcurl's silent re-send on a dead reused connection, and drops a parked connection that
  * became readable (libcurl 7.88 checks only for a close before reuse). It refuses the framing h1.c refuses (libcurl
- * takes the last of two Content-Lengths, reads "2x" as 2, passes any three-digit status, waits on a 101's tunnel). */
+ * takes the last of two Content-Lengths, reads "2x" as 2, passes any three-digit status, waits on a 101's tunnel),
+ * and keeps a connection only after an answer framed by a non-zero Content-Length: after any other answer libcurl
+ * drops extra bytes of the same read without a word and would reuse the connection. */
 #include <curl/curl.h>
 #include <event2/event.h>
 #include <pthread.h>
@@ -29,6 +31,7 @@ struct curl_xfer {
     size_t hdr_cap;
     void *body;          /* our copy of the request body (CURLOPT_POSTFIELDS does not copy) */
     bool refused_resend; /* our prereq callback refused libcurl's second send */
+    bool head;           /* a HEAD request: its answer has no body */
     /* the response head being read, as h1.c frames it */
     bool want_status; /* the next header line is a status line (first, or after a 1xx head) */
     bool have_length; /* a Content-Length line was seen in this head; length holds its value */
@@ -311,6 +314,17 @@ static bool up_curl_framing(struct curl_xfer *t, const char *p, size_t len)
     return true;
 }
 
+/* Whether the connection may be reused after the answer whose final head just ended. libcurl 7.88 notices extra
+ * bytes read with an answer (and closes) only after a body framed by Content-Length; after a bodiless answer (HEAD,
+ * 204, 304, Content-Length: 0) or a chunked one it drops them and caches the connection (transfer.c: "Excess
+ * found ... (zero-length body)", "Leftovers after chunking" are only logged). Those connections are not kept: no
+ * API tells whether the read that ended them held more. */
+static bool up_curl_reusable(const struct curl_xfer *t)
+{
+    int st = t->b.resp.status;
+    return !t->head && st != 204 && st != 304 && !t->have_te && t->have_length && t->length > 0;
+}
+
 /* One header line per call (CRLF included), status lines and the blank line ending each block included; trailers
  * of a chunked body after the final head. The checks and their order are h1_parse's: the status line's form
  * (malformed), then up_status_line / up_header_line (invalid), then the framing headers (malformed). */
@@ -341,6 +355,9 @@ static size_t up_header_cb(char *p, size_t size, size_t nitems, void *userdata)
             return n;
         }
         (void)up_header_line(&t->b, p, 0);
+        /* read by libcurl when the transfer is done (multi_done), not before: set now, it closes this connection */
+        if (!up_curl_reusable(t))
+            curl_easy_setopt(t->easy, CURLOPT_FORBID_REUSE, 1L);
         return n;
     }
     if (!up_header_line(&t->b, p, len))
@@ -653,6 +670,7 @@ static struct up_transfer *up_curl_send(void *state, const struct up_request *re
     CURL *e = t->easy;
     t->refused_resend = false;
     t->prereq_calls = 0;
+    t->head = head;
     t->want_status = true;
     t->have_length = t->have_te = false;
     t->length = 0;
@@ -677,6 +695,7 @@ static struct up_transfer *up_curl_send(void *state, const struct up_request *re
            req->keepalive_ms > 0 ? (long)(req->keepalive_ms >= 1000 ? req->keepalive_ms / 1000 : 1)
                                  : UP_MAX_IDLE_REUSE_S);
     UP_SET(e, CURLOPT_HTTPHEADER, t->hdr_list);
+    UP_SET(e, CURLOPT_FORBID_REUSE, 0L); /* the header callback sets it for this transfer only */
     /* The method options of the previous request on this handle are all overwritten here. */
     if (!with_body && t->had_postfields) {
         UP_SET(e, CURLOPT_POSTFIELDS, NULL); /* no pointer to a freed body stays behind */

@@ -126,6 +126,21 @@ static void raw_answer(const char *line, const char **out, size_t *n, bool *heap
             a = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\nTUNNEL";
         else if (strncmp(c, "samecl/", 7) == 0)
             a = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok";
+        /* a complete answer with a whole second one right behind it, in the same segment */
+        else if (strncmp(c, "s204x/", 6) == 0)
+            a = "HTTP/1.1 204 No Content\r\n\r\n" SMUGGLED;
+        else if (strncmp(c, "s304x/", 6) == 0)
+            a = "HTTP/1.1 304 Not Modified\r\n\r\n" SMUGGLED;
+        else if (strncmp(c, "cl0x/", 5) == 0)
+            a = "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n" SMUGGLED;
+        else if (strncmp(c, "clx/", 4) == 0)
+            a = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" SMUGGLED;
+        else if (strncmp(c, "chunkx/", 7) == 0)
+            a = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n" SMUGGLED;
+        else if (strncmp(c, "headx/", 6) == 0) /* asked with HEAD: the body is extra */
+            a = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello" SMUGGLED;
+        else if (strncmp(c, "s204/", 5) == 0)
+            a = "HTTP/1.1 204 No Content\r\n\r\n";
     }
     *out = a;
     *n = strlen(a);
@@ -467,6 +482,61 @@ Test(upstream_edges, framing_h1_refuses_is_refused_through_libcurl)
         e2e_resp_free(&r);
     }
     e2e_gw_assert_alive(gw, "after the malformed framing");
+    raw_stop();
+}
+
+/* ---- 3c. a connection whose answer carried extra bytes is not reused */
+
+/* A complete answer with a whole second answer right behind it in the same segment (after a 204, a 304, a
+ * Content-Length: 0, a Content-Length body, a chunked body, and a HEAD answer's body), through h1 and libcurl: the
+ * client gets the first answer, the next request goes on a new upstream connection and gets its own answer, never
+ * the smuggled one. Control, first and last: a clean answer's connection is reused. Before: libcurl dropped the bytes
+ * after a bodiless answer and put the connection back in its cache (the next request reused it). */
+Test(upstream_edges, extra_bytes_after_an_answer_close_the_connection)
+{
+    raw_start();
+    struct e2e_gw *gw = start_edges(CONF_EDGES("1"), "h1");
+    struct {
+        const char *name, *method;
+        long status;
+        bool extra;
+    } cases[] = {
+        {"ok", "GET", 200, false},    {"s204x", "GET", 204, true}, {"s304x", "GET", 304, true},
+        {"cl0x", "GET", 200, true},   {"clx", "GET", 200, true},   {"chunkx", "GET", 200, true},
+        {"headx", "HEAD", 200, true}, {"ok", "GET", 200, false},
+    };
+    const char *prefixes[] = {"/h1", "/curl"};
+    for (size_t p = 0; p < 2; p++) {
+        for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+            char path[128], warm[128], next[128], what[160];
+            snprintf(path, sizeof path, "%s/case/%s/x", prefixes[p], cases[i].name);
+            snprintf(warm, sizeof warm, "%s/warm", prefixes[p]);
+            snprintf(next, sizeof next, "%s/next", prefixes[p]);
+            snprintf(what, sizeof what, "%s %s", prefixes[p], cases[i].name);
+            struct e2e_resp r;
+            e2e_get(gw->port, warm, &r); /* an idle connection to take */
+            cr_expect_eq(r.status, 200, "%s: warm-up %ld", what, r.status);
+            e2e_resp_free(&r);
+            int before = atomic_load(&g_raw.nconns);
+            struct e2e_req rq = {.method = cases[i].method, .path = path, .timeout_ms = 5000};
+            e2e_http(gw->port, &rq, &r);
+            cr_expect_eq(r.status, cases[i].status, "%s: status %ld", what, r.status);
+            cr_expect_null(e2e_resp_header(&r, "X-Smuggled"), "%s: the extra answer was passed on", what);
+            e2e_resp_free(&r);
+            e2e_get(gw->port, next, &r);
+            cr_expect_eq(r.status, 200, "%s: next %ld", what, r.status);
+            cr_expect_null(e2e_resp_header(&r, "X-Smuggled"), "%s: the next request got the extra answer", what);
+            cr_expect_str_eq(e2e_resp_header(&r, "X-Real") ? e2e_resp_header(&r, "X-Real") : "", "1", "%s: next", what);
+            e2e_resp_free(&r);
+            int opened = atomic_load(&g_raw.nconns) - before;
+            if (cases[i].extra)
+                cr_expect_eq(opened, 1, "%s: %d new upstream connections for two requests (1: not reused)", what,
+                             opened);
+            else
+                cr_expect_eq(opened, 0, "%s: a clean answer's connection was not reused (%d new)", what, opened);
+        }
+    }
+    e2e_gw_assert_alive(gw, "after the extra bytes");
     raw_stop();
 }
 
