@@ -703,13 +703,17 @@ char *e2e_conf_pay(const struct e2e_pay_conf *c)
                           "upstreams:\n"
                           E2E_CONF_UPSTREAM("api", "%s", "%s")
                           "routes:\n"
-                          E2E_CONF_ROUTE("pay", "/v1/pay", "api")
+                          "  - name: %s\n"
+                          "    match:\n"
+                          "      path_prefix: /v1/pay\n"
+                          "    upstream: api\n"
+                          "    idempotency:\n"
                           "%s" /* pay's idempotency block */
                           E2E_CONF_ROUTE("pass", "/v1/pass", "api")
                           "      key: off\n",
                           c->redis ? c->redis : "{{REDIS_URL}}", redis_timeout,
                           c->upstream_url ? c->upstream_url : "{{UPSTREAM_URL}}", c->timeout ? c->timeout : "5s",
-                          block);
+                          c->route ? c->route : "pay", block);
     /* clang-format on */
     free(redis_timeout);
     return out;

@@ -198,6 +198,7 @@ struct e2e_pay_conf {
     const char *timeout;       /* the upstream's timeout; NULL: "5s" */
     const char *redis;         /* a template; NULL: "{{REDIS_URL}}" */
     const char *redis_timeout; /* store.redis_timeout; NULL: not set */
+    const char *route;         /* the route's name; NULL: "pay" */
 };
 /* The template (heap; caller frees). */
 char *e2e_conf_pay(const struct e2e_pay_conf *c);

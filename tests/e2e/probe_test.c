@@ -31,7 +31,9 @@ static struct e2e_gw *gw_start_probe(const struct e2e_upstream *up, const char *
              "  headers: {X-Api-Key: $PROBE_KEY, X-Probe: static}\n",
              extra_query ? extra_query : "");
     static const char *const env[] = {"IDEMGATE_ADMIN_TOKEN=" ADMIN_TOKEN, "PROBE_KEY=" PROBE_KEY, NULL};
-    struct e2e_pay_conf c = {.idem = idem, .timeout = "1s"};
+    /* a route name of its own: the sweeper looks at every lapsed record of its probe routes, oldest first, and
+     * other tests leave records of route "pay" in the shared database */
+    struct e2e_pay_conf c = {.idem = idem, .timeout = "1s", .route = "payprobe"};
     return e2e_gw_start_pay(up, &c, env);
 }
 
@@ -59,7 +61,7 @@ static char *admin_keys(const struct e2e_gw *g, const char *key)
 {
     char path[1024], esc[800];
     pct(esc, sizeof esc, key);
-    snprintf(path, sizeof path, "/admin/keys?route=pay&key=%s", esc);
+    snprintf(path, sizeof path, "/admin/keys?route=payprobe&key=%s", esc);
     static const char *const h[] = {"Authorization: Bearer " ADMIN_TOKEN, NULL};
     struct e2e_req rq = {.method = "GET", .path = path, .headers = h, .timeout_ms = 5000};
     struct e2e_resp r;
@@ -75,7 +77,7 @@ static double metric(const struct e2e_gw *g, const char *name, const char *label
     struct e2e_resp r;
     e2e_get(g->admin_port, "/metrics", &r);
     cr_assert_eq(r.status, 200);
-    const char *labels[] = {"route=\"pay\"", label, NULL};
+    const char *labels[] = {"route=\"payprobe\"", label, NULL};
     double v = e2e_metric_value((const char *)r.body, name, labels);
     e2e_resp_free(&r);
     return v;
@@ -212,7 +214,7 @@ Test(probe, failing_lookup_stays_unknown)
     /* purged: the sweepers of later tests on route pay would keep asking for it */
     struct e2e_resp d;
     char path[256];
-    snprintf(path, sizeof path, "/admin/keys?route=pay&key=%s", key);
+    snprintf(path, sizeof path, "/admin/keys?route=payprobe&key=%s", key);
     static const char *const h[] = {"Authorization: Bearer " ADMIN_TOKEN, NULL};
     struct e2e_req rq = {.method = "DELETE", .path = path, .headers = h, .timeout_ms = 5000};
     e2e_http(gw->admin_port, &rq, &d);

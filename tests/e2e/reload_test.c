@@ -429,15 +429,16 @@ Test(reload, store_change_refused_all_or_nothing)
 
 /* ---- on_unknown and probe: read from the configuration in force, not the one the gateway started with */
 
-/* pay on /v1/pay: a 1 s lease, upstream one with a 1 s timeout; on_unknown: reject, or (probe) looked up at the
- * test upstream's /_lookup. */
+/* payreload on /v1/pay (a route name of its own: the sweeper looks at every lapsed record of its probe routes, and
+ * other tests leave records of route "pay" in the shared database): a 1 s lease, upstream one with a 1 s timeout;
+ * on_unknown: reject, or (probe) looked up at the test upstream's /_lookup. */
 /* clang-format off */
 #define CONF_UNKNOWN(on_unknown)                                                                                       \
     CONF_PORTS_STORE("4")                                                                                              \
     "upstreams:\n"                                                                                                     \
     E2E_CONF_UPSTREAM("one", "{{U1}}", "1s")                                                                           \
     "routes:\n"                                                                                                        \
-    E2E_CONF_ROUTE("pay", "/v1/pay", "one")                                                                            \
+    E2E_CONF_ROUTE("payreload", "/v1/pay", "one")                                                                      \
     "      key: required\n"                                                                                            \
     "      lease: 1s\n"                                                                                                \
     on_unknown
@@ -478,7 +479,7 @@ Test(reload, added_probe_makes_the_sweeper_resolve_an_unknown_outcome)
     cr_assert_eq(e2e_gw_log_count(r.gw, "event=reloaded"), 1, "the probe: block is reloaded");
     bool resolved = false;
     for (int i = 0; i < 200 && !resolved; i++) { /* the sweeper looks every 5 s: at most 20 s */
-        resolved = e2e_gw_log_count(r.gw, "event=unknown_resolved route=pay how=found by=sweeper") > 0;
+        resolved = e2e_gw_log_count(r.gw, "event=unknown_resolved route=payreload how=found by=sweeper") > 0;
         if (!resolved)
             e2e_sleep_ms(100);
     }
