@@ -1268,7 +1268,13 @@ static bool settle_retry_later(struct owner_op *w, enum store_pg_status st)
  * is sent now, ahead of any claim that arrives after this (a retry on an
  * on_unknown: retry route must not take over a lease that lapsed while
  * Postgres was away from an owner that holds the answer). */
-static void settle_kick(struct store *s)
+static void settle_send_now(struct owner_op *w)
+{
+    settle_timer_cb(-1, 0, w);
+}
+
+/* Runs fn on every settle operation waiting for its next try (its timer stopped first). */
+static void settle_each_waiting(struct store *s, void (*fn)(struct owner_op *))
 {
     struct op *next;
     for (struct op *o = s->ops; o; o = next) {
@@ -1278,27 +1284,26 @@ static void settle_kick(struct store *s)
         struct owner_op *w = (struct owner_op *)o;
         if (w->timer && evtimer_pending(w->timer, NULL)) {
             evtimer_del(w->timer);
-            settle_timer_cb(-1, 0, w);
+            fn(w);
         }
     }
+}
+
+static void settle_kick(struct store *s)
+{
+    settle_each_waiting(s, settle_send_now);
+}
+
+static void settle_give_up(struct owner_op *w)
+{
+    cm_log(CM_ERROR, "store_error", "op=%s attempts=%d status=given_up_at_shutdown", owner_op_name(w), w->attempts);
+    owner_finish(w, false, 0);
 }
 
 void store_settle_stop(struct store *s)
 {
     s->settle_stop = true;
-    struct op *next;
-    for (struct op *o = s->ops; o; o = next) {
-        next = o->next;
-        if (o->kind != OP_COMPLETE && o->kind != OP_RELEASE && o->kind != OP_MARK_UNKNOWN)
-            continue;
-        struct owner_op *w = (struct owner_op *)o;
-        if (w->timer && evtimer_pending(w->timer, NULL)) {
-            evtimer_del(w->timer);
-            cm_log(CM_ERROR, "store_error", "op=%s attempts=%d status=given_up_at_shutdown", owner_op_name(w),
-                   w->attempts);
-            owner_finish(w, false, 0);
-        }
-    }
+    settle_each_waiting(s, settle_give_up);
 }
 
 static void complete_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)

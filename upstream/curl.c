@@ -292,22 +292,13 @@ static bool up_curl_status_ok(const char *p, size_t n)
  * malformed. p is a header line up_header_line accepted (it has a colon). */
 static bool up_curl_framing(struct curl_xfer *t, const char *p, size_t len)
 {
-    const char *colon = memchr(p, ':', len);
-    size_t nl = (size_t)(colon - p);
-    const char *v = colon + 1;
-    size_t vl = len - nl - 1;
-    while (vl > 0 && (*v == ' ' || *v == '\t')) {
-        v++;
-        vl--;
-    }
-    while (vl > 0 && (v[vl - 1] == ' ' || v[vl - 1] == '\t'))
-        vl--;
+    size_t nl, vl;
+    const char *v;
+    if (!up_header_split(p, len, &nl, &v, &vl))
+        return true;
     if (nl == 14 && strncasecmp(p, "Content-Length", 14) == 0) {
-        uint64_t x;
-        if (!cm_parse_digits(v, vl, 19, &x) || (t->have_length && t->length != x))
+        if (!up_content_length(v, vl, &t->have_length, &t->length))
             return false;
-        t->have_length = true;
-        t->length = x;
     } else if (nl == 17 && strncasecmp(p, "Transfer-Encoding", 17) == 0) {
         t->have_te = true;
     }

@@ -664,24 +664,13 @@ static bool h1_list_has(const char *v, size_t n, const char *token)
 /* The framing headers of the head being read. false: malformed (a bad or conflicting Content-Length). */
 static bool h1_framing_header(struct h1_conn *k, const char *p, size_t len)
 {
-    const char *colon = memchr(p, ':', len);
-    if (colon == NULL)
+    size_t nl, vl;
+    const char *v;
+    if (!up_header_split(p, len, &nl, &v, &vl))
         return true;
-    size_t nl = (size_t)(colon - p);
-    const char *v = colon + 1;
-    size_t vl = len - nl - 1;
-    while (vl > 0 && (*v == ' ' || *v == '\t')) {
-        v++;
-        vl--;
-    }
-    while (vl > 0 && (v[vl - 1] == ' ' || v[vl - 1] == '\t'))
-        vl--;
     if (nl == 14 && strncasecmp(p, "Content-Length", 14) == 0) {
-        uint64_t x;
-        if (!cm_parse_digits(v, vl, 19, &x) || (k->have_length && k->left != x))
+        if (!up_content_length(v, vl, &k->have_length, &k->left))
             return false;
-        k->have_length = true;
-        k->left = x;
     } else if (nl == 17 && strncasecmp(p, "Transfer-Encoding", 17) == 0) {
         /* chunked when it is the last coding (of the last such line) */
         size_t e = vl;

@@ -112,6 +112,12 @@ enum up_hdr_kind up_hdr_kind(const char *name);
  * dropped. false: the answer is invalid (t->invalid set, see up_invalid). */
 bool up_status_line(struct up_transfer *t, const char *p, size_t len);
 bool up_header_line(struct up_transfer *t, const char *p, size_t len);
+/* Splits header line p (no CRLF) at its first colon: *name_len bytes of name, and the value without the SP and
+ * HTAB around it. false when the line has no colon. */
+bool up_header_split(const char *p, size_t len, size_t *name_len, const char **value, size_t *value_len);
+/* One Content-Length value (v, vl trimmed) of the head being read, into *have / *length: 1 to 19 digits, and the
+ * same number as any before it. false: malformed or conflicting. */
+bool up_content_length(const char *v, size_t vl, bool *have, uint64_t *length);
 /* Marks t's answer invalid (UP_INVALID_RESPONSE) for why (a constant); returns false. */
 bool up_invalid(struct up_transfer *t, const char *why);
 /* Runs the callback of a finished transfer (unlinked here) and releases it. Returns true when the client was

@@ -79,6 +79,36 @@ bool up_status_line(struct up_transfer *t, const char *p, size_t len)
     return true;
 }
 
+bool up_header_split(const char *p, size_t len, size_t *name_len, const char **value, size_t *value_len)
+{
+    const char *colon = memchr(p, ':', len);
+    if (colon == NULL)
+        return false;
+    size_t nl = (size_t)(colon - p);
+    const char *v = colon + 1;
+    size_t vl = len - nl - 1;
+    while (vl > 0 && (*v == ' ' || *v == '\t')) {
+        v++;
+        vl--;
+    }
+    while (vl > 0 && (v[vl - 1] == ' ' || v[vl - 1] == '\t'))
+        vl--;
+    *name_len = nl;
+    *value = v;
+    *value_len = vl;
+    return true;
+}
+
+bool up_content_length(const char *v, size_t vl, bool *have, uint64_t *length)
+{
+    uint64_t x;
+    if (!cm_parse_digits(v, vl, 19, &x) || (*have && *length != x))
+        return false;
+    *have = true;
+    *length = x;
+    return true;
+}
+
 bool up_header_line(struct up_transfer *t, const char *p, size_t len)
 {
     if (len == 0) {
