@@ -578,8 +578,8 @@ const char *cm_redact_url(char *out, size_t n, const char *url)
         }
     }
     /* libpq's other forms: `password = 'a b\' c'` (keyword=value, spaces around '=', a quoted value with
-     * backslash escapes), `?password=x&...` (a URL's query), sslpassword; every occurrence. The value is read
-     * from the original (out may have been cut at n). */
+     * backslash escapes), `?password=x&...` (a URL's query), sslpassword; every occurrence. out may have been cut
+     * at n: a value cut short is still replaced whole. */
     char *pw = out;
     while ((pw = strstr(pw, "password")) != NULL) {
         char *p = pw + 8;

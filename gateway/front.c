@@ -496,8 +496,17 @@ static void upstream_host(const char *url, char *out, size_t n)
     snprintf(out, n, "%.*s", (int)len, p);
 }
 
-/* The headers sent upstream: hop-by-hop removed, Host set to the upstream's,
- * X-Forwarded-For/-Proto/-Host and Via added, the key header per forward_key. */
+/* name is std (case-insensitive) with at least one '-' written '_'. */
+static bool underscore_spelling(const char *name, const char *std)
+{
+    if (!strchr(name, '_') || strlen(name) != strlen(std))
+        return false;
+    for (size_t j = 0; name[j]; j++)
+        if (tolower((unsigned char)(name[j] == '_' ? '-' : name[j])) != tolower((unsigned char)std[j]))
+            return false;
+    return true;
+}
+
 /* A client header that spells one the gateway sets with '_' for '-' (X_Forwarded_Proto): CGI, WSGI and Rack
  * servers read it as the same header (HTTP_X_FORWARDED_PROTO), so it would bypass the replacement; dropped, as
  * nginx drops every header with an underscore by default. */
@@ -505,30 +514,37 @@ static void drop_underscore_spellings(struct cm_hdrs *fh)
 {
     static const char *const owned[] = {"X-Forwarded-For", "X-Forwarded-Proto", "X-Forwarded-Host", "Forwarded", "Via"};
     for (size_t i = 0; i < fh->n;) {
-        const char *name = fh->v[i].name;
         bool drop = false;
-        if (strchr(name, '_')) {
-            for (size_t k = 0; k < sizeof owned / sizeof owned[0] && !drop; k++) {
-                size_t len = strlen(owned[k]);
-                if (strlen(name) != len)
-                    continue;
-                drop = true;
-                for (size_t j = 0; j < len && drop; j++) {
-                    char a = name[j] == '_' ? '-' : name[j];
-                    drop = tolower((unsigned char)a) == tolower((unsigned char)owned[k][j]);
-                }
-            }
-        }
+        for (size_t k = 0; k < sizeof owned / sizeof owned[0] && !drop; k++)
+            drop = underscore_spelling(fh->v[i].name, owned[k]);
         if (!drop) {
             i++;
             continue;
         }
-        char *copy = cm_strdup(name);
+        char *copy = cm_strdup(fh->v[i].name);
         cm_hdrs_remove(fh, copy); /* this spelling, every occurrence */
         free(copy);
     }
 }
 
+/* Sets name in fh to every value of name in in (in order, comma-separated) followed by ours, as one field; ours
+ * alone when the list would not fit in 16 KiB. */
+static void append_to_list_header(struct cm_hdrs *fh, const struct cm_hdrs *in, const char *name, const char *ours)
+{
+    struct cm_buf b;
+    cm_buf_init(&b, 16 * 1024);
+    bool ok = true;
+    for (size_t i = 0; i < in->n; i++)
+        if (strcasecmp(in->v[i].name, name) == 0)
+            ok = ok && cm_buf_appendf(&b, "%s, ", in->v[i].value);
+    ok = ok && cm_buf_append(&b, ours, strlen(ours));
+    cm_hdrs_remove(fh, name);
+    cm_hdrs_add(fh, name, ok ? b.data : ours);
+    cm_buf_free(&b);
+}
+
+/* The headers sent upstream: hop-by-hop removed, Host set to the upstream's,
+ * X-Forwarded-For/-Proto/-Host and Via added, the key header per forward_key. */
 static void build_forward_headers(struct req *r, struct MHD_Connection *c)
 {
     struct gw_job *job = &r->job;
@@ -556,28 +572,9 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     upstream_host(job->upstream->url, uh, sizeof uh);
     cm_hdrs_add(fh, "Host", uh);
 
-    struct cm_buf xff;
-    cm_buf_init(&xff, 16 * 1024);
-    bool ok = true;
-    for (size_t i = 0; i < r->in_hdrs.n; i++)
-        if (strcasecmp(r->in_hdrs.v[i].name, "X-Forwarded-For") == 0)
-            ok = ok && cm_buf_appendf(&xff, "%s, ", r->in_hdrs.v[i].value);
-    ok = ok && cm_buf_append(&xff, ip, strlen(ip));
-    cm_hdrs_remove(fh, "X-Forwarded-For");
-    cm_hdrs_add(fh, "X-Forwarded-For", ok ? xff.data : ip);
-    cm_buf_free(&xff);
-    cm_hdrs_add(fh, "X-Forwarded-Proto", "http"); /* the front listens on plain HTTP only */
-    /* every Via of the client, in order, then ours (RFC 9110 7.6.3), as one field */
-    struct cm_buf via;
-    cm_buf_init(&via, 16 * 1024);
-    ok = true;
-    for (size_t i = 0; i < r->in_hdrs.n; i++)
-        if (strcasecmp(r->in_hdrs.v[i].name, "Via") == 0)
-            ok = ok && cm_buf_appendf(&via, "%s, ", r->in_hdrs.v[i].value);
-    ok = ok && cm_buf_append(&via, "1.1 idemgate", strlen("1.1 idemgate"));
-    cm_hdrs_remove(fh, "Via");
-    cm_hdrs_add(fh, "Via", ok ? via.data : "1.1 idemgate");
-    cm_buf_free(&via);
+    append_to_list_header(fh, &r->in_hdrs, "X-Forwarded-For", ip);
+    cm_hdrs_add(fh, "X-Forwarded-Proto", "http");                  /* the front listens on plain HTTP only */
+    append_to_list_header(fh, &r->in_hdrs, "Via", "1.1 idemgate"); /* RFC 9110 7.6.3 */
 }
 
 /* RFC 9110 field names are tokens; values carry no control byte but HTAB.
@@ -825,16 +822,22 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     }
     cm_buf_init(&job->body, (size_t)max_body);
 
+    /* SPEC 7: two key headers are refused on any request, also one that passes through (a method outside the
+     * route's, key: off, the default upstream): which one counts would depend on who reads it. Shadow mode forwards
+     * everything. */
+    if (!(route && route->idem.mode == CONF_MODE_SHADOW)) {
+        const char *kname = route && route->idem.header ? route->idem.header : "Idempotency-Key";
+        if (header_count(&r->in_hdrs, kname) > 1)
+            return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
+                          "the request carries more than one idempotency key header", CM_OUT_KEY_INVALID);
+    }
     if (keyed && shadow) {
         const char *raw = cm_hdrs_get(&r->in_hdrs, route->idem.header);
         job->idempotent = job->shadow = header_count(&r->in_hdrs, route->idem.header) == 1 &&
                                         gw_key_parse(raw, strlen(raw), job->key, &job->key_len);
     } else if (keyed) {
         const char *raw = cm_hdrs_get(&r->in_hdrs, route->idem.header);
-        if (header_count(&r->in_hdrs, route->idem.header) > 1) {
-            return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
-                          "the request carries more than one idempotency key header", CM_OUT_KEY_INVALID);
-        } else if (!raw) {
+        if (!raw) {
             if (route->idem.key == CONF_KEY_REQUIRED)
                 return reject(r, c, 400, "idempotency-key-missing", "Idempotency key missing",
                               "this route requires an idempotency key header", CM_OUT_KEY_MISSING);
@@ -845,14 +848,6 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         } else {
             job->idempotent = true;
         }
-    } else if (!(route && route->idem.mode == CONF_MODE_SHADOW)) {
-        /* SPEC 7: two key headers are refused on any request, also one that passes through (a method outside the
-         * route's, key: off, the default upstream): the upstream would pick one of them. Shadow mode forwards
-         * everything. */
-        const char *kname = route && route->idem.header ? route->idem.header : "Idempotency-Key";
-        if (header_count(&r->in_hdrs, kname) > 1)
-            return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
-                          "the request carries more than one idempotency key header", CM_OUT_KEY_INVALID);
     }
     if (!order_headers(r, route, method)) {
         if (!shadow)

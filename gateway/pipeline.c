@@ -1001,10 +1001,9 @@ static void guard_done(void *arg, const struct store_order_res *res)
 {
     struct gw_job *job = arg;
     const struct conf_ordering *o = &job->route->ordering;
-    /* A gap counts once per request, when it is judged one against the applied sequence with nothing lower in
-     * flight (a forward on accept, a refusal or hold on reject and hold); waiting for a lower one in flight, or ending
-     * as sequence-in-use, is no gap (SPEC 6: the in-flight rule comes first). */
-    if (res->gap && (res->verdict == STORE_ORDER_OK || res->verdict == STORE_ORDER_GAP) && !job->pipe->gap_counted) {
+    /* A gap counts once per request; res->gap is set only when it is judged one with nothing lower in flight
+     * (store/order.h), never while it waits for a lower one or ends as sequence-in-use (SPEC 6). */
+    if (res->gap && !job->pipe->gap_counted) {
         job->pipe->gap_counted = true;
         cm_metric_sequence_gap(job->route_index);
     }

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/common.h"
+#include "store/pg.h"
 
 #define PING_EVERY_MS      200
 #define PING_DEADLINE_MS   500  /* a ping unanswered this long: late (LATE reported, the connection kept) */
@@ -250,18 +251,11 @@ static void timer_cb(evutil_socket_t fd, short what, void *arg)
     }
 }
 
-/* libpq's default notice processor prints to stderr; a server ending the session (FATAL on an idle connection)
- * arrives as such a notice. Logged as a key=value line like every other. */
+/* A server ending the session (FATAL on an idle connection) arrives as a notice. */
 static void notice_cb(void *arg, const char *message)
 {
     (void)arg;
-    char line[512];
-    size_t n = strlen(message);
-    while (n > 0 && (message[n - 1] == '\n' || message[n - 1] == '\r'))
-        n--;
-    char *copy = cm_strndup(message, n);
-    cm_log(CM_INFO, "postgres_notice", "conn=listen msg=%s", cm_log_quote(line, sizeof line, copy));
-    free(copy);
+    store_pg_log_notice("listen", message);
 }
 
 static void connect_start(struct store_notify *n)

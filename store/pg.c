@@ -415,16 +415,26 @@ static void conn_dead(struct pg_conn *c, const char *why_in)
     update_up(p, why);
 }
 
-static void notice_cb(void *arg, const char *message)
+void store_pg_log_notice(const char *conn, const char *message)
 {
-    struct pg_conn *c = arg;
     char line[512];
     size_t n = strlen(message);
-    while (n > 0 && (message[n - 1] == '\n' || message[n - 1] == '\r'))
+    while (n > 0 && (message[n - 1] == '\n' || message[n - 1] == '\r' || message[n - 1] == ' '))
         n--;
     char *copy = cm_strndup(message, n);
-    cm_log(CM_INFO, "postgres_notice", "conn=%u msg=%s", c->idx, cm_log_quote(line, sizeof line, copy));
+    if (conn)
+        cm_log(CM_INFO, "postgres_notice", "conn=%s msg=%s", conn, cm_log_quote(line, sizeof line, copy));
+    else
+        cm_log(CM_INFO, "postgres_notice", "msg=%s", cm_log_quote(line, sizeof line, copy));
     free(copy);
+}
+
+static void notice_cb(void *arg, const char *message)
+{
+    const struct pg_conn *c = arg;
+    char conn[16];
+    snprintf(conn, sizeof conn, "%u", c->idx);
+    store_pg_log_notice(conn, message);
 }
 
 static bool conn_flush(struct pg_conn *c)

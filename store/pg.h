@@ -59,6 +59,10 @@ enum store_pg_status {
     STORE_PG_OVERLOAD,    /* the waiting queue is full */
 };
 const char *store_pg_status_name(enum store_pg_status st);
+/* A libpq notice (a notice processor's message: a server NOTICE, or the FATAL of a server ending the session) as a
+ * key=value line, `event=postgres_notice conn=CONN msg=...` (no conn when NULL); libpq's default processor would
+ * print it raw on stderr. */
+void store_pg_log_notice(const char *conn, const char *message);
 
 /* res is valid only during the callback (the pool frees it); NULL unless
  * st == STORE_PG_OK. errmsg is a short text for logs (never NULL). */

@@ -15,7 +15,6 @@
 #include "store/notify.h"
 #include "store/order.h"
 #include "store/pg.h"
-#include "store/notify.h"
 #include "store/redis.h"
 
 /* The server aborts a statement after STATEMENT_TIMEOUT_MS, before the
@@ -2028,10 +2027,7 @@ static bool exec_script(PGconn *c, const char *sql, bool citus, char **err)
 static void migrate_notice(void *arg, const char *message)
 {
     (void)arg;
-    char q[512];
-    char *m = trimmed(message);
-    cm_log(CM_INFO, "postgres_notice", "msg=%s", cm_log_quote(q, sizeof q, m));
-    free(m);
+    store_pg_log_notice(NULL, message);
 }
 
 /* A claim acknowledged by a primary whose standby had not received it is

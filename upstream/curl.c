@@ -280,13 +280,6 @@ static size_t up_malformed(struct curl_xfer *t, const char *why)
     return 0;
 }
 
-/* A status line h1.c takes: "HTTP/1.0" or "HTTP/1.1", SP, a status 100-599, then the end or SP and a reason. */
-static bool up_curl_status_ok(const char *p, size_t n)
-{
-    return n >= 12 && memcmp(p, "HTTP/1.", 7) == 0 && (p[7] == '0' || p[7] == '1') && p[8] == ' ' && p[9] >= '1' &&
-           p[9] <= '5' && p[10] >= '0' && p[10] <= '9' && p[11] >= '0' && p[11] <= '9' && (n == 12 || p[12] == ' ');
-}
-
 /* The framing headers of the head being read, as h1_framing_header takes them: every Content-Length line is 1 to 19
  * digits and all of them the same number (libcurl would take the last one, and "2x" or "2, 2" as 2). false:
  * malformed. p is a header line up_header_line accepted (it has a colon). */
@@ -329,7 +322,7 @@ static size_t up_header_cb(char *p, size_t size, size_t nitems, void *userdata)
     if (t->b.hdrs_final)
         return up_header_line(&t->b, p, len) ? n : 0; /* a trailer: ignored */
     if (t->want_status) {
-        if (!up_curl_status_ok(p, len))
+        if (!up_status_form_ok(p, len))
             return up_malformed(t, "malformed status line");
         t->want_status = false;
         t->have_length = t->have_te = false;

@@ -785,9 +785,7 @@ static enum h1_step h1_parse(struct h1_conn *k, struct h1_xfer *t, const char **
                 return STEP_MORE;
             }
             if (k->want_status) {
-                if (n < 12 || memcmp(line, "HTTP/1.", 7) != 0 || (line[7] != '0' && line[7] != '1') || line[8] != ' ' ||
-                    line[9] < '1' || line[9] > '5' || line[10] < '0' || line[10] > '9' || line[11] < '0' ||
-                    line[11] > '9' || (n > 12 && line[12] != ' ')) {
+                if (!up_status_form_ok(line, n)) {
                     *err = "malformed status line";
                     return STEP_ERROR;
                 }

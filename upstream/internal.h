@@ -114,6 +114,9 @@ bool up_status_line(struct up_transfer *t, const char *p, size_t len);
 bool up_header_line(struct up_transfer *t, const char *p, size_t len);
 /* Splits header line p (no CRLF) at its first colon: *name_len bytes of name, and the value without the SP and
  * HTAB around it. false when the line has no colon. */
+/* A status line's form as both clients take it: "HTTP/1.0" or "HTTP/1.1", SP, a status 100-599, then the end or
+ * SP and a reason. false: malformed framing. */
+bool up_status_form_ok(const char *p, size_t n);
 bool up_header_split(const char *p, size_t len, size_t *name_len, const char **value, size_t *value_len);
 /* One Content-Length value (v, vl trimmed) of the head being read, into *have / *length: 1 to 19 digits, and the
  * same number as any before it. false: malformed or conflicting. */

@@ -79,6 +79,12 @@ bool up_status_line(struct up_transfer *t, const char *p, size_t len)
     return true;
 }
 
+bool up_status_form_ok(const char *p, size_t n)
+{
+    return n >= 12 && memcmp(p, "HTTP/1.", 7) == 0 && (p[7] == '0' || p[7] == '1') && p[8] == ' ' && p[9] >= '1' &&
+           p[9] <= '5' && p[10] >= '0' && p[10] <= '9' && p[11] >= '0' && p[11] <= '9' && (n == 12 || p[12] == ' ');
+}
+
 bool up_header_split(const char *p, size_t len, size_t *name_len, const char **value, size_t *value_len)
 {
     const char *colon = memchr(p, ':', len);
