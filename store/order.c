@@ -41,8 +41,9 @@ const char store_order_schema[] = "CREATE TABLE IF NOT EXISTS idemgate_order ("
 #define EFFKEY "(CASE WHEN " LAPSED " AND o.inflight_seq > o.applied THEN o.inflight_key ELSE o.applied_key END)"
 /* The same key as the request that set applied, with its sequence: a retry of that intent (on_unknown: retry
  * taking over an unknown outcome), never stale. */
-#define SAMEKEY  "($10::text IS NOT NULL AND $4 = " EFF " AND " EFFKEY " = $10)"
-#define GAP(app) "(" app " > 0 AND $4 > " app " + 1)"
+#define SAMEKEY "($10::text IS NOT NULL AND $4 = " EFF " AND " EFFKEY " = $10)"
+/* $4 - 1, never app + 1: app may be 2^63-1 (bigint overflow is an error); $4 is at least 1 */
+#define GAP(app) "(" app " > 0 AND $4 - 1 > " app ")"
 #define OK                                                                                                             \
     "(o.inflight_token = $5 OR (NOT " BUSY " AND ($4 > " EFF " OR " SAMEKEY ") AND NOT (" GAP(EFF) " AND $8 <> 0)))"
 #define UNTIL "to_timestamp(($7 + $6) / 1000.0)"
@@ -277,7 +278,7 @@ static void acquire_cb(void *arg, enum store_pg_status st, const PGresult *r, co
         /* Judged against applied with no other request in flight: a request that waits for (or is refused for) a
          * lower one in flight is no gap yet (SPEC 6, the in-flight rule), nor is a stale one. */
         res.gap = (res.verdict == STORE_ORDER_OK || res.verdict == STORE_ORDER_GAP) && res.applied > 0 &&
-                  p->seq > res.applied + 1;
+                  p->seq - 1 > res.applied; /* seq >= 1; applied may be INT64_MAX */
     } else {
         cm_log(CM_WARN, "order_acquire_failed", "route=%s status=%s detail=\"%s\"", p->route, store_pg_status_name(st),
                msg);

@@ -554,6 +554,32 @@ Test(ordering, bad_sequences_are_400)
     e2e_resp_free(&r);
 }
 
+/* SPEC 7: a sequence of 2^63-1 on a resource already at 2^63-1 is stale like any other (the guard's statement
+ * computed applied + 1 and Postgres refused the overflow: 503 store-unavailable), and so is a lower one after it. */
+Test(ordering, max_sequence_on_a_resource_at_max_is_stale)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start(up, NULL, "      on_gap: reject\n", NULL);
+    char p[160];
+    resource(p, sizeof p, "max");
+    struct e2e_resp r;
+    send_seq(gw->port, p, "9223372036854775807", NULL, NULL, &r);
+    cr_expect_eq(r.status, 200, "first 2^63-1: %ld %s", r.status, r.body ? (const char *)r.body : "");
+    e2e_resp_free(&r);
+    send_seq(gw->port, p, "9223372036854775807", NULL, NULL, &r);
+    expect_current(&r, "stale-sequence", 9223372036854775807L, "2^63-1 again");
+    e2e_resp_free(&r);
+    char k[96];
+    e2e_mkkey(k, sizeof k, "max-again");
+    send_seq(gw->port, p, "9223372036854775807", k, NULL, &r);
+    expect_current(&r, "stale-sequence", 9223372036854775807L, "2^63-1 again, keyed");
+    e2e_resp_free(&r);
+    send_seq(gw->port, p, "5", NULL, NULL, &r);
+    expect_current(&r, "stale-sequence", 9223372036854775807L, "a lower one after it");
+    e2e_resp_free(&r);
+    cr_expect(!e2e_gw_log_contains(gw, "order_acquire_failed"), "no statement failed");
+}
+
 Test(ordering, two_gateways_share_the_guard)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
