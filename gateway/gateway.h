@@ -65,6 +65,9 @@ struct gw_job {
 void gw_job_problem(struct gw_job *job, int status, const char *name, const char *title, const char *detail);
 void gw_job_problem_ext(struct gw_job *job, int status, const char *name, const char *title, const char *detail,
                         const char *extra);
+/* Adds Retry-After (ms rounded up to whole seconds, at least 1) to the problem answer just written; on an errors:
+ * stripe route a 503 then says Stripe-Should-Retry: true (SPEC 9). */
+void gw_job_retry_after(struct gw_job *job, uint64_t ms);
 /* Loop thread: the answer is ready; hands the job back to the front (gateway/front.c). */
 void gw_job_done(struct gw_job *job);
 

@@ -205,14 +205,6 @@ static void guard_settled(void *arg, bool ok);
 static void forward_claimed(struct gw_job *job);
 static void forward_passthrough(struct gw_job *job);
 
-static void retry_after(struct gw_job *job, uint64_t ms)
-{
-    char v[32];
-    uint64_t s = (ms + 999) / 1000;
-    snprintf(v, sizeof v, "%llu", (unsigned long long)(s ? s : 1));
-    cm_hdrs_add(&job->resp_hdrs, "Retry-After", v);
-}
-
 /* Frees *ev (NULL is a no-op) and clears it. */
 static void event_clear(struct event **ev)
 {
@@ -628,7 +620,7 @@ static void answer_unknown(struct gw_job *job)
 static void answer_store_unavailable(struct gw_job *job, const char *detail)
 {
     gw_job_problem(job, 503, "store-unavailable", "Store unavailable", detail);
-    retry_after(job, 1000);
+    gw_job_retry_after(job, 1000);
 }
 
 /* ---- on_unknown: probe: the upstream is asked whether the unknown outcome executed (gateway/probe.c) */
@@ -689,7 +681,7 @@ static void in_flight(struct gw_job *job, uint64_t lease_remaining_ms)
     cm_metric_in_flight_conflict(job->route_index);
     gw_job_problem(job, 409, "idempotency-key-in-use", "Idempotency key in use",
                    "a request with this key is still being processed; retry later");
-    retry_after(job, lease_remaining_ms < im->lease_ms ? lease_remaining_ms : im->lease_ms);
+    gw_job_retry_after(job, lease_remaining_ms < im->lease_ms ? lease_remaining_ms : im->lease_ms);
     finish(job, CM_OUT_IN_FLIGHT);
 }
 
@@ -1042,7 +1034,7 @@ static void guard_done(void *arg, const struct store_order_res *res)
             cm_metric_in_flight_conflict(job->route_index);
             gw_job_problem(job, 409, "sequence-in-use", "Sequence in use",
                            "another request for this resource is still being processed; retry later");
-            retry_after(job, res->lease_left_ms < o->hold_ms ? res->lease_left_ms : o->hold_ms);
+            gw_job_retry_after(job, res->lease_left_ms < o->hold_ms ? res->lease_left_ms : o->hold_ms);
             finish(job, CM_OUT_IN_FLIGHT);
             return;
         }

@@ -2,6 +2,7 @@
 #include "gateway/problem.h"
 
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -205,6 +206,20 @@ void gw_job_problem_ext(struct gw_job *job, int status, const char *name, const 
     free(body);
     cm_hdrs_add(&job->resp_hdrs, "Content-Type", ctype);
     job->status = status;
+    /* SPEC 9: Stripe's SDKs retry a 409 unless told not to; a 503 turns to true when it gets a Retry-After */
+    if (job->route && job->route->errors.kind == CONF_ERRORS_STRIPE)
+        cm_hdrs_add(&job->resp_hdrs, "Stripe-Should-Retry",
+                    status == 409 && name && strcmp(name, "idempotency-key-in-use") == 0 ? "true" : "false");
+}
+
+void gw_job_retry_after(struct gw_job *job, uint64_t ms)
+{
+    char v[32];
+    uint64_t s = ms / 1000 + (ms % 1000 != 0);
+    snprintf(v, sizeof v, "%llu", (unsigned long long)(s ? s : 1));
+    cm_hdrs_add(&job->resp_hdrs, "Retry-After", v);
+    if (job->status == 503 && cm_hdrs_remove(&job->resp_hdrs, "Stripe-Should-Retry") > 0)
+        cm_hdrs_add(&job->resp_hdrs, "Stripe-Should-Retry", "true");
 }
 
 void gw_job_problem(struct gw_job *job, int status, const char *name, const char *title, const char *detail)

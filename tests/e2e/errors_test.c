@@ -45,6 +45,16 @@ static void expect_stripe(const struct e2e_resp *r, long status, const char *typ
               (const char *)r->body);
 }
 
+/* SPEC 9: Stripe's SDKs retry a 409 unless told not to: with errors: stripe, Stripe-Should-Retry is true on 409
+ * idempotency-key-in-use and on a 503 with Retry-After, false on every other gateway problem; an upstream's own
+ * answer gets none. */
+static void expect_should_retry(const struct e2e_resp *r, const char *want, const char *what)
+{
+    const char *v = e2e_resp_header(r, "Stripe-Should-Retry");
+    cr_expect(v && strcmp(v, want) == 0, "%s: Stripe-Should-Retry %s, want %s (status %ld)", what, v ? v : "(none)",
+              want, r->status);
+}
+
 Test(errors, stripe_format_for_every_gateway_problem)
 {
     struct e2e_upstream *up;
@@ -55,6 +65,7 @@ Test(errors, stripe_format_for_every_gateway_problem)
 
     e2e_http_key(gw->port, "POST", "/v1/stripe/c", NULL, NULL, "{}", 0, &r);
     expect_stripe(&r, 400, "invalid_request_error", "idempotency-key-missing");
+    expect_should_retry(&r, "false", "400 idempotency-key-missing");
     e2e_resp_free(&r);
 
     e2e_http_key(gw->port, "POST", "/v1/stripe/c", "bad key with spaces", NULL, "{}", 0, &r);
@@ -73,23 +84,32 @@ Test(errors, stripe_format_for_every_gateway_problem)
     e2e_http_key(gw->port, "POST", "/v1/stripe/c", key, slow, "one", 0, &r);
     expect_stripe(&r, 409, "idempotency_error", "idempotency-key-in-use");
     cr_expect_not_null(e2e_resp_header(&r, "Retry-After"), "Retry-After stays with the stripe format");
+    expect_should_retry(&r, "true", "409 idempotency-key-in-use");
     e2e_resp_free(&r);
     struct e2e_resp first;
     e2e_http_join(a, &first);
     cr_expect_eq(first.status, 200, "the upstream's own answer passes as is");
+    cr_expect_null(e2e_resp_header(&first, "Stripe-Should-Retry"), "the upstream's answer gets none");
     e2e_resp_free(&first);
+    e2e_http_key(gw->port, "POST", "/v1/stripe/c", key, NULL, "one", 0, &r);
+    cr_expect(e2e_resp_is_replay(&r));
+    cr_expect_null(e2e_resp_header(&r, "Stripe-Should-Retry"), "a replay gets none");
+    e2e_resp_free(&r);
 
     e2e_http_key(gw->port, "POST", "/v1/stripe/c", key, NULL, "two", 0, &r);
     expect_stripe(&r, 422, "idempotency_error", "idempotency-key-mismatch");
+    expect_should_retry(&r, "false", "422 idempotency-key-mismatch");
     e2e_resp_free(&r);
 
     e2e_http_key(gw->port, "POST", "/v1/down/c", key, NULL, "x", 0, &r);
     expect_stripe(&r, 502, "api_error", "upstream-unavailable");
+    expect_should_retry(&r, "false", "502 upstream-unavailable");
     e2e_resp_free(&r);
 
     e2e_http_key(gw->port, "POST", "/v1/prob/c", NULL, NULL, "{}", 0, &r);
     cr_expect(e2e_resp_is_problem(&r, "idempotency-key-missing"), "a route without errors: keeps problem+json");
     cr_expect_str_eq(e2e_resp_header(&r, "Content-Type"), "application/problem+json");
+    cr_expect_null(e2e_resp_header(&r, "Stripe-Should-Retry"), "a problem+json route gets none");
     e2e_resp_free(&r);
 
     e2e_get(gw->port, "/nowhere", &r);
@@ -105,6 +125,7 @@ Test(errors, stripe_format_for_every_gateway_problem)
     path[pl + LONG] = '\0';
     e2e_http_key(gw->port, "POST", path, key, NULL, "x", 0, &r);
     expect_stripe(&r, 414, "invalid_request_error", "uri-too-long");
+    expect_should_retry(&r, "false", "414 uri-too-long");
     e2e_resp_free(&r);
     free(path);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "nothing but the first request executed");
@@ -123,4 +144,33 @@ Test(errors, template_format)
     const char *want = "{\"fault\":{\"kind\":\"idempotency-key-missing\",\"http\":400,\"text\":\"";
     cr_expect(strncmp((const char *)r.body, want, strlen(want)) == 0, "body %s", (const char *)r.body);
     e2e_resp_free(&r);
+}
+
+/* The same route in front of a Postgres nobody listens on: 503 store-unavailable with Retry-After. */
+Test(errors, stripe_should_retry_on_a_503_with_retry_after)
+{
+    /* clang-format off */
+    static const char *const tmpl =
+        E2E_CONF_PORTS
+        "store:\n"
+        "  postgres: \"postgresql://idemgate@127.0.0.1:{{DEAD_PORT}}/idemgate?connect_timeout=1\"\n"
+        "upstreams:\n"
+        E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "5s")
+        "routes:\n"
+        E2E_CONF_ROUTE("st", "/v1/stripe", "api")
+        "      key: required\n"
+        "    errors: stripe\n";
+    /* clang-format on */
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(tmpl, &up, &gw);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "should-retry-503");
+    struct e2e_resp r;
+    e2e_http_key(gw->port, "POST", "/v1/stripe/c", key, NULL, "{}", 0, &r);
+    expect_stripe(&r, 503, "api_error", "store-unavailable");
+    cr_expect_not_null(e2e_resp_header(&r, "Retry-After"));
+    expect_should_retry(&r, "true", "503 store-unavailable with Retry-After");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 0);
 }
