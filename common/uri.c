@@ -1,4 +1,7 @@
 /* uri.c - request-target validation and normalisation, and the strict percent-decoder (see uri.h). */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -219,4 +222,39 @@ enum cm_target_result cm_target_parse(const char *t, size_t n, size_t max, struc
     out->uri = qm ? cm_asprintf("%s?%s", path, out->query) : cm_strdup(path);
     *why = NULL;
     return CM_TARGET_OK;
+}
+
+bool cm_host_ok(const char *h, size_t n)
+{
+    size_t end = n; /* the host part ends at the port's ':' (after the ']' of an IPv6 literal) */
+    if (n > 0 && h[0] == '[') {
+        const char *rb = memchr(h, ']', n);
+        if (!rb || rb == h + 1 || (size_t)(rb - h) > INET6_ADDRSTRLEN)
+            return false;
+        char a[INET6_ADDRSTRLEN + 1];
+        size_t al = (size_t)(rb - h) - 1;
+        memcpy(a, h + 1, al);
+        a[al] = '\0';
+        struct in6_addr in6;
+        if (inet_pton(AF_INET6, a, &in6) != 1)
+            return false;
+        end = (size_t)(rb - h) + 1;
+        if (end < n && h[end] != ':')
+            return false;
+    } else {
+        const char *colon = memchr(h, ':', n);
+        end = colon ? (size_t)(colon - h) : n;
+        if (end == 0)
+            return false;
+        for (size_t i = 0; i < end; i++) {
+            unsigned char c = (unsigned char)h[i];
+            if (!((c | 0x20) >= 'a' && (c | 0x20) <= 'z') && !(c >= '0' && c <= '9') && c != '-' && c != '.' &&
+                c != '_' && c != '~')
+                return false;
+        }
+    }
+    if (end == n)
+        return true;
+    uint64_t port; /* after the ':' */
+    return cm_parse_digits(h + end + 1, n - end - 1, 5, &port) && port <= 65535;
 }

@@ -48,4 +48,9 @@ void cm_target_free(struct cm_target *t);
  * digits and for a decoded NUL (out is then unspecified). */
 bool cm_pct_decode(const char *s, size_t n, bool plus_space, char *out, size_t *out_len) CM_MUST_CHECK;
 
+/* A Host header value h[0..n) of the one form SPEC 7 accepts: a host name (letters, digits, '-', '.', '_', '~';
+ * an IPv4 address is one), or an IPv6 address in brackets, then optionally ':' and a port of 1 to 5 digits up to
+ * 65535. A list, a path, a space, user info, percent-encoding or an empty value is false. */
+bool cm_host_ok(const char *h, size_t n);
+
 #endif

@@ -496,10 +496,39 @@ static void upstream_host(const char *url, char *out, size_t n)
     snprintf(out, n, "%.*s", (int)len, p);
 }
 
-/* name is std (case-insensitive) with at least one '-' written '_'. */
-static bool underscore_spelling(const char *name, const char *std)
+/* Client headers that say where or how the request came in, or what it asks for, which frameworks behind the
+ * gateway read (Rack, Django, Symfony, Spring, IIS rewrite, method-override middleware): the gateway either sets
+ * them itself (OWNED: the client's are replaced, their '_' spellings dropped) or passes them only from a peer in
+ * trusted_proxies (PEER: from any other peer every spelling is dropped; there are no trusted peers yet). */
+enum fwd_kind { FWD_OWNED, FWD_PEER };
+static const struct {
+    const char *name;
+    enum fwd_kind kind;
+} fwd_headers[] = {
+    {"X-Forwarded-For", FWD_OWNED},
+    {"X-Forwarded-Proto", FWD_OWNED},
+    {"X-Forwarded-Host", FWD_OWNED},
+    {"Forwarded", FWD_OWNED},
+    {"Via", FWD_OWNED},
+    {"X-Forwarded-Ssl", FWD_PEER},
+    {"X-Forwarded-Scheme", FWD_PEER},
+    {"X-Forwarded-Port", FWD_PEER},
+    {"X-Forwarded-Prefix", FWD_PEER},
+    {"X-Forwarded-Server", FWD_PEER},
+    {"Front-End-Https", FWD_PEER},
+    {"X-Url-Scheme", FWD_PEER},
+    {"X-Real-IP", FWD_PEER},
+    {"X-Original-URL", FWD_PEER},
+    {"X-Rewrite-URL", FWD_PEER},
+    {"X-HTTP-Method-Override", FWD_PEER},
+    {"X-HTTP-Method", FWD_PEER},
+    {"X-Method-Override", FWD_PEER},
+};
+
+/* name is std case-insensitively, '_' counting as '-'; with underscore, only when it has at least one '_'. */
+static bool spelling_of(const char *name, const char *std, bool underscore)
 {
-    if (!strchr(name, '_') || strlen(name) != strlen(std))
+    if ((underscore && !strchr(name, '_')) || strlen(name) != strlen(std))
         return false;
     for (size_t j = 0; name[j]; j++)
         if (tolower((unsigned char)(name[j] == '_' ? '-' : name[j])) != tolower((unsigned char)std[j]))
@@ -507,16 +536,18 @@ static bool underscore_spelling(const char *name, const char *std)
     return true;
 }
 
-/* A client header that spells one the gateway sets with '_' for '-' (X_Forwarded_Proto): CGI, WSGI and Rack
- * servers read it as the same header (HTTP_X_FORWARDED_PROTO), so it would bypass the replacement; dropped, as
- * nginx drops every header with an underscore by default. */
-static void drop_underscore_spellings(struct cm_hdrs *fh)
+/* Drops the client's spellings of the table's headers that must not reach the upstream from this peer: every
+ * spelling of a PEER header (the peer is not a trusted proxy), and the '_' spellings of an OWNED one (CGI, WSGI and
+ * Rack servers read X_Forwarded_Proto as X-Forwarded-Proto, HTTP_X_FORWARDED_PROTO, so it would bypass the
+ * replacement; nginx drops every header with an underscore by default). */
+static void drop_forwarding_headers(struct cm_hdrs *fh, bool trusted_peer)
 {
-    static const char *const owned[] = {"X-Forwarded-For", "X-Forwarded-Proto", "X-Forwarded-Host", "Forwarded", "Via"};
     for (size_t i = 0; i < fh->n;) {
         bool drop = false;
-        for (size_t k = 0; k < sizeof owned / sizeof owned[0] && !drop; k++)
-            drop = underscore_spelling(fh->v[i].name, owned[k]);
+        for (size_t k = 0; k < sizeof fwd_headers / sizeof fwd_headers[0] && !drop; k++) {
+            bool owned = fwd_headers[k].kind == FWD_OWNED;
+            drop = (owned || !trusted_peer) && spelling_of(fh->v[i].name, fwd_headers[k].name, owned);
+        }
         if (!drop) {
             i++;
             continue;
@@ -560,7 +591,7 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
         cm_hdrs_remove(fh, job->route->idem.header);
 
     /* the client's X-Forwarded-Proto/-Host and Forwarded are never passed on: the upstream trusts these */
-    drop_underscore_spellings(fh);
+    drop_forwarding_headers(fh, false); /* no peer is a trusted proxy (SPEC 11 trusted_proxies: not yet) */
     cm_hdrs_remove(fh, "X-Forwarded-Host");
     cm_hdrs_remove(fh, "X-Forwarded-Proto");
     cm_hdrs_remove(fh, "Forwarded");
@@ -794,6 +825,12 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     size_t hosts = header_count(&r->in_hdrs, "Host"); /* RFC 9112 3.2 */
     if (hosts > 1 || (hosts == 0 && version && strcmp(version, "HTTP/1.1") == 0))
         return reject(r, c, 400, "bad-request", "Bad request", "an HTTP/1.1 request needs exactly one Host header",
+                      CM_OUT_ERROR);
+    /* SPEC 7: it is forwarded as X-Forwarded-Host, which the upstream trusts: one host, nothing else */
+    const char *host = cm_hdrs_get(&r->in_hdrs, "Host");
+    if (host && !cm_host_ok(host, strlen(host)))
+        return reject(r, c, 400, "bad-request", "Bad request",
+                      "Host must be one host name, IPv4 address or bracketed IPv6 address, with an optional :port",
                       CM_OUT_ERROR);
     if (!headers_well_formed(&r->in_hdrs, keyed ? route->idem.header : NULL) || framing_ambiguous(&r->in_hdrs))
         return reject(r, c, 400, "bad-request", "Bad request", "malformed header field or ambiguous message framing",

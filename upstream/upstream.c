@@ -364,7 +364,9 @@ struct up_transfer *up_send(struct up_client *c, const struct up_request *req, u
         req->origin->host == NULL || req->origin->port == 0 || !up_target_ok(req->target) ||
         (req->body == NULL && req->body_len > 0) || c->destroy_deferred)
         return NULL;
-    bool head = strcmp(req->method, "HEAD") == 0 && req->body_len == 0;
+    /* SPEC 7: a HEAD's answer has no body, whatever the request carried; the request's own body is not sent (a
+     * server that does not read a HEAD's body, as libevent's evhttp does not, would take it for the next request) */
+    bool head = strcmp(req->method, "HEAD") == 0;
     bool with_body = !head && up_has_body(req);
     for (size_t i = 0; i < UP_BE_N; i++) {
         bool taken = false;

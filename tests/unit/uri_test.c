@@ -196,3 +196,44 @@ Test(uri, pct_decode_refuses_a_raw_nul)
     size_t n;
     cr_expect_not(cm_pct_decode("a\0b", 3, false, out, &n));
 }
+
+/* SPEC 7: the Host forms accepted */
+Test(uri, host_table)
+{
+    static const struct {
+        const char *h;
+        bool ok;
+    } cases[] = {
+        {"good.example", true},
+        {"good.example:8080", true},
+        {"127.0.0.1", true},
+        {"127.0.0.1:80", true},
+        {"[::1]", true},
+        {"[::1]:8080", true},
+        {"a_b~c-d.E", true},
+        {"x:65535", true},
+        {"", false},
+        {":80", false},
+        {"x:", false},
+        {"x:65536", false},
+        {"x:123456", false},
+        {"x:8a", false},
+        {"a b", false},
+        {"a,b", false},
+        {"a, b", false},
+        {"a/b", false},
+        {"a@b", false},
+        {"a%41", false},
+        {"[::1", false},
+        {"[]", false},
+        {"[zz::1]", false},
+        {"[::1]x", false},
+        {"::1", false},
+        {"a\tb", false},
+        {"a\x80", false},
+        {"[::1]:", false},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        cr_expect_eq(cm_host_ok(cases[i].h, strlen(cases[i].h)), cases[i].ok, "'%s' must be %s", cases[i].h,
+                     cases[i].ok ? "accepted" : "refused");
+}
