@@ -477,7 +477,14 @@ static const char *split_hostport(const char *s, size_t n, const char **host, si
 enum ftype { F_BOOL, F_U32, F_DUR, F_SIZE, F_ENUM, F_FUNC };
 
 typedef bool (*field_fn)(struct ctx *x, yaml_node_t *n, void *target);
+struct field;
+/* The value of f in base (the struct its table describes) as a default is written in the reference ("[200]",
+ * "127.0.0.1:8080"); false: the key has no value (unset). */
+typedef bool (*show_fn)(const void *base, const struct field *f, char *buf, size_t n);
 
+/* One key of a mapping. The same entry parses the key and documents it (idemgate --print-reference writes
+ * docs/configuration.md from these tables; conf_test checks every entry has a doc and that def is what conf_load
+ * gives when the key is absent). A key you add needs .doc, and .def when it has a default. */
 struct field {
     const char *key;
     enum ftype type;
@@ -486,6 +493,19 @@ struct field {
     const char *const *names; /* F_ENUM: NULL-terminated, index = value */
     field_fn fn;              /* F_FUNC */
     bool required;
+    /* the reference */
+    const char *doc;         /* what the key does, for a user (Markdown) */
+    const char *def;         /* the default as written in YAML; NULL: none (the key is unset) */
+    const char *what;        /* F_FUNC: the value's type in words ("string", "list of statuses") */
+    const char *allowed;     /* F_FUNC: its allowed values in words, or NULL */
+    show_fn show;            /* F_FUNC with a default: its value as def writes it */
+    size_t arr_off, n_off;   /* show_parts, show_statuses: the list's pointer and count (LIST_AT) */
+    bool restart;            /* a change needs a restart (conf_restart_keys), not a reload */
+    bool needed;             /* documented as required, though another source may give it (the environment) */
+    const struct field *sub; /* a mapping's own keys (or a list's element's) */
+    size_t nsub;
+    size_t sub_off; /* base + sub_off is the struct sub describes (a list: the pointer to its array) */
+    bool sub_list;  /* sub describes each element of a list */
 };
 
 static const char *fmt_size(char out[32], uint64_t v)
@@ -714,29 +734,155 @@ static bool parse_map(struct ctx *x, yaml_node_t *n, const struct field *fields,
     return true;
 }
 
-#define FIELD(k, t, s, m, lo, hi)                                                                                      \
+/* The trailing arguments are designated initialisers of the reference: .doc = "...", .def = "30s", ... */
+#define FIELD(k, t, s, m, lo, hi, ...)                                                                                 \
     {                                                                                                                  \
-        .key = k, .type = t, .off = offsetof(s, m), .min = lo, .max = hi                                               \
+        .key = k, .type = t, .off = offsetof(s, m), .min = lo, .max = hi, __VA_ARGS__                                  \
     }
-#define FIELD_ENUM(k, s, m, n)                                                                                         \
+#define FIELD_ENUM(k, s, m, n, ...)                                                                                    \
     {                                                                                                                  \
-        .key = k, .type = F_ENUM, .off = offsetof(s, m), .names = n                                                    \
+        .key = k, .type = F_ENUM, .off = offsetof(s, m), .names = n, __VA_ARGS__                                       \
     }
-#define FIELD_FN(k, s, m, f, req)                                                                                      \
+#define FIELD_FN(k, s, m, f, req, ...)                                                                                 \
     {                                                                                                                  \
-        .key = k, .type = F_FUNC, .off = offsetof(s, m), .fn = f, .required = req                                      \
+        .key = k, .type = F_FUNC, .off = offsetof(s, m), .fn = f, .required = req, __VA_ARGS__                         \
     }
-#define FIELD_BASE(k, f, req)                                                                                          \
+#define FIELD_BASE(k, f, req, ...)                                                                                     \
     {                                                                                                                  \
-        .key = k, .type = F_FUNC, .off = 0, .fn = f, .required = req                                                   \
+        .key = k, .type = F_FUNC, .off = 0, .fn = f, .required = req, __VA_ARGS__                                      \
     }
 #define NFIELDS(a) (sizeof(a) / sizeof((a)[0]))
+/* A mapping's keys: table t describes the struct at base + o; SUB_LIST: the array whose pointer is at base + o. */
+#define SUB(t, o)      .sub = t, .nsub = NFIELDS(t), .sub_off = o
+#define SUB_LIST(t, o) SUB(t, o), .sub_list = true
+/* Where show_parts and show_statuses find a list of struct s: its pointer a and its count n. */
+#define LIST_AT(s, a, n) .arr_off = offsetof(s, a), .n_off = offsetof(s, n)
+/* Where show_str finds the string of a FIELD_BASE key: member m of struct s. */
+#define STR_AT(s, m) .arr_off = offsetof(s, m)
 
 _Static_assert(sizeof(enum conf_key_mode) == sizeof(int), "enum stored through int");
 _Static_assert(sizeof(enum conf_in_flight) == sizeof(int), "enum stored through int");
 _Static_assert(sizeof(enum conf_on_unknown) == sizeof(int), "enum stored through int");
 _Static_assert(sizeof(enum conf_idem_mode) == sizeof(int), "enum stored through int");
 _Static_assert(sizeof(enum conf_distributed) == sizeof(int), "enum stored through int");
+
+/* ---------------------------------------------------------------- values as the reference writes them */
+
+static const void *at(const void *base, const struct field *f)
+{
+    return (const char *)base + f->off;
+}
+
+/* The string at the field's offset, or at STR_AT's (a key parsed through its whole struct, FIELD_BASE). */
+static bool show_str(const void *base, const struct field *f, char *buf, size_t n)
+{
+    const char *s = *(char *const *)((const char *)base + (f->arr_off ? f->arr_off : f->off));
+    if (s == NULL)
+        return false;
+    snprintf(buf, n, "%s", s);
+    return true;
+}
+
+static bool show_addr(const void *base, const struct field *f, char *buf, size_t n)
+{
+    const struct conf_addr *a = at(base, f);
+    conf_addr_fmt(buf, n, a->host, a->port);
+    return true;
+}
+
+static bool show_admin_listen(const void *base, const struct field *f, char *buf, size_t n)
+{
+    (void)f;
+    const struct conf *c = base;
+    if (!c->admin_enabled)
+        snprintf(buf, n, "off");
+    else
+        conf_addr_fmt(buf, n, c->admin_listen.host, c->admin_listen.port);
+    return true;
+}
+
+/* "[a, b]" from n items written by item(i) into a bounded buffer. */
+static void show_list(char *buf, size_t n, size_t items, const void *arr,
+                      void (*item)(const void *arr, size_t i, char *out, size_t on))
+{
+    size_t l = 0;
+    buf[0] = '\0';
+    for (size_t i = 0; i <= items && l + 1 < n; i++) {
+        char one[160] = "]";
+        if (i < items)
+            item(arr, i, one, sizeof one);
+        int w = snprintf(buf + l, n - l, "%s%s", i == 0 ? "[" : (i < items ? ", " : ""), one);
+        if (w < 0)
+            break;
+        l += (size_t)w;
+    }
+}
+
+static const char *const method_names[] = {"GET",    "HEAD",    "POST",  "PUT",     "PATCH",
+                                           "DELETE", "OPTIONS", "TRACE", "CONNECT", NULL};
+
+static void method_item(const void *arr, size_t i, char *out, size_t on)
+{
+    const unsigned char *idx = arr;
+    snprintf(out, on, "%s", method_names[idx[i]]);
+}
+
+static bool show_methods(const void *base, const struct field *f, char *buf, size_t n)
+{
+    unsigned bits = *(const unsigned *)at(base, f);
+    unsigned char idx[16];
+    size_t k = 0;
+    for (unsigned char i = 0; method_names[i] != NULL && k < sizeof idx; i++)
+        if (bits & (1u << i))
+            idx[k++] = i;
+    show_list(buf, n, k, idx, method_item);
+    return true;
+}
+
+static void part_item(const void *arr, size_t i, char *out, size_t on)
+{
+    static const char *const kinds[] = {"method", "path", "query", "body", "header:", "jwt:"};
+    const struct conf_part *p = &((const struct conf_part *)arr)[i];
+    snprintf(out, on, "%s%s", kinds[p->kind], p->header ? p->header : "");
+}
+
+/* A (pointer, count) list at base + f->arr_off and base + f->n_off. */
+static const void *list_at(const void *base, const struct field *f, size_t *n)
+{
+    *n = *(const size_t *)((const char *)base + f->n_off);
+    return *(const void *const *)((const char *)base + f->arr_off);
+}
+
+static bool show_parts(const void *base, const struct field *f, char *buf, size_t n)
+{
+    size_t items;
+    const void *arr = list_at(base, f, &items);
+    show_list(buf, n, items, arr, part_item);
+    return true;
+}
+
+static void status_item(const void *arr, size_t i, char *out, size_t on)
+{
+    snprintf(out, on, "%d", ((const int *)arr)[i]);
+}
+
+static bool show_statuses(const void *base, const struct field *f, char *buf, size_t n)
+{
+    size_t items;
+    const void *arr = list_at(base, f, &items);
+    show_list(buf, n, items, arr, status_item);
+    return true;
+}
+
+static bool show_errors(const void *base, const struct field *f, char *buf, size_t n)
+{
+    const struct conf_errors *e = at(base, f);
+    snprintf(buf, n, "%s",
+             e->kind == CONF_ERRORS_PROBLEM  ? "problem"
+             : e->kind == CONF_ERRORS_STRIPE ? "stripe"
+                                             : "{template: ...}");
+    return true;
+}
 
 /* ---------------------------------------------------------------- field handlers */
 
@@ -897,7 +1043,12 @@ static bool fn_admin_listen(struct ctx *x, yaml_node_t *n, void *target)
 }
 
 static const struct field admin_fields[] = {
-    FIELD_BASE("listen", fn_admin_listen, false),
+    FIELD_BASE("listen", fn_admin_listen, false, .what = "host:port or off", .def = "127.0.0.1:9090",
+               .show = show_admin_listen, .restart = true,
+               .allowed = "`host:port`, `[v6]:port` (port 0: a free port), or `off`",
+               .doc = "Where the admin listener (health, readiness, metrics, the status page, the key API) listens. "
+                      "`off` disables it. It must differ from `listen`. Keep it on a private address: only the key "
+                      "API asks for a token."),
 };
 
 static bool fn_admin(struct ctx *x, yaml_node_t *n, void *target)
@@ -1042,11 +1193,27 @@ static bool fn_redis(struct ctx *x, yaml_node_t *n, void *target)
 static const char *const distributed_modes[] = {"none", "citus", NULL};
 
 static const struct field store_fields[] = {
-    FIELD_FN("postgres", struct conf, postgres_url, fn_postgres, false),
-    FIELD("pool", F_U32, struct conf, pool, 1, 256),
-    FIELD_BASE("redis", fn_redis, false),
-    FIELD("redis_timeout", F_DUR, struct conf, redis_timeout_ms, 1, DURATION_MAX),
-    FIELD_ENUM("distributed", struct conf, distributed, distributed_modes),
+    FIELD_FN("postgres", struct conf, postgres_url, fn_postgres, false, .what = "string", .restart = true,
+             .needed = true, .allowed = "`postgres://...`, `postgresql://...` or a libpq `key=value` string",
+             .doc = "The Postgres database that is the authority for every key. Required, here or in "
+                    "`IDEMGATE_POSTGRES_URL` (which replaces it). The gateway creates or migrates its table "
+                    "(`idemgate_keys`) at start. Passwords are never logged."),
+    FIELD("pool", F_U32, struct conf, pool, 1, 256, .def = "8", .restart = true,
+          .doc = "Postgres connections of this process at most, shared by the I/O loops. One of them listens for "
+                 "purges for the replay cache (with `pool: 1` the replay cache is off)."),
+    FIELD_BASE("redis", fn_redis, false, .what = "string", .show = show_str, STR_AT(struct conf, redis_url),
+               .restart = true,
+               .allowed = "`redis://[:password@]host:port[/db]`, an absolute unix socket path, or "
+                          "`unix:///path[?db=N]`; empty: no Redis",
+               .doc = "The optional fast filter (needs Redis 7.0 or later). Without it every claim asks Postgres "
+                      "only. Redis may be flushed, stopped or paused at any time: that costs latency, never a "
+                      "second execution. `IDEMGATE_REDIS_URL` replaces it (an empty value: no Redis)."),
+    FIELD("redis_timeout", F_DUR, struct conf, redis_timeout_ms, 1, DURATION_MAX, .def = "50ms", .restart = true,
+          .doc = "How long one Redis command may take before the gateway goes on with Postgres alone."),
+    FIELD_ENUM("distributed", struct conf, distributed, distributed_modes, .def = "none", .restart = true,
+               .doc = "`none`: plain Postgres. `citus`: the database is a Citus coordinator and the gateway "
+                      "distributes its table itself at start (see operations.md, Citus). "
+                      "`IDEMGATE_STORE_DISTRIBUTED` replaces it."),
 };
 
 static bool fn_store(struct ctx *x, yaml_node_t *n, void *target)
@@ -1143,12 +1310,28 @@ static bool fn_upstream_url(struct ctx *x, yaml_node_t *n, void *target)
 }
 
 static const struct field upstream_fields[] = {
-    FIELD_FN("name", struct conf_upstream, name, fn_upstream_name, true),
-    FIELD_BASE("url", fn_upstream_url, true),
-    FIELD("connect_timeout", F_DUR, struct conf_upstream, connect_timeout_ms, 1, DURATION_MAX),
-    FIELD("timeout", F_DUR, struct conf_upstream, timeout_ms, 1, DURATION_MAX),
-    FIELD("max_connections", F_U32, struct conf_upstream, max_connections, 1, 100000),
-    FIELD("keepalive_timeout", F_DUR, struct conf_upstream, keepalive_timeout_ms, 1, 3600 * SEC),
+    FIELD_FN("name", struct conf_upstream, name, fn_upstream_name, true, .what = "string",
+             .allowed = "1 to 128 of `A-Z a-z 0-9 _ . -`, unique",
+             .doc = "The name routes and `default_upstream` use."),
+    FIELD_BASE("url", fn_upstream_url, true, .what = "URL",
+               .allowed = "`http://` or `https://`, a host, an optional port and base path; no user info, query "
+                          "or fragment",
+               .doc = "Where requests go. Parsed once at load: a request only appends its path and query to the "
+                      "base path, so no request can name another host. `http://` to an IP address uses the "
+                      "built-in HTTP/1.1 client; `https://` and host names use libcurl."),
+    FIELD("connect_timeout", F_DUR, struct conf_upstream, connect_timeout_ms, 1, DURATION_MAX, .def = "2s",
+          .doc = "How long a new connection to the upstream may take. A request that could not connect was not "
+                 "sent: 502 `upstream-unavailable`, its key released."),
+    FIELD("timeout", F_DUR, struct conf_upstream, timeout_ms, 1, DURATION_MAX, .def = "30s",
+          .doc = "How long a whole request may take, waiting for a connection included. A timeout after the "
+                 "request was sent is an unknown outcome: 504 `upstream-timeout`, the key's record kept."),
+    FIELD("max_connections", F_U32, struct conf_upstream, max_connections, 1, 100000, .def = "1024",
+          .doc = "Connections to this upstream at most, over the whole process (each I/O loop holds its share, "
+                 "rounded up). Beyond it requests wait in a first-in first-out queue within their `timeout`."),
+    FIELD("keepalive_timeout", F_DUR, struct conf_upstream, keepalive_timeout_ms, 1, 3600 * SEC, .def = "60s",
+          .doc = "An idle upstream connection is reused for at most this long (and, with the built-in client, "
+                 "for less than the upstream announces in `Keep-Alive: timeout=N`). Keep it below the "
+                 "upstream's own idle timeout when that one is short and not announced."),
 };
 
 static bool fn_upstreams(struct ctx *x, yaml_node_t *n, void *target)
@@ -1341,9 +1524,19 @@ static bool fn_methods(struct ctx *x, yaml_node_t *n, void *target)
 }
 
 static const struct field match_fields[] = {
-    FIELD_FN("path", struct conf_route, path, fn_path, false),
-    FIELD_FN("path_prefix", struct conf_route, path_prefix, fn_path_prefix, false),
-    FIELD_FN("methods", struct conf_route, methods, fn_methods, false),
+    FIELD_FN("path", struct conf_route, path, fn_path, false, .what = "path",
+             .allowed = "starts with `/`; no space, control byte, `?` or `#`",
+             .doc = "The route matches this path exactly (after the gateway normalised it). Give `path` or "
+                    "`path_prefix`, not both."),
+    FIELD_FN("path_prefix", struct conf_route, path_prefix, fn_path_prefix, false, .what = "path",
+             .allowed = "as `path`; a trailing `/` is ignored",
+             .doc = "The route matches this path and every path below it, by whole segments: `/v1/payments` "
+                    "matches `/v1/payments` and `/v1/payments/42`, not `/v1/paymentsx`."),
+    FIELD_FN("methods", struct conf_route, methods, fn_methods, false, .what = "list of methods",
+             .def = "[POST, PATCH]", .show = show_methods,
+             .allowed = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS, TRACE, CONNECT (upper case)",
+             .doc = "The methods idempotency applies to on this route. Other methods on its paths are proxied "
+                    "without a key check."),
 };
 
 static bool fn_match(struct ctx *x, yaml_node_t *n, void *target)
@@ -1632,11 +1825,28 @@ fail:
 }
 
 static const struct field probe_fields[] = {
-    FIELD_FN("method", struct conf_probe, method, fn_probe_method, false),
-    FIELD_FN("path", struct conf_probe, path, fn_probe_path, true),
-    FIELD_BASE("found", fn_probe_found, false),
-    FIELD_BASE("absent", fn_probe_absent, false),
-    FIELD_BASE("headers", fn_probe_headers, false),
+    FIELD_FN("method", struct conf_probe, method, fn_probe_method, false, .what = "method", .def = "GET",
+             .show = show_str, .allowed = "an HTTP token of at most 32 bytes",
+             .doc = "The method of the look-up request."),
+    FIELD_FN("path", struct conf_probe, path, fn_probe_path, true, .what = "path",
+             .allowed = "starts with `/`, visible ASCII without `#`; `{key}` at most once, no other placeholder",
+             .doc = "The look-up's path and query, after the upstream URL's base path. `{key}` is replaced by the "
+                    "key, everything but RFC 3986 unreserved characters percent-encoded. The API must find a "
+                    "request by its key alone (the gateway cannot tell it the tenant)."),
+    FIELD_BASE("found", fn_probe_found, false, .what = "list of statuses", .def = "[200]", .show = show_statuses,
+               LIST_AT(struct conf_probe, found, found_n),
+               .allowed = "distinct statuses 100 to 599, none also in `absent`",
+               .doc = "Answers that mean the request executed: this answer (status, headers, body) becomes the "
+                      "key's stored answer and is replayed."),
+    FIELD_BASE("absent", fn_probe_absent, false, .what = "list of statuses", .def = "[404]", .show = show_statuses,
+               LIST_AT(struct conf_probe, absent, absent_n), .allowed = "distinct statuses 100 to 599",
+               .doc = "Answers that mean nothing executed: the record is deleted and the retry that asked is "
+                      "forwarded. Any other answer leaves the outcome unknown (409 "
+                      "`idempotency-outcome-unknown`) until the next retry or sweep asks again."),
+    FIELD_BASE("headers", fn_probe_headers, false, .what = "mapping of header: value",
+               .allowed = "names are tokens; a value `$NAME` is read from the environment at load (unset: an error)",
+               .doc = "The only headers the look-up carries (besides `Host`): never the client's headers, its "
+                      "`Authorization` or its key header."),
 };
 
 static bool fn_probe(struct ctx *x, yaml_node_t *n, void *target)
@@ -1686,21 +1896,63 @@ static const char *const in_flight_modes[] = {"conflict", "wait", NULL};
 static const char *const unknown_modes[] = {"reject", "retry", "probe", NULL};
 
 static const struct field idem_fields[] = {
-    FIELD_ENUM("key", struct conf_idem, key, key_modes),
-    FIELD_FN("header", struct conf_idem, header, fn_key_header, false),
-    FIELD_BASE("scope", fn_scope, false),
-    FIELD_BASE("fingerprint", fn_fingerprint, false),
-    FIELD("retention", F_DUR, struct conf_idem, retention_ms, 1, DURATION_MAX),
-    FIELD("lease", F_DUR, struct conf_idem, lease_ms, 1, DURATION_MAX),
-    FIELD_ENUM("on_in_flight", struct conf_idem, on_in_flight, in_flight_modes),
-    FIELD("wait", F_DUR, struct conf_idem, wait_ms, 1, DURATION_MAX),
-    FIELD_ENUM("on_unknown", struct conf_idem, on_unknown, unknown_modes),
-    FIELD_BASE("release_statuses", fn_release_statuses, false),
-    FIELD("max_body", F_SIZE, struct conf_idem, max_body, 1, SIZE_MAX_BODY),
-    FIELD("forward_key", F_BOOL, struct conf_idem, forward_key, 0, 0),
-    FIELD("max_response", F_SIZE, struct conf_idem, max_response, 1, SIZE_MAX_BODY),
-    FIELD_FN("probe", struct conf_idem, probe, fn_probe, false),
-    FIELD_ENUM("mode", struct conf_idem, mode, idem_modes),
+    FIELD_ENUM("key", struct conf_idem, key, key_modes, .def = "optional",
+               .doc = "`required`: a request without a key is 400 `idempotency-key-missing`. `optional`: a request "
+                      "without a key is proxied plainly, one with a key is deduplicated. `off`: no idempotency on "
+                      "this route."),
+    FIELD_FN("header", struct conf_idem, header, fn_key_header, false, .what = "header name", .def = "Idempotency-Key",
+             .show = show_str, .allowed = "an HTTP token",
+             .doc = "The request header that carries the key. A key is 1 to 255 bytes of visible ASCII (or an "
+                    "RFC 8941 quoted string of them); two such headers are 400 `idempotency-key-invalid`."),
+    FIELD_BASE("scope", fn_scope, false, .what = "list of request parts", .def = "[]", .show = show_parts,
+               LIST_AT(struct conf_idem, scope, scope_n),
+               .allowed = "`method`, `path`, `query`, `body`, `header:NAME`, `jwt:CLAIM`",
+               .doc = "The parts whose hash separates key spaces, so one tenant is never replayed another "
+                      "tenant's answer (e.g. `[header:Authorization]`, or `[jwt:sub]` with a top-level `jwt:` "
+                      "block, which survives a token refresh). Only the hash is stored. `--check` warns about an "
+                      "idempotent route without a scope."),
+    FIELD_BASE("fingerprint", fn_fingerprint, false, .what = "list of request parts",
+               .def = "[method, path, query, body]", .show = show_parts,
+               LIST_AT(struct conf_idem, fingerprint, fingerprint_n),
+               .allowed = "`method`, `path`, `query`, `body`, `header:NAME`",
+               .doc = "The parts a retry must repeat byte for byte to be replayed; a request with the same key "
+                      "and another fingerprint is 422 `idempotency-key-mismatch`."),
+    FIELD("retention", F_DUR, struct conf_idem, retention_ms, 1, DURATION_MAX, .def = "24h",
+          .doc = "How long a completed answer is replayed. Afterwards the key is new again. Unknown outcomes do "
+                 "not expire."),
+    FIELD("lease", F_DUR, struct conf_idem, lease_ms, 1, DURATION_MAX, .def = "60s",
+          .doc = "How long a claim in flight is honoured without its owner renewing it (the owner renews it "
+                 "every third of it while the request runs). Only a dead owner's lease lapses."),
+    FIELD_ENUM("on_in_flight", struct conf_idem, on_in_flight, in_flight_modes, .def = "conflict",
+               .doc = "A retry while the first request still runs: `conflict` answers 409 "
+                      "`idempotency-key-in-use` with `Retry-After`; `wait` waits up to `wait` for the first "
+                      "answer and replays it."),
+    FIELD("wait", F_DUR, struct conf_idem, wait_ms, 1, DURATION_MAX, .def = "10s",
+          .doc = "With `on_in_flight: wait`, how long a retry waits for the first request's answer before 409."),
+    FIELD_ENUM("on_unknown", struct conf_idem, on_unknown, unknown_modes, .def = "reject",
+               .doc = "A retry of a request whose outcome is unknown (sent, no answer), once its lease lapsed: "
+                      "`reject` answers 409 `idempotency-outcome-unknown` until an operator releases the key; "
+                      "`retry` forwards it again (it may execute twice); `probe` asks the upstream (`probe:`)."),
+    FIELD_BASE("release_statuses", fn_release_statuses, false, .what = "list of statuses", .def = "[]",
+               .show = show_statuses, LIST_AT(struct conf_idem, release_statuses, release_statuses_n),
+               .allowed = "distinct statuses 100 to 599",
+               .doc = "Upstream answers that mean nothing was done (say `[429, 503]`, if your API guarantees "
+                      "it): the answer is passed on, the key released, and the next retry executes."),
+    FIELD("max_body", F_SIZE, struct conf_idem, max_body, 1, SIZE_MAX_BODY, .def = "1MiB",
+          .doc = "The largest request body on this route (every method); beyond it 413 `payload-too-large`."),
+    FIELD("forward_key", F_BOOL, struct conf_idem, forward_key, 0, 0, .def = "true",
+          .doc = "Whether the key header is passed on to the upstream."),
+    FIELD("max_response", F_SIZE, struct conf_idem, max_response, 1, SIZE_MAX_BODY, .def = "8MiB",
+          .doc = "The largest upstream answer stored and replayed. A larger one executed but cannot be stored: "
+                 "502 `upstream-response-too-large`, an unknown outcome."),
+    FIELD_FN("probe", struct conf_idem, probe, fn_probe, false, .what = "mapping",
+             SUB(probe_fields, offsetof(struct conf_idem, probe)),
+             .doc = "How the gateway asks the upstream whether a request with an unknown outcome executed. "
+                    "Required with `on_unknown: probe`, refused otherwise."),
+    FIELD_ENUM("mode", struct conf_idem, mode, idem_modes, .def = "enforce",
+               .doc = "`enforce`: deduplicate. `shadow`: forward every request and pass every answer on "
+                      "unchanged, while counting what enforce would have done "
+                      "(`idemgate_shadow_decisions_total`); see operations.md, Shadow roll-out."),
 };
 
 static bool fn_idem(struct ctx *x, yaml_node_t *n, void *target)
@@ -1829,8 +2081,14 @@ static bool fn_errors_content_type(struct ctx *x, yaml_node_t *n, void *target)
 }
 
 static const struct field errors_fields[] = {
-    FIELD_BASE("template", fn_errors_template, true),
-    FIELD_BASE("content_type", fn_errors_content_type, false),
+    FIELD_BASE("template", fn_errors_template, true, .what = "string",
+               .allowed = "at most 4096 bytes; placeholders `{status}`, `{name}`, `{title}`, `{detail}` only",
+               .doc = "The body of every gateway error on the route. `{status}` is the number; the others are "
+                      "JSON-escaped text without quotes. `{` followed by `\"`, `}` or spaces is literal, so JSON "
+                      "needs no escaping; anything else written like a placeholder is a config error."),
+    FIELD_BASE("content_type", fn_errors_content_type, false, .what = "media type", .def = "application/json",
+               .show = show_str, STR_AT(struct conf_errors, content_type), .allowed = "`type/subtype[; params]`",
+               .doc = "The `Content-Type` of the template's answers."),
 };
 
 static bool fn_errors(struct ctx *x, yaml_node_t *n, void *target)
@@ -1943,10 +2201,23 @@ static bool fn_ord_sequence(struct ctx *x, yaml_node_t *n, void *target)
 }
 
 static const struct field ordering_fields[] = {
-    FIELD_BASE("resource", fn_ord_resource, true),
-    FIELD_BASE("sequence", fn_ord_sequence, true),
-    FIELD_ENUM("on_gap", struct conf_ordering, on_gap, gap_modes),
-    FIELD("hold", F_DUR, struct conf_ordering, hold_ms, 1, DURATION_MAX),
+    FIELD_BASE("resource", fn_ord_resource, true, .what = "path template",
+               .allowed = "starts with `/`; each segment a literal or one whole `{name}` (letters, digits, `_`)",
+               .doc = "Which requests of the route are guarded and what one resource is: a request whose whole "
+                      "normalised path matches (`/v1/accounts/{id}/address`, `{name}` one non-empty segment) is "
+                      "guarded, and its path is the resource. Other requests of the route are not guarded."),
+    FIELD_BASE("sequence", fn_ord_sequence, true, .what = "string",
+               .allowed = "`header:NAME` or `json:/pointer` (an RFC 6901 JSON Pointer into the body)",
+               .doc = "Where the request's sequence is: a decimal integer 1 to 2^63-1 (no sign, no leading zero) "
+                      "in one header, or a JSON integer at the pointer of a JSON body. Missing or malformed: 400 "
+                      "`sequence-invalid`."),
+    FIELD_ENUM("on_gap", struct conf_ordering, on_gap, gap_modes, .def = "accept",
+               .doc = "A sequence above the applied one + 1: `accept` forwards it; `reject` answers 409 "
+                      "`sequence-gap`; `hold` waits up to `hold` for the missing ones, then forwards or answers "
+                      "409 `sequence-gap`."),
+    FIELD("hold", F_DUR, struct conf_ordering, hold_ms, 1, DURATION_MAX, .def = "2s",
+          .doc = "How long a request waits for another request of its resource still in flight (then 409 "
+                 "`sequence-in-use`), and for missing sequences with `on_gap: hold`."),
 };
 _Static_assert(sizeof(enum conf_on_gap) == sizeof(int), "enum stored through int");
 
@@ -1966,12 +2237,31 @@ static void ordering_free(struct conf_ordering *o)
 }
 
 static const struct field route_fields[] = {
-    FIELD_FN("name", struct conf_route, name, fn_route_name, true),
-    FIELD_BASE("match", fn_match, true),
-    FIELD_FN("upstream", struct conf_route, upstream, fn_route_upstream, false),
-    FIELD_FN("idempotency", struct conf_route, idem, fn_idem, false),
-    FIELD_FN("errors", struct conf_route, errors, fn_errors, false),
-    FIELD_FN("ordering", struct conf_route, ordering, fn_ordering, false),
+    FIELD_FN("name", struct conf_route, name, fn_route_name, true, .what = "string",
+             .allowed = "1 to 128 of `A-Z a-z 0-9 _ . -`, unique",
+             .doc = "The route's name: in metrics, logs, the admin key API, and part of every key's identity "
+                    "(renaming a route starts an empty key space)."),
+    FIELD_BASE("match", fn_match, true, .what = "mapping", SUB(match_fields, 0),
+               .doc = "Which requests the route takes. Routes are tried in order; the first match wins."),
+    FIELD_FN("upstream", struct conf_route, upstream, fn_route_upstream, false, .what = "upstream name",
+             .allowed = "a name from `upstreams`",
+             .doc = "Where the route's requests go. Required unless `default_upstream` is set (then that one)."),
+    FIELD_FN("idempotency", struct conf_route, idem, fn_idem, false, .what = "mapping",
+             SUB(idem_fields, offsetof(struct conf_route, idem)),
+             .doc = "How keys are handled on the route. Without this block every key below has its default "
+                    "(`key: optional`: a request with a key is deduplicated)."),
+    FIELD_FN("errors", struct conf_route, errors, fn_errors, false, .what = "problem, stripe or mapping",
+             .def = "problem", .show = show_errors, SUB(errors_fields, offsetof(struct conf_route, errors)),
+             .allowed = "`problem`, `stripe`, or `{template: '...', content_type: ...}`",
+             .doc = "How the gateway's own error answers on the route are written (upstream answers are never "
+                    "touched): `problem` is RFC 9457 `application/problem+json`; `stripe` is "
+                    "`{\"error\":{\"type\":...,\"code\":NAME,\"message\":...}}`, which Stripe's SDKs raise "
+                    "as an error; a mapping gives your own template. See http.md."),
+    FIELD_FN("ordering", struct conf_route, ordering, fn_ordering, false, .what = "mapping",
+             SUB(ordering_fields, offsetof(struct conf_route, ordering)),
+             .doc = "The ordering guard: a per-resource increasing sequence kept in Postgres, so that an older "
+                    "write never overwrites a newer one (409 `stale-sequence`). Without it the route is not "
+                    "guarded."),
 };
 
 static bool fn_routes(struct ctx *x, yaml_node_t *n, void *target)
@@ -2068,11 +2358,20 @@ static bool fn_jwt_secret_env(struct ctx *x, yaml_node_t *n, void *target)
 }
 
 static const struct field jwt_fields[] = {
-    FIELD_FN("keys", struct conf_jwt, keys_file, fn_jwt_keys, false),
-    FIELD_FN("secret_env", struct conf_jwt, secret_env, fn_jwt_secret_env, false),
-    FIELD_FN("issuer", struct conf_jwt, issuer, fn_jwt_issuer, false),
-    FIELD_FN("audience", struct conf_jwt, audience, fn_jwt_audience, false),
-    FIELD("leeway", F_DUR, struct conf_jwt, leeway_ms, 0, 3600 * SEC),
+    FIELD_FN("keys", struct conf_jwt, keys_file, fn_jwt_keys, false, .what = "file path",
+             .allowed = "a JWKS file with RS256 (RSA, 2048 bits or more) and ES256 (P-256) keys",
+             .doc = "The public keys tokens are verified with. Loaded at start, by `--check` and on reload; a "
+                    "key that does not load is a config error. Give `keys`, `secret_env` or both."),
+    FIELD_FN("secret_env", struct conf_jwt, secret_env, fn_jwt_secret_env, false, .what = "environment variable name",
+             .allowed = "`A-Z a-z 0-9 _`, not starting "
+                        "with a digit",
+             .doc = "The environment variable holding an HS256 secret (at least 32 bytes)."),
+    FIELD_FN("issuer", struct conf_jwt, issuer, fn_jwt_issuer, false, .what = "string",
+             .doc = "When set, a token's `iss` must equal it."),
+    FIELD_FN("audience", struct conf_jwt, audience, fn_jwt_audience, false, .what = "string",
+             .doc = "When set, a token's `aud` (a string or an array) must name it."),
+    FIELD("leeway", F_DUR, struct conf_jwt, leeway_ms, 0, 3600 * SEC, .def = "30s",
+          .doc = "Clock difference allowed when `exp` and `nbf` are checked."),
 };
 
 static bool fn_jwt(struct ctx *x, yaml_node_t *n, void *target)
@@ -2092,8 +2391,11 @@ static bool fn_jwt(struct ctx *x, yaml_node_t *n, void *target)
 }
 
 static const struct field replay_cache_fields[] = {
-    FIELD("max_bytes", F_SIZE, struct conf, replay_cache_max_bytes, 0, GIB),
-    FIELD("max_entries", F_U32, struct conf, replay_cache_max_entries, 0, 10000000),
+    FIELD("max_bytes", F_SIZE, struct conf, replay_cache_max_bytes, 0, GIB, .def = "2MiB", .restart = true,
+          .doc = "Bytes of answers kept in memory at most (an answer over an eighth of it is not cached). 0 "
+                 "disables the cache."),
+    FIELD("max_entries", F_U32, struct conf, replay_cache_max_entries, 0, 10000000, .def = "4096", .restart = true,
+          .doc = "Answers kept in memory at most. 0 disables the cache."),
 };
 
 /* replay_cache: {max_bytes: 2MiB, max_entries: 4096} or replay_cache: off */
@@ -2111,23 +2413,180 @@ static bool fn_replay_cache(struct ctx *x, yaml_node_t *n, void *target)
 }
 
 static const struct field top_fields[] = {
-    FIELD_FN("listen", struct conf, listen, fn_listen, false),
-    FIELD_BASE("admin", fn_admin, false),
-    FIELD("shutdown_grace", F_DUR, struct conf, shutdown_grace_ms, 0, DURATION_MAX),
-    FIELD_BASE("store", fn_store, false),
-    FIELD_BASE("upstreams", fn_upstreams, true),
-    FIELD_BASE("routes", fn_routes, false),
-    FIELD_BASE("default_upstream", fn_default_upstream, false),
-    FIELD("max_header_bytes", F_SIZE, struct conf, max_header_bytes, 1, MIB),
-    FIELD("max_response_header_bytes", F_SIZE, struct conf, max_response_header_bytes, 1, MIB),
-    FIELD("max_body", F_SIZE, struct conf, max_body, 1, SIZE_MAX_BODY),
-    FIELD("max_response", F_SIZE, struct conf, max_response, 1, SIZE_MAX_BODY),
-    FIELD("max_connections", F_U32, struct conf, max_connections, 1, 100000),
-    FIELD("client_timeout", F_DUR, struct conf, client_timeout_ms, 1, DURATION_MAX),
-    FIELD("threads", F_U32, struct conf, threads, 0, 64),
-    FIELD_FN("jwt", struct conf, jwt, fn_jwt, false),
-    FIELD_BASE("replay_cache", fn_replay_cache, false),
+    FIELD_FN("listen", struct conf, listen, fn_listen, false, .what = "host:port", .def = "127.0.0.1:8080",
+             .show = show_addr, .restart = true,
+             .allowed = "`host:port` or `[v6]:port`; port 0 picks a free port (logged as `event=listening`)",
+             .doc = "Where clients connect. An IPv6 address takes IPv6 clients only. The host is resolved when "
+                    "the file is checked, so an address that can never work is a config error."),
+    FIELD_BASE("admin", fn_admin, false, .what = "mapping", SUB(admin_fields, 0),
+               .doc = "The admin listener (see operations.md)."),
+    FIELD("shutdown_grace", F_DUR, struct conf, shutdown_grace_ms, 0, DURATION_MAX, .def = "10s",
+          .doc = "On SIGTERM or SIGINT, how long requests in flight may take to finish. Past it their clients "
+                 "get 503 `shutting-down` and their records stay in flight, then unknown."),
+    FIELD_BASE("store", fn_store, false, .what = "mapping", SUB(store_fields, 0),
+               .doc = "Postgres (the authority) and Redis (the optional fast filter)."),
+    FIELD_BASE("upstreams", fn_upstreams, true, .what = "list of mappings",
+               SUB_LIST(upstream_fields, offsetof(struct conf, upstreams)),
+               .doc = "The APIs behind the gateway, at least one."),
+    FIELD_BASE("routes", fn_routes, false, .what = "list of mappings",
+               SUB_LIST(route_fields, offsetof(struct conf, routes)),
+               .doc = "Which requests get idempotency, and how. Tried in order; the first match wins."),
+    FIELD_BASE("default_upstream", fn_default_upstream, false, .what = "upstream name",
+               .allowed = "a name from `upstreams`",
+               .doc = "Where requests no route matches go, proxied plainly (no key checked). Unset: they get 404 "
+                      "`route-not-found`. Routes without an `upstream` use it."),
+    FIELD("max_header_bytes", F_SIZE, struct conf, max_header_bytes, 1, MIB, .def = "16KiB", .restart = true,
+          .doc = "The largest request head; beyond it 431 (a longer request target: 414)."),
+    FIELD("max_response_header_bytes", F_SIZE, struct conf, max_response_header_bytes, 1, MIB, .def = "16KiB",
+          .restart = true,
+          .doc = "The largest upstream answer head (status line and headers); beyond it the answer is invalid: "
+                 "502 `upstream-invalid-response`, nothing stored."),
+    FIELD("max_body", F_SIZE, struct conf, max_body, 1, SIZE_MAX_BODY, .def = "1MiB",
+          .doc = "The largest request body of requests no route matches (routes have their own "
+                 "`idempotency.max_body`); beyond it 413."),
+    FIELD("max_response", F_SIZE, struct conf, max_response, 1, SIZE_MAX_BODY, .def = "8MiB",
+          .doc = "The largest upstream answer relayed for requests outside idempotency; beyond it 502."),
+    FIELD("max_connections", F_U32, struct conf, max_connections, 1, 100000, .def = "4096", .restart = true,
+          .doc = "Client connections at most; beyond it 503 `too-many-connections` and the connection is closed."),
+    FIELD("client_timeout", F_DUR, struct conf, client_timeout_ms, 1, DURATION_MAX, .def = "30s", .restart = true,
+          .doc = "An idle client connection, or one sending its request slower than this, is closed."),
+    FIELD("threads", F_U32, struct conf, threads, 0, 64, .def = "0", .restart = true,
+          .doc = "I/O loop threads, each with its own HTTP front, upstream client, Redis connection and share of "
+                 "`store.pool`. 0: one per CPU (at most `store.pool`)."),
+    FIELD_FN("jwt", struct conf, jwt, fn_jwt, false, .what = "mapping", SUB(jwt_fields, offsetof(struct conf, jwt)),
+             .doc = "How bearer tokens are verified for `jwt:CLAIM` scope parts. Needed only when a route uses "
+                    "one. A request on such a route without a valid token is 401 `invalid-credentials`."),
+    FIELD_BASE("replay_cache", fn_replay_cache, false, .what = "mapping or off", SUB(replay_cache_fields, 0),
+               .restart = true, .allowed = "`{max_bytes: SIZE, max_entries: N}` or `off`",
+               .doc = "Completed answers kept in this process's memory and replayed without a store round trip. "
+                      "Used only while its Postgres listener (purges reach every instance through it) is "
+                      "connected. `off` disables it."),
 };
+
+/* ---------------------------------------------------------------- the reference (idemgate --print-reference) */
+
+static void key_doc(const struct field *f, const char *path, unsigned depth, struct conf_key_doc *k)
+{
+    static const char *const types[] = {
+        [F_BOOL] = "boolean", [F_U32] = "integer", [F_DUR] = "duration", [F_SIZE] = "size", [F_ENUM] = "one of"};
+    memset(k, 0, sizeof *k);
+    k->path = path;
+    k->key = f->key;
+    k->depth = depth;
+    k->type = f->type == F_FUNC ? f->what : types[f->type];
+    k->def = f->def;
+    k->doc = f->doc;
+    k->required = f->required || f->needed;
+    k->restart = f->restart;
+    k->block = f->sub != NULL;
+    char lo[32], hi[32];
+    size_t l = 0;
+    switch (f->type) {
+    case F_BOOL:
+        snprintf(k->allowed, sizeof k->allowed, "`true`, `false`");
+        break;
+    case F_U32:
+        snprintf(k->allowed, sizeof k->allowed, "%s to %s", fmt_int(lo, f->min), fmt_int(hi, f->max));
+        break;
+    case F_DUR:
+        snprintf(k->allowed, sizeof k->allowed, "%s to %s", fmt_dur(lo, f->min), fmt_dur(hi, f->max));
+        break;
+    case F_SIZE:
+        snprintf(k->allowed, sizeof k->allowed, "%s to %s", fmt_size(lo, f->min), fmt_size(hi, f->max));
+        break;
+    case F_ENUM:
+        for (size_t i = 0; f->names[i] != NULL && l < sizeof k->allowed; i++) {
+            int w = snprintf(k->allowed + l, sizeof k->allowed - l, "%s`%s`", i ? ", " : "", f->names[i]);
+            if (w < 0)
+                break;
+            l += (size_t)w;
+        }
+        break;
+    case F_FUNC:
+        snprintf(k->allowed, sizeof k->allowed, "%s", f->allowed ? f->allowed : "");
+        break;
+    }
+}
+
+static void walk(const struct field *fields, size_t n, const char *prefix, unsigned depth, conf_key_fn fn, void *arg)
+{
+    for (size_t i = 0; i < n; i++) {
+        const struct field *f = &fields[i];
+        char path[PATH_BUF];
+        snprintf(path, sizeof path, "%s%s", prefix, f->key);
+        struct conf_key_doc k;
+        key_doc(f, path, depth, &k);
+        k.list = f->sub_list;
+        fn(&k, arg);
+        if (f->sub != NULL) {
+            char sub[PATH_BUF + 4];
+            snprintf(sub, sizeof sub, "%s%s", path, f->sub_list ? "[]." : ".");
+            walk(f->sub, f->nsub, sub, depth + 1, fn, arg);
+        }
+    }
+}
+
+void conf_reference_walk(conf_key_fn fn, void *arg)
+{
+    walk(top_fields, NFIELDS(top_fields), "", 0, fn, arg);
+}
+
+bool conf_key_value(const struct conf *c, const char *path, char *buf, size_t n)
+{
+    const struct field *fields = top_fields;
+    size_t nf = NFIELDS(top_fields);
+    const void *base = c;
+    buf[0] = '\0';
+    for (const char *p = path; fields != NULL;) {
+        size_t len = strcspn(p, ".[");
+        size_t i = 0;
+        while (i < nf && !(strlen(fields[i].key) == len && strncmp(fields[i].key, p, len) == 0))
+            i++;
+        if (i == nf)
+            return false;
+        const struct field *f = &fields[i];
+        p += len;
+        if (*p == '\0') {
+            char a[32];
+            const void *v = at(base, f);
+            switch (f->type) {
+            case F_BOOL:
+                snprintf(buf, n, "%s", *(const bool *)v ? "true" : "false");
+                return true;
+            case F_U32:
+                snprintf(buf, n, "%s", fmt_int(a, *(const uint32_t *)v));
+                return true;
+            case F_DUR:
+                snprintf(buf, n, "%s", fmt_dur(a, *(const uint64_t *)v));
+                return true;
+            case F_SIZE:
+                snprintf(buf, n, "%s", fmt_size(a, *(const uint64_t *)v));
+                return true;
+            case F_ENUM:
+                snprintf(buf, n, "%s", f->names[*(const int *)v]);
+                return true;
+            case F_FUNC:
+                return f->show != NULL && f->show(base, f, buf, n);
+            }
+            return false;
+        }
+        if (f->sub == NULL)
+            return false;
+        base = (const char *)base + f->sub_off;
+        if (f->sub_list) {
+            base = *(const void *const *)base; /* the first element */
+            if (base == NULL || strncmp(p, "[]", 2) != 0)
+                return false;
+            p += 2;
+        }
+        if (*p != '.')
+            return false;
+        p++;
+        fields = f->sub;
+        nf = f->nsub;
+    }
+    return false;
+}
 
 static void conf_defaults(struct conf *c)
 {

@@ -242,6 +242,29 @@ enum conf_tmpl_var conf_tmpl_var_at(const char *s, size_t n, size_t *len);
  * (may exceed max). */
 size_t conf_restart_keys(const struct conf *old, const struct conf *neu, const char **keys, size_t max);
 
+/* ---- the reference: every key the parser accepts, with its documentation (from the same tables) */
+struct conf_key_doc {
+    const char *path;  /* "routes[].idempotency.lease" (valid during the callback) */
+    const char *key;   /* "lease" */
+    unsigned depth;    /* 0: top level */
+    const char *type;  /* "duration", "size", "integer", "boolean", "one of", or the key's own words */
+    char allowed[256]; /* "1ms to 36500d", "`enforce`, `shadow`", or the key's own words; "" */
+    const char *def;   /* the default as written in YAML; NULL: none */
+    const char *doc;   /* Markdown */
+    bool required;
+    bool restart; /* a change needs a restart, not a reload */
+    bool block;   /* a mapping (or a list of mappings, list) whose keys follow with depth + 1 */
+    bool list;
+};
+typedef void (*conf_key_fn)(const struct conf_key_doc *k, void *arg);
+/* Calls fn for every key, in the file's order, a mapping before its own keys. */
+void conf_reference_walk(conf_key_fn fn, void *arg);
+/* The value of the key at path ("routes[].idempotency.lease": the first route's) in c, written as a default is
+ * ("24h", "[200]"); false when the key has no value there or no way to show it. */
+bool conf_key_value(const struct conf *c, const char *path, char *buf, size_t n);
+/* docs/configuration.md: the whole reference as Markdown (conf/reference.c); the caller frees it. */
+char *conf_reference_markdown(void);
+
 /* First route whose path matches (path_prefix by whole segments), or NULL. */
 const struct conf_route *conf_match_route(const struct conf *c, const char *path);
 

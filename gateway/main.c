@@ -26,6 +26,7 @@ static void usage(FILE *out)
     fprintf(out, "usage: idemgate -c FILE          run with this configuration (--config FILE)\n"
                  "       idemgate --check -c FILE  validate the configuration, print what is wrong, exit 0/1\n"
                  "       idemgate --version\n"
+                 "       idemgate --print-reference  every configuration key as Markdown (docs/configuration.md)\n"
                  "environment: IDEMGATE_POSTGRES_URL, IDEMGATE_REDIS_URL (empty: no Redis), IDEMGATE_ADMIN_TOKEN,\n"
                  "             IDEMGATE_STORE_DISTRIBUTED (none|citus: store.distributed),\n"
                  "             IDEMGATE_LOG_LEVEL (debug|info|warn|error)\n");
@@ -259,6 +260,15 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--version") == 0 || strcmp(argv[i], "-V") == 0) {
             printf("idemgate %s\n", IDEMGATE_VERSION);
+            return 0;
+        } else if (strcmp(argv[i], "--print-reference") == 0) {
+            char *md = conf_reference_markdown();
+            if (md == NULL || fputs(md, stdout) == EOF || fflush(stdout) != 0) {
+                fprintf(stderr, "idemgate: cannot write the reference\n");
+                free(md);
+                return 1;
+            }
+            free(md);
             return 0;
         } else if (strcmp(argv[i], "--check") == 0) {
             check = true;

@@ -362,3 +362,30 @@ Test(cli, check_quotes_the_file_name)
     free(out);
     free(err);
 }
+
+/* docs/configuration.md is what --print-reference prints (scripts/gen-reference.sh writes it). */
+Test(cli, print_reference_equals_docs_configuration_md)
+{
+    char *path = NULL;
+    cr_assert(asprintf(&path, "%s/docs/configuration.md", e2e_env("IDEMGATE_SRC_DIR")) > 0);
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "%s not found", path);
+    static char want[1 << 20];
+    size_t n = fread(want, 1, sizeof want - 1, f);
+    fclose(f);
+    want[n] = '\0';
+    char *out, *err;
+    static const char *const a[] = {"--print-reference", NULL};
+    int code = idemgate(a, NULL, &out, &err);
+    cr_expect_eq(code, 0, "--print-reference exit %d; stderr: %s", code, err);
+    size_t i = 0;
+    while (want[i] != '\0' && want[i] == out[i])
+        i++;
+    cr_expect(want[i] == '\0' && out[i] == '\0',
+              "%s differs from --print-reference at byte %zu (run scripts/gen-reference.sh): '%.60s' vs '%.60s'", path,
+              i, want + i, out + i);
+    cr_expect(strstr(out, "### `routes[].idempotency.lease`") != NULL, "a key's heading");
+    free(path);
+    free(out);
+    free(err);
+}

@@ -1190,3 +1190,206 @@ Test(conf, listen_addresses_resolve)
     cr_expect_str_eq(c->listen.host, "127.1", "the short IPv4 form inet_aton takes");
     conf_destroy(c);
 }
+
+/* ---- the reference (docs/configuration.md) and the parser come from one table per mapping */
+
+/* A file of the source tree, found from __FILE__ (tests/unit/conf_test.c relative to where meson runs). */
+static const char *source_path(const char *rel, char *buf, size_t n)
+{
+    const char *f = __FILE__;
+    const char *cut = strstr(f, "tests/unit/conf_test.c");
+    if (cut != NULL) {
+        snprintf(buf, n, "%.*s%s", (int)(cut - f), f, rel);
+        if (access(buf, R_OK) == 0)
+            return buf;
+    }
+    snprintf(buf, n, "%s", rel); /* run from the source tree */
+    return access(buf, R_OK) == 0 ? buf : NULL;
+}
+
+static char *read_all(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return NULL;
+    size_t cap = 1 << 20, len = 0;
+    char *s = malloc(cap + 1);
+    size_t got;
+    while (s != NULL && len < cap && (got = fread(s + len, 1, cap - len, f)) > 0)
+        len += got;
+    fclose(f);
+    if (s != NULL)
+        s[len] = '\0';
+    return s;
+}
+
+struct ref_count {
+    size_t keys, blocks;
+};
+
+static void every_key_documented(const struct conf_key_doc *k, void *arg)
+{
+    struct ref_count *n = arg;
+    n->keys++;
+    n->blocks += k->block;
+    cr_expect(k->doc != NULL && strlen(k->doc) >= 20, "%s: no doc string (.doc in its conf/conf.c field table)",
+              k->path);
+    cr_expect(k->type != NULL && k->type[0] != '\0', "%s: no type (.what for a key parsed by a function)", k->path);
+    cr_expect(!k->required || k->def == NULL, "%s: required, yet documents a default '%s'", k->path, k->def);
+    cr_expect(k->def == NULL || k->def[0] != '\0', "%s: an empty default text (NULL means none)", k->path);
+}
+
+Test(conf, every_key_has_a_doc_string)
+{
+    struct ref_count n = {0};
+    conf_reference_walk(every_key_documented, &n);
+    cr_expect_geq(n.keys, 70, "only %zu keys walked", n.keys);
+    cr_expect_geq(n.blocks, 11, "only %zu mappings walked", n.blocks);
+}
+
+/* Every block present with only what it must hold (A), and the mappings themselves absent (B: a mapping's own
+ * default, e.g. errors: problem, is read where it is absent). */
+#define REF_B                                                                                                          \
+    BASE "routes:\n"                                                                                                   \
+         "  - name: r\n"                                                                                               \
+         "    match:\n"                                                                                                \
+         "      path: /x\n"                                                                                            \
+         "    upstream: api\n"
+#define REF_A                                                                                                          \
+    REF_B "    idempotency: {}\n"                                                                                      \
+          "    errors:\n"                                                                                              \
+          "      template: '{}'\n"                                                                                     \
+          "    ordering:\n"                                                                                            \
+          "      resource: /x/{id}\n"                                                                                  \
+          "      sequence: header:X-Seq\n"                                                                             \
+          "admin: {}\n"                                                                                                \
+          "replay_cache: {}\n"                                                                                         \
+          "jwt:\n"                                                                                                     \
+          "  secret_env: IDEMGATE_TEST_UNUSED_SECRET\n"
+
+struct ref_defaults {
+    const struct conf *a, *b;
+    size_t checked;
+};
+
+static void default_is_what_absence_gives(const struct conf_key_doc *k, void *arg)
+{
+    struct ref_defaults *d = arg;
+    if (k->required)
+        return;
+    char v[512];
+    bool has = conf_key_value(k->block ? d->b : d->a, k->path, v, sizeof v);
+    if (k->def != NULL) {
+        cr_expect(has, "%s: documents default '%s', but its value cannot be shown (give the field a .show)", k->path,
+                  k->def);
+        /* the same duration or size written another way ("24h", "1d") is the same default */
+        uint64_t x, y;
+        bool same = strcmp(v, k->def) == 0 ||
+                    (conf_parse_duration(v, &x) && conf_parse_duration(k->def, &y) && x == y) ||
+                    (strcmp(k->type, "size") == 0 && conf_parse_size(v, &x) && conf_parse_size(k->def, &y) && x == y);
+        cr_expect(!has || same, "%s: documents default '%s', conf_load gives '%s' when it is absent", k->path, k->def,
+                  v);
+        d->checked++;
+    } else {
+        cr_expect(!has, "%s: documents no default, conf_load gives '%s' when it is absent", k->path, v);
+    }
+}
+
+Test(conf, documented_defaults_are_what_conf_load_gives)
+{
+    struct conf *a = load_ok(REF_A);
+    struct conf *b = load_ok(REF_B);
+    struct ref_defaults d = {.a = a, .b = b};
+    conf_reference_walk(default_is_what_absence_gives, &d);
+    cr_expect_geq(d.checked, 40, "only %zu defaults checked", d.checked);
+    /* the check sees a wrong default: a value set in the file shows as that value */
+    struct conf *c = load_ok(REF_B "    idempotency:\n      lease: 90s\n      scope: [header:Authorization, jwt:sub]\n"
+                                   "jwt:\n  secret_env: X\n");
+    char v[128];
+    cr_expect(conf_key_value(c, "routes[].idempotency.lease", v, sizeof v));
+    cr_expect_str_eq(v, "90s");
+    cr_expect(conf_key_value(c, "routes[].idempotency.scope", v, sizeof v));
+    cr_expect_str_eq(v, "[header:Authorization, jwt:sub]");
+    cr_expect(!conf_key_value(c, "routes[].idempotency.nosuchkey", v, sizeof v));
+    cr_expect(!conf_key_value(c, "routes.idempotency.lease", v, sizeof v));
+    conf_destroy(c);
+    conf_destroy(b);
+    conf_destroy(a);
+}
+
+/* The keys conf_restart_keys can name (restart_keys_name_what_needs_a_restart changes each) are the ones the
+ * reference marks "needs a restart" (a mapping's keys count under the mapping's name: replay_cache). */
+static const char *const restart_keys[] = {
+    "listen",
+    "admin.listen",
+    "store.postgres",
+    "store.pool",
+    "store.redis",
+    "store.redis_timeout",
+    "store.distributed",
+    "replay_cache",
+    "threads",
+    "max_connections",
+    "client_timeout",
+    "max_header_bytes",
+    "max_response_header_bytes",
+};
+
+static void restart_flag_matches(const struct conf_key_doc *k, void *arg)
+{
+    size_t *flagged = arg;
+    bool listed = false;
+    for (size_t i = 0; i < sizeof restart_keys / sizeof restart_keys[0]; i++) {
+        size_t l = strlen(restart_keys[i]);
+        if (strncmp(k->path, restart_keys[i], l) == 0 && (k->path[l] == '\0' || k->path[l] == '.'))
+            listed = true;
+    }
+    cr_expect_eq(k->restart, listed, "%s: the reference says %s, conf_restart_keys %s", k->path,
+                 k->restart ? "needs a restart" : "reloads", listed ? "names it" : "does not");
+    *flagged += k->restart;
+}
+
+Test(conf, reference_marks_the_keys_a_reload_refuses)
+{
+    size_t flagged = 0;
+    conf_reference_walk(restart_flag_matches, &flagged);
+    cr_expect_geq(flagged, sizeof restart_keys / sizeof restart_keys[0]);
+    /* store.distributed and replay_cache, which the other test does not change, are named too */
+    struct conf *a = load_ok(BASE);
+    struct conf *b = load_ok("store:\n  postgres: postgres://u@127.0.0.1/db\n  distributed: citus\n"
+                             "upstreams:\n  - name: api\n    url: http://127.0.0.1:9000\nreplay_cache: off\n");
+    const char *keys[4];
+    size_t n = conf_restart_keys(a, b, keys, 4);
+    cr_expect_eq(n, 2, "%zu keys", n);
+    bool dist = false, cache = false;
+    for (size_t i = 0; i < n && i < 4; i++) {
+        dist |= strcmp(keys[i], "store.distributed") == 0;
+        cache |= strcmp(keys[i], "replay_cache") == 0;
+    }
+    cr_expect(dist && cache, "store.distributed and replay_cache named");
+    conf_destroy(b);
+    conf_destroy(a);
+}
+
+Test(conf, reference_equals_docs_configuration_md)
+{
+    char buf[4096];
+    const char *path = source_path("docs/configuration.md", buf, sizeof buf);
+    cr_assert_not_null(path, "docs/configuration.md not found");
+    char *want = read_all(path);
+    char *got = conf_reference_markdown();
+    cr_assert_not_null(want);
+    cr_assert_not_null(got);
+    size_t i = 0;
+    while (want[i] != '\0' && want[i] == got[i])
+        i++;
+    size_t line = 1;
+    for (size_t j = 0; j < i; j++)
+        line += got[j] == '\n';
+    cr_expect(want[i] == '\0' && got[i] == '\0',
+              "docs/configuration.md differs from idemgate --print-reference at line %zu (run "
+              "scripts/gen-reference.sh): file has '%.60s', the tables give '%.60s'",
+              line, want + i, got + i);
+    free(want);
+    free(got);
+}
