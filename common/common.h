@@ -13,8 +13,6 @@
 /* n rounded up to a multiple of 16 (malloc's alignment): offsets of parts laid out in one allocation. */
 #define CM_ROUND16(n) (((size_t)(n) + 15) & ~(size_t)15)
 
-#define IDEMGATE_VERSION "0.1.0"
-
 /* ---- memory: these abort the process on out-of-memory, never return NULL */
 void *cm_malloc(size_t n);
 void *cm_calloc(size_t nmemb, size_t size);

@@ -1,5 +1,6 @@
 /* metrics.c - the process-wide Prometheus registry: relaxed C11 atomics, rendered as text format 0.0.4. */
 #include "common/metrics.h"
+#include "common/version.h"
 
 #include <math.h>
 #include <pthread.h>

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "common/metrics.h"
+#include "common/version.h"
 #include "conf/conf.h"
 #include "gateway/admin.h"
 #include "gateway/front.h"

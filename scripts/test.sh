@@ -207,7 +207,7 @@ chmod 755 "$TMP"
 
 # ---- stage 1: the normal build
 log "build (build/)"
-if build build; then
+if build build -Dwerror=true; then
     export IDEMGATE_BUILD_DIR=$ROOT/build
     if services_fresh; then
         meson_stage build "tests" --no-suite citus
@@ -223,7 +223,7 @@ if [ $quick = 0 ]; then
     log "build (build-asan/: address,undefined)"
     # Same -Werror as the normal build. LeakSanitizer is on; tests/lsan.supp only hides Criterion's own
     # runner allocation, nothing of idemgate.
-    if build build-asan -Db_sanitize=address,undefined -Db_lundef=false; then
+    if build build-asan -Dwerror=true -Db_sanitize=address,undefined -Db_lundef=false; then
         if services_fresh; then
             ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 LSAN_OPTIONS=suppressions=$ROOT/tests/lsan.supp:print_suppressions=0 \
                 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -263,6 +263,8 @@ if [ -z "$suite" ]; then
     extra_stage chaos-citus no-services tests/chaos/run.sh --citus --short
     # The README's run command, end to end (its own Postgres/Redis in .run/, the replay demo, then stop).
     extra_stage demo no-services scripts/run.sh --no-wait --no-deps
+    # The Debian package: dpkg-buildpackage, dpkg -i, --version, man pages, systemd unit, purge (needs root).
+    extra_stage package no-services tests/package/run.sh
     # docker/compose.yaml with the README's command on a private bridge-less dockerd (skips where Docker cannot run).
     extra_stage docker no-services tests/docker/run.sh
 fi

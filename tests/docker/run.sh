@@ -21,47 +21,25 @@ export DOCKER_BUILDKIT=0
 DOCKERD_SH=$ROOT/docker/dockerd.sh
 COMPOSE_FILE_REL=docker/compose.yaml
 PROJECT=idemgatetest
-PASS=0
-FAIL=0
 OWN_DOCKERD=0
 UP_PID=
 STACK_UP=0
 WORK=$(mktemp -d /tmp/idemgate-docker-test.XXXXXX)
 T_START=$SECONDS
 TIMINGS=()
+STAGE=docker
+# shellcheck source=tests/checks.sh
+. "$ROOT/tests/checks.sh"
 
-say() { echo "docker/run.sh: $*"; }
-pass() {
-    PASS=$((PASS + 1))
-    echo "  ok   $*"
-}
-failed() {
-    FAIL=$((FAIL + 1))
-    echo "  FAIL $*"
-}
-# check NAME COMMAND...: one assertion, counted.
-check() {
-    local name=$1
-    shift
-    if "$@"; then pass "$name"; else failed "$name"; fi
-}
 timing() { TIMINGS+=("$(printf '%-8s %4d s' "$1" "$2")"); }
 compose() { timeout "${COMPOSE_TIMEOUT:-120}" docker-compose -p "$PROJECT" -f "$COMPOSE_FILE_REL" "$@"; }
 
-summary() {
+summary_extra() {
     if [ ${#TIMINGS[@]} -gt 0 ]; then
         say "timings:"
         printf '  %s\n' "${TIMINGS[@]}"
     fi
     say "total $((SECONDS - T_START)) s"
-    echo "docker: $PASS passed, $FAIL failed"
-}
-# fatal NAME LOG: a failed step the rest cannot run without: count it, show the end of LOG, stop here.
-fatal() {
-    failed "$1"
-    tail -n 40 "$2"
-    summary
-    exit 1
 }
 skip() {
     say "skipped: $*"

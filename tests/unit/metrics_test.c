@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/metrics.h"
+#include "common/version.h"
 
 /* ---- a small parser of the text format 0.0.4, strict enough to catch format errors */
 
