@@ -258,3 +258,34 @@ bool cm_host_ok(const char *h, size_t n)
     uint64_t port; /* after the ':' */
     return cm_parse_digits(h + end + 1, n - end - 1, 5, &port) && port <= 65535;
 }
+
+size_t cm_path_match_form(const char *p, size_t n, char *out)
+{
+    size_t o = 0;
+    bool param = false; /* inside a segment's parameters, up to its end */
+    for (size_t i = 0; i < n; i++) {
+        char c = p[i];
+        if (c == '/')
+            param = false;
+        else if (c == ';')
+            param = true;
+        if (param)
+            continue;
+        out[o++] = c >= 'A' && c <= 'Z' ? (char)(c + 32) : c;
+    }
+    out[o] = '\0';
+    return o;
+}
+
+bool cm_path_meets(const char *rk, const char *k, bool prefix)
+{
+    size_t n = strlen(rk);
+    if (prefix && n == 1 && rk[0] == '/')
+        return true;
+    if (strncmp(k, rk, n) != 0)
+        return false;
+    if (k[n] == '\0' || (prefix && k[n] == '/'))
+        return true;
+    /* a format suffix on the last segment: rk's last segment is a name, k goes on with '.' and no other segment */
+    return n > 0 && rk[n - 1] != '/' && k[n] == '.' && strchr(k + n, '/') == NULL;
+}

@@ -48,6 +48,16 @@ void cm_target_free(struct cm_target *t);
  * digits and for a decoded NUL (out is then unspecified). */
 bool cm_pct_decode(const char *s, size_t n, bool plus_space, char *out, size_t *out_len) CM_MUST_CHECK;
 
+/* SPEC 7: routes match a path in its match form: ASCII letters lowercased and segment parameters (';' and the rest
+ * of its segment) removed ("/V1/Pay;x=1/A" -> "/v1/pay/a"). Writes the form of p[0..n) into out (room for n + 1
+ * bytes, NUL-terminated) and returns its length. */
+size_t cm_path_match_form(const char *p, size_t n, char *out);
+
+/* Whether a route's path rk (in match form; a whole-segment prefix when prefix) meets a request path k (in match
+ * form): k is rk, or (prefix) lies under it, or its last segment is rk's last one followed by a format suffix
+ * ".EXT" ("/v1/pay" meets "/v1/pay.json"). A prefix "/" meets every path. */
+bool cm_path_meets(const char *rk, const char *k, bool prefix);
+
 /* A Host header value h[0..n) of the one form SPEC 7 accepts: a host name (letters, digits, '-', '.', '_', '~';
  * an IPv4 address is one), or an IPv6 address in brackets, then optionally ':' and a port of 1 to 5 digits up to
  * 65535. A list, a path, a space, user info, percent-encoding or an empty value is false. */

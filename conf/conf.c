@@ -16,6 +16,8 @@
 
 #include <yaml.h>
 
+#include "common/uri.h"
+
 #define KIB ((uint64_t)1024)
 #define MIB (KIB * 1024)
 #define GIB (MIB * 1024)
@@ -158,22 +160,19 @@ const struct conf_route *conf_match_route(const struct conf *c, const char *path
 {
     if (c == NULL || path == NULL)
         return NULL;
-    for (size_t i = 0; i < c->routes_n; i++) {
+    size_t n = strlen(path);
+    char small[512];
+    char *k = n < sizeof small ? small : cm_malloc(n + 1);
+    cm_path_match_form(path, n, k);
+    const struct conf_route *found = NULL;
+    for (size_t i = 0; i < c->routes_n && !found; i++) {
         const struct conf_route *r = &c->routes[i];
-        if (r->path != NULL) {
-            if (strcmp(r->path, path) == 0)
-                return r;
-            continue;
-        }
-        if (r->path_prefix == NULL)
-            continue;
-        if (strcmp(r->path_prefix, "/") == 0)
-            return r;
-        size_t n = strlen(r->path_prefix);
-        if (strncmp(path, r->path_prefix, n) == 0 && (path[n] == '\0' || path[n] == '/'))
-            return r;
+        if (r->match_key != NULL && cm_path_meets(r->match_key, k, r->path == NULL))
+            found = r;
     }
-    return NULL;
+    if (k != small)
+        free(k);
+    return found;
 }
 
 /* ---------------------------------------------------------------- freeing */
@@ -218,6 +217,7 @@ void conf_destroy(struct conf *c)
         free(c->routes[i].name);
         free(c->routes[i].path);
         free(c->routes[i].path_prefix);
+        free(c->routes[i].match_key);
         idem_free(&c->routes[i].idem);
         ordering_free(&c->routes[i].ordering);
         free(c->routes[i].errors.tmpl);
@@ -1549,6 +1549,10 @@ static bool fn_match(struct ctx *x, yaml_node_t *n, void *target)
         return fail_line(x, line, "path and path_prefix are mutually exclusive (use one)");
     if (r->path == NULL && r->path_prefix == NULL)
         return fail_line(x, line, "needs exactly one of path or path_prefix");
+    const char *p = r->path ? r->path : r->path_prefix;
+    free(r->match_key);
+    r->match_key = cm_malloc(strlen(p) + 1);
+    cm_path_match_form(p, strlen(p), r->match_key);
     return true;
 }
 
@@ -2675,6 +2679,91 @@ static bool check_addresses(struct ctx *x, yaml_node_t *root)
     return true;
 }
 
+/* ---- routes that meet only under SPEC 7's spelling rule */
+
+static bool parts_same(const struct conf_part *a, size_t an, const struct conf_part *b, size_t bn)
+{
+    if (an != bn)
+        return false;
+    for (size_t i = 0; i < an; i++)
+        if (a[i].kind != b[i].kind || (a[i].header == NULL) != (b[i].header == NULL) ||
+            (a[i].header && strcasecmp(a[i].header, b[i].header) != 0))
+            return false;
+    return true;
+}
+
+static bool str_same(const char *a, const char *b)
+{
+    return a == b || (a && b && strcmp(a, b) == 0);
+}
+
+/* What a request gets on a route, apart from its name and path: where it goes and the rules that apply. */
+static bool route_policy_same(const struct conf_route *a, const struct conf_route *b)
+{
+    const struct conf_idem *x = &a->idem, *y = &b->idem;
+    const struct conf_ordering *o = &a->ordering, *p = &b->ordering;
+    return a->upstream == b->upstream && a->methods == b->methods && x->key == y->key && x->mode == y->mode &&
+           (x->header == y->header || (x->header && y->header && strcasecmp(x->header, y->header) == 0)) &&
+           parts_same(x->scope, x->scope_n, y->scope, y->scope_n) &&
+           parts_same(x->fingerprint, x->fingerprint_n, y->fingerprint, y->fingerprint_n) &&
+           x->retention_ms == y->retention_ms && x->lease_ms == y->lease_ms && x->on_in_flight == y->on_in_flight &&
+           x->wait_ms == y->wait_ms && x->on_unknown == y->on_unknown && x->max_body == y->max_body &&
+           x->forward_key == y->forward_key && x->max_response == y->max_response &&
+           x->release_statuses_n == y->release_statuses_n &&
+           (x->release_statuses_n == 0 ||
+            memcmp(x->release_statuses, y->release_statuses, x->release_statuses_n * sizeof(int)) == 0) &&
+           x->probe.enabled == y->probe.enabled && str_same(x->probe.path, y->probe.path) &&
+           str_same(x->probe.method, y->probe.method) && a->errors.kind == b->errors.kind &&
+           str_same(a->errors.tmpl, b->errors.tmpl) && o->enabled == p->enabled && str_same(o->resource, p->resource) &&
+           o->source == p->source && str_same(o->seq_name, p->seq_name) && o->on_gap == p->on_gap &&
+           o->hold_ms == p->hold_ms;
+}
+
+/* Route a meets route b's path as written, by the byte-exact rule routes had before SPEC 7's spelling rule. */
+static bool route_meets_literally(const struct conf_route *a, const struct conf_route *b)
+{
+    const char *bp = b->path ? b->path : b->path_prefix;
+    if (a->path)
+        return strcmp(a->path, bp) == 0;
+    size_t n = strlen(a->path_prefix);
+    return strcmp(a->path_prefix, "/") == 0 || (strncmp(bp, a->path_prefix, n) == 0 && (bp[n] == '\0' || bp[n] == '/'));
+}
+
+/* SPEC 7: two routes that meet only because case, segment parameters or a format suffix do not count (a request
+ * path would match both) must have the same policy, else the first one in the list would decide by spelling
+ * alone. Routes that nest as written ("/v1" before "/v1/payments") are the usual most-specific-first list. */
+static bool check_route_spellings(struct ctx *x, yaml_node_t *root)
+{
+    const struct conf *c = x->c;
+    yaml_node_t *routes = NULL;
+    find_line(x, root, "routes", &routes);
+    for (size_t j = 0; j < c->routes_n; j++) {
+        const struct conf_route *b = &c->routes[j];
+        for (size_t i = 0; i < j; i++) {
+            const struct conf_route *a = &c->routes[i];
+            if (!a->match_key || !b->match_key)
+                continue;
+            bool meet = cm_path_meets(a->match_key, b->match_key, a->path == NULL) ||
+                        cm_path_meets(b->match_key, a->match_key, b->path == NULL);
+            bool literal = route_meets_literally(a, b) || route_meets_literally(b, a);
+            if (!meet || literal || route_policy_same(a, b))
+                continue;
+            size_t line = 0;
+            if (routes && routes->type == YAML_SEQUENCE_NODE &&
+                routes->data.sequence.items.start + j < routes->data.sequence.items.top)
+                line = node_line(yaml_document_get_node(x->doc, routes->data.sequence.items.start[j]));
+            snprintf(x->path, sizeof x->path, "routes[%zu].match", j);
+            x->plen = strlen(x->path);
+            return fail_line(x, line ? line : node_line(root),
+                             "route '%s' and route '%s' meet when case, ';' parameters and a format suffix (.json) "
+                             "are ignored, as requests are routed, but their policies differ: give them the same "
+                             "policy or paths that do not meet",
+                             b->name ? b->name : "?", a->name ? a->name : "?");
+        }
+    }
+    return true;
+}
+
 static char *syntax_error(const char *name, const yaml_parser_t *p, const char *yaml, size_t len)
 {
     size_t line;
@@ -2744,7 +2833,7 @@ struct conf *conf_load_string(const char *name, const char *yaml, size_t len, ch
         fail_line(&x, x.jwt_part_line, "a jwt:CLAIM scope needs a top-level jwt: block (keys or secret_env)");
         goto fail;
     }
-    if (!check_addresses(&x, root))
+    if (!check_addresses(&x, root) || !check_route_spellings(&x, root))
         goto fail;
     if (!apply_env(&x, root))
         goto fail;

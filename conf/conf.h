@@ -147,6 +147,7 @@ struct conf_route {
     char *name;
     char *path;        /* exact path, or NULL */
     char *path_prefix; /* whole-segment prefix, or NULL; exactly one is set */
+    char *match_key;   /* path or path_prefix in SPEC 7's match form (cm_path_match_form): what requests meet */
     unsigned methods;  /* CONF_M_* bits idempotency applies to; default POST|PATCH */
     size_t upstream;   /* index into conf.upstreams */
     struct conf_idem idem;
@@ -265,7 +266,8 @@ bool conf_key_value(const struct conf *c, const char *path, char *buf, size_t n)
 /* docs/configuration.md: the whole reference as Markdown (conf/reference.c); the caller frees it. */
 char *conf_reference_markdown(void);
 
-/* First route whose path matches (path_prefix by whole segments), or NULL. */
+/* First route whose path or path_prefix (by whole segments) meets path under SPEC 7's rule (cm_path_meets on both
+ * match forms: case, segment parameters and a format suffix on the last segment do not matter), or NULL. */
 const struct conf_route *conf_match_route(const struct conf *c, const char *path);
 
 #endif

@@ -750,13 +750,13 @@ static const char *jwt_check(struct req *r, const struct conf_route *route)
 static bool order_headers(struct req *r, const struct conf_route *route, const char *method)
 {
     struct gw_job *job = &r->job;
-    size_t inst;
+    char *res;
     if (!route || !route->ordering.enabled || !(route->methods & conf_method_bit(method)) ||
-        !gw_order_match(route->ordering.resource, job->path, &inst))
+        !gw_order_match(route->ordering.resource, job->path, &res))
         return true;
     job->ordered = true;
-    job->resource = cm_strndup(job->path, inst);
-    job->resource_len = inst;
+    job->resource = res; /* in the template's spelling (SPEC 7: policy never depends on how a path is spelled) */
+    job->resource_len = strlen(res);
     if (route->ordering.source != CONF_SEQ_HEADER)
         return true;
     const char *v = cm_hdrs_get(&r->in_hdrs, route->ordering.seq_name);

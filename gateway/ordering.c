@@ -4,41 +4,61 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 /* The body's JSON is read by the validator below, not by jansson: jansson refuses whole documents that RFC 8259
  * allows (an integer beyond int64, a real beyond a double, "\u0000"), and a sequence must not depend on what else
  * the body holds. */
 
-bool gw_order_match(const char *tmpl, const char *path, size_t *inst_len)
+bool gw_order_match(const char *tmpl, const char *path, char **resource)
 {
+    *resource = NULL;
     size_t plen = strlen(path);
     while (plen > 1 && path[plen - 1] == '/')
         plen--;
     size_t ti = 0, pi = 0, tlen = strlen(tmpl);
     if (tlen == 0 || plen == 0 || tmpl[0] != '/' || path[0] != '/')
         return false;
+    char *out = cm_malloc(tlen + plen + 2); /* '/' + a literal (from tmpl) or a value (from path) per segment */
+    size_t o = 0;
+    out[o++] = '/';
     while (ti < tlen && pi < plen) {
         /* both at a '/' */
         ti++;
         pi++;
-        size_t te = ti, pe = pi;
+        size_t te = ti, pe = pi, pv;
         while (te < tlen && tmpl[te] != '/')
             te++;
         while (pe < plen && path[pe] != '/')
             pe++;
-        if (te - ti >= 2 && tmpl[ti] == '{' && tmpl[te - 1] == '}') {
-            if (pe == pi)
-                return false; /* a {name} is one non-empty segment */
-        } else if (te - ti != pe - pi || memcmp(tmpl + ti, path + pi, te - ti) != 0) {
-            return false;
+        for (pv = pi; pv < pe && path[pv] != ';'; pv++) /* the segment without its parameters */
+            ;
+        size_t tn = te - ti, vn = pv - pi;
+        if (tn >= 2 && tmpl[ti] == '{' && tmpl[te - 1] == '}') {
+            if (vn == 0)
+                goto no; /* a {name} is one non-empty segment */
+            memcpy(out + o, path + pi, vn);
+            o += vn;
+        } else {
+            bool last = te == tlen && pe == plen;
+            if (vn < tn || strncasecmp(tmpl + ti, path + pi, tn) != 0 || (vn > tn && !(last && path[pi + tn] == '.')))
+                goto no;
+            memcpy(out + o, tmpl + ti, tn);
+            o += tn;
         }
         ti = te;
         pi = pe;
+        if (ti < tlen && pi < plen)
+            out[o++] = '/';
     }
     if (ti != tlen || pi != plen)
-        return false;
-    *inst_len = plen;
+        goto no;
+    out[o] = '\0';
+    *resource = out;
     return true;
+no:
+    free(out);
+    return false;
 }
 
 bool gw_seq_parse(const char *v, size_t len, int64_t *out)

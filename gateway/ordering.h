@@ -12,12 +12,13 @@
 /* Largest sequence: 2^63 - 1. */
 #define GW_SEQ_MAX INT64_MAX
 
-/* True when path (normalized, no query) matches the template tmpl as a whole:
- * the same number of segments, literal segments equal byte for byte, one
- * segment (non-empty) per {name}; a trailing '/' of path is ignored. On a
- * match *inst_len is the length of path without that trailing '/': the
- * resource instance is path[0..*inst_len). */
-bool gw_order_match(const char *tmpl, const char *path, size_t *inst_len) CM_MUST_CHECK;
+/* True when path (normalized, no query) matches the template tmpl as a whole, under SPEC 7's rule (policy never
+ * depends on how a path is spelled): the same number of segments, each without its parameters (';' and the rest of
+ * the segment); literal segments equal up to ASCII case, the last one also followed by a format suffix ".EXT"; one
+ * non-empty segment per {name}; a trailing '/' of path is ignored. On a match *resource (heap, caller frees) is the
+ * resource instance: the template's literal segments as the template spells them and each {name}'s segment as
+ * sent (parameters removed), so "/V1/Accounts;x/AbC/address.json" is "/v1/accounts/AbC/address". */
+bool gw_order_match(const char *tmpl, const char *path, char **resource) CM_MUST_CHECK;
 
 /* Parses a sequence header value: 1*DIGIT without sign or leading zero,
  * 1 .. 2^63-1, optional surrounding spaces/tabs. false for anything else. */

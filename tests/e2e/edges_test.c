@@ -17,9 +17,14 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
 #include "harness.h"
+#include "tests/tools/b64url.h"
 
 TestSuite(edges, .init = e2e_setup, .fini = e2e_teardown, .timeout = 120);
 
@@ -433,6 +438,122 @@ Test(edges, two_key_headers_are_refused)
         free(r.data);
     }
     cr_expect_eq(e2e_upstream_count(up, NULL), 0, "a request with two keys was forwarded");
+}
+
+/* ---- 4b. policy never depends on how a path is spelled (SPEC 7) */
+
+#define SPELL_SECRET "e2e-hs256-secret-of-at-least-32-bytes-0123456789"
+
+/* clang-format off */
+/* A JWT-scoped route with a required key, an ordered route, and the default upstream for everything else. */
+static const char conf_spell[] =
+    E2E_CONF_HEAD
+    "upstreams:\n"
+    E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "5s")
+    "routes:\n"
+    E2E_CONF_ROUTE("jwt", "/v1/jwt", "api")
+    "      key: required\n"
+    "      scope: [jwt:sub]\n"
+    E2E_CONF_ROUTE("acct", "/v1/accounts", "api")
+    "      key: optional\n"
+    "    ordering:\n"
+    "      resource: /v1/accounts/{id}/address\n"
+    "      sequence: header:X-Sequence\n"
+    "default_upstream: api\n"
+    "jwt:\n"
+    "  secret_env: IDEMGATE_JWT_SECRET\n";
+/* clang-format on */
+
+/* "Authorization: Bearer <HS256 token of sub>" into out. */
+static void spell_bearer(const char *sub, char *out, size_t n)
+{
+    char payload[256], h[128], pl[512], msg[700], sig[128];
+    snprintf(payload, sizeof payload, "{\"sub\":\"%s\",\"exp\":%ld}", sub, (long)time(NULL) + 600);
+    static const char hdr[] = "{\"alg\":\"HS256\",\"typ\":\"JWT\"}";
+    test_b64url((const unsigned char *)hdr, strlen(hdr), h);
+    test_b64url((const unsigned char *)payload, strlen(payload), pl);
+    snprintf(msg, sizeof msg, "%s.%s", h, pl);
+    unsigned char mac[EVP_MAX_MD_SIZE];
+    unsigned int ml = 0;
+    HMAC(EVP_sha256(), SPELL_SECRET, (int)strlen(SPELL_SECRET), (const unsigned char *)msg, strlen(msg), mac, &ml);
+    test_b64url(mac, ml, sig);
+    snprintf(out, n, "Authorization: Bearer %s.%s\r\n", msg, sig);
+}
+
+/* Spellings of /v1/jwt that a server behind the gateway may read as it (Tomcat and Spring drop ";..." path
+ * parameters, many servers fold case, Rails and Spring read ".json" as a format): each meets the jwt route. */
+static const char *const jwt_spellings[] = {"/v1/jwt",      "/v1/jwt;",      "/v1/jwt;jsessionid=x", "/V1/JWT",
+                                            "/v1/jwt.json", "/V1/Jwt;a=b/x", "/v1;x=1/jwt",          "/v1/JWT.Json"};
+
+/* An attacker (a second client, without a token) tries each spelling with the key a victim used; then a retry
+ * under each spelling, with a token: the route's policy holds for all of them and the request is executed once.
+ * Before: every spelling but the first fell through to default_upstream and was forwarded (and each retry executed
+ * again). */
+Test(edges, policy_never_depends_on_the_path_spelling)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    static const char *const env[] = {"IDEMGATE_JWT_SECRET=" SPELL_SECRET, NULL};
+    struct e2e_gw_opts o = {.up = up, .env = env, .wait_ready = true};
+    struct e2e_gw *gw = e2e_gw_start(conf_spell, &o);
+    char alice[1024], key[64], req[2048];
+    spell_bearer("alice", alice, sizeof alice);
+    e2e_mkkey(key, sizeof key, "spell");
+    /* the victim */
+    snprintf(req, sizeof req,
+             "POST /v1/jwt HTTP/1.1\r\nHost: t\r\n%sIdempotency-Key: %s\r\nContent-Length: 2\r\n\r\n{}", alice, key);
+    struct e2e_raw r;
+    raw(gw, req, &r);
+    cr_expect_eq(r.status, 200, "the victim: %.300s", r.data ? r.data : "");
+    free(r.data);
+    /* the attacker: no token, every spelling, with and without the key */
+    for (size_t i = 0; i < sizeof jwt_spellings / sizeof jwt_spellings[0]; i++) {
+        for (int k = 0; k < 2; k++) {
+            char kh[96] = "";
+            if (k)
+                snprintf(kh, sizeof kh, "Idempotency-Key: %s\r\n", key);
+            snprintf(req, sizeof req, "POST %s HTTP/1.1\r\nHost: t\r\n%sContent-Length: 2\r\n\r\n{}", jwt_spellings[i],
+                     kh);
+            raw(gw, req, &r);
+            expect_raw_problem(&r, 401, "invalid-credentials", req);
+            free(r.data);
+        }
+    }
+    cr_expect_eq(e2e_upstream_count(up, NULL), 1, "a request without a token was forwarded");
+    /* retries with the token under every spelling: replayed, or refused as another request (the path, as forwarded,
+     * is in the fingerprint: /V1/JWT is not /v1/jwt to an upstream that is case-sensitive); never executed again */
+    for (size_t i = 0; i < sizeof jwt_spellings / sizeof jwt_spellings[0]; i++) {
+        snprintf(req, sizeof req, "POST %s HTTP/1.1\r\nHost: t\r\n%sIdempotency-Key: %s\r\nContent-Length: 2\r\n\r\n{}",
+                 jwt_spellings[i], alice, key);
+        raw(gw, req, &r);
+        cr_expect(r.status == 200 || r.status == 422, "retry %s: %.300s", jwt_spellings[i], r.data ? r.data : "");
+        free(r.data);
+    }
+    cr_expect_eq(e2e_upstream_count(up, NULL), 1, "a retry under another spelling was executed again");
+    /* the path is forwarded as sent */
+    snprintf(req, sizeof req,
+             "POST /V1/Jwt;a=b/x HTTP/1.1\r\nHost: t\r\n%sIdempotency-Key: %s-2\r\nContent-Length: 2\r\n\r\n{}", alice,
+             key);
+    raw(gw, req, &r);
+    char uri[256];
+    cr_expect_eq(r.status, 200, "%.300s", r.data ? r.data : "");
+    cr_expect_str_eq(raw_header(&r, "X-Echo-Uri", uri, sizeof uri) ?: "(none)", "/V1/Jwt;a=b/x");
+    free(r.data);
+    /* the ordering guard: one resource, however the path is spelled (its literal segments are the template's) */
+    char acct[64], path[256];
+    e2e_mkkey(acct, sizeof acct, "spellacct");
+    static const char *const shapes[] = {"/v1/accounts/%s/address", "/V1/ACCOUNTS/%s/Address;x=1",
+                                         "/v1/accounts;y/%s;z/address.json"};
+    for (size_t i = 0; i < 3; i++) {
+        snprintf(path, sizeof path, shapes[i], acct);
+        snprintf(req, sizeof req, "PATCH %s HTTP/1.1\r\nHost: t\r\nX-Sequence: %zu\r\nContent-Length: 2\r\n\r\n{}",
+                 path, i == 0 ? (size_t)5 : (size_t)3);
+        raw(gw, req, &r);
+        if (i == 0)
+            cr_expect_eq(r.status, 200, "%s: %.300s", path, r.data ? r.data : "");
+        else
+            expect_raw_problem(&r, 409, "stale-sequence", path);
+        free(r.data);
+    }
 }
 
 /* ---- 5. X-Forwarded-* */

@@ -731,9 +731,13 @@ Test(proxy, path_prefix_matches_whole_segments)
         const char *path;
         long status;
     } cases[] = {
-        {"/v1/payments", 200},  {"/v1/payments/42", 200},  {"/v1/payments/", 200}, {"/v1/payments?x=1", 200},
-        {"/v1/paymentsx", 404}, {"/v1/payments-x/1", 404}, {"/v1/payment", 404},   {"/v1", 404},
-        {"/v2/payments", 404},  {"/V1/payments", 404},
+        {"/v1/payments", 200},        {"/v1/payments/42", 200},
+        {"/v1/payments/", 200},       {"/v1/payments?x=1", 200},
+        {"/v1/paymentsx", 404},       {"/v1/payments-x/1", 404},
+        {"/v1/payment", 404},         {"/v1", 404},
+        {"/v2/payments", 404},        {"/V1/payments", 200}, /* SPEC 7: case does not decide the route */
+        {"/v1/payments.json", 200},   {"/v1/payments;x=1/2", 200},
+        {"/v1/payments.json/1", 404},
     };
     long forwarded = 0;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

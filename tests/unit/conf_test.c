@@ -494,7 +494,19 @@ Test(conf, route_matching)
         {"/v1/orders", "orders"},
         {"/v1/orders/1", NULL}, /* path is exact */
         {"/v1/orders/", NULL},
-        {"/V1/orders", NULL},
+        /* SPEC 7: case, segment parameters and a format suffix on the last segment do not matter */
+        {"/V1/orders", "orders"},
+        {"/v1/orders;jsessionid=x", "orders"},
+        {"/v1/orders;", "orders"},
+        {"/v1/orders.json", "orders"},
+        {"/V1/ORDERS.Json", "orders"},
+        {"/v1/orders.json/x", NULL},
+        {"/v1/orders.json;x", "orders"},
+        {"/v1;a=b/orders", "orders"},
+        {"/V1/Payments;a/42", "payments"},
+        {"/v1/payments.json", "payments"},
+        {"/v1/payments.json/1", NULL},
+        {"/v1/Payments/Special.xml", "exact"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         const struct conf_route *r = conf_match_route(c, cases[i].path);
@@ -529,6 +541,29 @@ Test(conf, route_matching)
     c = load_ok(BASE "routes: []\n");
     cr_expect_eq(c->routes_n, 0);
     cr_expect_null(conf_match_route(c, "/x"));
+    conf_destroy(c);
+}
+
+/* Routes that meet only under SPEC 7's spelling rule load when their policies are the same; routes nested as
+ * written (most specific first) load whatever their policies. */
+Test(conf, routes_meeting_by_spelling_with_one_policy_load)
+{
+    struct conf *c = load_ok(BASE "routes:\n"
+                                  "  - name: a\n"
+                                  "    match: {path: /v1/jwt}\n"
+                                  "    upstream: api\n"
+                                  "  - name: b\n"
+                                  "    match: {path: /v1/JWT.json}\n"
+                                  "    upstream: api\n"
+                                  "  - name: pay\n"
+                                  "    match: {path_prefix: /v1/payments}\n"
+                                  "    upstream: api\n"
+                                  "    idempotency: {key: required}\n"
+                                  "  - name: rest\n"
+                                  "    match: {path_prefix: /v1}\n"
+                                  "    upstream: api\n"
+                                  "    idempotency: {key: 'off'}\n");
+    cr_expect_eq(c->routes_n, 4);
     conf_destroy(c);
 }
 
@@ -807,6 +842,15 @@ static const struct bad_case bad_cases[] = {
     {"root is a list", "- a\n- b\n", "t.yaml:1: (root): expected a mapping, got a list"},
     {"empty file", "# nothing\n", "t.yaml:1: (root): the configuration is empty"},
     {"two documents", BASE "---\nlisten: 127.0.0.1:1\n", "t.yaml:6: (root): only one YAML document is allowed"},
+    /* SPEC 7: routes that meet only when case, ';' parameters and a format suffix are ignored need one policy */
+    {"routes meeting by case",
+     BASE "routes:\n  - name: a\n    match: {path: /v1/jwt}\n    upstream: api\n    idempotency: {key: required}\n"
+          "  - name: b\n    match: {path_prefix: /V1/JWT}\n    upstream: api\n    idempotency: {key: 'off'}\n",
+     "t.yaml:11: routes[1].match: route 'b' and route 'a' meet when case, ';' parameters and a format suffix"},
+    {"routes meeting by a format suffix",
+     BASE "routes:\n  - name: a\n    match: {path_prefix: /v1/pay}\n    upstream: api\n"
+          "  - name: b\n    match: {path: /v1/pay.json}\n    upstream: api\n    idempotency: {key: required}\n",
+     "t.yaml:10: routes[1].match: route 'b' and route 'a' meet"},
 };
 
 Test(conf, bad_configs)

@@ -12,29 +12,37 @@ Test(order_match, templates)
     static const struct {
         const char *tmpl, *path;
         bool match;
-        size_t inst_len;
+        const char *resource;
     } cases[] = {
-        {"/v1/accounts/{id}/address", "/v1/accounts/42/address", true, 23},
-        {"/v1/accounts/{id}/address", "/v1/accounts/42/address/", true, 23},
-        {"/v1/accounts/{id}/address", "/v1/accounts//address", false, 0},
-        {"/v1/accounts/{id}/address", "/v1/accounts/42/address/x", false, 0},
-        {"/v1/accounts/{id}/address", "/v1/accounts/42", false, 0},
-        {"/v1/accounts/{id}/address", "/v1/accounts/4/2/address", false, 0},
-        {"/v1/accounts/{id}/address", "/v1/accountsx/42/address", false, 0},
-        {"/v1/accounts/{id}/address", "/v1/accounts/42/addressx", false, 0},
-        {"/v1/accounts/{id}/address", "/V1/accounts/42/address", false, 0},
-        {"/v1/{a}/{b}", "/v1/x/y", true, 7},
-        {"/v1/{a}/{b}", "/v1/x", false, 0},
-        {"/v1/items/{id}", "/v1/items/%41", true, 13},
-        {"/", "/", true, 1},
-        {"/v1", "/", false, 0},
+        {"/v1/accounts/{id}/address", "/v1/accounts/42/address", true, "/v1/accounts/42/address"},
+        {"/v1/accounts/{id}/address", "/v1/accounts/42/address/", true, "/v1/accounts/42/address"},
+        {"/v1/accounts/{id}/address", "/v1/accounts//address", false, NULL},
+        {"/v1/accounts/{id}/address", "/v1/accounts/42/address/x", false, NULL},
+        {"/v1/accounts/{id}/address", "/v1/accounts/42", false, NULL},
+        {"/v1/accounts/{id}/address", "/v1/accounts/4/2/address", false, NULL},
+        {"/v1/accounts/{id}/address", "/v1/accountsx/42/address", false, NULL},
+        {"/v1/accounts/{id}/address", "/v1/accounts/42/addressx", false, NULL},
+        /* SPEC 7: case, segment parameters and a format suffix on the last segment do not make another resource;
+         * the {id} is kept as sent (ids are case-sensitive), without its parameters */
+        {"/v1/accounts/{id}/address", "/V1/accounts/42/address", true, "/v1/accounts/42/address"},
+        {"/v1/accounts/{id}/address", "/V1/Accounts;x=1/AbC;y/ADDRESS.json", true, "/v1/accounts/AbC/address"},
+        {"/v1/accounts/{id}/address", "/v1/accounts/42/address;", true, "/v1/accounts/42/address"},
+        {"/v1/accounts/{id}/address", "/v1/accounts.json/42/address", false, NULL},
+        {"/v1/accounts/{id}/address", "/v1/accounts/;x/address", false, NULL},
+        {"/v1/Accounts/{id}", "/v1/accounts/a.b", true, "/v1/Accounts/a.b"},
+        {"/v1/{a}/{b}", "/v1/x/y", true, "/v1/x/y"},
+        {"/v1/{a}/{b}", "/v1/x", false, NULL},
+        {"/v1/items/{id}", "/v1/items/%41", true, "/v1/items/%41"},
+        {"/", "/", true, "/"},
+        {"/v1", "/", false, NULL},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        size_t n = 0;
-        bool m = gw_order_match(cases[i].tmpl, cases[i].path, &n);
+        char *res = NULL;
+        bool m = gw_order_match(cases[i].tmpl, cases[i].path, &res);
         cr_expect_eq(m, cases[i].match, "%s vs %s", cases[i].tmpl, cases[i].path);
         if (m && cases[i].match)
-            cr_expect_eq(n, cases[i].inst_len, "%s: %zu", cases[i].path, n);
+            cr_expect_str_eq(res, cases[i].resource, "%s: %s", cases[i].path, res);
+        free(res);
     }
 }
 

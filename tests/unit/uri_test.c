@@ -237,3 +237,38 @@ Test(uri, host_table)
         cr_expect_eq(cm_host_ok(cases[i].h, strlen(cases[i].h)), cases[i].ok, "'%s' must be %s", cases[i].h,
                      cases[i].ok ? "accepted" : "refused");
 }
+
+/* SPEC 7: the form routes match on, and when a route's path meets a request's */
+Test(uri, match_form_and_meets)
+{
+    static const struct {
+        const char *in, *out;
+    } forms[] = {
+        {"/V1/Pay", "/v1/pay"}, {"/v1/pay;", "/v1/pay"}, {"/v1;a=b/pay;jsessionid=X", "/v1/pay"}, {"/", "/"},
+        {"/a;b/", "/a/"},       {"/%7E;x", "/%7e"},
+    };
+    for (size_t i = 0; i < sizeof forms / sizeof forms[0]; i++) {
+        char out[64];
+        size_t n = cm_path_match_form(forms[i].in, strlen(forms[i].in), out);
+        cr_expect_str_eq(out, forms[i].out, "%s", forms[i].in);
+        cr_expect_eq(n, strlen(forms[i].out));
+    }
+    static const struct {
+        const char *rk, *k;
+        bool prefix, meets;
+    } meets[] = {
+        {"/v1/pay", "/v1/pay", false, true},
+        {"/v1/pay", "/v1/pay.json", false, true},
+        {"/v1/pay", "/v1/pay.", false, true},
+        {"/v1/pay", "/v1/pay/x", false, false},
+        {"/v1/pay", "/v1/pay/x", true, true},
+        {"/v1/pay", "/v1/payx", true, false},
+        {"/v1/pay", "/v1/pay.json/x", true, false},
+        {"/v1/pay/", "/v1/pay/.json", false, false},
+        {"/", "/anything", true, true},
+        {"/", "/x", false, false},
+    };
+    for (size_t i = 0; i < sizeof meets / sizeof meets[0]; i++)
+        cr_expect_eq(cm_path_meets(meets[i].rk, meets[i].k, meets[i].prefix), meets[i].meets, "%s %s %s", meets[i].rk,
+                     meets[i].prefix ? "prefix" : "path", meets[i].k);
+}
