@@ -1798,6 +1798,7 @@ static bool fn_probe_headers(struct ctx *x, yaml_node_t *n, void *target)
         const char *val = scalar(x, v, "a header value");
         if (val == NULL)
             goto fail;
+        const char *env_val = NULL;
         if (val[0] == '$') {
             if (!is_token(val + 1)) {
                 fail(x, v, "invalid environment variable name '%s'", shown(b, val + 1));
@@ -1808,12 +1809,13 @@ static bool fn_probe_headers(struct ctx *x, yaml_node_t *n, void *target)
                 fail(x, v, "environment variable %s is not set", shown(b, val + 1));
                 goto fail;
             }
-            val = env;
+            val = env_val = env;
         }
         if (strlen(val) > 8192 || !cm_field_value_ok(val, strlen(val))) {
             fail(x, v, "invalid header value (control bytes or over 8 KiB)");
             goto fail;
         }
+        h[got].has_key = val != env_val && strstr(val, "{key}") != NULL;
         h[got].name = cm_strdup(name);
         h[got].value = cm_strdup(val);
         got++;
@@ -1833,10 +1835,11 @@ static const struct field probe_fields[] = {
              .show = show_str, .allowed = "an HTTP token of at most 32 bytes",
              .doc = "The method of the look-up request."),
     FIELD_FN("path", struct conf_probe, path, fn_probe_path, true, .what = "path",
-             .allowed = "starts with `/`, visible ASCII without `#`; `{key}` at most once, no other placeholder",
+             .allowed = "starts with `/`, visible ASCII without `#`; `{key}` at most once, no other placeholder; "
+                        "the path or a `headers` value must carry `{key}`",
              .doc = "The look-up's path and query, after the upstream URL's base path. `{key}` is replaced by the "
-                    "key, everything but RFC 3986 unreserved characters percent-encoded. The API must find a "
-                    "request by its key alone (the gateway cannot tell it the tenant)."),
+                    "key, everything but RFC 3986 unreserved characters percent-encoded. On a scoped route the "
+                    "look-up asks as the retry's tenant (see `keys_unique_upstream`)."),
     FIELD_BASE("found", fn_probe_found, false, .what = "list of statuses", .def = "[200]", .show = show_statuses,
                LIST_AT(struct conf_probe, found, found_n),
                .allowed = "distinct statuses 100 to 599, none also in `absent`",
@@ -1848,9 +1851,17 @@ static const struct field probe_fields[] = {
                       "forwarded. Any other answer leaves the outcome unknown (409 "
                       "`idempotency-outcome-unknown`) until the next retry or sweep asks again."),
     FIELD_BASE("headers", fn_probe_headers, false, .what = "mapping of header: value",
-               .allowed = "names are tokens; a value `$NAME` is read from the environment at load (unset: an error)",
-               .doc = "The only headers the look-up carries (besides `Host`): never the client's headers, its "
-                      "`Authorization` or its key header."),
+               .allowed = "names are tokens; a value `$NAME` is read from the environment at load (unset: an error); "
+                          "`{key}` in a value as written is the key",
+               .doc = "The headers the look-up carries (besides `Host`), with, on a scoped route, the retry's own "
+                      "scope parts: the values of its `header:` parts and its verified `Authorization` for `jwt:` "
+                      "parts (replacing an entry of the same name). Never the client's other headers or its key "
+                      "header."),
+    FIELD("keys_unique_upstream", F_BOOL, struct conf_probe, keys_unique_upstream, 0, 0, .def = "false",
+          .doc = "The upstream's look-up by key alone is tenant-safe (keys are unique across tenants). Needed on a "
+                 "scoped route for the background sweeper to probe it (it has no request to take the scope's parts "
+                 "from) and for a scope part a look-up cannot carry (`method`, `path`, `query`, `body`: refused "
+                 "otherwise)."),
 };
 
 static bool fn_probe(struct ctx *x, yaml_node_t *n, void *target)
@@ -1899,6 +1910,46 @@ static const char *const key_modes[] = {"optional", "required", "off", NULL};
 static const char *const in_flight_modes[] = {"conflict", "wait", NULL};
 static const char *const unknown_modes[] = {"reject", "retry", "probe", NULL};
 
+static const char *part_name(enum conf_part_kind k)
+{
+    static const char *const names[] = {"method", "path", "query", "body", "header:", "jwt:"};
+    return (unsigned)k < NFIELDS(names) ? names[k] : "?";
+}
+
+/* SPEC 9: the look-up asks the upstream about this key (the path or a header carries {key}; the upstream knows the
+ * key only when it is forwarded) and, on a scoped route, as this tenant: it carries the scope's header: parts and
+ * the verified Authorization of jwt: parts, nothing else, so another part is refused unless the upstream's look-up
+ * by key alone is tenant-safe (keys_unique_upstream). */
+static bool probe_asks_this_intent(struct ctx *x, const struct conf_idem *d, size_t line)
+{
+    if (!d->forward_key) {
+        path_push(x, ".forward_key");
+        return fail_line(x, line,
+                         "on_unknown: probe needs forward_key: true (the upstream would never know the key the "
+                         "look-up asks about)");
+    }
+    bool carried = strstr(d->probe.path, "{key}") != NULL;
+    for (size_t i = 0; i < d->probe.headers_n; i++)
+        carried = carried || d->probe.headers[i].has_key;
+    if (!carried) {
+        path_push(x, ".probe");
+        return fail_line(x, line,
+                         "the look-up does not carry {key} (put {key} in probe.path or in a probe.headers value): "
+                         "every key would ask the same question");
+    }
+    for (size_t i = 0; i < d->scope_n && !d->probe.keys_unique_upstream; i++) {
+        if (d->scope[i].kind == CONF_PART_HEADER || d->scope[i].kind == CONF_PART_JWT)
+            continue;
+        path_push(x, ".scope");
+        return fail_line(x, line,
+                         "the look-up cannot carry scope part '%s' (it carries header: and jwt: parts only), so it "
+                         "could find another tenant's request; set probe.keys_unique_upstream: true if the "
+                         "upstream's look-up by key alone is tenant-safe",
+                         part_name(d->scope[i].kind));
+    }
+    return true;
+}
+
 static const struct field idem_fields[] = {
     FIELD_ENUM("key", struct conf_idem, key, key_modes, .def = "optional",
                .doc = "`required`: a request without a key is 400 `idempotency-key-missing`. `optional`: a request "
@@ -1945,7 +1996,8 @@ static const struct field idem_fields[] = {
     FIELD("max_body", F_SIZE, struct conf_idem, max_body, 1, SIZE_MAX_BODY, .def = "1MiB",
           .doc = "The largest request body on this route (every method); beyond it 413 `payload-too-large`."),
     FIELD("forward_key", F_BOOL, struct conf_idem, forward_key, 0, 0, .def = "true",
-          .doc = "Whether the key header is passed on to the upstream."),
+          .doc = "Whether the key header is passed on to the upstream. `false` is refused with `on_unknown: "
+                 "probe` (the upstream would never know the key it is asked about)."),
     FIELD("max_response", F_SIZE, struct conf_idem, max_response, 1, SIZE_MAX_BODY, .def = "8MiB",
           .doc = "The largest upstream answer stored and replayed. A larger one executed but cannot be stored: "
                  "502 `upstream-response-too-large`, an unknown outcome."),
@@ -1973,7 +2025,7 @@ static bool fn_idem(struct ctx *x, yaml_node_t *n, void *target)
         path_push(x, ".probe");
         return fail_line(x, line, "probe: is used only with on_unknown: probe");
     }
-    return true;
+    return d->on_unknown != CONF_UNKNOWN_PROBE || probe_asks_this_intent(x, d, line);
 }
 
 static void idem_defaults(struct conf_idem *d)

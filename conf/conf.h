@@ -83,6 +83,7 @@ struct conf_part {
 struct conf_probe_header {
     char *name;
     char *value;
+    bool has_key; /* the value as written holds "{key}": each is replaced by the key (never in a $NAME value) */
 };
 
 /* on_unknown: probe: how the gateway asks the upstream whether an unknown outcome executed (SPEC 9). */
@@ -94,8 +95,11 @@ struct conf_probe {
     size_t found_n;
     int *absent; /* default [404]: nothing executed, the claim is released */
     size_t absent_n;
-    struct conf_probe_header *headers; /* the only headers the look-up carries */
+    struct conf_probe_header *headers; /* the only headers the look-up carries (with the scope's request parts) */
     size_t headers_n;
+    /* default false: the upstream's look-up by key alone is tenant-safe, so the sweeper (which has no request to
+     * take the scope's parts from) may probe a scoped route, and a scope part the look-up cannot carry is allowed */
+    bool keys_unique_upstream;
 };
 
 /* mode: enforce (default) or shadow: forward everything, count what enforce would have done (SPEC 10). */

@@ -134,6 +134,7 @@ static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
     }
     cm_hdrs_init(&r->in_hdrs);
     cm_hdrs_init(&r->job.fwd_hdrs);
+    cm_hdrs_init(&r->job.probe_hdrs);
     cm_hdrs_init(&r->job.resp_hdrs);
     cm_buf_init(&r->job.body, 0);
     cm_buf_init(&r->job.resp_body, 0);
@@ -152,6 +153,7 @@ static void req_free(struct req *r)
     free(r->job.resource);
     cm_hdrs_free(&r->in_hdrs);
     cm_hdrs_free(&r->job.fwd_hdrs);
+    cm_hdrs_free(&r->job.probe_hdrs);
     cm_hdrs_free(&r->job.resp_hdrs);
     cm_buf_free(&r->job.body);
     cm_buf_free(&r->job.resp_body);
@@ -920,6 +922,8 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
         const struct conf_idem *im = &job->route->idem;
         gw_hash_parts(im->fingerprint, im->fingerprint_n, &parts, job->fp);
         gw_hash_parts(im->scope, im->scope_n, &parts, job->scope);
+        if (job->idempotent && im->on_unknown == CONF_UNKNOWN_PROBE) /* SPEC 9: the look-up asks as this tenant */
+            gw_scope_probe_headers(im->scope, im->scope_n, &r->in_hdrs, &job->probe_hdrs);
     }
     job->loop = r->shard->loop;
     /* A replay the cache holds is answered now: no suspend, no hand-over, and no forwarding headers built; when

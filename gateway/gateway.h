@@ -37,6 +37,8 @@ struct gw_job {
     uint8_t scope[32];
     uint8_t fp[32];
     bool cache_asked; /* the front looked the record up in the replay cache (a miss): the claim does not again */
+    /* on_unknown: probe on a scoped route: the scope's request parts its look-up carries (gw_scope_probe_headers) */
+    struct cm_hdrs probe_hdrs;
     /* ordering guard (SPEC 6; gateway/ordering.h): parsed by the front */
     bool ordered;   /* the route's guard covers this request */
     int64_t seq;    /* its sequence */

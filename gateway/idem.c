@@ -153,3 +153,23 @@ void gw_hash_parts(const struct conf_part *parts, size_t n, const struct gw_reqp
     }
     cm_sha256_final(&h, out);
 }
+
+/* Appends every value of header name in in to out, unless out has it already (two parts naming one header). */
+static void copy_header(const struct cm_hdrs *in, const char *name, struct cm_hdrs *out)
+{
+    if (cm_hdrs_get(out, name))
+        return;
+    for (size_t i = 0; i < in->n; i++)
+        if (strcasecmp(in->v[i].name, name) == 0)
+            cm_hdrs_add(out, in->v[i].name, in->v[i].value);
+}
+
+void gw_scope_probe_headers(const struct conf_part *parts, size_t n, const struct cm_hdrs *in, struct cm_hdrs *out)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (parts[i].kind == CONF_PART_HEADER)
+            copy_header(in, parts[i].header, out);
+        else if (parts[i].kind == CONF_PART_JWT)
+            copy_header(in, "Authorization", out);
+    }
+}

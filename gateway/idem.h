@@ -42,4 +42,9 @@ struct gw_reqparts {
  * With n == 0 the result is the hash of nothing (a fixed value). */
 void gw_hash_parts(const struct conf_part *parts, size_t n, const struct gw_reqparts *r, uint8_t out[32]);
 
+/* The request parts of a scope that an on_unknown: probe look-up carries (SPEC 9), appended to out: every value of
+ * each header: part's header in arrival order, and the Authorization header (the verified bearer token) once when
+ * the scope has a jwt: part. The other parts (method, path, query, body) cannot travel with a look-up. */
+void gw_scope_probe_headers(const struct conf_part *parts, size_t n, const struct cm_hdrs *in, struct cm_hdrs *out);
+
 #endif

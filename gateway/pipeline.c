@@ -655,7 +655,7 @@ static void probe_unknown(struct gw_job *job)
     struct store_id id = job_id(job);
     job->pipe->probed = true; /* once per request: a second unknown verdict is answered 409 */
     set_state(job, GW_PIPE_PROBING);
-    gw_probe_run(gw_loop_probe(job->loop), job->route_index, &id, probe_answered, job);
+    gw_probe_run(gw_loop_probe(job->loop), job->route_index, &id, &job->probe_hdrs, probe_answered, job);
 }
 
 /* The key is in flight (in Postgres, or held by another request of this process): wait (on_in_flight: wait) or 409. */

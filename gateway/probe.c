@@ -28,7 +28,8 @@ struct probe_run {
     size_t key_len;
     uint8_t scope[32];
     uint64_t token;
-    bool sweep; /* started by the sweeper (no caller to answer) */
+    struct cm_hdrs scope_hdrs; /* the retry's scope parts the look-up carries (none for the sweeper) */
+    bool sweep;                /* started by the sweeper (no caller to answer) */
     struct up_transfer *transfer;
     struct cm_resp resp;
     enum gw_probe_result result;
@@ -83,6 +84,7 @@ static void run_free(struct probe_run *r)
     if (r->sweep && p->sweeping > 0)
         p->sweeping--;
     cm_resp_free(&r->resp);
+    cm_hdrs_free(&r->scope_hdrs);
     gw_conf_unref(r->cref);
     free(r->route_name);
     free(r->key);
@@ -167,6 +169,9 @@ static void looked_up(void *arg, enum up_result ur, struct cm_resp *resp, const 
         r->resp = *resp;
         cm_hdrs_init(&resp->hdrs);
         cm_buf_init(&resp->body, 0);
+        /* SPEC 9: the look-up's cookies belong to the gateway's look-up session, never to a client */
+        cm_hdrs_remove(&r->resp.hdrs, "Set-Cookie");
+        cm_hdrs_remove(&r->resp.hdrs, "Set-Cookie2");
         store_complete(st, &id, r->token, &r->resp, r->route->idem.retention_ms, r->route->idem.lease_ms, found_stored,
                        r);
         return;
@@ -184,31 +189,53 @@ static void looked_up(void *arg, enum up_result ur, struct cm_resp *resp, const 
     give_back(r, GW_PROBE_UNRESOLVED);
 }
 
-/* base path + probe.path with {key} percent-encoded (everything but RFC 3986 unreserved). false: over the cap. */
-static bool build_target(const struct probe_run *r, const struct conf_upstream *u, struct cm_buf *out)
+/* Appends text with each "{key}" replaced by the key: percent-encoded (everything but RFC 3986 unreserved) in the
+ * target, as it is in a header value (visible ASCII and spaces, a valid field value). false: over the cap. */
+static bool put_with_key(const struct probe_run *r, const char *text, bool encode, struct cm_buf *out)
 {
     static const char hex[] = "0123456789ABCDEF";
-    const char *path = r->route->idem.probe.path;
-    if (!cm_buf_appendf(out, "%s", u->base_path))
-        return false;
-    const char *at = strstr(path, "{key}");
-    size_t head = at ? (size_t)(at - path) : strlen(path);
-    if (!cm_buf_append(out, path, head))
-        return false;
-    if (!at)
-        return true;
-    for (size_t i = 0; i < r->key_len; i++) {
-        unsigned char ch = (unsigned char)r->key[i];
-        bool unreserved = (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') ||
-                          ch == '-' || ch == '.' || ch == '_' || ch == '~';
-        char enc[3] = {'%', hex[ch >> 4], hex[ch & 15]};
-        if (!(unreserved ? cm_buf_append(out, (const char *)&ch, 1) : cm_buf_append(out, enc, 3)))
+    for (const char *at; (at = strstr(text, "{key}")) != NULL; text = at + 5) {
+        if (!cm_buf_append(out, text, (size_t)(at - text)))
             return false;
+        for (size_t i = 0; i < r->key_len; i++) {
+            unsigned char ch = (unsigned char)r->key[i];
+            bool unreserved = (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') ||
+                              ch == '-' || ch == '.' || ch == '_' || ch == '~';
+            char enc[3] = {'%', hex[ch >> 4], hex[ch & 15]};
+            if (!(unreserved || !encode ? cm_buf_append(out, (const char *)&ch, 1) : cm_buf_append(out, enc, 3)))
+                return false;
+        }
     }
-    return cm_buf_appendf(out, "%s", at + 5);
+    return cm_buf_appendf(out, "%s", text);
 }
 
-/* Sends the look-up: the route's upstream and timeouts, probe.headers only (never the client's). */
+/* The look-up's headers: probe.headers ({key} replaced where written), then the retry's scope parts, which replace
+ * a probe header of the same name (the tenant asks as itself). false: a value over the cap. */
+static bool build_headers(const struct probe_run *r, struct cm_hdrs *hdrs)
+{
+    const struct conf_probe *pc = &r->route->idem.probe;
+    bool ok = true;
+    for (size_t i = 0; i < pc->headers_n && ok; i++) {
+        if (cm_hdrs_get(&r->scope_hdrs, pc->headers[i].name))
+            continue;
+        if (!pc->headers[i].has_key) {
+            cm_hdrs_add(hdrs, pc->headers[i].name, pc->headers[i].value);
+            continue;
+        }
+        struct cm_buf v;
+        cm_buf_init(&v, PROBE_TARGET_MAX);
+        ok = put_with_key(r, pc->headers[i].value, false, &v);
+        if (ok)
+            cm_hdrs_addn(hdrs, pc->headers[i].name, strlen(pc->headers[i].name), v.data, v.len);
+        cm_buf_free(&v);
+    }
+    for (size_t i = 0; i < r->scope_hdrs.n; i++)
+        cm_hdrs_add(hdrs, r->scope_hdrs.v[i].name, r->scope_hdrs.v[i].value);
+    return ok;
+}
+
+/* Sends the look-up: the route's upstream and timeouts, probe.headers and the retry's scope parts only (never the
+ * client's other headers). */
 static bool send_lookup(struct probe_run *r)
 {
     const struct conf *conf = r->cref->conf;
@@ -218,9 +245,8 @@ static bool send_lookup(struct probe_run *r)
     cm_buf_init(&target, PROBE_TARGET_MAX);
     struct cm_hdrs hdrs;
     cm_hdrs_init(&hdrs);
-    for (size_t i = 0; i < pc->headers_n; i++)
-        cm_hdrs_add(&hdrs, pc->headers[i].name, pc->headers[i].value);
-    bool ok = build_target(r, u, &target);
+    bool ok = cm_buf_appendf(&target, "%s", u->base_path) && put_with_key(r, pc->path, true, &target) &&
+              build_headers(r, &hdrs);
     if (ok) {
         struct up_origin origin = {.https = u->https, .host = u->host, .port = u->port, .ip_literal = u->host_is_ip};
         bool safe = strcmp(pc->method, "GET") == 0 || strcmp(pc->method, "HEAD") == 0;
@@ -262,9 +288,16 @@ static void taken(void *arg, bool ok, long rows)
     }
 }
 
+/* SPEC 9: the sweeper has no request to take a scope's parts from: it probes a scoped route only when the
+ * upstream's look-up by key alone is tenant-safe. */
+static bool sweepable(const struct conf_route *route)
+{
+    return route->idem.scope_n == 0 || route->idem.probe.keys_unique_upstream;
+}
+
 /* sweep: started by the sweeper (counted in p->sweeping before anything can call back). */
-static void run_start(struct gw_probe *p, size_t route_index, const struct store_id *id, bool sweep, gw_probe_cb cb,
-                      void *arg)
+static void run_start(struct gw_probe *p, size_t route_index, const struct store_id *id,
+                      const struct cm_hdrs *scope_hdrs, bool sweep, gw_probe_cb cb, void *arg)
 {
     /* the configuration in force now (a reload may have added, changed or removed the route's probe: block); by
      * name, since a request's route_index is its metrics slot and after a reload its route is another struct */
@@ -275,8 +308,9 @@ static void run_start(struct gw_probe *p, size_t route_index, const struct store
         if (strcmp(conf->routes[i].name, id->route) == 0 && conf->routes[i].idem.on_unknown == CONF_UNKNOWN_PROBE)
             route = &conf->routes[i];
     (void)route_index;
-    if (!route) {
-        cm_log(CM_WARN, "probe_unresolved", "route=%s reason=not_a_probe_route", id->route);
+    if (!route || (sweep && !sweepable(route))) { /* a reload since the sweeper listed it */
+        cm_log(CM_WARN, "probe_unresolved", "route=%s reason=%s", id->route,
+               route ? "scoped_route_not_swept" : "not_a_probe_route");
         if (cb)
             cb(arg, GW_PROBE_UNRESOLVED, NULL);
         return;
@@ -291,6 +325,9 @@ static void run_start(struct gw_probe *p, size_t route_index, const struct store
     r->key_len = id->key_len;
     memcpy(r->scope, id->scope, 32);
     r->token = cm_random_token();
+    cm_hdrs_init(&r->scope_hdrs);
+    for (size_t i = 0; scope_hdrs && i < scope_hdrs->n; i++)
+        cm_hdrs_add(&r->scope_hdrs, scope_hdrs->v[i].name, scope_hdrs->v[i].value);
     r->cb = cb;
     r->arg = arg;
     r->sweep = sweep;
@@ -306,9 +343,10 @@ static void run_start(struct gw_probe *p, size_t route_index, const struct store
     store_probe_take(gw_loop_store(p->loop), id, r->token, hold, taken, r);
 }
 
-void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, gw_probe_cb cb, void *arg)
+void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, const struct cm_hdrs *scope_hdrs,
+                  gw_probe_cb cb, void *arg)
 {
-    run_start(p, route_index, id, false, cb, arg);
+    run_start(p, route_index, id, scope_hdrs, false, cb, arg);
 }
 
 /* ---- the sweeper: unknown outcomes no client retries */
@@ -324,11 +362,12 @@ static void listed(void *arg, bool ok, const struct store_unknown_rec *recs, siz
     struct gw_probe *p = arg;
     p->listing = false;
     for (size_t i = 0; ok && i < n; i++)
-        run_start(p, 0, &recs[i].id, true, NULL, NULL); /* a route no longer probing is skipped (logged) */
+        run_start(p, 0, &recs[i].id, NULL, true, NULL, NULL); /* a route no longer probing is skipped (logged) */
     sweep_schedule(p, SWEEP_EVERY_MS);
 }
 
-/* The names of the current configuration's probe routes joined by '\n' (heap), NULL when it has none. */
+/* The names of the current configuration's probe routes the sweeper may probe joined by '\n' (heap), NULL when
+ * it has none. */
 static char *probe_routes(struct gw_probe *p)
 {
     struct gw_conf *gc = gw_loop_current(p->loop);
@@ -339,7 +378,7 @@ static char *probe_routes(struct gw_probe *p)
     cm_buf_init(&names, 64 * 1024);
     bool any = false;
     for (size_t i = 0; i < conf->routes_n; i++) {
-        if (conf->routes[i].idem.on_unknown != CONF_UNKNOWN_PROBE)
+        if (conf->routes[i].idem.on_unknown != CONF_UNKNOWN_PROBE || !sweepable(&conf->routes[i]))
             continue;
         if (!cm_buf_appendf(&names, "%s%s", any ? "\n" : "", conf->routes[i].name))
             abort();

@@ -32,9 +32,11 @@ const char *gw_probe_result_name(enum gw_probe_result r);
 typedef void (*gw_probe_cb)(void *arg, enum gw_probe_result r, struct cm_resp *resp);
 
 /* Looks the record up for the route at route_index (which must have on_unknown: probe): takes it over under a new
- * token (one prober at a time), sends probe.method probe.path with probe.headers only to the route's upstream
- * with its timeouts, then completes, releases or gives back the record, fenced by that token. Calls cb exactly
- * once (unless the loop is destroyed first); id is copied. */
-void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, gw_probe_cb cb, void *arg);
+ * token (one prober at a time), sends probe.method probe.path with probe.headers and scope_hdrs only (the retry's
+ * scope parts, gw_scope_probe_headers; a scope header replaces a probe header of its name) to the route's upstream
+ * with its timeouts, then completes (without Set-Cookie or Set-Cookie2), releases or gives back the record, fenced
+ * by that token. Calls cb exactly once (unless the loop is destroyed first); id and scope_hdrs are copied. */
+void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, const struct cm_hdrs *scope_hdrs,
+                  gw_probe_cb cb, void *arg);
 
 #endif

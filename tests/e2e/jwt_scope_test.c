@@ -57,12 +57,17 @@ static char *token_for(const char *sub, long exp_in_s, const char *extra)
     return bearer("{\"alg\":\"HS256\",\"typ\":\"JWT\"}", payload, SECRET);
 }
 
-static struct e2e_gw *start(struct e2e_upstream **up)
+static struct e2e_gw *start_conf(struct e2e_upstream **up, const char *tmpl)
 {
     *up = e2e_upstream_start(NULL);
     const char *env[] = {"IDEMGATE_JWT_SECRET=" SECRET, NULL};
     struct e2e_gw_opts o = {.up = *up, .env = env, .wait_ready = true};
-    return e2e_gw_start(conf_tmpl, &o);
+    return e2e_gw_start(tmpl, &o);
+}
+
+static struct e2e_gw *start(struct e2e_upstream **up)
+{
+    return start_conf(up, conf_tmpl);
 }
 
 static void post(const struct e2e_gw *gw, const char *key, const char *authz, const char *body, struct e2e_resp *r)
@@ -163,4 +168,54 @@ Test(jwt, refused_tokens_are_401_and_nothing_is_forwarded)
     char *log = e2e_gw_log(gw);
     cr_expect_null(strstr(log, "Bearer "), "a token reached the log");
     free(log);
+}
+
+/* SPEC 9: on a jwt: scope, the look-up carries the retry's verified Authorization: alice's lost request is never
+ * settled by bob's execution of the same key (the test upstream's look-up answers as the Authorization's tenant).
+ * Before, the look-up asked by key alone, found bob's, and alice got 200 Idempotent-Replayed with it. */
+/* clang-format off */
+static const char *const conf_probe_tmpl =
+    E2E_CONF_HEAD
+    "upstreams:\n"
+    E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "1s")
+    "routes:\n"
+    E2E_CONF_ROUTE("payjwtprobe", "/v1/pay", "api")
+    "      key: required\n"
+    "      scope: [jwt:sub]\n"
+    "      lease: 1s\n"
+    "      on_unknown: probe\n"
+    "      probe: {path: '/_lookup?idempotency_key={key}'}\n"
+    "jwt:\n"
+    "  secret_env: IDEMGATE_JWT_SECRET\n"
+    "  issuer: https://auth.test\n"
+    "  audience: payments\n";
+/* clang-format on */
+
+Test(jwt, a_probe_asks_with_the_retrys_own_token)
+{
+    struct e2e_upstream *up;
+    struct e2e_gw *gw = start_conf(&up, conf_probe_tmpl);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "jwtprobe");
+    char *alice = token_for("alice", 600, NULL);
+    char *bob = token_for("bob", 600, NULL);
+    const char *lost[] = {alice, "X-Test-Action: lost", NULL};
+    struct e2e_resp r;
+    e2e_http_key(gw->port, "POST", "/v1/pay/c", key, lost, "{\"amount\":1}", 0, &r);
+    e2e_expect_problem(&r, 502, "upstream-no-response", "alice: sent, never executed");
+    e2e_resp_free(&r);
+    post(gw, key, bob, "{\"amount\":1}", &r);
+    cr_expect_eq(r.status, 200, "bob's own request executes");
+    e2e_resp_free(&r);
+    e2e_sleep_ms(1300);
+    post(gw, key, alice, "{\"amount\":1}", &r);
+    cr_expect_eq(r.status, 200, "alice's retry: %ld %s", r.status, (const char *)r.body);
+    cr_expect(!e2e_resp_is_replay(&r), "never bob's answer: %s", (const char *)r.body);
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 2, "alice's executed now");
+    char *h = e2e_upstream_last_headers(up);
+    cr_expect(strstr(h, alice + strlen("Authorization: ")) != NULL, "alice's token reached the upstream");
+    free(h);
+    free(alice);
+    free(bob);
 }

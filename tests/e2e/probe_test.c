@@ -15,26 +15,35 @@ TestSuite(probe, .init = e2e_setup, .fini = e2e_teardown, .timeout = 90);
 #define ADMIN_TOKEN "e2e-probe-admin-token-51c2"
 #define PROBE_KEY   "probe-secret-93d1"
 
-/* pay: a 1 s lease, a 1 s upstream timeout, the look-up at the test upstream's /_lookup (extra: more query). */
-static struct e2e_gw *gw_start_probe(const struct e2e_upstream *up, const char *extra_query)
+/* route: a 1 s lease, a 1 s upstream timeout, the look-up at the test upstream's /_lookup (extra: more query);
+ * more_idem and more_probe: more lines of the idempotency and probe blocks (unindented; NULL: none). */
+static struct e2e_gw *gw_start_probe_route(const struct e2e_upstream *up, const char *route, const char *extra_query,
+                                           const char *more_idem, const char *more_probe)
 {
-    char idem[1024];
+    char idem[2048];
     snprintf(idem, sizeof idem,
              "key: required\n"
              "lease: 1s\n"
              "on_unknown: probe\n"
+             "%s"
              "probe:\n"
              "  method: GET\n"
              "  path: /_lookup?idempotency_key={key}%s\n"
              "  found: [200]\n"
              "  absent: [404]\n"
-             "  headers: {X-Api-Key: $PROBE_KEY, X-Probe: static}\n",
-             extra_query ? extra_query : "");
+             "  headers: {X-Api-Key: $PROBE_KEY, X-Probe: static}\n"
+             "%s",
+             more_idem ? more_idem : "", extra_query ? extra_query : "", more_probe ? more_probe : "");
     static const char *const env[] = {"IDEMGATE_ADMIN_TOKEN=" ADMIN_TOKEN, "PROBE_KEY=" PROBE_KEY, NULL};
-    /* a route name of its own: the sweeper looks at every lapsed record of its probe routes, oldest first, and
-     * other tests leave records of route "pay" in the shared database */
-    struct e2e_pay_conf c = {.idem = idem, .timeout = "1s", .route = "payprobe"};
+    struct e2e_pay_conf c = {.idem = idem, .timeout = "1s", .route = route};
     return e2e_gw_start_pay(up, &c, env);
+}
+
+/* payprobe: a route name of its own, since the sweeper looks at every lapsed record of its probe routes, oldest
+ * first, and other tests leave records of route "pay" in the shared database. */
+static struct e2e_gw *gw_start_probe(const struct e2e_upstream *up, const char *extra_query)
+{
+    return gw_start_probe_route(up, "payprobe", extra_query, NULL, NULL);
 }
 
 /* Percent-encodes everything but unreserved characters (for admin query values). */
@@ -56,12 +65,12 @@ static void pct(char *out, size_t n, const char *s)
     out[o] = '\0';
 }
 
-/* GET /admin/keys for pay and key: the JSON list (heap, caller frees). */
-static char *admin_keys(const struct e2e_gw *g, const char *key)
+/* GET /admin/keys for route and key: the JSON list (heap, caller frees). */
+static char *admin_keys_of(const struct e2e_gw *g, const char *route, const char *key)
 {
     char path[1024], esc[800];
     pct(esc, sizeof esc, key);
-    snprintf(path, sizeof path, "/admin/keys?route=payprobe&key=%s", esc);
+    snprintf(path, sizeof path, "/admin/keys?route=%s&key=%s", route, esc);
     static const char *const h[] = {"Authorization: Bearer " ADMIN_TOKEN, NULL};
     struct e2e_req rq = {.method = "GET", .path = path, .headers = h, .timeout_ms = 5000};
     struct e2e_resp r;
@@ -70,6 +79,11 @@ static char *admin_keys(const struct e2e_gw *g, const char *key)
     char *json = strdup((const char *)r.body);
     e2e_resp_free(&r);
     return json;
+}
+
+static char *admin_keys(const struct e2e_gw *g, const char *key)
+{
+    return admin_keys_of(g, "payprobe", key);
 }
 
 static double metric(const struct e2e_gw *g, const char *name, const char *label)
@@ -133,6 +147,9 @@ Test(probe, found_replays_the_looked_up_answer_never_within_the_lease)
     cr_expect_eq(r.status, 200, "retry after the lease: %ld %s", r.status, r.body);
     cr_expect(e2e_resp_is_replay(&r), "the found answer is replayed");
     cr_expect(strstr((const char *)r.body, "\"found\":true") != NULL, "the looked-up answer: %s", r.body);
+    /* SPEC 9: a found answer never stores a cookie (the look-up's own session is nobody's) */
+    cr_expect_eq(e2e_resp_header_count(&r, "Set-Cookie"), 0, "the look-up's Set-Cookie is not replayed");
+    cr_expect_eq(e2e_resp_header_count(&r, "Set-Cookie2"), 0, "nor its Set-Cookie2");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "never executed again");
     cr_expect(lookups(up, key) >= 1, "the upstream was asked");
@@ -152,6 +169,7 @@ Test(probe, found_replays_the_looked_up_answer_never_within_the_lease)
     cr_expect_eq(r.status, 200);
     cr_expect(e2e_resp_is_replay(&r));
     cr_expect(strstr((const char *)r.body, "\"found\":true") != NULL, "same answer: %s", r.body);
+    cr_expect_eq(e2e_resp_header_count(&r, "Set-Cookie"), 0, "nor stored");
     e2e_resp_free(&r);
     cr_expect_eq(lookups(up, key), asked, "a completed record is not looked up");
     char *json = admin_keys(gw, key);
@@ -309,6 +327,9 @@ Test(probe, config_errors)
         {"on_unknown: probe\nprobe: {path: /x, found: [200, 404]}\n", "in both found and absent"},
         {"on_unknown: probe\nprobe: {path: /x, headers: {'Bad Name': v}}\n", "invalid header name"},
         {"on_unknown: probe\nprobe: {path: /x, headers: {X-K: $IDEMGATE_E2E_UNSET_VAR}}\n", "is not set"},
+        {"on_unknown: probe\nprobe: {path: /x}\n", "does not carry {key}"},
+        {"on_unknown: probe\nforward_key: false\nprobe: {path: '/x?k={key}'}\n", "needs forward_key: true"},
+        {"on_unknown: probe\nscope: [body]\nprobe: {path: '/x?k={key}'}\n", "cannot carry scope part 'body'"},
         {"mode: spy\n", "invalid value"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -328,4 +349,111 @@ Test(probe, config_errors)
         free(text);
         free(tmpl);
     }
+}
+
+/* A probe route scoped by Authorization (more_probe: more probe lines, NULL: none). */
+static struct e2e_gw *gw_start_tenant(const struct e2e_upstream *up, const char *route, const char *more_probe)
+{
+    return gw_start_probe_route(up, route, NULL, "scope: [header:Authorization]\n", more_probe);
+}
+
+/* SPEC 9: the probe asks as the tenant whose request it settles. Tenant A's request with key K is lost (sent, never
+ * executed: an unknown outcome); tenant B sends K on the same scoped route and it executes; after the lease, A's
+ * retry probes. The test upstream's look-up answers as the tenant of its Authorization, as an API scoping keys per
+ * account does. Before, the look-up asked by key alone with the static probe headers: it found B's execution, and
+ * A got 200 Idempotent-Replayed with B's answer while its payment never ran. */
+Test(probe, another_tenants_execution_never_settles_a_lost_request)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start_tenant(up, "paytenant", NULL);
+    char key[64];
+    e2e_mkkey(key, sizeof key, "tenant");
+    static const char *const a_lost[] = {"Authorization: Bearer tenant-a", "X-Test-Action: lost", NULL};
+    static const char *const a[] = {"Authorization: Bearer tenant-a", NULL};
+    static const char *const b[] = {"Authorization: Bearer tenant-b", NULL};
+    struct e2e_resp r;
+    e2e_http_key(gw->port, "POST", "/v1/pay", key, a_lost, "{\"amount\":42}", 0, &r);
+    e2e_expect_problem(&r, 502, "upstream-no-response", "A: sent, no answer, never executed");
+    e2e_resp_free(&r);
+    e2e_http_key(gw->port, "POST", "/v1/pay", key, b, "{\"amount\":1}", 0, &r);
+    cr_expect_eq(r.status, 200, "B's own request with the same key executes: %ld", r.status);
+    cr_expect(!e2e_resp_is_replay(&r));
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 1, "B's executed");
+
+    e2e_sleep_ms(1300);
+    e2e_http_key(gw->port, "POST", "/v1/pay", key, a, "{\"amount\":42}", 0, &r);
+    cr_expect_eq(r.status, 200, "A's retry: %ld %s", r.status, r.body ? (const char *)r.body : "");
+    cr_expect(!e2e_resp_is_replay(&r), "A's retry is never B's answer replayed: %s",
+              r.body ? (const char *)r.body : "");
+    cr_expect(r.body && strstr((const char *)r.body, "found") == NULL, "not a look-up answer: %s",
+              r.body ? (const char *)r.body : "");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 2, "A's payment executed now (absent as A)");
+    cr_expect_geq(lookups(up, key), 1, "the retry looked the key up");
+    e2e_http_key(gw->port, "POST", "/v1/pay", key, a, "{\"amount\":42}", 0, &r);
+    cr_expect(e2e_resp_is_replay(&r), "then A's own answer is replayed");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 2);
+    cr_expect(!e2e_gw_log_contains(gw, "tenant-a"), "the scope's value is never logged");
+}
+
+/* A found answer on a scoped route: the look-up carried A's Authorization (and only the scope's parts besides
+ * probe.headers), found A's own execution, and stored no cookie. */
+Test(probe, a_scoped_lookup_carries_the_retrys_scope_parts)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start_tenant(up, "paytenant", NULL);
+    char key[64];
+    e2e_mkkey(key, sizeof key, "tenant-found");
+    static const char *const a_slow[] = {"X-Test-Delay-Ms: 2500", "Authorization: Bearer tenant-a", NULL};
+    static const char *const a[] = {"Authorization: Bearer tenant-a", "X-Client-Only: yes", NULL};
+    struct e2e_resp r;
+    e2e_http_key(gw->port, "POST", "/v1/pay", key, a_slow, "{\"amount\":42}", 0, &r);
+    e2e_expect_problem(&r, 504, "upstream-timeout", "A's first attempt");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_wait_count(up, key, 1, 3000), 1);
+    e2e_sleep_ms(1300);
+    e2e_http_key(gw->port, "POST", "/v1/pay", key, a, "{\"amount\":42}", 0, &r);
+    cr_expect_eq(r.status, 200, "A's retry: %ld %s", r.status, r.body ? (const char *)r.body : "");
+    cr_expect(e2e_resp_is_replay(&r), "A's own execution, found");
+    cr_expect(r.body && strstr((const char *)r.body, "\"found\":true") != NULL, "%s",
+              r.body ? (const char *)r.body : "");
+    cr_expect_eq(e2e_resp_header_count(&r, "Set-Cookie"), 0, "no cookie stored from the look-up");
+    e2e_resp_free(&r);
+    char *h = e2e_upstream_last_headers(up);
+    cr_expect(strstr(h, "Authorization: Bearer tenant-a") != NULL, "the look-up asked as A: %s", h);
+    cr_expect(strstr(h, "X-Api-Key: " PROBE_KEY) != NULL, "and with probe.headers: %s", h);
+    cr_expect(strstr(h, "X-Client-Only") == NULL, "no other client header: %s", h);
+    free(h);
+    cr_expect_eq(e2e_upstream_count(up, key), 1, "never executed again");
+}
+
+/* The sweeper has no request to take the scope's parts from: it leaves a scoped route's unknown outcomes to their
+ * retries, unless probe.keys_unique_upstream says the look-up by key alone is tenant-safe. */
+Test(probe, the_sweeper_skips_a_scoped_route_unless_keys_are_unique_upstream)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start_tenant(up, "paytenantsweep", NULL);
+    char key[64];
+    e2e_mkkey(key, sizeof key, "tenant-sweep");
+    timeout_after_send(gw, key);
+    e2e_sleep_ms(7500); /* the first sweep after 1 s, then every 5 s */
+    char *json = admin_keys_of(gw, "paytenantsweep", key);
+    cr_expect(strstr(json, "\"state\":\"unknown\"") != NULL, "left unknown by the sweeper: %s", json);
+    free(json);
+    cr_expect_eq(lookups(up, key), 0, "never looked up without its scope");
+    e2e_gw_stop(gw, 5000);
+
+    gw = gw_start_tenant(up, "paytenantsweep", "  keys_unique_upstream: true\n");
+    bool done = false;
+    for (int i = 0; i < 150 && !done; i++) { /* the sweeper looks every 5 s: at most 15 s */
+        json = admin_keys_of(gw, "paytenantsweep", key);
+        done = strstr(json, "\"state\":\"completed\"") != NULL;
+        free(json);
+        if (!done)
+            e2e_sleep_ms(100);
+    }
+    cr_expect(done, "keys_unique_upstream: the sweeper looked it up by key alone");
+    cr_expect(e2e_gw_log_contains(gw, "by=sweeper"));
 }

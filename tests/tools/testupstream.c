@@ -53,7 +53,10 @@
  * GET /_test/health, GET /_test/lookups[?key=K] (how many look-ups were answered, for key K).
  * Look-up (an API's "find by idempotency key" endpoint, not counted as an execution; its request headers are
  * recorded for /_test/last-headers): GET /_lookup?idempotency_key=K answers 200 {"found":true,"exec":N} when key
- * K executed, 404 {"found":false} when it did not; &status=N forces status N (a failing look-up).
+ * K executed, 404 {"found":false} when it did not; &status=N forces status N (a failing look-up). A look-up with an
+ * Authorization header asks as that tenant, as an API scoping keys per account does: found only when a request
+ * with key K and the same Authorization value executed. Every look-up answer sets the cookies lookup=1
+ * (Set-Cookie) and lookup2=1 (Set-Cookie2).
  *
  * The binary body: byte i is 0 when i % 64 == 1, else byte (i % 8) (little-endian) of splitmix64(i / 8).
  */
@@ -67,6 +70,8 @@
 #define TU_CONN_BUCKETS   16384
 #define TU_IDLE_TIMEOUT_S 60
 #define TU_LOOKUP_PREFIX  "lookup\n" /* a key never holds a newline: look-up counts share the key table */
+#define TU_TENANT_PREFIX  "tenant\n" /* executions per (Authorization, key): "tenant\nAUTH\nKEY" */
+#define TU_TENANT_KEY_MAX 8192
 
 struct tu_key {
     char *key;
@@ -580,6 +585,12 @@ static void tu_handle_exec(struct tu_server *s, struct evhttp_request *req)
     const char *key = evhttp_find_header(in, "Idempotency-Key");
     if (key != NULL && !lost)
         tu_key_count(s, key);
+    const char *auth = evhttp_find_header(in, "Authorization");
+    if (key != NULL && !lost && auth != NULL && strlen(auth) + strlen(key) + 16 < TU_TENANT_KEY_MAX) {
+        char tk[TU_TENANT_KEY_MAX];
+        snprintf(tk, sizeof tk, "%s%s\n%s", TU_TENANT_PREFIX, auth, key);
+        tu_key_count(s, tk);
+    }
     tu_record_headers(s, in);
 
     uint64_t conn = evcon ? tu_conn_id(s, evcon) : 0;
@@ -637,6 +648,18 @@ static void tu_handle_lookup(struct tu_server *s, struct evhttp_request *req, co
     }
     const char *k = evhttp_find_header(&q, "idempotency_key");
     const char *st = evhttp_find_header(&q, "status");
+    const char *auth = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
+    uint64_t executed = 0;
+    if (k != NULL && auth == NULL) {
+        executed = tu_key_get(s, k);
+    } else if (k != NULL && strlen(auth) + strlen(k) + 16 < TU_TENANT_KEY_MAX) {
+        char tk[TU_TENANT_KEY_MAX];
+        snprintf(tk, sizeof tk, "%s%s\n%s", TU_TENANT_PREFIX, auth, k);
+        executed = tu_key_get(s, tk);
+    }
+    struct evkeyvalq *out = evhttp_request_get_output_headers(req);
+    evhttp_add_header(out, "Set-Cookie", "lookup=1");
+    evhttp_add_header(out, "Set-Cookie2", "lookup2=1");
     if (k != NULL && strlen(k) < 1024) {
         char lk[1100];
         snprintf(lk, sizeof lk, "%s%s", TU_LOOKUP_PREFIX, k); /* per-key look-ups, apart from executions */
@@ -646,8 +669,8 @@ static void tu_handle_lookup(struct tu_server *s, struct evhttp_request *req, co
     char body[64];
     if (st != NULL && tu_parse_u64(st, 599, &forced) && forced >= 200) {
         tu_reply_text(req, (int)forced, "application/json", "{\"error\":\"look-up failed\"}");
-    } else if (k != NULL && tu_key_get(s, k) > 0) {
-        snprintf(body, sizeof body, "{\"found\":true,\"exec\":%" PRIu64 "}", tu_key_get(s, k));
+    } else if (executed > 0) {
+        snprintf(body, sizeof body, "{\"found\":true,\"exec\":%" PRIu64 "}", executed);
         tu_reply_text(req, 200, "application/json", body);
     } else {
         tu_reply_text(req, 404, "application/json", "{\"found\":false}");

@@ -1012,7 +1012,7 @@ Test(conf, probe_and_shadow_parsed)
                                   "  - name: d\n"
                                   "    match: {path: /d}\n"
                                   "    upstream: api\n"
-                                  "    idempotency: {on_unknown: probe, probe: {path: /lookup}}\n");
+                                  "    idempotency: {on_unknown: probe, probe: {path: '/lookup?k={key}'}}\n");
     unsetenv("IDEMGATE_CONF_TEST_PROBE_KEY");
     const struct conf_idem *im = &c->routes[0].idem;
     cr_expect_eq(im->on_unknown, CONF_UNKNOWN_PROBE);
@@ -1040,6 +1040,20 @@ Test(conf, probe_and_shadow_parsed)
     conf_destroy(c);
 }
 
+/* Loads BASE with one route r on /x whose idempotency block is idem (a flow mapping). */
+static struct conf *load_idem(const char *idem, char **err)
+{
+    char yaml[1024];
+    snprintf(yaml, sizeof yaml,
+             BASE "routes:\n"
+                  "  - name: r\n"
+                  "    match: {path: /x}\n"
+                  "    upstream: api\n"
+                  "    idempotency: %s\n",
+             idem);
+    return load(yaml, err);
+}
+
 Test(conf, probe_errors_name_the_line_and_key)
 {
     static const struct {
@@ -1059,22 +1073,70 @@ Test(conf, probe_errors_name_the_line_and_key)
     };
     unsetenv("IDEMGATE_CONF_TEST_UNSET");
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        char yaml[1024];
-        snprintf(yaml, sizeof yaml,
-                 BASE "routes:\n"
-                      "  - name: r\n"
-                      "    match: {path: /x}\n"
-                      "    upstream: api\n"
-                      "    idempotency: %s\n",
-                 cases[i].idem);
         char *err = NULL;
-        struct conf *c = load(yaml, &err);
+        struct conf *c = load_idem(cases[i].idem, &err);
         cr_expect_null(c, "case %zu accepted", i);
         cr_expect(err && strstr(err, cases[i].want) != NULL, "case %zu: want '%s', got '%s'", i, cases[i].want,
                   err ? err : "(none)");
         free(err);
         conf_destroy(c);
     }
+}
+
+/* SPEC 9: the look-up must ask about this key (the path or a header carries {key}), the upstream must know the key
+ * (forward_key), and on a scoped route it must ask as the same tenant: a scope part the look-up cannot carry
+ * (anything but header: and jwt:) is refused unless probe.keys_unique_upstream: true. */
+Test(conf, probe_must_ask_about_this_key_as_this_tenant)
+{
+    static const struct {
+        const char *idem;
+        const char *want; /* NULL: accepted */
+    } cases[] = {
+        {"{on_unknown: probe, probe: {path: /lookup}}",
+         "t.yaml:10: routes[0].idempotency.probe: the look-up does not carry {key}"},
+        {"{on_unknown: probe, probe: {path: /lookup, headers: {X-K: static}}}", "does not carry {key}"},
+        {"{on_unknown: probe, forward_key: false, probe: {path: '/lookup?k={key}'}}",
+         "t.yaml:10: routes[0].idempotency.forward_key: on_unknown: probe needs forward_key: true"},
+        {"{on_unknown: probe, scope: [body], probe: {path: '/lookup?k={key}'}}",
+         "t.yaml:10: routes[0].idempotency.scope: the look-up cannot carry scope part 'body'"},
+        {"{on_unknown: probe, scope: ['header:X-Tenant', query], probe: {path: '/lookup?k={key}'}}",
+         "cannot carry scope part 'query'"},
+        {"{on_unknown: probe, scope: [method], probe: {path: '/lookup?k={key}'}}", "cannot carry scope part 'method'"},
+        {"{on_unknown: probe, scope: [path], probe: {path: '/lookup?k={key}'}}", "cannot carry scope part 'path'"},
+        {"{on_unknown: probe, probe: {path: /lookup, headers: {X-Key: 'k={key}'}}}", NULL},
+        {"{on_unknown: probe, scope: ['header:Authorization', 'header:X-Tenant'], probe: {path: '/l?k={key}'}}", NULL},
+        {"{on_unknown: probe, scope: [body], probe: {path: '/l?k={key}', keys_unique_upstream: true}}", NULL},
+        {"{on_unknown: probe, forward_key: true, probe: {path: '/l?k={key}', keys_unique_upstream: false}}", NULL},
+        {"{on_unknown: reject, forward_key: false, scope: [body]}", NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *err = NULL;
+        struct conf *c = load_idem(cases[i].idem, &err);
+        if (cases[i].want) {
+            cr_expect_null(c, "case %zu accepted", i);
+            cr_expect(err && strstr(err, cases[i].want) != NULL, "case %zu: want '%s', got '%s'", i, cases[i].want,
+                      err ? err : "(none)");
+        } else {
+            cr_expect_not_null(c, "case %zu refused: %s", i, err ? err : "");
+        }
+        free(err);
+        conf_destroy(c);
+    }
+    /* a jwt: part is carried by the verified Authorization */
+    struct conf *c =
+        load_ok(BASE "jwt: {secret_env: S}\n"
+                     "routes:\n"
+                     "  - name: r\n"
+                     "    match: {path: /x}\n"
+                     "    upstream: api\n"
+                     "    idempotency: {on_unknown: probe, scope: ['jwt:sub'], probe: {path: '/l?k={key}', "
+                     "headers: {X-Q: 'a {key} b', X-S: s}, keys_unique_upstream: true}}\n");
+    const struct conf_probe *pr = &c->routes[0].idem.probe;
+    cr_expect(pr->keys_unique_upstream);
+    cr_assert_eq(pr->headers_n, 2);
+    cr_expect(pr->headers[0].has_key, "{key} in a header value is the key");
+    cr_expect(!pr->headers[1].has_key);
+    conf_destroy(c);
 }
 
 Test(conf, store_distributed_from_file_and_env)
