@@ -1965,7 +1965,7 @@ static const struct field idem_fields[] = {
                .doc = "The parts whose hash separates key spaces, so one tenant is never replayed another "
                       "tenant's answer (e.g. `[header:Authorization]`, or `[jwt:sub]` with a top-level `jwt:` "
                       "block, which survives a token refresh). Only the hash is stored. `--check` warns about an "
-                      "idempotent route without a scope."),
+                      "idempotent or ordering route without a scope."),
     FIELD_BASE("fingerprint", fn_fingerprint, false, .what = "list of request parts",
                .def = "[method, path, query, body]", .show = show_parts,
                LIST_AT(struct conf_idem, fingerprint, fingerprint_n),

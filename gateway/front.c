@@ -747,19 +747,25 @@ static const char *jwt_check(struct req *r, const struct conf_route *route)
 
 /* First call: headers are in. Returns MHD_YES to go on reading the body, or
  * the result of queueing an early answer (r->stage == STAGE_ANSWERED). */
-/* SPEC 6: does the route's ordering guard cover this request, and is its sequence header well formed? false: 400
- * sequence-invalid (a json: sequence is read from the body in submit). */
-static bool order_headers(struct req *r, const struct conf_route *route, const char *method)
+/* SPEC 6: does the route's ordering guard cover this request? Sets job->ordered and its resource instance. */
+static void order_match(struct req *r, const struct conf_route *route, const char *method)
 {
     struct gw_job *job = &r->job;
     char *res;
     if (!route || !route->ordering.enabled || !(route->methods & conf_method_bit(method)) ||
         !gw_order_match(route->ordering.resource, job->path, &res))
-        return true;
+        return;
     job->ordered = true;
     job->resource = res; /* in the template's spelling (SPEC 7: policy never depends on how a path is spelled) */
     job->resource_len = strlen(res);
-    if (route->ordering.source != CONF_SEQ_HEADER)
+}
+
+/* SPEC 6: is a guarded request's sequence header well formed? false: 400 sequence-invalid (a json: sequence is read
+ * from the body in submit). */
+static bool order_headers(struct req *r, const struct conf_route *route)
+{
+    struct gw_job *job = &r->job;
+    if (!job->ordered || route->ordering.source != CONF_SEQ_HEADER)
         return true;
     const char *v = cm_hdrs_get(&r->in_hdrs, route->ordering.seq_name);
     return v && header_count(&r->in_hdrs, route->ordering.seq_name) == 1 && gw_seq_parse(v, strlen(v), &job->seq);
@@ -808,14 +814,17 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     if (strcmp(method, "CONNECT") == 0) /* a tunnel, which a reverse proxy does not give (nor does nginx) */
         return reject(r, c, 501, "not-implemented", "Not implemented", "CONNECT is not supported", CM_OUT_ERROR);
 
-    /* SPEC 9: on a route whose scope needs a JWT, its idempotent methods check the token first (401 before any 400) */
+    /* SPEC 7, 9: a request whose scope needs a JWT has its token checked first (401 before any 400) whenever the
+     * route's idempotency or ordering rules apply to it, whatever key: says */
     bool keyed = route && route->idem.key != CONF_KEY_OFF && (route->methods & conf_method_bit(method));
     /* mode: shadow forwards everything as key: off would; a request it cannot classify records no decision */
     bool shadow = keyed && route->idem.mode == CONF_MODE_SHADOW;
-    if (keyed && route_needs_jwt(route)) {
+    order_match(r, route, method);
+    if ((keyed || job->ordered) && route_needs_jwt(route)) {
         const char *why = jwt_check(r, route);
-        if (why && shadow) {
+        if (why && route->idem.mode == CONF_MODE_SHADOW) {
             keyed = false;
+            job->ordered = false; /* no scope to judge it in: forwarded, the guard not consulted */
         } else if (why) {
             gw_job_problem(job, 401, "invalid-credentials", "Invalid credentials", why);
             cm_hdrs_add(&job->resp_hdrs, "WWW-Authenticate", "Bearer error=\"invalid_token\"");
@@ -888,7 +897,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
             job->idempotent = true;
         }
     }
-    if (!order_headers(r, route, method)) {
+    if (!order_headers(r, route)) {
         if (!shadow)
             return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
                           "the ordering sequence must be one decimal integer from 1 to 9223372036854775807 without "

@@ -54,12 +54,21 @@ void gw_conf_unref(struct gw_conf *c)
 
 void gw_warn_unscoped(const struct conf *conf)
 {
-    for (size_t i = 0; i < conf->routes_n; i++)
-        if (conf->routes[i].idem.key != CONF_KEY_OFF && conf->routes[i].idem.scope_n == 0)
+    for (size_t i = 0; i < conf->routes_n; i++) {
+        const struct conf_route *r = &conf->routes[i];
+        if (r->idem.scope_n > 0)
+            continue;
+        if (r->idem.key != CONF_KEY_OFF)
             cm_log(CM_WARN, "route_without_scope",
                    "route=%s msg=\"idempotent route without a scope: all its clients share one key space (set "
                    "idempotency.scope, e.g. [jwt:sub] or [header:Authorization])\"",
-                   conf->routes[i].name);
+                   r->name);
+        else if (r->ordering.enabled) /* SPEC 7 */
+            cm_log(CM_WARN, "route_without_scope",
+                   "route=%s msg=\"ordering route without a scope: all its clients share one sequence per resource "
+                   "(set idempotency.scope, e.g. [jwt:sub] or [header:Authorization])\"",
+                   r->name);
+    }
 }
 
 static const struct conf_route *route_named(const struct conf *c, const char *name)

@@ -37,7 +37,8 @@ void gw_conf_unref(struct gw_conf *c);
  * logged (event=reload_failed with FILE:LINE: KEY, or event=reload_refused key=...) and NULL is returned. */
 struct gw_conf *gw_reload(const char *file, struct gw_conf *cur, struct gw_loops *ls);
 
-/* Logs route_without_scope for every idempotent route without a scope (SPEC 9), at start and at each reload. */
+/* Logs route_without_scope for every idempotent or ordering route without a scope (SPEC 7, 9), at start and at each
+ * reload. */
 void gw_warn_unscoped(const struct conf *conf);
 
 #endif

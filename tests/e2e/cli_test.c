@@ -389,3 +389,45 @@ Test(cli, print_reference_equals_docs_configuration_md)
     free(out);
     free(err);
 }
+
+/* SPEC 7: an ordering route without a scope shares one sequence per resource among all its clients: --check warns
+ * about it as about an idempotent route without a scope, key: off included. Before, key: off routes were never
+ * named. */
+Test(cli, check_warns_about_every_route_without_a_scope)
+{
+    /* clang-format off */
+    static const char *const text =
+        "store:\n"
+        "  postgres: postgresql://idemgate@127.0.0.1:5432/idemgate\n"
+        "upstreams:\n"
+        "  - name: api\n"
+        "    url: http://127.0.0.1:9000\n"
+        "default_upstream: api\n"
+        "routes:\n"
+        "  - name: orderedoff\n"
+        "    match: {path_prefix: /v1/accounts}\n"
+        "    idempotency: {key: 'off'}\n"
+        "    ordering: {resource: '/v1/accounts/{id}', sequence: 'header:X-Sequence'}\n"
+        "  - name: orderedscoped\n"
+        "    match: {path_prefix: /v1/scoped}\n"
+        "    idempotency: {key: 'off', scope: ['header:X-Tenant']}\n"
+        "    ordering: {resource: '/v1/scoped/{id}', sequence: 'header:X-Sequence'}\n"
+        "  - name: passoff\n"
+        "    match: {path_prefix: /v1/pass}\n"
+        "    idempotency: {key: 'off'}\n"
+        "  - name: keyed\n"
+        "    match: {path_prefix: /v1/pay}\n";
+    /* clang-format on */
+    const char *path = e2e_write_file("unscoped.yaml", text);
+    char *out, *err;
+    const char *a[] = {"--check", "-c", path, NULL};
+    int code = idemgate(a, NULL, &out, &err);
+    cr_expect_eq(code, 0, "a warning is no error: exit %d; stderr: %s", code, err);
+    cr_expect(strstr(err, "level=warn event=route_without_scope route=orderedoff ") != NULL,
+              "the key: off ordering route is named: %s", err);
+    cr_expect(strstr(err, "level=warn event=route_without_scope route=keyed ") != NULL, "%s", err);
+    cr_expect(strstr(err, "route=orderedscoped") == NULL, "a scoped one is not: %s", err);
+    cr_expect(strstr(err, "route=passoff") == NULL, "nor a pass-through route: %s", err);
+    free(out);
+    free(err);
+}
