@@ -7,6 +7,8 @@
 #include <string.h>
 #include <strings.h>
 
+#include <dirent.h>
+
 #include "harness.h"
 
 TestSuite(cli, .init = e2e_setup_nostore, .fini = e2e_teardown, .timeout = 60);
@@ -430,4 +432,77 @@ Test(cli, check_warns_about_every_route_without_a_scope)
     cr_expect(strstr(err, "route=passoff") == NULL, "nor a pass-through route: %s", err);
     free(out);
     free(err);
+}
+
+static char *read_source_file(const char *rel)
+{
+    char *path = NULL;
+    cr_assert(asprintf(&path, "%s/%s", e2e_env("IDEMGATE_SRC_DIR"), rel) > 0);
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "%s not found", path);
+    size_t cap = 1 << 20;
+    char *s = malloc(cap);
+    cr_assert_not_null(s);
+    size_t n = fread(s, 1, cap - 1, f);
+    fclose(f);
+    s[n] = '\0';
+    free(path);
+    return s;
+}
+
+/* Every example configuration passes --check and logs config_ok and nothing else (no warning: each example scopes
+ * its idempotent routes); the secrets payments.yaml names come from the environment, as there. */
+Test(cli, every_example_configuration_passes_check_without_a_warning)
+{
+    static const char *const env[] = {"IDEMGATE_JWT_SECRET=an-example-secret-of-at-least-32-bytes",
+                                      "PAYMENTS_LOOKUP_KEY=lookup-key", NULL};
+    char *dir = NULL;
+    cr_assert(asprintf(&dir, "%s/conf/examples", e2e_env("IDEMGATE_SRC_DIR")) > 0);
+    DIR *d = opendir(dir);
+    cr_assert_not_null(d, "%s missing", dir);
+    char *files[32];
+    size_t n = 0;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL && n < 31) {
+        size_t l = strlen(de->d_name);
+        if (l > 5 && strcmp(de->d_name + l - 5, ".yaml") == 0)
+            cr_assert(asprintf(&files[n++], "%s/%s", dir, de->d_name) > 0);
+    }
+    closedir(d);
+    cr_assert(asprintf(&files[n++], "%s/conf/idemgate.example.yaml", e2e_env("IDEMGATE_SRC_DIR")) > 0);
+    cr_expect_geq(n, 5, "minimal, payments, webhooks, shadow and the full example: %zu files", n);
+    for (size_t i = 0; i < n; i++) {
+        const char *a[] = {"--check", "-c", files[i], NULL};
+        char *out, *err;
+        int code = idemgate(a, env, &out, &err);
+        cr_expect_eq(code, 0, "%s: --check exit %d; stderr: %s", files[i], code, err);
+        cr_expect(strstr(err, "event=config_ok") != NULL, "%s: no config_ok: %s", files[i], err);
+        size_t lines = 0;
+        for (const char *p = err; *p; p++)
+            lines += *p == '\n';
+        cr_expect_eq(lines, 1, "%s: --check printed more than config_ok: %s", files[i], err);
+        free(out);
+        free(err);
+        free(files[i]);
+    }
+    free(dir);
+}
+
+/* The README's five-minute configuration is conf/examples/minimal.yaml (checked above), line for line. */
+Test(cli, readme_configuration_is_conf_examples_minimal)
+{
+    char *readme = read_source_file("README.md");
+    char *minimal = read_source_file("conf/examples/minimal.yaml");
+    size_t checked = 0;
+    for (char *line = strtok(minimal, "\n"); line != NULL; line = strtok(NULL, "\n")) {
+        if (line[0] == '#')
+            continue;
+        char want[512];
+        snprintf(want, sizeof want, "\n   %s\n", line); /* indented under the README's numbered step */
+        cr_expect(strstr(readme, want) != NULL, "README.md lacks the line of minimal.yaml: '%s'", line);
+        checked++;
+    }
+    cr_expect_geq(checked, 10);
+    free(readme);
+    free(minimal);
 }

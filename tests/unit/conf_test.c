@@ -92,7 +92,7 @@ Test(conf, example_config_loads)
     cr_expect_eq(c->upstreams[0].max_connections, 1024);
     cr_expect_eq(c->upstreams[0].keepalive_timeout_ms, 60000);
 
-    cr_assert_eq(c->routes_n, 2);
+    cr_assert_eq(c->routes_n, 5);
     const struct conf_route *p = &c->routes[0];
     cr_expect_str_eq(p->name, "payments");
     cr_expect_null(p->path);
@@ -114,9 +114,7 @@ Test(conf, example_config_loads)
     cr_expect_eq(p->idem.on_in_flight, CONF_IN_FLIGHT_CONFLICT);
     cr_expect_eq(p->idem.wait_ms, 10000);
     cr_expect_eq(p->idem.on_unknown, CONF_UNKNOWN_REJECT);
-    cr_assert_eq(p->idem.release_statuses_n, 2);
-    cr_expect_eq(p->idem.release_statuses[0], 429);
-    cr_expect_eq(p->idem.release_statuses[1], 503);
+    cr_expect_eq(p->idem.release_statuses_n, 0, "the example shows the default, no release status");
     cr_expect_eq(p->idem.max_body, 1024 * 1024);
     cr_expect(p->idem.forward_key);
     cr_expect_eq(p->idem.max_response, 8 * 1024 * 1024);
@@ -133,6 +131,25 @@ Test(conf, example_config_loads)
     cr_expect_str_eq(o->idem.scope[0].header, "Authorization");
     cr_expect_eq(o->idem.mode, CONF_MODE_ENFORCE);
     cr_expect(!o->idem.probe.enabled);
+    cr_expect_eq(o->errors.kind, CONF_ERRORS_STRIPE);
+
+    /* the example shows every block: ordering, probe, shadow mode, an errors template */
+    const struct conf_route *a = &c->routes[2];
+    cr_expect_str_eq(a->name, "addresses");
+    cr_expect(a->ordering.enabled);
+    cr_expect_str_eq(a->ordering.resource, "/v1/accounts/{id}/address");
+    cr_expect_eq(a->ordering.source, CONF_SEQ_HEADER);
+    cr_expect_str_eq(a->ordering.seq_name, "X-Sequence");
+    const struct conf_route *r = &c->routes[3];
+    cr_expect_str_eq(r->name, "refunds");
+    cr_expect_eq(r->idem.on_unknown, CONF_UNKNOWN_PROBE);
+    cr_expect(r->idem.probe.enabled);
+    cr_expect_str_eq(r->idem.probe.path, "/_lookup?idempotency_key={key}");
+    const struct conf_route *v = &c->routes[4];
+    cr_expect_str_eq(v->name, "invoices");
+    cr_expect_eq(v->idem.mode, CONF_MODE_SHADOW);
+    cr_expect_eq(v->errors.kind, CONF_ERRORS_TEMPLATE);
+    cr_expect_str_eq(v->errors.content_type, "application/json");
 
     cr_expect(c->has_default_upstream);
     cr_expect_eq(c->default_upstream, 0);
