@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""docs_check.py - the user documentation stands alone and its links work.
+
+Checks README.md, CHANGELOG.md and docs/*.md of the source tree given as the first argument:
+  - every relative link ([text](path) or [text](path#anchor)) names a file of the tree, and every anchor a
+    heading of that file (GitHub's slugs: lower case, punctuation dropped, spaces to '-');
+  - no document sends the reader to a file a user does not have (SPEC.md, ../shared, "the contract") or to a
+    commit (a backquoted hexadecimal commit id): history is in git;
+  - README.md stays short (at most 300 lines).
+Prints each problem as FILE:LINE: what, and exits 1 if there is one.
+"""
+import os
+import re
+import sys
+
+README_MAX_LINES = 300
+FORBIDDEN = [
+    (re.compile(r"SPEC\.md|\bSPEC\s*(§|\d)|\bthe SPEC\b"), "refers to the SPEC, which a user does not have"),
+    (re.compile(r"\.\./shared|shared folder"), "refers to ../shared, which a user does not have"),
+    (re.compile(r"\bthe contract\b", re.I), "refers to 'the contract'"),
+    (re.compile(r"`(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}`"), "names a commit (history belongs in git)"),
+]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def slug(heading):
+    s = heading.strip().lower()
+    s = re.sub(r"[^\w\- ]", "", s)  # keeps letters, digits, '_', '-' and spaces (GitHub's rule)
+    return s.replace(" ", "-")
+
+
+def anchors(path, cache={}):
+    if path not in cache:
+        found, fence = set(), False
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("```"):
+                    fence = not fence
+                m = None if fence else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+                if m:
+                    found.add(slug(re.sub(r"[`*]", "", m.group(1))))
+        cache[path] = found
+    return cache[path]
+
+
+def main():
+    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
+    docs = ["README.md", "CHANGELOG.md"] + sorted(
+        os.path.join("docs", n) for n in os.listdir(os.path.join(root, "docs")) if n.endswith(".md"))
+    problems = []
+    for rel in docs:
+        path = os.path.join(root, rel)
+        if not os.path.exists(path):
+            problems.append(f"{rel}: missing")
+            continue
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        if rel == "README.md" and len(lines) - 1 > README_MAX_LINES:
+            problems.append(f"{rel}: {len(lines) - 1} lines, more than {README_MAX_LINES}: move detail to docs/")
+        fence = False
+        for no, line in enumerate(lines, 1):
+            if line.startswith("```"):
+                fence = not fence
+            for pat, why in FORBIDDEN:
+                if pat.search(line):
+                    problems.append(f"{rel}:{no}: {why}: {line.strip()[:100]}")
+            if fence:
+                continue
+            for target in LINK.findall(line):
+                if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                    continue
+                file_part, _, anchor = target.partition("#")
+                dest = os.path.normpath(os.path.join(os.path.dirname(path), file_part)) if file_part else path
+                if not os.path.exists(dest):
+                    problems.append(f"{rel}:{no}: link to a missing file: {target}")
+                elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
+                    problems.append(f"{rel}:{no}: link to a missing heading: {target}")
+    for p in problems:
+        print(p)
+    print(f"docs_check: {len(docs)} documents, {len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
