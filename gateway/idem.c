@@ -116,6 +116,19 @@ static void put_header(struct cm_sha256 *h, const char *name, const struct cm_hd
             put_str(h, hdrs->v[i].value);
 }
 
+/* jwt: part: the claim's name, then 0 (absent), 1 and a string's bytes, or 2 and another JSON value's compact JSON:
+ * absent differs from "", and "123" from 123 (SPEC 9). */
+static void put_claim(struct cm_sha256 *h, const struct gw_jwt_claims *jwt, const char *name)
+{
+    size_t len = 0;
+    char *v = jwt ? gw_jwt_claim(jwt, name, &len) : NULL;
+    put_str(h, name);
+    put_u64(h, v ? (gw_jwt_claim_is_string(jwt, name) ? 1 : 2) : 0);
+    if (v)
+        cm_sha256_part(h, v, len);
+    free(v);
+}
+
 void gw_hash_parts(const struct conf_part *parts, size_t n, const struct gw_reqparts *r, uint8_t out[32])
 {
     struct cm_sha256 h;
@@ -139,16 +152,11 @@ void gw_hash_parts(const struct conf_part *parts, size_t n, const struct gw_reqp
         case CONF_PART_HEADER:
             put_header(&h, parts[i].header, r->hdrs);
             break;
-        case CONF_PART_JWT: { /* claim name, then 0 (absent) or 1 and the value: absent differs from "" */
-            size_t len = 0;
-            char *v = r->jwt ? gw_jwt_claim(r->jwt, parts[i].header, &len) : NULL;
-            put_str(&h, parts[i].header);
-            put_u64(&h, v ? 1 : 0);
-            if (v)
-                cm_sha256_part(&h, v, len);
-            free(v);
+        case CONF_PART_JWT:
+            put_claim(&h, r->jwt, parts[i].header);
+            if (gw_jwt_issuer_scoped(r->jwt)) /* no jwt.issuer: tokens of several issuers are accepted */
+                put_claim(&h, r->jwt, "iss");
             break;
-        }
         }
     }
     cm_sha256_final(&h, out);

@@ -44,6 +44,7 @@ struct gw_jwt {
 
 struct gw_jwt_claims {
     json_t *payload;
+    bool issuer_scoped; /* the verifier checks no issuer */
 };
 
 const char *gw_jwt_result_name(enum gw_jwt_result r)
@@ -521,6 +522,7 @@ enum gw_jwt_result gw_jwt_verify(const struct gw_jwt *j, const char *authz, int6
     if (res == GW_JWT_OK) {
         *out = cm_calloc(1, sizeof **out);
         (*out)->payload = payload;
+        (*out)->issuer_scoped = j->issuer == NULL;
         payload = NULL;
     }
 done:
@@ -555,6 +557,17 @@ bool gw_jwt_has_claim(const struct gw_jwt_claims *c, const char *name)
 {
     json_t *v = c ? json_object_get(c->payload, name) : NULL;
     return v && !json_is_null(v);
+}
+
+bool gw_jwt_claim_is_string(const struct gw_jwt_claims *c, const char *name)
+{
+    json_t *v = c ? json_object_get(c->payload, name) : NULL;
+    return v && json_is_string(v);
+}
+
+bool gw_jwt_issuer_scoped(const struct gw_jwt_claims *c)
+{
+    return c && c->issuer_scoped;
 }
 
 void gw_jwt_claims_free(struct gw_jwt_claims *c)

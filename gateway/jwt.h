@@ -40,6 +40,12 @@ enum gw_jwt_result gw_jwt_verify(const struct gw_jwt *j, const char *authz, int6
 char *gw_jwt_claim(const struct gw_jwt_claims *c, const char *name, size_t *len);
 /* Whether the payload has claim name with a value other than null (what gw_jwt_claim would return), without a copy. */
 bool gw_jwt_has_claim(const struct gw_jwt_claims *c, const char *name);
+/* Whether claim name is a JSON string (false: missing, null or another type). A scope hashes a string's bytes apart
+ * from another type's compact JSON, so "123" and 123 are two scopes (SPEC 9). */
+bool gw_jwt_claim_is_string(const struct gw_jwt_claims *c, const char *name);
+/* Whether the verifier that accepted these claims checks no issuer (jwt.issuer unset): then tokens of several
+ * issuers are accepted, and the issuer is part of every jwt: scope (SPEC 9). */
+bool gw_jwt_issuer_scoped(const struct gw_jwt_claims *c);
 void gw_jwt_claims_free(struct gw_jwt_claims *c); /* NULL is a no-op */
 
 #endif

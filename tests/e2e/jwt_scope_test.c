@@ -284,3 +284,29 @@ Test(jwt, key_off_ordering_checks_the_token_and_keeps_tenants_apart)
     free(alice);
     free(bob);
 }
+
+/* SPEC 9: a claim is scoped with its JSON type: the tenant whose sub is the number 123 is not the tenant whose sub
+ * is the string "123", and never gets its answer replayed. Before, both hashed as the bytes 123: one scope. */
+Test(jwt, a_numeric_sub_is_another_tenant_than_its_string)
+{
+    struct e2e_upstream *up;
+    struct e2e_gw *gw = start(&up);
+    char key[96], pl[600];
+    e2e_mkkey(key, sizeof key, "jwttype");
+    long now = (long)time(NULL);
+    snprintf(pl, sizeof pl, "{\"sub\":123,\"iss\":\"https://auth.test\",\"aud\":\"payments\",\"exp\":%ld}", now + 600);
+    char *number = bearer("{\"alg\":\"HS256\"}", pl, SECRET);
+    char *string = token_for("123", 600, NULL);
+    struct e2e_resp r;
+    post(gw, key, string, "{\"amount\":1}", &r);
+    cr_expect_eq(r.status, 200);
+    cr_expect(!e2e_resp_is_replay(&r));
+    e2e_resp_free(&r);
+    post(gw, key, number, "{\"amount\":1}", &r);
+    cr_expect_eq(r.status, 200, "%ld %s", r.status, (const char *)r.body);
+    cr_expect(!e2e_resp_is_replay(&r), "sub 123 is not sub \"123\": it executes, never the other's replay");
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 2);
+    free(number);
+    free(string);
+}

@@ -15,6 +15,7 @@
 #include "common/common.h"
 #include "tests/tools/b64url.h"
 #include "conf/conf.h"
+#include "gateway/idem.h"
 #include "gateway/jwt.h"
 
 #define SECRET "0123456789abcdef0123456789abcdef-hs256-test"
@@ -334,6 +335,63 @@ Test(jwt, claims_as_scope_values)
     cr_expect(gw_jwt_has_claim(cl, "org") && gw_jwt_has_claim(cl, "n"));
     cr_expect(!gw_jwt_has_claim(cl, "z") && !gw_jwt_has_claim(cl, "tenant"), "has_claim agrees with gw_jwt_claim");
     gw_jwt_claims_free(cl);
+    gw_jwt_destroy(j);
+}
+
+/* The jwt:sub scope hash of an HS256 token with this payload, verified by j. */
+static void sub_scope(const struct gw_jwt *j, const char *payload, uint8_t out[32])
+{
+    struct gw_jwt_claims *cl = NULL;
+    cr_assert_eq(gw_jwt_verify(j, token("HS256", NULL, "{\"alg\":\"HS256\"}", payload), NOW, &cl), GW_JWT_OK, "%s",
+                 payload);
+    struct conf_part part = {.kind = CONF_PART_JWT, .header = "sub"};
+    struct gw_reqparts rp = {.method = "POST", .path = "/", .query = "", .jwt = cl};
+    gw_hash_parts(&part, 1, &rp, out);
+    gw_jwt_claims_free(cl);
+}
+
+/* SPEC 9: claims are scoped with their JSON type ("123" and 123 are two tenants, ["a"] and "[\"a\"]" too), and
+ * without jwt.issuer the issuer is part of every jwt: scope (the same sub of two issuers is two tenants). Before,
+ * each pair hashed the same. */
+Test(jwt, claim_types_and_issuers_are_scopes_apart)
+{
+    static const struct {
+        const char *a, *b;
+        bool same;
+        const char *what;
+    } cases[] = {
+        {"{\"sub\":\"123\",\"exp\":1900000100}", "{\"sub\":123,\"exp\":1900000100}", false, "string and number"},
+        {"{\"sub\":[\"a\"],\"exp\":1900000100}", "{\"sub\":\"[\\\"a\\\"]\",\"exp\":1900000100}", false,
+         "array and its JSON text as a string"},
+        {"{\"sub\":true,\"exp\":1900000100}", "{\"sub\":\"true\",\"exp\":1900000100}", false, "true and \"true\""},
+        {"{\"sub\":\"u\",\"iss\":\"https://a.test\",\"exp\":1900000100}",
+         "{\"sub\":\"u\",\"iss\":\"https://b.test\",\"exp\":1900000100}", false, "two issuers"},
+        {"{\"sub\":\"u\",\"iss\":\"https://a.test\",\"exp\":1900000100}", "{\"sub\":\"u\",\"exp\":1900000100}", false,
+         "an issuer and none"},
+        {"{\"sub\":\"u\",\"iss\":\"https://a.test\",\"exp\":1900000100}",
+         "{\"sub\":\"u\",\"iss\":\"https://a.test\",\"exp\":1900000200,\"jti\":\"refreshed\"}", true,
+         "a refreshed token of the same issuer"},
+        {"{\"sub\":7,\"exp\":1900000100}", "{\"sub\":7,\"exp\":1900000200}", true, "the same number"},
+    };
+    struct gw_jwt *j = verifier(NULL, NULL);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        uint8_t a[32], b[32];
+        sub_scope(j, cases[i].a, a);
+        sub_scope(j, cases[i].b, b);
+        cr_expect_eq(memcmp(a, b, 32) == 0, cases[i].same, "%s: %s", cases[i].what,
+                     cases[i].same ? "two scopes" : "one scope");
+    }
+    gw_jwt_destroy(j);
+    /* with jwt.issuer set every accepted token has that issuer: a string claim's scope is its bytes alone */
+    j = verifier("https://a.test", NULL);
+    uint8_t a[32], b[32];
+    sub_scope(j, "{\"sub\":\"u\",\"iss\":\"https://a.test\",\"exp\":1900000100}", a);
+    sub_scope(j, "{\"sub\":\"u\",\"iss\":\"https://a.test\",\"exp\":1900000200}", b);
+    cr_expect_eq(memcmp(a, b, 32), 0, "the same subject");
+    sub_scope(j, "{\"sub\":123,\"iss\":\"https://a.test\",\"exp\":1900000100}", b);
+    cr_expect_neq(memcmp(a, b, 32), 0);
+    sub_scope(j, "{\"sub\":\"123\",\"iss\":\"https://a.test\",\"exp\":1900000100}", a);
+    cr_expect_neq(memcmp(a, b, 32), 0, "\"123\" and 123 with an issuer set");
     gw_jwt_destroy(j);
 }
 
