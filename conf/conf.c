@@ -1526,12 +1526,16 @@ static bool fn_methods(struct ctx *x, yaml_node_t *n, void *target)
 static const struct field match_fields[] = {
     FIELD_FN("path", struct conf_route, path, fn_path, false, .what = "path",
              .allowed = "starts with `/`; no space, control byte, `?` or `#`",
-             .doc = "The route matches this path exactly (after the gateway normalised it). Give `path` or "
-                    "`path_prefix`, not both."),
+             .doc = "The route matches this path (after the gateway normalised it), compared in the match form: "
+                    "case folded, `;` segment parameters dropped, and a suffix such as `.json` of the last "
+                    "segment ignored, so no spelling of the path escapes the route (security.md). Give `path` "
+                    "or `path_prefix`, not both. Two routes that meet only in the match form must have the "
+                    "same policy."),
     FIELD_FN("path_prefix", struct conf_route, path_prefix, fn_path_prefix, false, .what = "path",
              .allowed = "as `path`; a trailing `/` is ignored",
              .doc = "The route matches this path and every path below it, by whole segments: `/v1/payments` "
-                    "matches `/v1/payments` and `/v1/payments/42`, not `/v1/paymentsx`."),
+                    "matches `/v1/payments` and `/v1/payments/42`, not `/v1/paymentsx` (in the match form, "
+                    "as `path`)."),
     FIELD_FN("methods", struct conf_route, methods, fn_methods, false, .what = "list of methods",
              .def = "[POST, PATCH]", .show = show_methods,
              .allowed = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS, TRACE, CONNECT (upper case)",
