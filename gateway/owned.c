@@ -22,6 +22,7 @@
 struct owned {
     struct owned *next;
     uint64_t hash;
+    bool marker; /* an ordering guard's marker (route, scope, resource), not a key's claim */
     uint8_t scope[32];
     uint8_t fp[32]; /* the holder's request fingerprint */
     bool has_fp;
@@ -33,36 +34,37 @@ static pthread_mutex_t owned_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct owned *owned_tab[OWNED_BUCKETS];
 static size_t owned_n;
 
-static uint64_t id_hash(const struct store_id *id, size_t route_len)
+static uint64_t id_hash(const struct store_id *id, size_t route_len, bool marker)
 {
     uint64_t h = cm_fnv1a(CM_FNV1A_INIT, id->route, route_len + 1); /* the NUL separates route from scope */
     h = cm_fnv1a(h, id->scope, sizeof id->scope);
+    h = cm_fnv1a(h, &marker, 1);
     return cm_fnv1a(h, id->key, id->key_len);
 }
 
-static bool same(const struct owned *o, uint64_t h, const struct store_id *id, size_t route_len)
+static bool same(const struct owned *o, uint64_t h, const struct store_id *id, size_t route_len, bool marker)
 {
-    return o->hash == h && o->route_len == route_len && o->key_len == id->key_len &&
+    return o->hash == h && o->marker == marker && o->route_len == route_len && o->key_len == id->key_len &&
            memcmp(o->scope, id->scope, sizeof o->scope) == 0 && memcmp(o->bytes, id->route, route_len) == 0 &&
            memcmp(o->bytes + route_len, id->key, id->key_len) == 0;
 }
 
 /* The link that holds id's entry, or the bucket's terminating NULL when it is not recorded. Under owned_mu. */
-static struct owned **find(const struct store_id *id, size_t rl, uint64_t h)
+static struct owned **find(const struct store_id *id, size_t rl, uint64_t h, bool marker)
 {
     struct owned **pp = &owned_tab[h & (OWNED_BUCKETS - 1)];
-    while (*pp && !same(*pp, h, id, rl))
+    while (*pp && !same(*pp, h, id, rl, marker))
         pp = &(*pp)->next;
     return pp;
 }
 
-enum gw_owned gw_owned_take(const struct store_id *id, const uint8_t *fp)
+static enum gw_owned take(const struct store_id *id, const uint8_t *fp, bool marker)
 {
     size_t rl = strlen(id->route);
-    uint64_t h = id_hash(id, rl);
+    uint64_t h = id_hash(id, rl, marker);
     enum gw_owned r = GW_OWNED_TAKEN;
     pthread_mutex_lock(&owned_mu);
-    struct owned **pp = find(id, rl, h);
+    struct owned **pp = find(id, rl, h, marker);
     if (*pp) {
         r = GW_OWNED_BUSY;
     } else if (owned_n >= OWNED_MAX) {
@@ -71,6 +73,7 @@ enum gw_owned gw_owned_take(const struct store_id *id, const uint8_t *fp)
         struct owned *o = cm_malloc(sizeof *o + rl + id->key_len);
         o->next = NULL;
         o->hash = h;
+        o->marker = marker;
         memcpy(o->scope, id->scope, sizeof o->scope);
         o->has_fp = fp != NULL;
         if (fp != NULL)
@@ -86,12 +89,17 @@ enum gw_owned gw_owned_take(const struct store_id *id, const uint8_t *fp)
     return r;
 }
 
-void gw_owned_drop(const struct store_id *id)
+enum gw_owned gw_owned_take(const struct store_id *id, const uint8_t *fp)
+{
+    return take(id, fp, false);
+}
+
+static void drop(const struct store_id *id, bool marker)
 {
     size_t rl = strlen(id->route);
-    uint64_t h = id_hash(id, rl);
+    uint64_t h = id_hash(id, rl, marker);
     pthread_mutex_lock(&owned_mu);
-    struct owned **pp = find(id, rl, h);
+    struct owned **pp = find(id, rl, h, marker);
     if (*pp) {
         struct owned *o = *pp;
         *pp = o->next;
@@ -101,12 +109,17 @@ void gw_owned_drop(const struct store_id *id)
     pthread_mutex_unlock(&owned_mu);
 }
 
-enum gw_held gw_owned_held_fp(const struct store_id *id, const uint8_t *fp)
+void gw_owned_drop(const struct store_id *id)
+{
+    drop(id, false);
+}
+
+static enum gw_held held(const struct store_id *id, const uint8_t *fp, bool marker)
 {
     size_t rl = strlen(id->route);
-    uint64_t h = id_hash(id, rl);
+    uint64_t h = id_hash(id, rl, marker);
     pthread_mutex_lock(&owned_mu);
-    const struct owned *o = *find(id, rl, h);
+    const struct owned *o = *find(id, rl, h, marker);
     enum gw_held r = o == NULL                                                         ? GW_HELD_NO
                      : fp != NULL && o->has_fp && memcmp(o->fp, fp, sizeof o->fp) != 0 ? GW_HELD_OTHER
                                                                                        : GW_HELD_SAME;
@@ -114,9 +127,43 @@ enum gw_held gw_owned_held_fp(const struct store_id *id, const uint8_t *fp)
     return r;
 }
 
+enum gw_held gw_owned_held_fp(const struct store_id *id, const uint8_t *fp)
+{
+    return held(id, fp, false);
+}
+
 bool gw_owned_held(const struct store_id *id)
 {
-    return gw_owned_held_fp(id, NULL) != GW_HELD_NO;
+    return held(id, NULL, false) != GW_HELD_NO;
+}
+
+/* A marker is recorded as a store_id whose key is the resource: the marker flag keeps it apart from a key. */
+static struct store_id marker_id(const struct store_order_id *id)
+{
+    struct store_id k;
+    k.route = id->route;
+    memcpy(k.scope, id->scope, sizeof k.scope);
+    k.key = id->resource;
+    k.key_len = id->resource_len;
+    return k;
+}
+
+enum gw_owned gw_owned_marker_take(const struct store_order_id *id)
+{
+    struct store_id k = marker_id(id);
+    return take(&k, NULL, true);
+}
+
+void gw_owned_marker_drop(const struct store_order_id *id)
+{
+    struct store_id k = marker_id(id);
+    drop(&k, true);
+}
+
+bool gw_owned_marker_held(const struct store_order_id *id)
+{
+    struct store_id k = marker_id(id);
+    return held(&k, NULL, true) != GW_HELD_NO;
 }
 
 size_t gw_owned_count(void)

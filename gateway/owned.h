@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "store/order.h"
 #include "store/store.h"
 
 enum gw_owned {
@@ -31,6 +32,12 @@ enum gw_held gw_owned_held_fp(const struct store_id *id, const uint8_t *fp);
 enum gw_owned gw_owned_take(const struct store_id *id, const uint8_t *fp);
 /* Forgets id; a no-op when it is not recorded. */
 void gw_owned_drop(const struct store_id *id);
+/* The same for an ordering guard's in-flight marker (SPEC 6, 8): a request of this process holds the resource's
+ * marker, whatever its lease in Postgres says, so another request of this process for that resource is in flight
+ * without asking Postgres. Taken once the guard gave the marker; dropped when it is settled. */
+enum gw_owned gw_owned_marker_take(const struct store_order_id *id);
+void gw_owned_marker_drop(const struct store_order_id *id);
+bool gw_owned_marker_held(const struct store_order_id *id);
 /* Entries recorded (for tests and metrics). */
 size_t gw_owned_count(void);
 

@@ -39,6 +39,17 @@ struct gw_pipe {
     struct up_transfer *transfer;
     struct cm_resp up_resp;            /* upstream answer being stored */
     struct renew_ticket *renew_ticket; /* a lease renewal in flight */
+    /* SPEC 8, a paused owner never acts: the request leaves only before send_until_ms (cm_now_ms), the earliest end
+     * of the leases it holds (the key's claim, the resource's marker), each counted from the sending of the last
+     * statement Postgres confirmed: sent + lease - lease / 4. The upstream reads it at the instant of sending. */
+    uint64_t send_until_ms;
+    uint64_t key_until_ms;             /* the key's claim (0: not held, or lost) */
+    uint64_t order_until_ms;           /* the resource's marker (0: not held, or lost) */
+    uint64_t claim_sent_ms;            /* the claim statement was handed to the store then */
+    uint64_t order_sent_ms;            /* the guard's acquire was handed to the store then */
+    bool bounded;                      /* send_until_ms applies to the request (enforce, a key or a marker held) */
+    bool order_owned;                  /* the marker is in this process's table (gateway/owned.c) */
+    struct renew_ticket *order_ticket; /* a marker renewal in flight */
     bool probed;                       /* on_unknown: probe asked the upstream once for this request */
     bool owned;                        /* its key is in this process's table of keys in flight (gateway/owned.c) */
     uint64_t started_ms;               /* when the pipeline took the job (bounds a cache entry's life) */
@@ -125,6 +136,15 @@ static void set_state(struct gw_job *job, enum gw_pipe_state s)
             CM_OUT_UPSTREAM_NO_RESPONSE                                                                                \
     }
 
+/* SPEC 8: the lease (the key's claim or the resource's marker) ended before the request could leave: nothing was
+ * sent, and the record is left to whoever holds it now (503 with Retry-After). */
+#define LEASE_LOST(mode)                                                                                               \
+    {                                                                                                                  \
+        mode, SENT, UP_LEASE_LOST, false, 503, "store-unavailable", "Store unavailable",                               \
+            "this gateway lost its lease on the request before it could be sent; nothing was forwarded", "not_sent",   \
+            GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_STORE_UNAVAILABLE                                                   \
+    }
+
 static const struct gw_outcome outcomes[] = {
     /* passthrough: no record; the guard (a keyless request on a guarded route) settles by the effect */
     {PASS, SENT, UP_OK, false, 0, NULL, NULL, NULL, NULL, GW_RECORD_NONE, GW_EFFECT_APPLIED, CM_OUT_FORWARDED},
@@ -143,6 +163,7 @@ static const struct gw_outcome outcomes[] = {
      GW_RECORD_NONE, GW_EFFECT_UNKNOWN, CM_OUT_ERROR},
     {PASS, UNSENT, UP_CONNECT_FAILED, false, 502, "upstream-unavailable", "Upstream unavailable",
      "the transfer could not start", NULL, GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_UPSTREAM_UNAVAILABLE},
+    LEASE_LOST(PASS),
 
     /* idempotent: the claimed key's record is completed, released or kept as an unknown outcome */
     {IDEM, SENT, UP_OK, false, 0, NULL, NULL, NULL, NULL, GW_RECORD_COMPLETE, GW_EFFECT_APPLIED, CM_OUT_FORWARDED},
@@ -166,6 +187,7 @@ static const struct gw_outcome outcomes[] = {
      "upstream_invalid_response", GW_RECORD_MARK_UNKNOWN, GW_EFFECT_UNKNOWN, CM_OUT_ERROR},
     {IDEM, UNSENT, UP_CONNECT_FAILED, false, 502, "upstream-unavailable", "Upstream unavailable",
      "the transfer could not start", NULL, GW_RECORD_RELEASE, GW_EFFECT_NONE, CM_OUT_UPSTREAM_UNAVAILABLE},
+    LEASE_LOST(IDEM),
 };
 #define OUTCOMES_N (sizeof outcomes / sizeof outcomes[0])
 
@@ -259,6 +281,41 @@ static void owned_drop(struct gw_job *job)
     job->pipe->owned = false;
 }
 
+/* The end of a lease Postgres confirmed for a statement handed to the store at sent_ms (SPEC 8): the lease less a
+ * quarter of it, on this process's monotonic clock. */
+static uint64_t lease_end(uint64_t sent_ms, uint64_t lease_ms)
+{
+    return sent_ms + lease_ms - lease_ms / 4;
+}
+
+/* send_until_ms: the earliest end of the leases the job holds (the key's claim; the resource's marker). */
+static void send_bound_update(struct gw_job *job)
+{
+    struct gw_pipe *p = job->pipe;
+    uint64_t b = job->idempotent ? p->key_until_ms : UINT64_MAX;
+    if (p->order_held && p->order_until_ms < b)
+        b = p->order_until_ms;
+    p->send_until_ms = b;
+}
+
+static void settle_upstream(struct gw_job *job, const struct gw_outcome *o, struct cm_resp *resp, const char *errmsg);
+
+/* SPEC 8, a paused owner never acts: once its lease ended, a request still waiting for a connection is dropped
+ * (nothing sent, 503, the record left to whoever holds it now). One that has started to leave runs on. */
+static bool lease_check(struct gw_job *job)
+{
+    struct gw_pipe *p = job->pipe;
+    if (!p->bounded || !p->transfer || cm_now_ms() < p->send_until_ms ||
+        !up_drop_unsent(gw_loop_upstream(job->loop), p->transfer))
+        return false;
+    p->transfer = NULL;
+    settle_upstream(job, gw_outcome_for(job->idempotent, true, UP_LEASE_LOST, false), NULL,
+                    "dropped while it waited for a connection");
+    return true; /* the job may be answered and gone */
+}
+
+static void marker_drop(struct gw_job *job);
+
 static void stop_timers(struct gw_job *job)
 {
     event_clear(&job->pipe->timer);
@@ -271,6 +328,8 @@ static void stop_timers(struct gw_job *job)
  * runs: finish() detaches the ticket and the callback then only frees it. */
 struct renew_ticket {
     struct gw_job *job;
+    uint64_t sent_ms; /* the renewal was handed to the store then */
+    bool marker;      /* of the resource's marker; else of the key's claim */
 };
 
 /* The answer is ready: count it and hand the job back to the front. */
@@ -281,10 +340,15 @@ static void finish(struct gw_job *job, enum cm_outcome outcome)
         return; /* finish runs again once the key's claim or the resource's marker is settled */
     stop_timers(job);
     owned_drop(job);
+    marker_drop(job);
     p->outcome = outcome;
     if (p->renew_ticket) {
         p->renew_ticket->job = NULL;
         p->renew_ticket = NULL;
+    }
+    if (p->order_ticket) {
+        p->order_ticket->job = NULL;
+        p->order_ticket = NULL;
     }
     cm_metric_request(job->route_index, outcome);
     gw_loop_job_remove(job->loop, &p->link);
@@ -366,6 +430,8 @@ static void settle_upstream(struct gw_job *job, const struct gw_outcome *o, stru
         gw_job_problem(job, o->status, o->problem, o->title, o->detail);
     else if (o->record != GW_RECORD_COMPLETE)
         take_resp(job, resp);
+    if (o->status == 503)
+        gw_job_retry_after(job, 1000);
     if (o->record == GW_RECORD_NONE) {
         finish(job, o->outcome);
         return;
@@ -442,6 +508,7 @@ static void forward(struct gw_job *job, bool idempotent)
                 .no_resend = job->idempotent || !method_is_idempotent(job->method),
                 .max_connections = gw_loop_upstream_max(job->loop, u),
                 .keepalive_ms = u->keepalive_timeout_ms,
+                .send_until_ms = p->bounded ? &p->send_until_ms : NULL,
             };
             p->transfer =
                 up_send(gw_loop_upstream(job->loop), &req, idempotent ? idem_forward_done : passthrough_done, job);
@@ -464,27 +531,59 @@ static void forward_passthrough(struct gw_job *job)
     forward(job, false);
 }
 
+/* A renewal's answer moves the lease's end (*until) on, or ends it (rows 0: the record or marker is not ours any
+ * more); a request that waits for a connection is dropped once the end passed. */
+static void lease_renewed(struct gw_job *job, uint64_t *until, uint64_t sent_ms, bool ok, long rows, const char *what)
+{
+    if (ok && rows == 0) {
+        if (*until != 0)
+            cm_log(CM_WARN, "lease_lost", "route=%s of=%s", job->route->name, what);
+        *until = 0;
+    } else if (ok && *until != 0 && lease_end(sent_ms, job->route->idem.lease_ms) > *until) {
+        *until = lease_end(sent_ms, job->route->idem.lease_ms);
+    }
+    send_bound_update(job);
+    (void)lease_check(job);
+}
+
+/* The answer to a renewal of the key's claim or of the resource's marker. */
 static void renewed(void *arg, bool ok, long rows)
 {
     struct renew_ticket *t = arg;
     struct gw_job *job = t->job;
+    uint64_t sent = t->sent_ms;
+    bool marker = t->marker;
     free(t);
     if (!job)
         return; /* answered meanwhile */
-    job->pipe->renew_ticket = NULL;
-    if (ok && rows == 0)
-        cm_log(CM_WARN, "lease_lost", "route=%s", job->route->name);
+    struct gw_pipe *p = job->pipe;
+    *(marker ? &p->order_ticket : &p->renew_ticket) = NULL;
+    lease_renewed(job, marker ? &p->order_until_ms : &p->key_until_ms, sent, ok, rows, marker ? "marker" : "key");
+}
+
+/* A renewal's ticket (marker: of the resource's marker), or NULL: the previous one still runs, or a pause (SIGSTOP,
+ * an overloaded host) outlived the lease and the job was just answered. */
+static struct renew_ticket *renew_begin(struct gw_job *job, bool marker)
+{
+    struct gw_pipe *p = job->pipe;
+    struct renew_ticket **slot = marker ? &p->order_ticket : &p->renew_ticket;
+    if (lease_check(job) || *slot)
+        return NULL;
+    struct renew_ticket *t = cm_malloc(sizeof *t);
+    t->job = job;
+    t->sent_ms = cm_now_ms();
+    t->marker = marker;
+    *slot = t;
+    return t;
 }
 
 static void renew_tick(evutil_socket_t fd, short what, void *arg)
 {
     struct gw_job *job = arg;
     struct gw_pipe *p = job->pipe;
-    if (p->renew_ticket)
-        return; /* the previous renewal is still running */
-    struct renew_ticket *t = cm_malloc(sizeof *t);
-    t->job = job;
-    p->renew_ticket = t;
+    struct renew_ticket *t = renew_begin(job, false);
+    if (!t)
+        return;
     struct store_id id = job_id(job);
     store_renew(gw_loop_store(job->loop), &id, p->token, job->route->idem.lease_ms, renewed, t);
 }
@@ -497,6 +596,10 @@ static void wait_tick(evutil_socket_t fd, short what, void *arg)
 /* The key is this request's under token: renew its lease until settled, forward once, store what comes back. */
 static void forward_owned(struct gw_job *job, uint64_t token)
 {
+    struct gw_pipe *p = job->pipe;
+    p->key_until_ms = lease_end(p->claim_sent_ms, job->route->idem.lease_ms);
+    p->bounded = !job->shadow; /* shadow forwards everything: the store never stops its requests */
+    send_bound_update(job);
     job->pipe->token = token;
     job->pipe->renew_timer = renew_every_third(job, renew_tick);
     if (job->ordered && job->shadow)
@@ -778,6 +881,7 @@ static void claim(struct gw_job *job)
         return;
     }
     job->pipe->cache_epoch = gw_cache_before_store(job);
+    job->pipe->claim_sent_ms = cm_now_ms();
     store_claim(gw_loop_store(job->loop), &req, job->shadow ? shadow_claimed : claimed, job);
 }
 
@@ -869,7 +973,10 @@ void gw_pipeline_free(struct gw_job *job)
     event_clear(&p->order_renew_timer);
     if (p->renew_ticket)
         p->renew_ticket->job = NULL;
+    if (p->order_ticket)
+        p->order_ticket->job = NULL;
     owned_drop(job);
+    marker_drop(job);
     cm_resp_free(&p->up_resp);
     free(p);
     job->pipe = NULL;
@@ -928,6 +1035,16 @@ static void guard_stop_timers(struct gw_job *job)
     event_clear(&job->pipe->order_renew_timer);
 }
 
+/* The resource's marker leaves this process's table (gateway/owned.c) once settled, or when the job ends. */
+static void marker_drop(struct gw_job *job)
+{
+    if (!job->pipe->order_owned)
+        return;
+    struct store_order_id id = guard_id(job);
+    gw_owned_marker_drop(&id);
+    job->pipe->order_owned = false;
+}
+
 static void guard_settled(void *arg, bool ok)
 {
     struct gw_job *job = arg;
@@ -970,8 +1087,12 @@ static bool guard_settle(struct gw_job *job, enum cm_outcome outcome)
 static void guard_renew_tick(evutil_socket_t fd, short what, void *arg)
 {
     struct gw_job *job = arg;
+    struct renew_ticket *t = renew_begin(job, true);
+    if (!t)
+        return;
     struct store_order_id id = guard_id(job);
-    store_order_renew(store_order_of(gw_loop_store(job->loop)), &id, job->pipe->order_token, job->route->idem.lease_ms);
+    store_order_renew(store_order_of(gw_loop_store(job->loop)), &id, job->pipe->order_token, job->route->idem.lease_ms,
+                      renewed, t);
 }
 
 static void guard_try(struct gw_job *job);
@@ -1002,7 +1123,14 @@ static void guard_done(void *arg, const struct store_order_res *res)
     uint64_t now = cm_now_ms();
     switch (res->verdict) {
     case STORE_ORDER_OK: {
-        job->pipe->order_held = true;
+        struct gw_pipe *p = job->pipe;
+        struct store_order_id id = guard_id(job);
+        p->order_held = true;
+        p->order_until_ms = lease_end(p->order_sent_ms, job->route->idem.lease_ms);
+        p->order_owned = gw_owned_marker_take(&id) == GW_OWNED_TAKEN; /* held here until settled */
+        if (!job->idempotent)
+            p->bounded = true; /* keyless: the marker alone */
+        send_bound_update(job);
         job->pipe->order_renew_timer = renew_every_third(job, guard_renew_tick);
         if (job->idempotent)
             forward_claimed(job);
@@ -1059,12 +1187,46 @@ static void guard_done(void *arg, const struct store_order_res *res)
     }
 }
 
+/* Another request of this process holds the resource's marker (gateway/owned.c): it is in flight, whatever its
+ * lease in Postgres says (an outage longer than the lease, SPEC 6 and 8), and Postgres is not asked. Within hold
+ * the job waits as for Postgres's in-use refusal; after it, 409 sequence-in-use, and the key's claim goes (nothing
+ * was sent; Postgres' final refusal deletes it in its statement). */
+static void guard_held_here(struct gw_job *job)
+{
+    struct gw_pipe *p = job->pipe;
+    const struct conf_ordering *o = &job->route->ordering;
+    uint64_t lease = job->route->idem.lease_ms;
+    set_state(job, GW_PIPE_GUARDING);
+    if (p->ordered_may_wait) {
+        struct store_order_res res = {.verdict = STORE_ORDER_IN_USE, .lease_left_ms = lease};
+        guard_done(job, &res);
+        return;
+    }
+    cm_metric_in_flight_conflict(job->route_index);
+    gw_job_problem(job, 409, "sequence-in-use", "Sequence in use",
+                   "another request for this resource is still being processed; retry later");
+    gw_job_retry_after(job, lease < o->hold_ms ? lease : o->hold_ms);
+    if (!job->idempotent) {
+        finish(job, CM_OUT_IN_FLIGHT);
+        return;
+    }
+    struct store_id kid = job_id(job);
+    p->outcome = CM_OUT_IN_FLIGHT;
+    set_state(job, GW_PIPE_RECORDING);
+    store_release(gw_loop_store(job->loop), &kid, p->token, lease, answer_after_store, job);
+}
+
 static void guard_try(struct gw_job *job)
 {
     const struct conf_ordering *o = &job->route->ordering;
     struct store_order_req req;
     memset(&req, 0, sizeof req);
     req.id = guard_id(job);
+    job->pipe->ordered_may_wait = cm_now_ms() < job->pipe->order_deadline_ms;
+    if (gw_owned_marker_held(&req.id)) {
+        guard_held_here(job);
+        return;
+    }
     req.seq = job->seq;
     req.token = job->pipe->order_token;
     req.lease_ms = job->route->idem.lease_ms;
@@ -1077,6 +1239,7 @@ static void guard_try(struct gw_job *job)
         req.key_len = job->key_len;
     }
     set_state(job, GW_PIPE_GUARDING);
+    job->pipe->order_sent_ms = cm_now_ms();
     store_order_acquire(store_order_of(gw_loop_store(job->loop)), &req, guard_done, job);
 }
 

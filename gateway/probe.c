@@ -29,6 +29,9 @@ struct probe_run {
     uint8_t scope[32];
     uint64_t token;
     struct cm_hdrs scope_hdrs; /* the retry's scope parts the look-up carries (none for the sweeper) */
+    uint64_t hold_ms;          /* the take's lease */
+    uint64_t take_sent_ms;     /* the take was handed to the store then (cm_now_ms) */
+    uint64_t send_until_ms;    /* SPEC 8: the look-up leaves only before this (the take's lease less a quarter) */
     bool sweep;                /* started by the sweeper (no caller to answer) */
     struct up_transfer *transfer;
     struct cm_resp resp;
@@ -164,6 +167,11 @@ static void looked_up(void *arg, enum up_result ur, struct cm_resp *resp, const 
     struct store_id id = run_id(r);
     r->transfer = NULL;
     cm_metric_upstream_seconds(secs);
+    if (ur == UP_LEASE_LOST) { /* the take lapsed before the look-up could leave: the record is whoever's now */
+        cm_log(CM_WARN, "probe_unresolved", "route=%s reason=lease_lost", r->route_name);
+        run_done(r, GW_PROBE_STORE);
+        return;
+    }
     if (ur == UP_OK && status_in(pc->found, pc->found_n, resp->status)) {
         cm_resp_free(&r->resp);
         r->resp = *resp;
@@ -262,6 +270,7 @@ static bool send_lookup(struct probe_run *r)
             .no_resend = !safe,
             .max_connections = gw_loop_upstream_max(r->p->loop, u),
             .keepalive_ms = u->keepalive_timeout_ms,
+            .send_until_ms = &r->send_until_ms,
         };
         r->transfer = up_send(gw_loop_upstream(r->p->loop), &req, looked_up, r);
         ok = r->transfer != NULL;
@@ -282,6 +291,7 @@ static void taken(void *arg, bool ok, long rows)
         run_done(r, GW_PROBE_BUSY);
         return;
     }
+    r->send_until_ms = r->take_sent_ms + r->hold_ms - r->hold_ms / 4;
     if (!send_lookup(r)) {
         cm_log(CM_WARN, "probe_unresolved", "route=%s reason=not_sent", r->route_name);
         give_back(r, GW_PROBE_UNRESOLVED);
@@ -339,8 +349,9 @@ static void run_start(struct gw_probe *p, size_t route_index, const struct store
         p->runs->prev = r;
     p->runs = r;
     const struct conf_upstream *u = &conf->upstreams[r->route->upstream];
-    uint64_t hold = u->connect_timeout_ms + u->timeout_ms + HOLD_EXTRA_MS;
-    store_probe_take(gw_loop_store(p->loop), id, r->token, hold, taken, r);
+    r->hold_ms = u->connect_timeout_ms + u->timeout_ms + HOLD_EXTRA_MS;
+    r->take_sent_ms = cm_now_ms();
+    store_probe_take(gw_loop_store(p->loop), id, r->token, r->hold_ms, taken, r);
 }
 
 void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, const struct cm_hdrs *scope_hdrs,

@@ -32,9 +32,10 @@ const char store_order_schema[] = "CREATE TABLE IF NOT EXISTS idemgate_order ("
                                   " applied_key text,"  /* the key of the request that set applied */
                                   " PRIMARY KEY (route, scope, resource))";
 
-/* Conditions on the existing row o for the request ($4 seq, $5 token, $7 now in ms since the epoch). A marker
- * whose lease lapsed (its owner is gone) counts as applied: its request may have been sent. */
-#define NOW_TS "to_timestamp($7 / 1000.0)"
+/* Conditions on the existing row o for the request ($4 seq, $5 token). A marker whose lease lapsed (its owner is
+ * gone) counts as applied: its request may have been sent. Every lease is set and compared on Postgres's clock
+ * (SPEC 8, one clock), never a gateway's: $7 is not used. */
+#define NOW_TS "now()"
 #define LAPSED "(o.inflight_token IS NOT NULL AND o.inflight_token <> $5 AND o.inflight_until < " NOW_TS ")"
 #define BUSY   "(o.inflight_token IS NOT NULL AND o.inflight_token <> $5 AND o.inflight_until >= " NOW_TS ")"
 #define EFF    "(CASE WHEN " LAPSED " THEN greatest(o.applied, o.inflight_seq) ELSE o.applied END)"
@@ -46,7 +47,7 @@ const char store_order_schema[] = "CREATE TABLE IF NOT EXISTS idemgate_order ("
 #define GAP(app) "(" app " > 0 AND $4 - 1 > " app ")"
 #define OK                                                                                                             \
     "(o.inflight_token = $5 OR (NOT " BUSY " AND ($4 > " EFF " OR " SAMEKEY ") AND NOT (" GAP(EFF) " AND $8 <> 0)))"
-#define UNTIL "to_timestamp(($7 + $6) / 1000.0)"
+#define UNTIL "(now() + $6 * interval '1 ms')"
 /* seq is stale against row t, whose applied sequence a retry under key (the one that set it) may repeat. */
 #define STALE(t, key)                                                                                                  \
     "($4 < " t ".applied OR ($4 = " t ".applied AND NOT coalesce(" t ".applied_key = " key ", false)))"
@@ -68,7 +69,7 @@ const char store_order_schema[] = "CREATE TABLE IF NOT EXISTS idemgate_order ("
     " inflight_key = CASE WHEN " OK " THEN $10 WHEN " LAPSED " THEN NULL ELSE o.inflight_key END,"                     \
     " inflight_token = CASE WHEN " OK " THEN $5 WHEN " LAPSED " THEN NULL ELSE o.inflight_token END"
 
-/* $1 route, $2 scope, $3 resource, $4 seq, $5 token, $6 lease ms, $7 now ms, $8 on_gap (0 accept), $9 may wait,
+/* $1 route, $2 scope, $3 resource, $4 seq, $5 token, $6 lease ms, $7 unused, $8 on_gap (0 accept), $9 may wait,
  * $10 the key whose claim a final refusal deletes (NULL: none). The upsert always updates, so that it works on
  * the newest row version under its lock; its RETURNING shows the state after this request's decision. */
 /* clang-format off */
@@ -116,12 +117,13 @@ static const char sql_unknown[] = SQL_SETTLE_APPLIED("inflight_key");
 static const char sql_released[] = "UPDATE idemgate_order SET inflight_seq = NULL, inflight_token = NULL,"
                                    " inflight_until = NULL, inflight_key = NULL"
                                    " WHERE route = $1 AND scope = $2 AND resource = $3 AND inflight_token = $4";
-static const char sql_renew[] = "UPDATE idemgate_order SET inflight_until = to_timestamp(($5 + $6) / 1000.0)"
+/* $5 lease ms. */
+static const char sql_renew[] = "UPDATE idemgate_order SET inflight_until = now() + $5 * interval '1 ms'"
                                 " WHERE route = $1 AND scope = $2 AND resource = $3 AND inflight_token = $4";
 
-/* Shadow mode. $1 route, $2 scope, $3 resource, $4 seq, $5 key (NULL: none), $6 now ms: the applied sequence as
- * acquire counts it (EFF, EFFKEY with no marker of ours) and whether seq is stale (G_STALE). No row: fresh. */
-#define P_LAPSED "(o.inflight_token IS NOT NULL AND o.inflight_until < to_timestamp($6 / 1000.0))"
+/* Shadow mode. $1 route, $2 scope, $3 resource, $4 seq, $5 key (NULL: none): the applied sequence as acquire
+ * counts it (EFF, EFFKEY with no marker of ours) and whether seq is stale (G_STALE). No row: fresh. */
+#define P_LAPSED "(o.inflight_token IS NOT NULL AND o.inflight_until < now())"
 static const char sql_peek[] = "SELECT e.applied, " STALE(
     "e", "$5") " FROM"
                " (SELECT CASE WHEN " P_LAPSED " THEN greatest(o.applied, o.inflight_seq) ELSE o.applied END AS applied,"
@@ -139,8 +141,8 @@ enum { O_ACQUIRE, O_APPLIED, O_UNKNOWN, O_RELEASED, O_RENEW, O_ACQUIRE_KEYLESS, 
 static const Oid acquire_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8,
                                     OID_INT8, OID_INT8,  OID_INT4, OID_BOOL, OID_TEXT};
 static const Oid settle_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8};
-static const Oid renew_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8, OID_INT8};
-static const Oid peek_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_TEXT, OID_INT8};
+static const Oid renew_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8};
+static const Oid peek_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_TEXT};
 
 /* batch_key 0: each runs alone in its own implicit transaction. */
 static const struct store_pg_stmt order_stmts[STORE_ORDER_NSTMTS] = {
@@ -148,10 +150,10 @@ static const struct store_pg_stmt order_stmts[STORE_ORDER_NSTMTS] = {
     [O_APPLIED] = {"idg_order_applied", sql_applied, 4, settle_types, 0, NULL, NULL, NULL},
     [O_UNKNOWN] = {"idg_order_unknown", sql_unknown, 4, settle_types, 0, NULL, NULL, NULL},
     [O_RELEASED] = {"idg_order_released", sql_released, 4, settle_types, 0, NULL, NULL, NULL},
-    [O_RENEW] = {"idg_order_renew", sql_renew, 6, renew_types, 0, NULL, NULL, NULL},
+    [O_RENEW] = {"idg_order_renew", sql_renew, 5, renew_types, 0, NULL, NULL, NULL},
     /* plain Postgres: the same statement (its d deletes nothing without a key) */
     [O_ACQUIRE_KEYLESS] = {"idg_order_acquire_keyless", sql_acquire, 10, acquire_types, 0, NULL, NULL, NULL},
-    [O_PEEK] = {"idg_order_peek", sql_peek, 6, peek_types, 0, NULL, NULL, NULL},
+    [O_PEEK] = {"idg_order_peek", sql_peek, 5, peek_types, 0, NULL, NULL, NULL},
     [O_ADVANCE] = {"idg_order_advance", sql_advance, 5, peek_types, 0, NULL, NULL, NULL},
 };
 
@@ -160,10 +162,10 @@ static const struct store_pg_stmt order_stmts_citus[STORE_ORDER_NSTMTS] = {
     [O_APPLIED] = {"idg_order_applied", sql_applied, 4, settle_types, 0, NULL, NULL, NULL},
     [O_UNKNOWN] = {"idg_order_unknown", sql_unknown, 4, settle_types, 0, NULL, NULL, NULL},
     [O_RELEASED] = {"idg_order_released", sql_released, 4, settle_types, 0, NULL, NULL, NULL},
-    [O_RENEW] = {"idg_order_renew", sql_renew, 6, renew_types, 0, NULL, NULL, NULL},
+    [O_RENEW] = {"idg_order_renew", sql_renew, 5, renew_types, 0, NULL, NULL, NULL},
     [O_ACQUIRE_KEYLESS] = {"idg_order_acquire_keyless", sql_acquire_citus, 10, acquire_types, 0, NULL, NULL, NULL},
-    /* single-shard (filtered or keyed by the distribution column, resource), no stable function */
-    [O_PEEK] = {"idg_order_peek", sql_peek, 6, peek_types, 0, NULL, NULL, NULL},
+    /* single-shard (filtered or keyed by the distribution column, resource); now() is the coordinator's */
+    [O_PEEK] = {"idg_order_peek", sql_peek, 5, peek_types, 0, NULL, NULL, NULL},
     [O_ADVANCE] = {"idg_order_advance", sql_advance, 5, peek_types, 0, NULL, NULL, NULL},
 };
 
@@ -192,6 +194,7 @@ struct oop {
     uint64_t backoff_ms;
     struct event *timer;
     void (*scb)(void *arg, bool ok);
+    void (*rcb)(void *arg, bool ok, long rows); /* renew */
     void *arg;
 };
 
@@ -300,17 +303,22 @@ void store_order_acquire(struct store_order *o, const struct store_order_req *re
     p->seq = req->seq;
     p->acb = cb;
     p->arg = arg;
-    char seq[24], tok[24], lease[24], now[24], gap[4];
+    char seq[24], tok[24], lease[24], gap[4];
     snprintf(seq, sizeof seq, "%lld", (long long)req->seq);
     snprintf(tok, sizeof tok, "%lld", (long long)req->token);
     snprintf(lease, sizeof lease, "%llu", (unsigned long long)req->lease_ms);
-    snprintf(now, sizeof now, "%llu", (unsigned long long)cm_wall_ms());
     snprintf(gap, sizeof gap, "%d", (int)req->on_gap);
     char *key = req->key ? cm_strndup(req->key, req->key_len) : NULL;
     struct store_pg_param params[10] = {
-        {p->route, strlen(p->route), false}, {p->scope, 32, true},      {p->resource, p->resource_len, false},
-        {seq, strlen(seq), false},           {tok, strlen(tok), false}, {lease, strlen(lease), false},
-        {now, strlen(now), false},           {gap, strlen(gap), false}, {req->may_wait ? "t" : "f", 1, false},
+        {p->route, strlen(p->route), false},
+        {p->scope, 32, true},
+        {p->resource, p->resource_len, false},
+        {seq, strlen(seq), false},
+        {tok, strlen(tok), false},
+        {lease, strlen(lease), false},
+        {"0", 1, false},
+        {gap, strlen(gap), false},
+        {req->may_wait ? "t" : "f", 1, false},
         {key, key ? strlen(key) : 0, false},
     };
     store_pg_query(o->pg, o->stmt_base + (key ? O_ACQUIRE : O_ACQUIRE_KEYLESS), params, 10, 0, acquire_cb, p);
@@ -336,6 +344,15 @@ static void settle_cb(void *arg, enum store_pg_status st, const PGresult *r, con
         evtimer_add(p->timer, &tv);
         return;
     }
+    if (p->stmt == O_RENEW) {
+        void (*rcb)(void *, bool, long) = p->rcb;
+        void *rarg = p->arg;
+        long rows = ok ? atol(PQcmdTuples((PGresult *)r)) : 0;
+        oop_free(p);
+        if (rcb)
+            rcb(rarg, ok, rows);
+        return;
+    }
     if (!ok)
         cm_log(CM_WARN, "order_settle_failed", "route=%s status=%s effect=marker_lapses_then_counts_as_applied",
                p->route, store_pg_status_name(st));
@@ -348,15 +365,14 @@ static void settle_cb(void *arg, enum store_pg_status st, const PGresult *r, con
 
 static void settle_send(struct oop *p)
 {
-    char tok[24], a[24], b[24];
+    char tok[24], lease[24];
     snprintf(tok, sizeof tok, "%lld", (long long)p->token);
-    snprintf(a, sizeof a, "%llu", (unsigned long long)cm_wall_ms());
-    snprintf(b, sizeof b, "%llu", (unsigned long long)p->deadline_ms);
-    struct store_pg_param params[6] = {
-        {p->route, strlen(p->route), false}, {p->scope, 32, true},  {p->resource, p->resource_len, false},
-        {tok, strlen(tok), false},           {a, strlen(a), false}, {b, strlen(b), false},
+    snprintf(lease, sizeof lease, "%llu", (unsigned long long)p->deadline_ms);
+    struct store_pg_param params[5] = {
+        {p->route, strlen(p->route), false}, {p->scope, 32, true},          {p->resource, p->resource_len, false},
+        {tok, strlen(tok), false},           {lease, strlen(lease), false},
     };
-    store_pg_query(p->o->pg, p->o->stmt_base + (size_t)p->stmt, params, p->stmt == O_RENEW ? 6 : 4, 0, settle_cb, p);
+    store_pg_query(p->o->pg, p->o->stmt_base + (size_t)p->stmt, params, p->stmt == O_RENEW ? 5 : 4, 0, settle_cb, p);
 }
 
 void store_order_settle(struct store_order *o, const struct store_order_id *id, uint64_t token,
@@ -371,11 +387,14 @@ void store_order_settle(struct store_order *o, const struct store_order_id *id, 
     settle_send(p);
 }
 
-void store_order_renew(struct store_order *o, const struct store_order_id *id, uint64_t token, uint64_t lease_ms)
+void store_order_renew(struct store_order *o, const struct store_order_id *id, uint64_t token, uint64_t lease_ms,
+                       void (*cb)(void *arg, bool ok, long rows), void *arg)
 {
     struct oop *p = oop_new(o, id, token);
     p->stmt = O_RENEW;
-    p->deadline_ms = lease_ms; /* sent as $6 */
+    p->deadline_ms = lease_ms; /* sent as $5 */
+    p->rcb = cb;
+    p->arg = arg;
     settle_send(p);
 }
 
@@ -412,19 +431,18 @@ static void advance_cb(void *arg, enum store_pg_status st, const PGresult *r, co
         cb(cbarg, ok);
 }
 
-/* Sends stmt with $1 route, $2 scope, $3 resource, $4 seq, $5 key and (peek) $6 now. */
+/* Sends stmt with $1 route, $2 scope, $3 resource, $4 seq, $5 key. */
 static void shadow_send(struct oop *p, int stmt, int64_t seq, const char *key, size_t key_len, store_pg_cb cb)
 {
-    char sq[24], now[24];
+    char sq[24];
     snprintf(sq, sizeof sq, "%lld", (long long)seq);
-    snprintf(now, sizeof now, "%llu", (unsigned long long)cm_wall_ms());
     char *k = key ? cm_strndup(key, key_len) : NULL;
-    struct store_pg_param params[6] = {
+    struct store_pg_param params[5] = {
         {p->route, strlen(p->route), false},   {p->scope, 32, true},
         {p->resource, p->resource_len, false}, {sq, strlen(sq), false},
-        {k, k ? strlen(k) : 0, false},         {now, strlen(now), false},
+        {k, k ? strlen(k) : 0, false},
     };
-    store_pg_query(p->o->pg, p->o->stmt_base + (size_t)stmt, params, stmt == O_PEEK ? 6 : 5, 0, cb, p);
+    store_pg_query(p->o->pg, p->o->stmt_base + (size_t)stmt, params, 5, 0, cb, p);
     free(k); /* the pool copied the parameters */
 }
 

@@ -90,8 +90,10 @@ enum store_order_settle {
  * counts as applied). cb (may be NULL) gets ok=false when it gave up. */
 void store_order_settle(struct store_order *o, const struct store_order_id *id, uint64_t token,
                         enum store_order_settle how, uint64_t retry_for_ms, void (*cb)(void *arg, bool ok), void *arg);
-/* Extends the marker's lease to now + lease_ms (fenced; fire and forget). */
-void store_order_renew(struct store_order *o, const struct store_order_id *id, uint64_t token, uint64_t lease_ms);
+/* Extends the marker's lease to Postgres's now + lease_ms, fenced by token (one try). cb (may be NULL) runs once on
+ * the loop: ok=false when Postgres failed; rows 0: the marker is no longer token's (its lease is lost). */
+void store_order_renew(struct store_order *o, const struct store_order_id *id, uint64_t token, uint64_t lease_ms,
+                       void (*cb)(void *arg, bool ok, long rows), void *arg);
 
 /* ---- for mode: shadow (SPEC 10): the row read and advanced without the marker; nothing is ever refused */
 

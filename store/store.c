@@ -312,13 +312,15 @@ static const char sql_stuck[] = "SELECT route, count(*)::int8 FROM idemgate_keys
  * commit it whenever it resumes; only our own role's may be signalled,
  * another's is waited for); the claim is released only once every
  * such process is gone, so that the release cannot run before the claim's
- * own commit. $2: when the doubtful attempt was sent (ms since the epoch):
- * a process started later reuses the number (a second of clock skew
- * allowed; a reused number only makes the release wait). */
+ * own commit. $2: how long ago (ms, by the gateway's monotonic clock) the
+ * doubtful attempt was sent, so that the comparison is made on Postgres's
+ * own clock (SPEC 8, one clock): a process started after the attempt reuses
+ * the number (a second of slack, for the statement's own travel; a reused
+ * number only makes the release wait). */
 static const char sql_doubt_alive[] =
     "SELECT pid, CASE WHEN usename = current_user THEN pg_terminate_backend(pid) END FROM pg_stat_activity"
     " WHERE pid = ANY ($1::int4[]) AND pid <> pg_backend_pid()"
-    " AND backend_start < to_timestamp($2 / 1000.0) + interval '1 s'";
+    " AND backend_start < now() - $2 * interval '1 ms' + interval '1 s'";
 static const Oid doubt_alive_types[] = {OID_INT4_ARRAY, OID_INT8};
 
 /* The release of a claim in doubt: only while it is in flight under its
@@ -412,7 +414,7 @@ struct doubt {
     uint64_t token;
     int pids[CLAIM_ATTEMPTS]; /* server processes of the doubtful attempts */
     int npids;
-    uint64_t sent_wall_ms; /* when the first doubtful attempt was sent */
+    uint64_t sent_ms; /* when the first doubtful attempt was sent (cm_now_ms) */
     int tries;
 };
 
@@ -432,10 +434,11 @@ struct claim_op {
     bool marker_ours;         /* our SET NX placed the in-flight marker */
     uint8_t seen[MARKER_LEN]; /* the marker SET NX GET found instead (a cache refill compares against it) */
     bool seen_marker;
-    uint64_t sent_wall_ms;          /* the last attempt was sent then */
+    uint64_t sent_wall_ms;          /* the last attempt was sent then (wall clock: a Redis entry's expiry) */
+    uint64_t sent_ms;               /* the same, cm_now_ms */
     int doubt_pids[CLAIM_ATTEMPTS]; /* attempts that may have committed (timeout, connection lost) */
     int ndoubt;
-    uint64_t doubt_wall_ms;
+    uint64_t doubt_sent_ms; /* cm_now_ms */
     char rkey[RKEY_LEN + 1];
     store_claim_cb cb;
     void *arg;
@@ -728,7 +731,7 @@ static void redis_cache(struct store *s, const char *rkey, const void *expect, s
 
 static void claim_pg(struct claim_op *c);
 static void doubt_remember(struct store *s, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
-                           uint64_t token, const int *pids, int npids, uint64_t sent_wall_ms, bool unused);
+                           uint64_t token, const int *pids, int npids, uint64_t sent_ms, bool unused);
 
 /* Frees c once neither Redis nor Postgres will call back with it. */
 static void claim_done(struct claim_op *c)
@@ -774,7 +777,7 @@ static void claim_pg_settled(struct claim_op *c, struct store_claim_res *res, co
     bool in_doubt = c->ndoubt > 0 && res->verdict != STORE_NEW, unused = c->answered && res->verdict == STORE_NEW;
     if (in_doubt || unused)
         doubt_remember(c->h.s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt,
-                       c->doubt_wall_ms, unused);
+                       c->doubt_sent_ms, unused);
     if (c->answered) {
         cm_resp_free(&res->resp);
         claim_done(c);
@@ -815,7 +818,7 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         int pid = store_pg_cb_backend_pid(s->pg);
         if ((st == STORE_PG_TIMEOUT || st == STORE_PG_TRANSPORT) && pid > 0 && c->ndoubt < CLAIM_ATTEMPTS) {
             if (c->ndoubt == 0)
-                c->doubt_wall_ms = c->sent_wall_ms;
+                c->doubt_sent_ms = c->sent_ms;
             c->doubt_pids[c->ndoubt++] = pid;
         }
         /* A broken link or a rolled-back statement: run it again. Should the
@@ -916,6 +919,7 @@ static void claim_pg(struct claim_op *c)
         {&takeover, 1, true},
     };
     c->sent_wall_ms = cm_wall_ms();
+    c->sent_ms = cm_now_ms();
     store_pg_query(s->pg, S_CLAIM, p, 8, 1, claim_pg_cb, c);
 }
 
@@ -1060,7 +1064,7 @@ static struct doubt *doubt_pop(struct store *s)
  * minutes); the log line says so. unused: a claim Postgres made after Redis
  * had answered its request (claim_pg_settled), logged as claim_unused. */
 static void doubt_remember(struct store *s, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
-                           uint64_t token, const int *pids, int npids, uint64_t sent_wall_ms, bool unused)
+                           uint64_t token, const int *pids, int npids, uint64_t sent_ms, bool unused)
 {
     if (s->ndoubt >= DOUBT_MAX) {
         struct doubt *old = s->doubt_head;
@@ -1086,7 +1090,7 @@ static void doubt_remember(struct store *s, const char *route, const uint8_t sco
     d->token = token;
     for (int i = 0; i < npids && i < CLAIM_ATTEMPTS; i++)
         d->pids[d->npids++] = pids[i];
-    d->sent_wall_ms = sent_wall_ms;
+    d->sent_ms = sent_ms;
     doubt_push(s, d);
     s->ndoubt++;
     cm_metric_claims_in_doubt(1);
@@ -1183,7 +1187,8 @@ static void doubt_timer_cb(evutil_socket_t fd, short what, void *arg)
         off += (size_t)snprintf(arr + off, sizeof arr - off, "%s%d", i ? "," : "", d->pids[i]);
     snprintf(arr + off, sizeof arr - off, "}");
     uint8_t since[8];
-    be64(since, d->sent_wall_ms);
+    uint64_t now = cm_now_ms();
+    be64(since, now > d->sent_ms ? now - d->sent_ms : 0);
     struct store_pg_param p[2] = {{arr, strlen(arr), false}, {since, 8, true}};
     store_pg_query(s->pg, S_DOUBT_ALIVE, p, 2, 1, doubt_alive_cb, s);
 }

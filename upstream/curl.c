@@ -31,6 +31,7 @@ struct curl_xfer {
     size_t hdr_cap;
     void *body;          /* our copy of the request body (CURLOPT_POSTFIELDS does not copy) */
     bool refused_resend; /* our prereq callback refused libcurl's second send */
+    bool lease_lost;     /* our prereq callback refused the first send: the request's send_until_ms passed */
     bool head;           /* a HEAD request: its answer has no body */
     /* the response head being read, as h1.c frames it */
     bool want_status; /* the next header line is a status line (first, or after a 1xx head) */
@@ -264,6 +265,10 @@ static int up_curl_timer_cb(CURLM *multi, long timeout_ms, void *userp)
 static int up_prereq_cb(void *clientp, char *primary_ip, char *local_ip, int primary_port, int local_port)
 {
     struct curl_xfer *t = clientp;
+    if (t->prereq_calls == 0 && !up_may_send(&t->b)) {
+        t->lease_lost = true; /* nothing left: SPEC 8, the sender's lease ended while it waited */
+        return CURL_PREREQFUNC_ABORT;
+    }
     t->prereq_calls++;
     if (t->prereq_calls > 1 && t->b.no_resend) {
         t->refused_resend = true;
@@ -395,6 +400,8 @@ static enum up_result up_classify(const struct curl_xfer *t, CURLcode rc)
         return UP_TOO_LARGE;
     if (t->refused_resend)
         return UP_NO_RESPONSE;
+    if (t->lease_lost)
+        return UP_LEASE_LOST;
     if (t->prereq_calls == 0)
         return UP_CONNECT_FAILED; /* refused, unresolvable, connect timeout, queued too long: nothing was sent */
     switch (rc) {
@@ -652,7 +659,7 @@ static struct up_transfer *up_curl_send(void *state, const struct up_request *re
     if (t == NULL)
         return NULL;
     CURL *e = t->easy;
-    t->refused_resend = false;
+    t->refused_resend = t->lease_lost = false;
     t->prereq_calls = 0;
     t->head = head;
     t->want_status = true;

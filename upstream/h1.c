@@ -357,6 +357,10 @@ static void h1_attach(struct up_client *c, struct h1_conn *k, struct h1_xfer *t)
     t->sends++;
     t->wpos = 0;
     h1_head_reset(k);
+    if (!up_may_send(&t->b)) { /* SPEC 8: its sender's lease ended while it waited */
+        h1_fail(c, t, t->sent_any ? UP_NO_RESPONSE : UP_LEASE_LOST, "the lease ended before the request could leave");
+        return;
+    }
     h1_set_timer(t);
     h1_send_more(c, k);
 }

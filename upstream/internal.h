@@ -76,6 +76,8 @@ struct up_transfer {
     bool too_large;          /* body or head went over its cap */
     bool no_resend;          /* from the request */
     bool done;               /* completed: the callback runs or ran, up_cancel is a no-op */
+    bool leaving;            /* up_may_send let it leave: some of it may be sent */
+    const uint64_t *send_until; /* from the request (NULL: no bound) */
     struct timespec start;
 };
 
@@ -91,6 +93,9 @@ struct up_client {
 };
 
 double up_elapsed(const struct timespec *start);
+/* The backends ask right before t's first byte would be written: true, and t counts as leaving from then on; false
+ * when the request's send_until_ms passed (the backend ends t with UP_LEASE_LOST, nothing sent). */
+bool up_may_send(struct up_transfer *t);
 /* Resets the shared part of t for req and links it as running (the backend sets its own part). */
 void up_transfer_begin(struct up_client *c, struct up_transfer *t, const struct up_request *req, up_done_cb cb,
                        void *arg);

@@ -34,6 +34,8 @@ const char *up_result_name(enum up_result r)
         return "error";
     case UP_INVALID_RESPONSE:
         return "invalid_response";
+    case UP_LEASE_LOST:
+        return "lease_lost";
     }
     return "unknown";
 }
@@ -210,7 +212,8 @@ void up_transfer_begin(struct up_client *c, struct up_transfer *t, const struct 
     t->hdr_bytes = 0;
     t->max_head = req->max_header_bytes > 0 ? req->max_header_bytes : UP_DEFAULT_MAX_HEAD;
     t->invalid_why = NULL;
-    t->invalid = t->hdrs_final = t->too_large = t->done = false;
+    t->invalid = t->hdrs_final = t->too_large = t->done = t->leaving = false;
+    t->send_until = req->send_until_ms;
     cm_resp_init(&t->resp, req->max_response);
     clock_gettime(CLOCK_MONOTONIC, &t->start);
     up_link(c, t);
@@ -382,6 +385,22 @@ void up_cancel(struct up_client *c, struct up_transfer *t)
     if (c == NULL || t == NULL || t->done)
         return;
     up_stop(c, t, true);
+}
+
+bool up_may_send(struct up_transfer *t)
+{
+    if (t->send_until != NULL && cm_now_ms() >= *t->send_until)
+        return false;
+    t->leaving = true;
+    return true;
+}
+
+bool up_drop_unsent(struct up_client *c, struct up_transfer *t)
+{
+    if (c == NULL || t == NULL || t->done || t->leaving)
+        return false;
+    up_stop(c, t, true);
+    return true;
 }
 
 size_t up_active(const struct up_client *c)

@@ -26,6 +26,9 @@ enum up_result {
      * token, a value with a control byte other than HTAB, an obs-fold line, a line without a colon, or a head over
      * max_header_bytes. Unknown outcome. */
     UP_INVALID_RESPONSE,
+    /* Nothing was sent: at the instant it would have left, the caller's send_until_ms had passed (its lease is
+     * lost, SPEC 8), or up_drop_unsent dropped it. */
+    UP_LEASE_LOST,
 };
 const char *up_result_name(enum up_result r);
 
@@ -65,6 +68,11 @@ struct up_request {
     /* true: libcurl must never send this request twice on its own (its
      * silent retry on a dead reused connection becomes UP_NO_RESPONSE). */
     bool no_resend;
+    /* NULL: no bound. Else the request leaves only while cm_now_ms() < *send_until_ms at the instant its first
+     * byte would be written (read then, on every connection it starts on, so the caller may move it on); past it
+     * the transfer ends with UP_LEASE_LOST, nothing sent. The caller keeps *send_until_ms alive until the
+     * callback ran or the transfer was cancelled. */
+    const uint64_t *send_until_ms;
 };
 
 /* The head cap when up_request.max_header_bytes is 0 (conf's max_response_header_bytes default). */
@@ -99,6 +107,9 @@ void up_client_destroy(struct up_client *c);
 struct up_transfer *up_send(struct up_client *c, const struct up_request *req, up_done_cb cb, void *arg);
 /* Aborts a running transfer; its callback will not be called. */
 void up_cancel(struct up_client *c, struct up_transfer *t);
+/* Cancels t (its callback will not be called) when nothing of it has left yet, i.e. it still waits for a
+ * connection or for its connect; true then. false: its request may have been sent (t runs on) or it is done. */
+bool up_drop_unsent(struct up_client *c, struct up_transfer *t);
 /* Transfers currently running. */
 size_t up_active(const struct up_client *c);
 

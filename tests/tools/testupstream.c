@@ -41,6 +41,11 @@
  *   X-Test-Header: N: V    add the response header "N: V" (repeatable, in order)
  *   X-Test-Header-Bytes: N add about N bytes of response headers (X-Pad-1: aaa... lines of about 90 bytes)
  *   X-Test-Keep-Alive: V   the response's Keep-Alive value instead of timeout=5 (empty: no Keep-Alive header)
+ *   X-Test-Commit: end     the write is applied when its answer goes out (after the delay), not when it arrives:
+ *                          until then the key counts nothing and the look-up says it did not execute (an API that
+ *                          shows committed work only)
+ *   X-Sequence: N          the write applies sequence N to its path (when it is applied, see X-Test-Commit); one
+ *                          lower than the path's highest applied one is an order violation (a lost update)
  * A HEAD answer carries the Content-Length its GET would have.
  * Default body: the request body echoed, or {"ok":true,"exec":N} when it is empty.
  *
@@ -50,7 +55,8 @@
  * Connection header we set (it only looks whether it equals "close"), so the connection stays persistent.
  *
  * Test endpoints (not counted): GET /_test/count[?key=K], POST /_test/reset, GET /_test/last-headers,
- * GET /_test/health, GET /_test/lookups[?key=K] (how many look-ups were answered, for key K).
+ * GET /_test/health, GET /_test/lookups[?key=K] (how many look-ups were answered, for key K),
+ * GET /_test/order-violations (writes applied with a lower X-Sequence than their path's highest applied one).
  * Look-up (an API's "find by idempotency key" endpoint, not counted as an execution; its request headers are
  * recorded for /_test/last-headers): GET /_lookup?idempotency_key=K answers 200 {"found":true,"exec":N} when key
  * K executed, 404 {"found":false} when it did not; &status=N forces status N (a failing look-up). A look-up with an
@@ -72,6 +78,7 @@
 #define TU_LOOKUP_PREFIX  "lookup\n" /* a key never holds a newline: look-up counts share the key table */
 #define TU_TENANT_PREFIX  "tenant\n" /* executions per (Authorization, key): "tenant\nAUTH\nKEY" */
 #define TU_TENANT_KEY_MAX 8192
+#define TU_SEQ_PREFIX     "seq\n" /* a path's highest applied X-Sequence, in the key table too */
 
 struct tu_key {
     char *key;
@@ -95,7 +102,8 @@ struct tu_server {
     uint64_t default_delay_ms;
     bool quiet;
     uint64_t exec_total;
-    uint64_t lookups; /* GET /_lookup requests answered */
+    uint64_t lookups;          /* GET /_lookup requests answered */
+    uint64_t order_violations; /* writes applied below their path's highest applied X-Sequence */
     /* per-key counters: open addressing, grows up to TU_MAX_KEYS entries */
     struct tu_key **keys;
     size_t keys_cap; /* power of two */
@@ -265,6 +273,21 @@ static uint64_t tu_key_get(struct tu_server *s, const char *k)
     size_t n = strlen(k);
     struct tu_key **slot = tu_key_slot(s->keys, s->keys_cap, k, n, tu_hash(k, n));
     return (slot != NULL && *slot != NULL) ? (*slot)->count : 0;
+}
+
+/* Raises k's value to v; returns the value it had (0: none). */
+static uint64_t tu_key_max(struct tu_server *s, const char *k, uint64_t v)
+{
+    uint64_t old = tu_key_get(s, k);
+    if (old == 0)
+        tu_key_count(s, k); /* now 1 */
+    if (v > old && s->keys_cap != 0) {
+        size_t n = strlen(k);
+        struct tu_key **slot = tu_key_slot(s->keys, s->keys_cap, k, n, tu_hash(k, n));
+        if (slot != NULL && *slot != NULL)
+            (*slot)->count = v;
+    }
+    return old;
 }
 
 /* ---- connection ids: keyed by the evhttp_connection, checked against the peer port in case a close callback
@@ -510,6 +533,42 @@ static void tu_pending_unlink(struct tu_server *s, struct tu_pending *p)
         p->next->prev = p->prev;
 }
 
+/* The write takes effect: its key counts (the look-up sees it) and its X-Sequence is applied to its path. */
+static void tu_apply(struct tu_server *s, struct evhttp_request *req)
+{
+    struct evkeyvalq *in = evhttp_request_get_input_headers(req);
+    const char *key = evhttp_find_header(in, "Idempotency-Key");
+    if (key != NULL)
+        tu_key_count(s, key);
+    const char *auth = evhttp_find_header(in, "Authorization");
+    if (key != NULL && auth != NULL && strlen(auth) + strlen(key) + 16 < TU_TENANT_KEY_MAX) {
+        char tk[TU_TENANT_KEY_MAX];
+        snprintf(tk, sizeof tk, "%s%s\n%s", TU_TENANT_PREFIX, auth, key);
+        tu_key_count(s, tk);
+    }
+    uint64_t seq = 0;
+    const char *sq = evhttp_find_header(in, "X-Sequence");
+    const char *uri = evhttp_request_get_uri(req);
+    if (sq == NULL || uri == NULL || !tu_parse_u64(sq, UINT64_MAX / 2, &seq) || seq == 0)
+        return;
+    size_t plen = strcspn(uri, "?");
+    if (plen > 1000)
+        return;
+    char pk[1100];
+    snprintf(pk, sizeof pk, "%s%.*s", TU_SEQ_PREFIX, (int)plen, uri);
+    uint64_t highest = tu_key_max(s, pk, seq);
+    if (seq < highest) {
+        s->order_violations++;
+        tu_log("order_violation", "seq=%" PRIu64 " highest=%" PRIu64, seq, highest);
+    }
+}
+
+static bool tu_commit_at_end(struct evhttp_request *req)
+{
+    const char *c = evhttp_find_header(evhttp_request_get_input_headers(req), "X-Test-Commit");
+    return c != NULL && strcmp(c, "end") == 0;
+}
+
 static void tu_pending_fire(evutil_socket_t fd, short what, void *arg)
 {
     struct tu_pending *p = arg;
@@ -519,6 +578,9 @@ static void tu_pending_fire(evutil_socket_t fd, short what, void *arg)
     struct evhttp_request *req = p->req;
     enum tu_action act = p->action;
     free(p);
+    const char *a = evhttp_find_header(evhttp_request_get_input_headers(req), "X-Test-Action");
+    if (tu_commit_at_end(req) && !(a != NULL && strcmp(a, "lost") == 0))
+        tu_apply(s, req);
     if (act == TU_ACT_REPLY)
         tu_reply_exec(req);
     else
@@ -583,14 +645,6 @@ static void tu_handle_exec(struct tu_server *s, struct evhttp_request *req)
     bool lost = a != NULL && strcmp(a, "lost") == 0;
     uint64_t exec = lost ? s->exec_total : ++s->exec_total;
     const char *key = evhttp_find_header(in, "Idempotency-Key");
-    if (key != NULL && !lost)
-        tu_key_count(s, key);
-    const char *auth = evhttp_find_header(in, "Authorization");
-    if (key != NULL && !lost && auth != NULL && strlen(auth) + strlen(key) + 16 < TU_TENANT_KEY_MAX) {
-        char tk[TU_TENANT_KEY_MAX];
-        snprintf(tk, sizeof tk, "%s%s\n%s", TU_TENANT_PREFIX, auth, key);
-        tu_key_count(s, tk);
-    }
     tu_record_headers(s, in);
 
     uint64_t conn = evcon ? tu_conn_id(s, evcon) : 0;
@@ -625,6 +679,8 @@ static void tu_handle_exec(struct tu_server *s, struct evhttp_request *req)
                tu_method_name(evhttp_request_get_command(req)), conn, delay,
                act == TU_ACT_REPLY ? "reply" : (act == TU_ACT_CLOSE ? "close" : "reset"), key != NULL);
 
+    if (!lost && (delay == 0 || !tu_commit_at_end(req)))
+        tu_apply(s, req); /* else when its answer goes out (tu_pending_fire) */
     /* a drop always goes through the loop: freeing the connection inside its own read callback is not safe */
     if (delay == 0 && act == TU_ACT_REPLY) {
         tu_reply_exec(req);
@@ -714,8 +770,12 @@ static void tu_handle_test(struct tu_server *s, struct evhttp_request *req, cons
         evhttp_clear_headers(&q);
         snprintf(num, sizeof num, "%" PRIu64, v);
         tu_reply_text(req, 200, "text/plain", num);
+    } else if (strcmp(path, "/_test/order-violations") == 0 && cmd == EVHTTP_REQ_GET) {
+        snprintf(num, sizeof num, "%" PRIu64, s->order_violations);
+        tu_reply_text(req, 200, "text/plain", num);
     } else if (strcmp(path, "/_test/reset") == 0 && cmd == EVHTTP_REQ_POST) {
         s->exec_total = 0;
+        s->order_violations = 0;
         s->lookups = 0;
         tu_keys_clear(s);
         free(s->last_hdrs);
