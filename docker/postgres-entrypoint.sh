@@ -1,11 +1,12 @@
 #!/bin/sh
-# postgres-entrypoint.sh - runs Postgres 15 in the image: on the first start (no $PGDATA/PG_VERSION) makes the
-# cluster with the role and database $POSTGRES_USER / $POSTGRES_DB (password $POSTGRES_PASSWORD, scram over TCP),
-# then runs postgres in the foreground on $POSTGRES_LISTEN (default 127.0.0.1) port $POSTGRES_PORT (5432).
-# Exits 1 when the set-up fails (a half-made cluster is removed, so the next start tries again).
+# postgres-entrypoint.sh - the local Postgres 15 image's entrypoint (the test stage's stand-in for the official
+# postgres image, with the same interface): on the first start (no $PGDATA/PG_VERSION) makes the cluster with the
+# role and database $POSTGRES_USER / $POSTGRES_DB (password $POSTGRES_PASSWORD, scram over TCP), then runs the
+# command, `postgres [ARGS]` (port $PGPORT, default 5432; ARGS such as -c listen_addresses=...; it listens on
+# 127.0.0.1 unless told otherwise). Exits 1 when the set-up fails (a half-made cluster is removed, so the next
+# start tries again).
 set -eu
 : "${POSTGRES_USER:=idemgate}" "${POSTGRES_DB:=idemgate}" "${POSTGRES_PASSWORD:=idemgate}"
-: "${POSTGRES_LISTEN:=127.0.0.1}" "${POSTGRES_PORT:=5432}"
 sock=/tmp/postgres-init
 
 case "$POSTGRES_USER$POSTGRES_DB" in *[!A-Za-z0-9_]*)
@@ -40,5 +41,5 @@ SQL
     pg_ctl -D "$PGDATA" -m fast -w -t 60 stop >/dev/null
     rm -f "$pw"
 fi
-exec postgres -D "$PGDATA" -c listen_addresses="$POSTGRES_LISTEN" -c port="$POSTGRES_PORT" \
-    -c unix_socket_directories=/tmp "$@"
+if [ "${1:-}" = postgres ]; then shift; fi
+exec postgres -D "$PGDATA" -c listen_addresses=127.0.0.1 -c unix_socket_directories=/tmp "$@"

@@ -1,5 +1,7 @@
-# Postgres 15 for docker/compose.yaml, from Debian 12's postgresql-15 package on the base image
-# (docker/base-image.sh); no registry needed. Build with the host network (apt-get needs the Debian mirror):
+# Postgres 15 from Debian 12's postgresql-15 package on the base image (docker/base-image.sh): the test stage's
+# stand-in for the official postgres:15 image (docker/compose.test.yaml), which it cannot pull (no registry).
+# The same interface: POSTGRES_USER/PASSWORD/DB, PGPORT, PGDATA in a volume at /var/lib/postgresql/data, the
+# command `postgres ARGS`. Build with the host network (apt-get needs the Debian mirror):
 #   docker build --network host -f docker/postgres.Dockerfile -t idemgate-postgres:local docker
 ARG BASE=idemgate-base:bookworm
 FROM ${BASE}
@@ -17,3 +19,4 @@ USER postgres
 VOLUME /var/lib/postgresql/data
 STOPSIGNAL SIGINT
 ENTRYPOINT ["/usr/local/bin/postgres-entrypoint"]
+CMD ["postgres"]

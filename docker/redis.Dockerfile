@@ -1,5 +1,6 @@
-# Redis for docker/compose.yaml, from Debian 12's redis-server package on the base image (docker/base-image.sh);
-# no registry needed. Build with the host network (apt-get needs the Debian mirror):
+# Redis from Debian 12's redis-server package on the base image (docker/base-image.sh): the test stage's
+# stand-in for the official redis:7 image (docker/compose.test.yaml), which it cannot pull (no registry); the
+# same interface (the command is `redis-server ARGS`). Build with the host network (apt-get needs the mirror):
 #   docker build --network host -f docker/redis.Dockerfile -t idemgate-redis:local docker
 ARG BASE=idemgate-base:bookworm
 FROM ${BASE}
@@ -9,6 +10,4 @@ RUN apt-get update \
 LABEL org.idemgate.stage=redis
 USER redis
 WORKDIR /var/lib/redis
-# A filter and replay cache only (Postgres is the authority): nothing is saved.
-ENTRYPOINT ["redis-server", "--save", "", "--appendonly", "no", "--protected-mode", "yes"]
-CMD ["--bind", "127.0.0.1", "--port", "6379"]
+CMD ["redis-server", "--bind", "127.0.0.1", "--port", "6379", "--save", "", "--appendonly", "no"]

@@ -15,10 +15,11 @@ PKGS=(
     postgresql-15 postgresql-client-15 redis-server redis-tools
     curl ca-certificates clang clang-format libclang-rt-14-dev valgrind chromium
     iproute2 procps util-linux haproxy
-    debhelper dpkg-dev fakeroot man-db systemd
+    debhelper dpkg-dev fakeroot man-db systemd python3-yaml
 )
 # The package stage (tests/package/run.sh): debhelper, dpkg-dev and fakeroot build the .deb, man-db reads its man
 # pages, systemd's systemd-analyze verifies its unit.
+# python3-yaml: tests/docker/compose-diff.py compares docker/compose.yaml with its test override.
 # pgbench (the shared bench's pg_limit) ships in postgresql-15 (the /usr/bin/pgbench wrapper in
 # postgresql-client-common), already above.
 BENCH_PKGS=(nginx-light wrk linux-perf strace)

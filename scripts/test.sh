@@ -265,7 +265,10 @@ if [ -z "$suite" ]; then
     extra_stage demo no-services scripts/run.sh --no-wait --no-deps
     # The Debian package: dpkg-buildpackage, dpkg -i, --version, man pages, systemd unit, purge (needs root).
     extra_stage package no-services tests/package/run.sh
-    # docker/compose.yaml with the README's command on a private bridge-less dockerd (skips where Docker cannot run).
+    # docker/compose.test.yaml changes only images and network of docker/compose.yaml (python3-yaml, no Docker).
+    extra_stage compose-files no-services tests/docker/compose-diff.py
+    # docker/compose.yaml under its test override (local images, host network) on a private bridge-less dockerd,
+    # the README's curl demo through the stack (skips where Docker cannot run).
     extra_stage docker no-services tests/docker/run.sh
 fi
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# run.sh - the docker stage: builds and starts docker/compose.yaml with the README's command on a private,
-# bridge-less Docker daemon, runs the README's curl demo against it, and takes it down; ends with
-# `docker: N passed, N failed`.
+# run.sh - the docker stage: builds and starts docker/compose.yaml, with the test override
+# docker/compose.test.yaml over it, on a private, bridge-less Docker daemon, runs the README's curl demo against
+# it, and takes it down; ends with `docker: N passed, N failed`. The override changes only images and network
+# (tests/docker/compose-diff.py checks that): the official postgres and redis images and debian:bookworm-slim
+# cannot be pulled here (no registry), so local images built from Debian's packages stand in for them, and every
+# service runs in the host's network on 127.0.0.1 (this machine sends traffic to loopback only).
 #
 #   tests/docker/run.sh
 #
@@ -19,12 +22,13 @@ export IDEMGATE_DOCKER_DIR=${IDEMGATE_DOCKER_DIR:-/var/cache/idemgate-docker}
 # The builder Debian 12's docker.io uses by default (BuildKit only from Docker 23), whatever client is on PATH.
 export DOCKER_BUILDKIT=0
 DOCKERD_SH=$ROOT/docker/dockerd.sh
-COMPOSE_FILE_REL=docker/compose.yaml
 PROJECT=idemgatetest
 OWN_DOCKERD=0
 UP_PID=
 STACK_UP=0
 WORK=$(mktemp -d /tmp/idemgate-docker-test.XXXXXX)
+# The stack as run: docker/compose.yaml with docker/compose.test.yaml over it, resolved by docker-compose (below).
+COMPOSE_FILES=(-f "$WORK/compose.run.yaml")
 T_START=$SECONDS
 TIMINGS=()
 STAGE=docker
@@ -32,7 +36,7 @@ STAGE=docker
 . "$ROOT/tests/checks.sh"
 
 timing() { TIMINGS+=("$(printf '%-8s %4d s' "$1" "$2")"); }
-compose() { timeout "${COMPOSE_TIMEOUT:-120}" docker-compose -p "$PROJECT" -f "$COMPOSE_FILE_REL" "$@"; }
+compose() { timeout "${COMPOSE_TIMEOUT:-120}" docker-compose -p "$PROJECT" "${COMPOSE_FILES[@]}" "$@"; }
 
 summary_extra() {
     if [ ${#TIMINGS[@]} -gt 0 ]; then
@@ -120,16 +124,37 @@ ss = [socket.socket() for _ in range(5)]
 for s in ss: s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in ss))')
 export IDEMGATE_HTTP_PORT=$HTTP_PORT IDEMGATE_ADMIN_PORT=$ADMIN_PORT IDEMGATE_UPSTREAM_PORT=$UP_PORT \
-    IDEMGATE_PG_PORT=$PG_PORT IDEMGATE_REDIS_PORT=$REDIS_PORT
+    IDEMGATE_PG_PORT=$PG_PORT IDEMGATE_REDIS_PORT=$REDIS_PORT IDEMGATE_BIND=127.0.0.1 \
+    IDEMGATE_BASE_IMAGE=idemgate-base:bookworm
+say "docker/compose.yaml with the test override docker/compose.test.yaml: local images in place of postgres:15,"
+say "redis:7 and debian:bookworm-slim (no registry here), every service in the host network on 127.0.0.1"
 say "ports on 127.0.0.1: gateway $HTTP_PORT, admin $ADMIN_PORT, upstream $UP_PORT, postgres $PG_PORT, redis $REDIS_PORT"
+
+# docker-compose merges the override into compose.yaml (`config`); the published ports are then dropped: with the
+# host network a service's ports are the host's already, and Docker refuses port bindings there ("host"
+# network_mode is incompatible with port_bindings), while compose cannot remove a list entry by an override.
+resolve() {
+    timeout 60 docker-compose -p "$PROJECT" -f docker/compose.yaml -f docker/compose.test.yaml config \
+        >"$WORK/compose.merged.yaml" 2>"$WORK/config.log" &&
+        python3 - "$WORK/compose.merged.yaml" "$WORK/compose.run.yaml" <<'PY'
+import sys, yaml
+doc = yaml.safe_load(open(sys.argv[1]))
+for svc in doc["services"].values():
+    assert svc.get("network_mode") == "host", "a service outside the host network"
+    svc.pop("ports", None)
+yaml.safe_dump(doc, open(sys.argv[2], "w"), sort_keys=False)
+PY
+}
+resolve || fatal "docker-compose config: compose.yaml + compose.test.yaml merged, ports dropped" "$WORK/config.log"
+pass "docker-compose config: compose.yaml + compose.test.yaml merged, published ports dropped (host network)"
 
 # What a run killed earlier may have left behind.
 compose down -v --remove-orphans >/dev/null 2>&1
 
 t=$SECONDS
 COMPOSE_TIMEOUT=1200 compose build >"$WORK/build.log" 2>&1 ||
-    fatal "docker-compose build (gateway, postgres, redis images)" "$WORK/build.log"
-pass "docker-compose build (gateway, postgres, redis images)"
+    fatal "docker-compose build (gateway, upstream, local postgres and redis images)" "$WORK/build.log"
+pass "docker-compose build (gateway, upstream, local postgres and redis images)"
 # Untagged images of the stack (the build stage of docker/Dockerfile, which is the layer cache, and images a
 # new build took the tag from): keep what this build used, drop what older builds left.
 for id in $(docker images -q --filter dangling=true --filter label=org.idemgate.stage | sort -u); do
@@ -137,10 +162,19 @@ for id in $(docker images -q --filter dangling=true --filter label=org.idemgate.
 done
 timing build $((SECONDS - t))
 
-# ---- the README's command, in the foreground as a user runs it (its output goes to a log)
+# What each image carries: the gateway's only the gateway (no test upstream, no compiler), the upstream's no gateway.
+in_image() { # in_image IMAGE SHELL-TEST: runs the test in a throwaway container of IMAGE
+    timeout 60 docker run --rm --network none --entrypoint /bin/sh "$1" -c "$2" >/dev/null 2>&1
+}
+check "gateway image: idemgate, no testupstream, no compiler, no -dev headers" in_image idemgate:local \
+    'test -x /usr/local/bin/idemgate && ! command -v testupstream && ! command -v cc && ! test -d /usr/include/postgresql'
+check "upstream image: testupstream, no idemgate" in_image idemgate-upstream:local \
+    'test -x /usr/local/bin/testupstream && ! command -v idemgate'
+
+# ---- the README's command with the test override, in the foreground as a user runs it (its output goes to a log)
 t=$SECONDS
 STACK_UP=1
-timeout 900 docker-compose -p "$PROJECT" -f "$COMPOSE_FILE_REL" up --build >"$WORK/up.log" 2>&1 &
+timeout 900 docker-compose -p "$PROJECT" "${COMPOSE_FILES[@]}" up >"$WORK/up.log" 2>&1 &
 UP_PID=$!
 services=(postgres redis upstream idemgate)
 # healthy_count: how many of the stack's containers report healthy (one docker call).
@@ -156,9 +190,21 @@ for _ in $(seq 1 240); do
     sleep 0.5
 done
 [ "$healthy" = ${#services[@]} ] ||
-    fatal "up --build: $healthy of ${#services[@]} services healthy after $((SECONDS - t)) s" "$WORK/up.log"
-pass "up --build: postgres, redis, upstream and idemgate healthy in $((SECONDS - t)) s"
+    fatal "up: $healthy of ${#services[@]} services healthy after $((SECONDS - t)) s" "$WORK/up.log"
+pass "up: postgres, redis, upstream and idemgate healthy in $((SECONDS - t)) s"
 timing up $((SECONDS - t))
+# With the host network the services' sockets are the host's: each must be on 127.0.0.1 alone (IDEMGATE_BIND).
+only_loopback() {
+    local p addrs
+    for p in "$@"; do
+        addrs=$(ss -Hltn "sport = :$p" | awk '{ print $4 }')
+        if [ -z "$addrs" ] || grep -qv '^127\.0\.0\.1:' <<<"$addrs"; then
+            echo "  port $p: ${addrs:-nothing listens}"
+            return 1
+        fi
+    done
+}
+check "every service listens on 127.0.0.1 only" only_loopback "$HTTP_PORT" "$ADMIN_PORT" "$UP_PORT" "$PG_PORT" "$REDIS_PORT"
 
 # ---- the README's curl demo
 t=$SECONDS
@@ -191,7 +237,7 @@ check "other body, same key: not executed upstream" test "$(upstream_count)" = 1
 ready=$(curl -sS --max-time 5 -w ' %{http_code}' "http://127.0.0.1:$ADMIN_PORT/readyz" 2>&1)
 ready_up() { [[ "$ready" == *'"postgres":"up"'*'"redis":"up"'*" 200" ]]; }
 check "/readyz: 200 with Postgres and Redis up" ready_up
-rows=$(compose exec -T postgres psql -h /tmp -p "$PG_PORT" -U postgres -d idemgate -tAc \
+rows=$(compose exec -T -e PGPASSWORD=idemgate postgres psql -h 127.0.0.1 -U idemgate -d idemgate -tAc \
     "SELECT count(*) FROM idemgate_keys WHERE key = 'demo-1' AND state = 'completed'" 2>&1)
 check "the record is in the stack's Postgres (completed rows: $rows)" test "$rows" = 1
 
