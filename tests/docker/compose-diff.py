@@ -2,7 +2,7 @@
 """compose-diff.py - checks that docker/compose.test.yaml (the test stage's override) changes only images and
 network of docker/compose.yaml, and that compose.yaml is what a normal Docker user can run: official postgres
 and redis images, the gateway built on debian:bookworm-slim, a bridge network with published ports, no host
-network. Ends with `compose-files: N passed, N failed`; exits 1 on a failure.
+network. Ends with `compose: N passed, N failed`; exits 1 on a failure.
 
     tests/docker/compose-diff.py [BASE OVERRIDE]     (default docker/compose.yaml docker/compose.test.yaml)
 """
@@ -82,7 +82,7 @@ def main(argv):
           % (", ".join(host) or "none"), not host)
     check("compose.yaml: the gateway's port is published (%s)" % svcs.get("idemgate", {}).get("ports"),
           any("HTTP_PORT" in str(p) for p in svcs.get("idemgate", {}).get("ports") or []))
-    print("compose-files: %d passed, %d failed" % (passed, failed))
+    print("compose: %d passed, %d failed" % (passed, failed))
     return 1 if failed else 0
 
 
