@@ -386,3 +386,34 @@ Test(idem, header_parts)
     cm_hdrs_free(&joined);
     cm_hdrs_free(&oth);
 }
+
+/* SPEC 9: what a probe's look-up carries of a scope: every value of each header: part in order, the Authorization
+ * (the verified bearer token) once for jwt: parts, nothing of the other parts. */
+Test(idem, scope_probe_headers)
+{
+    struct conf_part parts[] = {{CONF_PART_HEADER, "x-tenant"},
+                                {CONF_PART_BODY, NULL},
+                                {CONF_PART_JWT, "sub"},
+                                {CONF_PART_HEADER, "Authorization"},
+                                {CONF_PART_JWT, "org"}};
+    struct cm_hdrs in, out;
+    cm_hdrs_init(&in);
+    cm_hdrs_init(&out);
+    cm_hdrs_add(&in, "X-Tenant", "a");
+    cm_hdrs_add(&in, "Cookie", "secret");
+    cm_hdrs_add(&in, "Authorization", "Bearer t");
+    cm_hdrs_add(&in, "X-TENANT", "b");
+    gw_scope_probe_headers(parts, sizeof parts / sizeof parts[0], &in, &out);
+    cr_assert_eq(out.n, 3, "X-Tenant twice, Authorization once: %zu", out.n);
+    cr_expect_str_eq(out.v[0].value, "a");
+    cr_expect_str_eq(out.v[1].value, "b", "in arrival order");
+    cr_expect_str_eq(out.v[2].name, "Authorization");
+    cr_expect_null(cm_hdrs_get(&out, "Cookie"), "nothing but the scope's parts");
+    cm_hdrs_free(&out);
+    cm_hdrs_init(&out);
+    struct conf_part body[] = {{CONF_PART_BODY, NULL}, {CONF_PART_QUERY, NULL}};
+    gw_scope_probe_headers(body, 2, &in, &out);
+    cr_expect_eq(out.n, 0, "parts a look-up cannot carry add nothing");
+    cm_hdrs_free(&out);
+    cm_hdrs_free(&in);
+}
