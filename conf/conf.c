@@ -502,6 +502,7 @@ struct field {
     size_t arr_off, n_off;   /* show_parts, show_statuses: the list's pointer and count (LIST_AT) */
     bool restart;            /* a change needs a restart (conf_restart_keys), not a reload */
     bool needed;             /* documented as required, though another source may give it (the environment) */
+    const char *example;     /* a value for the key as written in YAML (conf_test loads each in a file) */
     const struct field *sub; /* a mapping's own keys (or a list's element's) */
     size_t nsub;
     size_t sub_off; /* base + sub_off is the struct sub describes (a list: the pointer to its array) */
@@ -1048,7 +1049,8 @@ static const struct field admin_fields[] = {
                .allowed = "`host:port`, `[v6]:port` (port 0: a free port), or `off`",
                .doc = "Where the admin listener (health, readiness, metrics, the status page, the key API) listens. "
                       "`off` disables it. It must differ from `listen`. Keep it on a private address: only the key "
-                      "API asks for a token."),
+                      "API asks for a token.",
+               .example = "off"),
 };
 
 static bool fn_admin(struct ctx *x, yaml_node_t *n, void *target)
@@ -1197,23 +1199,28 @@ static const struct field store_fields[] = {
              .needed = true, .allowed = "`postgres://...`, `postgresql://...` or a libpq `key=value` string",
              .doc = "The Postgres database that is the authority for every key. Required, here or in "
                     "`IDEMGATE_POSTGRES_URL` (which replaces it). The gateway creates or migrates its table "
-                    "(`idemgate_keys`) at start. Passwords are never logged."),
+                    "(`idemgate_keys`) at start. Passwords are never logged.",
+             .example = "postgresql://idemgate@db1:5432,db2:5432/idemgate?target_session_attrs=read-write"),
     FIELD("pool", F_U32, struct conf, pool, 1, 256, .def = "8", .restart = true,
           .doc = "Postgres connections of this process at most, shared by the I/O loops. One of them listens for "
-                 "purges for the replay cache (with `pool: 1` the replay cache is off)."),
+                 "purges for the replay cache (with `pool: 1` the replay cache is off).",
+          .example = "16"),
     FIELD_BASE("redis", fn_redis, false, .what = "string", .show = show_str, STR_AT(struct conf, redis_url),
                .restart = true,
                .allowed = "`redis://[:password@]host:port[/db]`, an absolute unix socket path, or "
                           "`unix:///path[?db=N]`; empty: no Redis",
                .doc = "The optional fast filter (needs Redis 7.0 or later). Without it every claim asks Postgres "
                       "only. Redis may be flushed, stopped or paused at any time: that costs latency, never a "
-                      "second execution. `IDEMGATE_REDIS_URL` replaces it (an empty value: no Redis)."),
+                      "second execution. `IDEMGATE_REDIS_URL` replaces it (an empty value: no Redis).",
+               .example = "unix:///run/redis/redis.sock?db=2"),
     FIELD("redis_timeout", F_DUR, struct conf, redis_timeout_ms, 1, DURATION_MAX, .def = "50ms", .restart = true,
-          .doc = "How long one Redis command may take before the gateway goes on with Postgres alone."),
+          .doc = "How long one Redis command may take before the gateway goes on with Postgres alone.",
+          .example = "20ms"),
     FIELD_ENUM("distributed", struct conf, distributed, distributed_modes, .def = "none", .restart = true,
                .doc = "`none`: plain Postgres. `citus`: the database is a Citus coordinator and the gateway "
                       "distributes its table itself at start (see operations.md, Citus). "
-                      "`IDEMGATE_STORE_DISTRIBUTED` replaces it."),
+                      "`IDEMGATE_STORE_DISTRIBUTED` replaces it.",
+               .example = "citus"),
 };
 
 static bool fn_store(struct ctx *x, yaml_node_t *n, void *target)
@@ -1311,27 +1318,32 @@ static bool fn_upstream_url(struct ctx *x, yaml_node_t *n, void *target)
 
 static const struct field upstream_fields[] = {
     FIELD_FN("name", struct conf_upstream, name, fn_upstream_name, true, .what = "string",
-             .allowed = "1 to 128 of `A-Z a-z 0-9 _ . -`, unique",
-             .doc = "The name routes and `default_upstream` use."),
+             .allowed = "1 to 128 of `A-Z a-z 0-9 _ . -`, unique", .doc = "The name routes and `default_upstream` use.",
+             .example = "payments-api"),
     FIELD_BASE("url", fn_upstream_url, true, .what = "URL",
                .allowed = "`http://` or `https://`, a host, an optional port and base path; no user info, query "
                           "or fragment",
                .doc = "Where requests go. Parsed once at load: a request only appends its path and query to the "
                       "base path, so no request can name another host. `http://` to an IP address uses the "
-                      "built-in HTTP/1.1 client; `https://` and host names use libcurl."),
+                      "built-in HTTP/1.1 client; `https://` and host names use libcurl.",
+               .example = "https://payments.internal:8443/base"),
     FIELD("connect_timeout", F_DUR, struct conf_upstream, connect_timeout_ms, 1, DURATION_MAX, .def = "2s",
           .doc = "How long a new connection to the upstream may take. A request that could not connect was not "
-                 "sent: 502 `upstream-unavailable`, its key released."),
+                 "sent: 502 `upstream-unavailable`, its key released.",
+          .example = "500ms"),
     FIELD("timeout", F_DUR, struct conf_upstream, timeout_ms, 1, DURATION_MAX, .def = "30s",
           .doc = "How long a whole request may take, waiting for a connection included. A timeout after the "
-                 "request was sent is an unknown outcome: 504 `upstream-timeout`, the key's record kept."),
+                 "request was sent is an unknown outcome: 504 `upstream-timeout`, the key's record kept.",
+          .example = "10s"),
     FIELD("max_connections", F_U32, struct conf_upstream, max_connections, 1, 100000, .def = "1024",
           .doc = "Connections to this upstream at most, over the whole process (each I/O loop holds its share, "
-                 "rounded up). Beyond it requests wait in a first-in first-out queue within their `timeout`."),
+                 "rounded up). Beyond it requests wait in a first-in first-out queue within their `timeout`.",
+          .example = "256"),
     FIELD("keepalive_timeout", F_DUR, struct conf_upstream, keepalive_timeout_ms, 1, 3600 * SEC, .def = "60s",
           .doc = "An idle upstream connection is reused for at most this long (and, with the built-in client, "
                  "for less than the upstream announces in `Keep-Alive: timeout=N`). Keep it below the "
-                 "upstream's own idle timeout when that one is short and not announced."),
+                 "upstream's own idle timeout when that one is short and not announced.",
+          .example = "2s"),
 };
 
 static bool fn_upstreams(struct ctx *x, yaml_node_t *n, void *target)
@@ -1530,17 +1542,20 @@ static const struct field match_fields[] = {
                     "case folded, `;` segment parameters dropped, and a suffix such as `.json` of the last "
                     "segment ignored, so no spelling of the path escapes the route (security.md). Give `path` "
                     "or `path_prefix`, not both. Two routes that meet only in the match form must have the "
-                    "same policy."),
+                    "same policy.",
+             .example = "/v1/charges"),
     FIELD_FN("path_prefix", struct conf_route, path_prefix, fn_path_prefix, false, .what = "path",
              .allowed = "as `path`; a trailing `/` is ignored",
              .doc = "The route matches this path and every path below it, by whole segments: `/v1/payments` "
                     "matches `/v1/payments` and `/v1/payments/42`, not `/v1/paymentsx` (in the match form, "
-                    "as `path`)."),
+                    "as `path`).",
+             .example = "/v1/payments"),
     FIELD_FN("methods", struct conf_route, methods, fn_methods, false, .what = "list of methods",
              .def = "[POST, PATCH]", .show = show_methods,
              .allowed = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS, TRACE, CONNECT (upper case)",
              .doc = "The methods idempotency applies to on this route. Other methods on its paths are proxied "
-                    "without a key check."),
+                    "without a key check.",
+             .example = "[POST, PUT, PATCH]"),
 };
 
 static bool fn_match(struct ctx *x, yaml_node_t *n, void *target)
@@ -1837,35 +1852,40 @@ fail:
 static const struct field probe_fields[] = {
     FIELD_FN("method", struct conf_probe, method, fn_probe_method, false, .what = "method", .def = "GET",
              .show = show_str, .allowed = "an HTTP token of at most 32 bytes",
-             .doc = "The method of the look-up request."),
+             .doc = "The method of the look-up request.", .example = "HEAD"),
     FIELD_FN("path", struct conf_probe, path, fn_probe_path, true, .what = "path",
              .allowed = "starts with `/`, visible ASCII without `#`; `{key}` at most once, no other placeholder; "
                         "the path or a `headers` value must carry `{key}`",
              .doc = "The look-up's path and query, after the upstream URL's base path. `{key}` is replaced by the "
                     "key, everything but RFC 3986 unreserved characters percent-encoded. On a scoped route the "
-                    "look-up asks as the retry's tenant (see `keys_unique_upstream`)."),
+                    "look-up asks as the retry's tenant (see `keys_unique_upstream`).",
+             .example = "/v1/payments?idempotency_key={key}"),
     FIELD_BASE("found", fn_probe_found, false, .what = "list of statuses", .def = "[200]", .show = show_statuses,
                LIST_AT(struct conf_probe, found, found_n),
                .allowed = "distinct statuses 100 to 599, none also in `absent`",
                .doc = "Answers that mean the request executed: this answer (status, headers, body) becomes the "
-                      "key's stored answer and is replayed."),
+                      "key's stored answer and is replayed.",
+               .example = "[200, 201]"),
     FIELD_BASE("absent", fn_probe_absent, false, .what = "list of statuses", .def = "[404]", .show = show_statuses,
                LIST_AT(struct conf_probe, absent, absent_n), .allowed = "distinct statuses 100 to 599",
                .doc = "Answers that mean nothing executed: the record is deleted and the retry that asked is "
                       "forwarded. Any other answer leaves the outcome unknown (409 "
-                      "`idempotency-outcome-unknown`) until the next retry or sweep asks again."),
+                      "`idempotency-outcome-unknown`) until the next retry or sweep asks again.",
+               .example = "[404, 410]"),
     FIELD_BASE("headers", fn_probe_headers, false, .what = "mapping of header: value",
                .allowed = "names are tokens; a value `$NAME` is read from the environment at load (unset: an error); "
                           "`{key}` in a value as written is the key",
                .doc = "The headers the look-up carries (besides `Host`), with, on a scoped route, the retry's own "
                       "scope parts: the values of its `header:` parts and its verified `Authorization` for `jwt:` "
                       "parts (replacing an entry of the same name). Never the client's other headers or its key "
-                      "header."),
+                      "header.",
+               .example = "{X-Api-Key: $LOOKUP_API_KEY}"),
     FIELD("keys_unique_upstream", F_BOOL, struct conf_probe, keys_unique_upstream, 0, 0, .def = "false",
           .doc = "The upstream's look-up by key alone is tenant-safe (keys are unique across tenants). Needed on a "
                  "scoped route for the background sweeper to probe it (it has no request to take the scope's parts "
                  "from) and for a scope part a look-up cannot carry (`method`, `path`, `query`, `body`: refused "
-                 "otherwise)."),
+                 "otherwise).",
+          .example = "true"),
 };
 
 static bool fn_probe(struct ctx *x, yaml_node_t *n, void *target)
@@ -1958,53 +1978,66 @@ static const struct field idem_fields[] = {
     FIELD_ENUM("key", struct conf_idem, key, key_modes, .def = "optional",
                .doc = "`required`: a request without a key is 400 `idempotency-key-missing`. `optional`: a request "
                       "without a key is proxied plainly, one with a key is deduplicated. `off`: no idempotency on "
-                      "this route."),
+                      "this route.",
+               .example = "required"),
     FIELD_FN("header", struct conf_idem, header, fn_key_header, false, .what = "header name", .def = "Idempotency-Key",
              .show = show_str, .allowed = "an HTTP token",
              .doc = "The request header that carries the key. A key is 1 to 255 bytes of visible ASCII (or an "
-                    "RFC 8941 quoted string of them); two such headers are 400 `idempotency-key-invalid`."),
+                    "RFC 8941 quoted string of them); two such headers are 400 `idempotency-key-invalid`.",
+             .example = "X-Request-Id"),
     FIELD_BASE("scope", fn_scope, false, .what = "list of request parts", .def = "[]", .show = show_parts,
                LIST_AT(struct conf_idem, scope, scope_n),
                .allowed = "`method`, `path`, `query`, `body`, `header:NAME`, `jwt:CLAIM`",
                .doc = "The parts whose hash separates key spaces, so one tenant is never replayed another "
                       "tenant's answer (e.g. `[header:Authorization]`, or `[jwt:sub]` with a top-level `jwt:` "
                       "block, which survives a token refresh). Only the hash is stored. `--check` warns about an "
-                      "idempotent or ordering route without a scope."),
+                      "idempotent or ordering route without a scope.",
+               .example = "[header:Authorization]"),
     FIELD_BASE("fingerprint", fn_fingerprint, false, .what = "list of request parts",
                .def = "[method, path, query, body]", .show = show_parts,
                LIST_AT(struct conf_idem, fingerprint, fingerprint_n),
                .allowed = "`method`, `path`, `query`, `body`, `header:NAME`",
                .doc = "The parts a retry must repeat byte for byte to be replayed; a request with the same key "
-                      "and another fingerprint is 422 `idempotency-key-mismatch`."),
+                      "and another fingerprint is 422 `idempotency-key-mismatch`.",
+               .example = "[method, path, body, header:Content-Type]"),
     FIELD("retention", F_DUR, struct conf_idem, retention_ms, 1, DURATION_MAX, .def = "24h",
           .doc = "How long a completed answer is replayed. Afterwards the key is new again. Unknown outcomes do "
-                 "not expire."),
+                 "not expire.",
+          .example = "7d"),
     FIELD("lease", F_DUR, struct conf_idem, lease_ms, 1, DURATION_MAX, .def = "60s",
           .doc = "How long a claim in flight is honoured without its owner renewing it (the owner renews it "
-                 "every third of it while the request runs). Only a dead owner's lease lapses."),
+                 "every third of it while the request runs). Only a dead owner's lease lapses.",
+          .example = "2m"),
     FIELD_ENUM("on_in_flight", struct conf_idem, on_in_flight, in_flight_modes, .def = "conflict",
                .doc = "A retry while the first request still runs: `conflict` answers 409 "
                       "`idempotency-key-in-use` with `Retry-After`; `wait` waits up to `wait` for the first "
-                      "answer and replays it."),
+                      "answer and replays it.",
+               .example = "wait"),
     FIELD("wait", F_DUR, struct conf_idem, wait_ms, 1, DURATION_MAX, .def = "10s",
-          .doc = "With `on_in_flight: wait`, how long a retry waits for the first request's answer before 409."),
+          .doc = "With `on_in_flight: wait`, how long a retry waits for the first request's answer before 409.",
+          .example = "30s"),
     FIELD_ENUM("on_unknown", struct conf_idem, on_unknown, unknown_modes, .def = "reject",
                .doc = "A retry of a request whose outcome is unknown (sent, no answer), once its lease lapsed: "
                       "`reject` answers 409 `idempotency-outcome-unknown` until an operator releases the key; "
-                      "`retry` forwards it again (it may execute twice); `probe` asks the upstream (`probe:`)."),
+                      "`retry` forwards it again (it may execute twice); `probe` asks the upstream (`probe:`).",
+               .example = "retry"),
     FIELD_BASE("release_statuses", fn_release_statuses, false, .what = "list of statuses", .def = "[]",
                .show = show_statuses, LIST_AT(struct conf_idem, release_statuses, release_statuses_n),
                .allowed = "distinct statuses 100 to 599",
                .doc = "Upstream answers that mean nothing was done (say `[429, 503]`, if your API guarantees "
-                      "it): the answer is passed on, the key released, and the next retry executes."),
+                      "it): the answer is passed on, the key released, and the next retry executes.",
+               .example = "[429, 503]"),
     FIELD("max_body", F_SIZE, struct conf_idem, max_body, 1, SIZE_MAX_BODY, .def = "1MiB",
-          .doc = "The largest request body on this route (every method); beyond it 413 `payload-too-large`."),
+          .doc = "The largest request body on this route (every method); beyond it 413 `payload-too-large`.",
+          .example = "10MiB"),
     FIELD("forward_key", F_BOOL, struct conf_idem, forward_key, 0, 0, .def = "true",
           .doc = "Whether the key header is passed on to the upstream. `false` is refused with `on_unknown: "
-                 "probe` (the upstream would never know the key it is asked about)."),
+                 "probe` (the upstream would never know the key it is asked about).",
+          .example = "false"),
     FIELD("max_response", F_SIZE, struct conf_idem, max_response, 1, SIZE_MAX_BODY, .def = "8MiB",
           .doc = "The largest upstream answer stored and replayed. A larger one executed but cannot be stored: "
-                 "502 `upstream-response-too-large`, an unknown outcome."),
+                 "502 `upstream-response-too-large`, an unknown outcome.",
+          .example = "1MiB"),
     FIELD_FN("probe", struct conf_idem, probe, fn_probe, false, .what = "mapping",
              SUB(probe_fields, offsetof(struct conf_idem, probe)),
              .doc = "How the gateway asks the upstream whether a request with an unknown outcome executed. "
@@ -2012,7 +2045,8 @@ static const struct field idem_fields[] = {
     FIELD_ENUM("mode", struct conf_idem, mode, idem_modes, .def = "enforce",
                .doc = "`enforce`: deduplicate. `shadow`: forward every request and pass every answer on "
                       "unchanged, while counting what enforce would have done "
-                      "(`idemgate_shadow_decisions_total`); see operations.md, Shadow roll-out."),
+                      "(`idemgate_shadow_decisions_total`); see operations.md, Shadow roll-out.",
+               .example = "shadow"),
 };
 
 static bool fn_idem(struct ctx *x, yaml_node_t *n, void *target)
@@ -2145,10 +2179,11 @@ static const struct field errors_fields[] = {
                .allowed = "at most 4096 bytes; placeholders `{status}`, `{name}`, `{title}`, `{detail}` only",
                .doc = "The body of every gateway error on the route. `{status}` is the number; the others are "
                       "JSON-escaped text without quotes. `{` followed by `\"`, `}` or spaces is literal, so JSON "
-                      "needs no escaping; anything else written like a placeholder is a config error."),
+                      "needs no escaping; anything else written like a placeholder is a config error.",
+               .example = "'{\"error\":{\"code\":\"{name}\",\"message\":\"{detail}\"}}'"),
     FIELD_BASE("content_type", fn_errors_content_type, false, .what = "media type", .def = "application/json",
                .show = show_str, STR_AT(struct conf_errors, content_type), .allowed = "`type/subtype[; params]`",
-               .doc = "The `Content-Type` of the template's answers."),
+               .doc = "The `Content-Type` of the template's answers.", .example = "application/vnd.api+json"),
 };
 
 static bool fn_errors(struct ctx *x, yaml_node_t *n, void *target)
@@ -2265,19 +2300,23 @@ static const struct field ordering_fields[] = {
                .allowed = "starts with `/`; each segment a literal or one whole `{name}` (letters, digits, `_`)",
                .doc = "Which requests of the route are guarded and what one resource is: a request whose whole "
                       "normalised path matches (`/v1/accounts/{id}/address`, `{name}` one non-empty segment) is "
-                      "guarded, and its path is the resource. Other requests of the route are not guarded."),
+                      "guarded, and its path is the resource. Other requests of the route are not guarded.",
+               .example = "/v1/accounts/{id}/address"),
     FIELD_BASE("sequence", fn_ord_sequence, true, .what = "string",
                .allowed = "`header:NAME` or `json:/pointer` (an RFC 6901 JSON Pointer into the body)",
                .doc = "Where the request's sequence is: a decimal integer 1 to 2^63-1 (no sign, no leading zero) "
                       "in one header, or a JSON integer at the pointer of a JSON body. Missing or malformed: 400 "
-                      "`sequence-invalid`."),
+                      "`sequence-invalid`.",
+               .example = "json:/version"),
     FIELD_ENUM("on_gap", struct conf_ordering, on_gap, gap_modes, .def = "accept",
                .doc = "A sequence above the applied one + 1: `accept` forwards it; `reject` answers 409 "
                       "`sequence-gap`; `hold` waits up to `hold` for the missing ones, then forwards or answers "
-                      "409 `sequence-gap`."),
+                      "409 `sequence-gap`.",
+               .example = "hold"),
     FIELD("hold", F_DUR, struct conf_ordering, hold_ms, 1, DURATION_MAX, .def = "2s",
           .doc = "How long a request waits for another request of its resource still in flight (then 409 "
-                 "`sequence-in-use`), and for missing sequences with `on_gap: hold`."),
+                 "`sequence-in-use`), and for missing sequences with `on_gap: hold`.",
+          .example = "5s"),
 };
 _Static_assert(sizeof(enum conf_on_gap) == sizeof(int), "enum stored through int");
 
@@ -2300,12 +2339,14 @@ static const struct field route_fields[] = {
     FIELD_FN("name", struct conf_route, name, fn_route_name, true, .what = "string",
              .allowed = "1 to 128 of `A-Z a-z 0-9 _ . -`, unique",
              .doc = "The route's name: in metrics, logs, the admin key API, and part of every key's identity "
-                    "(renaming a route starts an empty key space)."),
+                    "(renaming a route starts an empty key space).",
+             .example = "payments"),
     FIELD_BASE("match", fn_match, true, .what = "mapping", SUB(match_fields, 0),
                .doc = "Which requests the route takes. Routes are tried in order; the first match wins."),
     FIELD_FN("upstream", struct conf_route, upstream, fn_route_upstream, false, .what = "upstream name",
              .allowed = "a name from `upstreams`",
-             .doc = "Where the route's requests go. Required unless `default_upstream` is set (then that one)."),
+             .doc = "Where the route's requests go. Required unless `default_upstream` is set (then that one).",
+             .example = "api"),
     FIELD_FN("idempotency", struct conf_route, idem, fn_idem, false, .what = "mapping",
              SUB(idem_fields, offsetof(struct conf_route, idem)),
              .doc = "How keys are handled on the route. Without this block every key below has its default "
@@ -2316,7 +2357,8 @@ static const struct field route_fields[] = {
              .doc = "How the gateway's own error answers on the route are written (upstream answers are never "
                     "touched): `problem` is RFC 9457 `application/problem+json`; `stripe` is "
                     "`{\"error\":{\"type\":...,\"code\":NAME,\"message\":...}}`, which Stripe's SDKs raise "
-                    "as an error; a mapping gives your own template. See http.md."),
+                    "as an error; a mapping gives your own template. See http.md.",
+             .example = "stripe"),
     FIELD_FN("ordering", struct conf_route, ordering, fn_ordering, false, .what = "mapping",
              SUB(ordering_fields, offsetof(struct conf_route, ordering)),
              .doc = "The ordering guard: a per-resource increasing sequence kept in Postgres, so that an older "
@@ -2421,17 +2463,19 @@ static const struct field jwt_fields[] = {
     FIELD_FN("keys", struct conf_jwt, keys_file, fn_jwt_keys, false, .what = "file path",
              .allowed = "a JWKS file with RS256 (RSA, 2048 bits or more) and ES256 (P-256) keys",
              .doc = "The public keys tokens are verified with. Loaded at start, by `--check` and on reload; a "
-                    "key that does not load is a config error. Give `keys`, `secret_env` or both."),
+                    "key that does not load is a config error. Give `keys`, `secret_env` or both.",
+             .example = "/etc/idemgate/jwks.json"),
     FIELD_FN("secret_env", struct conf_jwt, secret_env, fn_jwt_secret_env, false, .what = "environment variable name",
              .allowed = "`A-Z a-z 0-9 _`, not starting "
                         "with a digit",
-             .doc = "The environment variable holding an HS256 secret (at least 32 bytes)."),
+             .doc = "The environment variable holding an HS256 secret (at least 32 bytes).",
+             .example = "IDEMGATE_JWT_SECRET"),
     FIELD_FN("issuer", struct conf_jwt, issuer, fn_jwt_issuer, false, .what = "string",
-             .doc = "When set, a token's `iss` must equal it."),
+             .doc = "When set, a token's `iss` must equal it.", .example = "https://auth.example.com"),
     FIELD_FN("audience", struct conf_jwt, audience, fn_jwt_audience, false, .what = "string",
-             .doc = "When set, a token's `aud` (a string or an array) must name it."),
+             .doc = "When set, a token's `aud` (a string or an array) must name it.", .example = "payments"),
     FIELD("leeway", F_DUR, struct conf_jwt, leeway_ms, 0, 3600 * SEC, .def = "30s",
-          .doc = "Clock difference allowed when `exp` and `nbf` are checked."),
+          .doc = "Clock difference allowed when `exp` and `nbf` are checked.", .example = "1m"),
 };
 
 static bool fn_jwt(struct ctx *x, yaml_node_t *n, void *target)
@@ -2453,9 +2497,10 @@ static bool fn_jwt(struct ctx *x, yaml_node_t *n, void *target)
 static const struct field replay_cache_fields[] = {
     FIELD("max_bytes", F_SIZE, struct conf, replay_cache_max_bytes, 0, GIB, .def = "2MiB", .restart = true,
           .doc = "Bytes of answers kept in memory at most (an answer over an eighth of it is not cached). 0 "
-                 "disables the cache."),
+                 "disables the cache.",
+          .example = "16MiB"),
     FIELD("max_entries", F_U32, struct conf, replay_cache_max_entries, 0, 10000000, .def = "4096", .restart = true,
-          .doc = "Answers kept in memory at most. 0 disables the cache."),
+          .doc = "Answers kept in memory at most. 0 disables the cache.", .example = "100000"),
 };
 
 /* replay_cache: {max_bytes: 2MiB, max_entries: 4096} or replay_cache: off */
@@ -2477,12 +2522,14 @@ static const struct field top_fields[] = {
              .show = show_addr, .restart = true,
              .allowed = "`host:port` or `[v6]:port`; port 0 picks a free port (logged as `event=listening`)",
              .doc = "Where clients connect. An IPv6 address takes IPv6 clients only. The host is resolved when "
-                    "the file is checked, so an address that can never work is a config error."),
+                    "the file is checked, so an address that can never work is a config error.",
+             .example = "0.0.0.0:8080"),
     FIELD_BASE("admin", fn_admin, false, .what = "mapping", SUB(admin_fields, 0),
                .doc = "The admin listener (see operations.md)."),
     FIELD("shutdown_grace", F_DUR, struct conf, shutdown_grace_ms, 0, DURATION_MAX, .def = "10s",
           .doc = "On SIGTERM or SIGINT, how long requests in flight may take to finish. Past it their clients "
-                 "get 503 `shutting-down` and their records stay in flight, then unknown."),
+                 "get 503 `shutting-down` and their records stay in flight, then unknown.",
+          .example = "30s"),
     FIELD_BASE("store", fn_store, false, .what = "mapping", SUB(store_fields, 0),
                .doc = "Postgres (the authority) and Redis (the optional fast filter)."),
     FIELD_BASE("upstreams", fn_upstreams, true, .what = "list of mappings",
@@ -2494,25 +2541,32 @@ static const struct field top_fields[] = {
     FIELD_BASE("default_upstream", fn_default_upstream, false, .what = "upstream name",
                .allowed = "a name from `upstreams`",
                .doc = "Where requests no route matches go, proxied plainly (no key checked). Unset: they get 404 "
-                      "`route-not-found`. Routes without an `upstream` use it."),
+                      "`route-not-found`. Routes without an `upstream` use it.",
+               .example = "api"),
     FIELD("max_header_bytes", F_SIZE, struct conf, max_header_bytes, 1, MIB, .def = "16KiB", .restart = true,
-          .doc = "The largest request head; beyond it 431 (a longer request target: 414)."),
+          .doc = "The largest request head; beyond it 431 (a longer request target: 414).", .example = "32KiB"),
     FIELD("max_response_header_bytes", F_SIZE, struct conf, max_response_header_bytes, 1, MIB, .def = "16KiB",
           .restart = true,
           .doc = "The largest upstream answer head (status line and headers); beyond it the answer is invalid: "
-                 "502 `upstream-invalid-response`, nothing stored."),
+                 "502 `upstream-invalid-response`, nothing stored.",
+          .example = "32KiB"),
     FIELD("max_body", F_SIZE, struct conf, max_body, 1, SIZE_MAX_BODY, .def = "1MiB",
           .doc = "The largest request body of requests no route matches (routes have their own "
-                 "`idempotency.max_body`); beyond it 413."),
+                 "`idempotency.max_body`); beyond it 413.",
+          .example = "4MiB"),
     FIELD("max_response", F_SIZE, struct conf, max_response, 1, SIZE_MAX_BODY, .def = "8MiB",
-          .doc = "The largest upstream answer relayed for requests outside idempotency; beyond it 502."),
+          .doc = "The largest upstream answer relayed for requests outside idempotency; beyond it 502.",
+          .example = "16MiB"),
     FIELD("max_connections", F_U32, struct conf, max_connections, 1, 100000, .def = "4096", .restart = true,
-          .doc = "Client connections at most; beyond it 503 `too-many-connections` and the connection is closed."),
+          .doc = "Client connections at most; beyond it 503 `too-many-connections` and the connection is closed.",
+          .example = "10000"),
     FIELD("client_timeout", F_DUR, struct conf, client_timeout_ms, 1, DURATION_MAX, .def = "30s", .restart = true,
-          .doc = "An idle client connection, or one sending its request slower than this, is closed."),
+          .doc = "An idle client connection, or one sending its request slower than this, is closed.",
+          .example = "10s"),
     FIELD("threads", F_U32, struct conf, threads, 0, 64, .def = "0", .restart = true,
           .doc = "I/O loop threads, each with its own HTTP front, upstream client, Redis connection and share of "
-                 "`store.pool`. 0: one per CPU (at most `store.pool`)."),
+                 "`store.pool`. 0: one per CPU (at most `store.pool`).",
+          .example = "4"),
     FIELD_FN("jwt", struct conf, jwt, fn_jwt, false, .what = "mapping", SUB(jwt_fields, offsetof(struct conf, jwt)),
              .doc = "How bearer tokens are verified for `jwt:CLAIM` scope parts. Needed only when a route uses "
                     "one. A request on such a route without a valid token is 401 `invalid-credentials`."),
@@ -2520,7 +2574,8 @@ static const struct field top_fields[] = {
                .restart = true, .allowed = "`{max_bytes: SIZE, max_entries: N}` or `off`",
                .doc = "Completed answers kept in this process's memory and replayed without a store round trip. "
                       "Used only while its Postgres listener (purges reach every instance through it) is "
-                      "connected. `off` disables it."),
+                      "connected. `off` disables it.",
+               .example = "off"),
 };
 
 /* ---------------------------------------------------------------- the reference (idemgate --print-reference) */
@@ -2536,6 +2591,7 @@ static void key_doc(const struct field *f, const char *path, unsigned depth, str
     k->type = f->type == F_FUNC ? f->what : types[f->type];
     k->def = f->def;
     k->doc = f->doc;
+    k->example = f->example;
     k->required = f->required || f->needed;
     k->restart = f->restart;
     k->block = f->sub != NULL;

@@ -249,13 +249,14 @@ size_t conf_restart_keys(const struct conf *old, const struct conf *neu, const c
 
 /* ---- the reference: every key the parser accepts, with its documentation (from the same tables) */
 struct conf_key_doc {
-    const char *path;  /* "routes[].idempotency.lease" (valid during the callback) */
-    const char *key;   /* "lease" */
-    unsigned depth;    /* 0: top level */
-    const char *type;  /* "duration", "size", "integer", "boolean", "one of", or the key's own words */
-    char allowed[256]; /* "1ms to 36500d", "`enforce`, `shadow`", or the key's own words; "" */
-    const char *def;   /* the default as written in YAML; NULL: none */
-    const char *doc;   /* Markdown */
+    const char *path;    /* "routes[].idempotency.lease" (valid during the callback) */
+    const char *key;     /* "lease" */
+    unsigned depth;      /* 0: top level */
+    const char *type;    /* "duration", "size", "integer", "boolean", "one of", or the key's own words */
+    char allowed[256];   /* "1ms to 36500d", "`enforce`, `shadow`", or the key's own words; "" */
+    const char *def;     /* the default as written in YAML; NULL: none */
+    const char *doc;     /* Markdown */
+    const char *example; /* a value as written in YAML ("90s"); NULL for a mapping without one */
     bool required;
     bool restart; /* a change needs a restart, not a reload */
     bool block;   /* a mapping (or a list of mappings, list) whose keys follow with depth + 1 */

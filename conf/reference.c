@@ -104,6 +104,8 @@ static bool one(struct cm_buf *b, const struct conf_key_doc *k, const char *head
         ok = ok && cm_buf_appendf(b, "- default: `%s`\n", k->def);
     else if (!k->block)
         ok = ok && cm_buf_appendf(b, "- default: none\n");
+    if (k->example != NULL)
+        ok = ok && cm_buf_appendf(b, "- example: `%s: %s`\n", k->key, k->example);
     if (k->restart)
         ok = ok && cm_buf_appendf(b, "- reload: needs a restart\n");
     return ok && cm_buf_appendf(b, "\n%s\n", k->doc ? k->doc : "");

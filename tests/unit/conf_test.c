@@ -1516,3 +1516,121 @@ Test(conf, reference_equals_docs_configuration_md)
     free(want);
     free(got);
 }
+
+/* ---- every key's documented example loads: the key written with it in the smallest file that holds its mapping */
+
+/* The mapping holding a key (its path's prefix), as a file with "%s" where the key's line goes. A line marked
+ * "@name" is left out when the key under test is name (it would be there twice) or excludes it (path_prefix). */
+static const struct ex_ctx {
+    const char *prefix;
+    const char *yaml;
+} ex_ctx[] = {
+    {"", BASE "%s\n"},
+    {"admin.", BASE "admin:\n  %s\n"},
+    {"store.", "store:\n  @postgres postgres: postgres://u@127.0.0.1/db\n  %s\n"
+               "upstreams:\n  - name: api\n    url: http://127.0.0.1:9000\n"},
+    {"upstreams[].", "store:\n  postgres: postgres://u@127.0.0.1/db\nupstreams:\n"
+                     "  - %s\n    @name name: api\n    @url url: http://127.0.0.1:9000\n"},
+    {"routes[].", BASE "routes:\n  - %s\n    @name name: r\n    match: {path: /x}\n    @upstream upstream: api\n"},
+    {"routes[].match.", BASE "routes:\n  - name: r\n    upstream: api\n    match:\n      @path path: /x\n      %s\n"},
+    {"routes[].idempotency.", BASE "routes:\n  - name: r\n    match: {path: /x}\n    upstream: api\n"
+                                   "    idempotency:\n      %s\n"},
+    {"routes[].idempotency.probe.", BASE "routes:\n  - name: r\n    match: {path: /x}\n    upstream: api\n"
+                                         "    idempotency:\n      on_unknown: probe\n      probe:\n"
+                                         "        @path path: /l?k={key}\n        %s\n"},
+    {"routes[].errors.", BASE "routes:\n  - name: r\n    match: {path: /x}\n    upstream: api\n    errors:\n"
+                              "      @template template: '{}'\n      %s\n"},
+    {"routes[].ordering.", BASE "routes:\n  - name: r\n    match: {path_prefix: /v1}\n    upstream: api\n"
+                                "    ordering:\n      @resource resource: /v1/{id}\n"
+                                "      @sequence sequence: header:X-Seq\n      %s\n"},
+    {"jwt.", BASE "jwt:\n  @secret_env secret_env: X\n  %s\n"},
+    {"replay_cache.", BASE "replay_cache:\n  %s\n"},
+};
+
+/* The context's text for key (its last path part) with "KEY: VALUE" in place: a line "@name ..." is kept (without
+ * the marker) unless name is key, or key is one of path/path_prefix and name is path (they exclude each other). */
+static bool example_file(const struct ex_ctx *x, const char *key, const char *value, char *out, size_t n)
+{
+    char line[600];
+    snprintf(line, sizeof line, "%s: %s", key, value);
+    size_t o = 0;
+    for (const char *p = x->yaml; *p && o + 1 < n;) {
+        const char *eol = strchr(p, '\n');
+        size_t len = eol ? (size_t)(eol - p + 1) : strlen(p);
+        char name[64] = "";
+        const char *body = p;
+        size_t skip_marker = 0;
+        for (const char *q = p; q < p + len && (*q == ' ' || *q == '-'); q++)
+            if (q[1] == '@') {
+                size_t nl = strcspn(q + 2, " ");
+                snprintf(name, sizeof name, "%.*s", (int)nl, q + 2);
+                skip_marker = nl + 2; /* "@name " */
+                body = q + 1;
+                break;
+            }
+        bool drop = name[0] != '\0' &&
+                    (strcmp(name, key) == 0 || (strcmp(name, "path") == 0 && strcmp(key, "path_prefix") == 0));
+        if (!drop) {
+            size_t pre = (size_t)(body - p);
+            for (size_t i = 0; i < len && o + 1 < n; i++) {
+                if (i >= pre && i < pre + skip_marker)
+                    continue;
+                if (p[i] == '%' && p[i + 1] == 's') {
+                    int w = snprintf(out + o, n - o, "%s", line);
+                    if (w < 0 || (size_t)w >= n - o)
+                        return false;
+                    o += (size_t)w;
+                    i++;
+                    continue;
+                }
+                out[o++] = p[i];
+            }
+        }
+        p += len;
+    }
+    out[o] = '\0';
+    return o + 1 < n;
+}
+
+struct ex_run {
+    size_t checked;
+};
+
+static void example_loads(const struct conf_key_doc *k, void *arg)
+{
+    struct ex_run *r = arg;
+    if (k->block && k->example == NULL)
+        return; /* a mapping's keys have examples of their own */
+    cr_expect(k->example != NULL, "%s: no example (.example in its conf/conf.c field table)", k->path);
+    if (k->example == NULL)
+        return;
+    const struct ex_ctx *x = NULL;
+    size_t best = 0;
+    for (size_t i = 0; i < sizeof ex_ctx / sizeof ex_ctx[0]; i++) {
+        size_t l = strlen(ex_ctx[i].prefix);
+        if (strncmp(k->path, ex_ctx[i].prefix, l) == 0 && strchr(k->path + l, '.') == NULL &&
+            strstr(k->path + l, "[]") == NULL && (x == NULL || l >= best)) {
+            x = &ex_ctx[i];
+            best = l;
+        }
+    }
+    cr_assert_not_null(x, "%s: no file to try its example in (add its mapping to ex_ctx)", k->path);
+    char yaml[2048];
+    cr_assert(example_file(x, k->key, k->example, yaml, sizeof yaml), "%s: the file does not fit", k->path);
+    char *err = NULL;
+    struct conf *c = conf_load_string("example.yaml", yaml, strlen(yaml), &err);
+    cr_expect_not_null(c, "%s: the documented example '%s: %s' does not load: %s\n%s", k->path, k->key, k->example,
+                       err ? err : "", yaml);
+    conf_destroy(c);
+    free(err);
+    r->checked++;
+}
+
+Test(conf, every_documented_example_loads)
+{
+    setenv("LOOKUP_API_KEY", "a-look-up-key", 1);
+    struct ex_run r = {0};
+    conf_reference_walk(example_loads, &r);
+    cr_expect_geq(r.checked, 60, "only %zu examples checked", r.checked);
+    unsetenv("LOOKUP_API_KEY");
+}
