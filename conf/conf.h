@@ -268,8 +268,6 @@ void conf_reference_walk(conf_key_fn fn, void *arg);
 /* The value of the key at path ("routes[].idempotency.lease": the first route's) in c, written as a default is
  * ("24h", "[200]"); false when the key has no value there or no way to show it. */
 bool conf_key_value(const struct conf *c, const char *path, char *buf, size_t n);
-/* docs/configuration.md: the whole reference as Markdown (conf/reference.c); the caller frees it. */
-char *conf_reference_markdown(void);
 
 /* First route whose path or path_prefix (by whole segments) meets path under SPEC 7's rule (cm_path_meets on both
  * match forms: case, segment parameters and a format suffix on the last segment do not matter), or NULL. */

@@ -1,4 +1,6 @@
 /* reference.c - the configuration reference (docs/configuration.md) as Markdown, from conf's key tables. */
+#include "conf/reference.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

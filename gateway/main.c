@@ -12,6 +12,7 @@
 #include "common/metrics.h"
 #include "common/version.h"
 #include "conf/conf.h"
+#include "conf/reference.h"
 #include "gateway/admin.h"
 #include "gateway/front.h"
 #include "gateway/loop.h"

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "conf/conf.h"
+#include "conf/reference.h"
 
 /* A minimal valid file (5 lines); cases append from line 6. */
 #define BASE                                                                                                           \
