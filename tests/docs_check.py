@@ -6,7 +6,8 @@ Checks README.md, CHANGELOG.md and docs/*.md of the source tree given as the fir
     heading of that file (GitHub's slugs: lower case, punctuation dropped, spaces to '-');
   - no document sends the reader to a file a user does not have (SPEC.md, ../shared, "the contract") or to a
     commit (a backquoted hexadecimal commit id): history is in git;
-  - README.md stays short (at most 300 lines).
+  - README.md stays short (at most 300 lines);
+  - CHANGELOG.md (Keep a Changelog) has an Unreleased section and a section for meson.build's project version.
 Prints each problem as FILE:LINE: what, and exits 1 if there is one.
 """
 import os
@@ -43,6 +44,21 @@ def anchors(path, cache={}):
     return cache[path]
 
 
+def changelog_problems(root):
+    with open(os.path.join(root, "meson.build"), encoding="utf-8") as f:
+        m = re.search(r"project\([^)]*?version\s*:\s*'([^']+)'", f.read(), re.S)
+    if not m:
+        return ["meson.build: no project version"]
+    with open(os.path.join(root, "CHANGELOG.md"), encoding="utf-8") as f:
+        heads = re.findall(r"^## \[([^\]]+)\]", f.read(), re.M)
+    out = []
+    if "Unreleased" not in heads:
+        out.append("CHANGELOG.md: no '## [Unreleased]' section")
+    if m.group(1) not in heads:
+        out.append(f"CHANGELOG.md: no '## [{m.group(1)}]' section for meson.build's version {m.group(1)}")
+    return out
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
     docs = ["README.md", "CHANGELOG.md"] + sorted(
@@ -75,6 +91,7 @@ def main():
                     problems.append(f"{rel}:{no}: link to a missing file: {target}")
                 elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
                     problems.append(f"{rel}:{no}: link to a missing heading: {target}")
+    problems += changelog_problems(root)
     for p in problems:
         print(p)
     print(f"docs_check: {len(docs)} documents, {len(problems)} problems")
