@@ -75,7 +75,7 @@ static const char intro[] =
     "API answers 404) |\n"
     "| `IDEMGATE_LOG_LEVEL` | `debug`, `info` (default), `warn` or `error` |\n"
     "\n"
-    "A reload does not read the environment again (a `$NAME` in `probe.headers` and `jwt.secret_env` excepted).\n";
+    "The environment is the process's: a reload sees the values the process started with.\n";
 
 static bool glance(struct cm_buf *b, const struct entries *es)
 {
