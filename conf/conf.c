@@ -1886,6 +1886,12 @@ static const struct field probe_fields[] = {
                  "from) and for a scope part a look-up cannot carry (`method`, `path`, `query`, `body`: refused "
                  "otherwise).",
           .example = "true"),
+    FIELD("grace", F_DUR, struct conf_probe, grace_ms, 0, DURATION_MAX, .def = "5s",
+          .doc = "After a claim's lease lapses, its original request may still be running at the upstream, and a "
+                 "look-up then would say `absent` for work that is about to commit. Neither a retry nor the "
+                 "sweeper looks up a record before its lapse plus the upstream's `timeout` plus `grace`; until "
+                 "then a retry gets 409 `idempotency-key-in-use` with `Retry-After`.",
+          .example = "10s"),
 };
 
 static bool fn_probe(struct ctx *x, yaml_node_t *n, void *target)
@@ -1915,6 +1921,7 @@ static void probe_defaults(struct conf_probe *p)
     p->absent = cm_calloc(1, sizeof(int));
     p->absent[0] = 404;
     p->absent_n = 1;
+    p->grace_ms = 5000;
 }
 
 static void probe_free(struct conf_probe *p)

@@ -100,6 +100,9 @@ struct conf_probe {
     /* default false: the upstream's look-up by key alone is tenant-safe, so the sweeper (which has no request to
      * take the scope's parts from) may probe a scoped route, and a scope part the look-up cannot carry is allowed */
     bool keys_unique_upstream;
+    /* default 5s: after a lease lapses, nobody probes before the lapse + the upstream's timeout + grace (SPEC 8: the
+     * original attempt may still be running at the upstream) */
+    uint64_t grace_ms;
 };
 
 /* mode: enforce (default) or shadow: forward everything, count what enforce would have done (SPEC 10). */

@@ -836,6 +836,12 @@ static void claimed(void *arg, struct store_claim_res *res)
             probe_unknown(job);
             return;
         }
+        if (im->on_unknown == CONF_UNKNOWN_PROBE) {
+            /* the look-up could not take it (GW_PROBE_BUSY): the original attempt may still be running (SPEC 8, the
+             * probe waits for it to be over), or another prober holds it: in use */
+            in_flight(job, res->lease_remaining_ms);
+            return;
+        }
         answer_unknown(job);
         return;
     case STORE_UNAVAILABLE:

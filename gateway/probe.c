@@ -116,6 +116,13 @@ static bool status_in(const int *v, size_t n, int status)
 
 /* ---- settling the record, fenced by the look-up's token */
 
+/* SPEC 8: how long after a lease's lapse the record may be looked up (the original may still run until then). */
+static uint64_t probe_wait_ms(const struct probe_run *r)
+{
+    const struct conf_upstream *u = &r->cref->conf->upstreams[r->route->upstream];
+    return u->timeout_ms + r->route->idem.probe.grace_ms;
+}
+
 static void gave_back(void *arg, bool ok, long rows)
 {
     struct probe_run *r = arg;
@@ -132,7 +139,9 @@ static void give_back(struct probe_run *r, enum gw_probe_result res)
     r->result = res;
     cm_resp_free(&r->resp);
     cm_resp_init(&r->resp, 0);
-    store_mark_unknown(gw_loop_store(r->p->loop), &id, r->token, 0, r->route->idem.lease_ms, gave_back, r);
+    /* back-dated by the wait: the original attempt is over (the take waited for it), the next look-up may go at once */
+    store_mark_unknown(gw_loop_store(r->p->loop), &id, r->token, -(int64_t)probe_wait_ms(r), r->route->idem.lease_ms,
+                       gave_back, r);
 }
 
 static void found_stored(void *arg, bool ok, long rows)
@@ -351,7 +360,7 @@ static void run_start(struct gw_probe *p, size_t route_index, const struct store
     const struct conf_upstream *u = &conf->upstreams[r->route->upstream];
     r->hold_ms = u->connect_timeout_ms + u->timeout_ms + HOLD_EXTRA_MS;
     r->take_sent_ms = cm_now_ms();
-    store_probe_take(gw_loop_store(p->loop), id, r->token, r->hold_ms, taken, r);
+    store_probe_take(gw_loop_store(p->loop), id, r->token, r->hold_ms, probe_wait_ms(r), taken, r);
 }
 
 void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, const struct cm_hdrs *scope_hdrs,

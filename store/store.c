@@ -247,6 +247,8 @@ static const char sql_renew[] = "UPDATE idemgate_keys SET lease_until = now() + 
 static const char sql_release[] =
     "DELETE FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4";
 
+/* $5 (int8) may be negative: the probe's give-back back-dates the lease, so that the record may be looked up again at
+ * once (the wait for the original attempt is over by then). */
 static const char sql_mark_unknown[] =
     "UPDATE idemgate_keys SET state = 'unknown', lease_until = now() + $5 * interval '1 ms'"
     " WHERE route = $1 AND scope = $2 AND key = $3 AND token = $4 AND state IN ('in_flight', 'unknown')";
@@ -333,9 +335,13 @@ static const char sql_doubt_release[] = "DELETE FROM idemgate_keys WHERE route =
  * giving the record back) is fenced by that token. The state stays: a retry meanwhile is in flight. A claim in
  * flight whose lease lapsed is an unknown outcome too (its owner is gone: a crash, or a completion it could not
  * write; SPEC 4), so it is taken the same way; its old owner's writes are fenced off by the new token. */
+/* $6: how long after the lapse (the upstream's timeout + probe.grace): the original attempt may still be running
+ * at the upstream until then, and a look-up would not see its work yet (SPEC 8). */
 static const char sql_probe_take[] =
     "UPDATE idemgate_keys SET token = $4, lease_until = now() + $5 * interval '1 ms'"
-    " WHERE route = $1 AND scope = $2 AND key = $3 AND state IN ('in_flight', 'unknown') AND lease_until < now()";
+    " WHERE route = $1 AND scope = $2 AND key = $3 AND state IN ('in_flight', 'unknown')"
+    " AND lease_until < now() - $6 * interval '1 ms'";
+static const Oid probe_take_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8, OID_INT8};
 
 /* The sweeper's batch: unknown outcomes (and claims in flight) whose lease lapsed, of the probe routes ($1: their
  * names joined by '\n'; route names never hold one), those looked at least recently first (a failed look-up gives
@@ -359,7 +365,7 @@ static const struct store_pg_stmt stmts[S__COUNT] = {
     [S_DOUBT_ALIVE] = {"idg_doubt_alive", sql_doubt_alive, 2, doubt_alive_types, 0, NULL, NULL, NULL},
     [S_DOUBT_RELEASE] = {"idg_doubt_release", sql_doubt_release, 4, release_types, 3, NULL, NULL, NULL},
     [S_PING] = {"idg_ping", "SELECT 1", 0, NULL, 0, NULL, NULL, NULL},
-    [S_PROBE_TAKE] = {"idg_probe_take", sql_probe_take, 5, fenced_types, 3, NULL, NULL, NULL},
+    [S_PROBE_TAKE] = {"idg_probe_take", sql_probe_take, 6, probe_take_types, 3, NULL, NULL, NULL},
     [S_PROBE_LIST] = {"idg_probe_list", sql_probe_list, 2, probe_list_types, 0, NULL, NULL, NULL},
 };
 
@@ -460,7 +466,8 @@ struct owner_op {
     size_t key_len;
     uint8_t scope[32];
     uint64_t token;
-    uint64_t arg_ms; /* lease (renew, mark_unknown) or retention (complete) */
+    uint64_t arg_ms;  /* lease (renew, mark_unknown: an int8, may be negative) or retention (complete) */
+    uint64_t arg2_ms; /* probe_take: the wait after the lapse */
     char rkey[RKEY_LEN + 1];
     store_done_cb cb;
     void *arg;
@@ -1435,15 +1442,17 @@ static void owner_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
 static void owner_send(struct owner_op *w, enum stmt_id stmt, store_pg_cb cb)
 {
     struct store *s = w->h.s;
-    uint8_t tok[8], ms[8];
+    uint8_t tok[8], ms[8], ms2[8];
     be64(tok, w->token);
     be64(ms, w->arg_ms);
-    struct store_pg_param p[5] = {
+    be64(ms2, w->arg2_ms);
+    struct store_pg_param p[6] = {
         {w->route, strlen(w->route), true},
         {w->scope, 32, true},
         {w->key, w->key_len, true},
         {tok, 8, true},
         {ms, 8, true},
+        {ms2, 8, true},
     };
     store_pg_query(s->pg, stmt, p, stmts[stmt].nparams, 1, cb, w);
 }
@@ -1468,14 +1477,14 @@ void store_release(struct store *s, const struct store_id *id, uint64_t token, u
     owner_send(w, S_RELEASE, owner_pg_cb);
 }
 
-void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms,
+void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, int64_t lease_ms,
                         uint64_t retry_for_ms, store_done_cb cb, void *arg)
 {
     struct owner_op *w = owner_new(s, OP_MARK_UNKNOWN, id, token, cb, arg);
-    w->arg_ms = lease_ms;
+    w->arg_ms = (uint64_t)lease_ms; /* sent as an int8: a negative one stays negative */
     settle_init(w, retry_for_ms);
     w->attempts = 1;
-    redis_pexpire(s, w->rkey, lease_ms);
+    redis_pexpire(s, w->rkey, lease_ms > 0 ? (uint64_t)lease_ms : 0);
     owner_send(w, S_MARK_UNKNOWN, owner_pg_cb);
 }
 
@@ -1493,11 +1502,12 @@ static void probe_take_cb(void *arg, enum store_pg_status st, const PGresult *pr
     owner_finish(w, true, cmd_rows(pr));
 }
 
-void store_probe_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, store_done_cb cb,
-                      void *arg)
+void store_probe_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, uint64_t wait_ms,
+                      store_done_cb cb, void *arg)
 {
     struct owner_op *w = owner_new(s, OP_PROBE_TAKE, id, token, cb, arg);
     w->arg_ms = hold_ms ? hold_ms : 1;
+    w->arg2_ms = wait_ms;
     owner_send(w, S_PROBE_TAKE, probe_take_cb);
 }
 

@@ -120,20 +120,23 @@ void store_renew(struct store *s, const struct store_id *id, uint64_t token, uin
 void store_release(struct store *s, const struct store_id *id, uint64_t token, uint64_t retry_for_ms, store_done_cb cb,
                    void *arg);
 /* Marks an unknown outcome (timeout or no response after sending): state
- * unknown, lease_until = now + lease_ms; never released by itself. Retries
- * as store_complete for up to retry_for_ms. */
-void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, uint64_t lease_ms,
+ * unknown, lease_until = now + lease_ms (on Postgres's clock; a negative
+ * lease_ms back-dates it: the probe gives a record back looked-up-able at
+ * once); never released by itself. Retries as store_complete for up to
+ * retry_for_ms. */
+void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t token, int64_t lease_ms,
                         uint64_t retry_for_ms, store_done_cb cb, void *arg);
 
 /* ---- unknown outcomes resolved by probing (on_unknown: probe, gateway/probe.c) */
 
-/* Takes an unknown outcome whose lease lapsed for one look-up: its token becomes token and its lease now +
+/* Takes an unknown outcome whose lease lapsed at least wait_ms ago (SPEC 8: the upstream's timeout + probe.grace)
+ * for one look-up: its token becomes token and its lease now +
  * hold_ms; the state stays unknown (a retry meanwhile reads it as in flight: 409 in use). rows=1: ours, fenced by
  * token from here on (store_complete turns it into a completed record, store_release deletes it,
  * store_mark_unknown with lease 0 gives it back); rows=0: it is not an unknown outcome past its lease (another
  * prober holds it, or it was settled meanwhile). ok=false: Postgres failed (not retried). */
-void store_probe_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, store_done_cb cb,
-                      void *arg);
+void store_probe_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, uint64_t wait_ms,
+                      store_done_cb cb, void *arg);
 
 /* One record the sweeper may probe: valid during the callback only (the store frees it). */
 struct store_unknown_rec {

@@ -184,7 +184,7 @@ static const char *const conf_probe_tmpl =
     "      scope: [jwt:sub]\n"
     "      lease: 1s\n"
     "      on_unknown: probe\n"
-    "      probe: {path: '/_lookup?idempotency_key={key}'}\n"
+    "      probe: {path: '/_lookup?idempotency_key={key}', grace: 0s}\n"
     "jwt:\n"
     "  secret_env: IDEMGATE_JWT_SECRET\n"
     "  issuer: https://auth.test\n"
@@ -207,7 +207,7 @@ Test(jwt, a_probe_asks_with_the_retrys_own_token)
     post(gw, key, bob, "{\"amount\":1}", &r);
     cr_expect_eq(r.status, 200, "bob's own request executes");
     e2e_resp_free(&r);
-    e2e_sleep_ms(1300);
+    e2e_sleep_ms(2300); /* the lease (1 s), then the upstream timeout (1 s, grace 0s): the look-up may go */
     post(gw, key, alice, "{\"amount\":1}", &r);
     cr_expect_eq(r.status, 200, "alice's retry: %ld %s", r.status, (const char *)r.body);
     cr_expect(!e2e_resp_is_replay(&r), "never bob's answer: %s", (const char *)r.body);

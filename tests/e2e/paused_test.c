@@ -305,6 +305,56 @@ Test(paused, a_marker_held_in_this_process_survives_a_postgres_outage)
     cr_expect_eq(upstream_violations(up), 0, "sequences applied in order");
 }
 
+/* ---- 3. the probe waits for the original to be over */
+
+/* The owner sends k to an upstream that takes 4 s and shows only committed work in its look-up, then is
+ * SIGKILLed. A retry 1.5 s later (lease 1 s) must not probe yet (the look-up would say 404 and k would execute
+ * twice): 409 idempotency-key-in-use with Retry-After, until the lapse + the upstream's timeout + probe.grace;
+ * then the probe finds the original's answer, and k executed once. */
+Test(paused, the_probe_waits_for_the_original_to_be_over)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    const char *idem = "      key: required\n"
+                       "      lease: 1s\n"
+                       "      on_unknown: probe\n"
+                       "      probe:\n"
+                       "        path: /_lookup?idempotency_key={key}\n";
+    struct e2e_gw *a = gw_start(up, "3s", idem, 0);
+    struct e2e_gw *b = gw_start(up, "3s", idem, 0);
+    char k[96];
+    e2e_mkkey(k, sizeof k, "probewait");
+    const char *slow[] = {"X-Test-Delay-Ms: 4000", "X-Test-Commit: end", NULL};
+    struct e2e_async *orig = post_async(a->port, "/v1/pay/k", k, slow);
+    cr_assert_eq(e2e_upstream_wait_count(up, NULL, 1, 3000), 1, "the original did not reach the upstream");
+    uint64_t t0 = e2e_now_ms();
+    cr_assert_eq(kill(a->proc.pid, SIGKILL), 0);
+    struct e2e_resp r;
+    e2e_http_join(orig, &r);
+    e2e_resp_free(&r);
+    while (e2e_now_ms() < t0 + 1500)
+        e2e_sleep_ms(20);
+    post(b->port, "/v1/pay/k", k, NULL, &r);
+    e2e_expect_problem(&r, 409, "idempotency-key-in-use", "a retry before the original can be over");
+    cr_expect(e2e_resp_header(&r, "Retry-After") != NULL, "409 with Retry-After");
+    e2e_resp_free(&r);
+    e2e_sleep_ms(3500); /* the original commits at 4 s */
+    cr_expect_eq(e2e_upstream_count(up, k), 1, "the original committed");
+    uint64_t deadline = e2e_now_ms() + 20000;
+    long st = 0;
+    bool replay = false;
+    while (e2e_now_ms() < deadline) {
+        post(b->port, "/v1/pay/k", k, NULL, &r);
+        st = r.status;
+        replay = e2e_resp_is_replay(&r);
+        e2e_resp_free(&r);
+        if (st != 409)
+            break;
+        e2e_sleep_ms(250);
+    }
+    cr_expect(st == 200 && replay, "after the wait the probe finds the original's answer: %ld replay=%d", st, replay);
+    cr_expect_eq(e2e_upstream_count(up, k), 1, "k executed exactly once");
+}
+
 /* ---- 5. claims in doubt under a clock behind */
 
 /* The gateway's only server process is paused past the store timeout while it claims; the gateway's wall clock is

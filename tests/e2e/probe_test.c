@@ -15,7 +15,8 @@ TestSuite(probe, .init = e2e_setup, .fini = e2e_teardown, .timeout = 90);
 #define ADMIN_TOKEN "e2e-probe-admin-token-51c2"
 #define PROBE_KEY   "probe-secret-93d1"
 
-/* route: a 1 s lease, a 1 s upstream timeout, the look-up at the test upstream's /_lookup (extra: more query);
+/* route: a 1 s lease, a 1 s upstream timeout, probe.grace 0s (a record may be looked up 1 s after its lapse), the
+ * look-up at the test upstream's /_lookup (extra: more query);
  * more_idem and more_probe: more lines of the idempotency and probe blocks (unindented; NULL: none). */
 static struct e2e_gw *gw_start_probe_route(const struct e2e_upstream *up, const char *route, const char *extra_query,
                                            const char *more_idem, const char *more_probe)
@@ -32,6 +33,7 @@ static struct e2e_gw *gw_start_probe_route(const struct e2e_upstream *up, const 
              "  found: [200]\n"
              "  absent: [404]\n"
              "  headers: {X-Api-Key: $PROBE_KEY, X-Probe: static}\n"
+             "  grace: 0s\n"
              "%s",
              more_idem ? more_idem : "", extra_query ? extra_query : "", more_probe ? more_probe : "");
     static const char *const env[] = {"IDEMGATE_ADMIN_TOKEN=" ADMIN_TOKEN, "PROBE_KEY=" PROBE_KEY, NULL};
@@ -141,7 +143,7 @@ Test(probe, found_replays_the_looked_up_answer_never_within_the_lease)
     e2e_resp_free(&r);
     cr_expect_eq(lookups(up, key), 0, "no look-up within the lease");
 
-    e2e_sleep_ms(1300);
+    e2e_sleep_ms(2300); /* the lease (1 s) and the upstream timeout (1 s) after it */
     static const char *const client[] = {"Authorization: Bearer client-secret-tok", "X-Client-Only: yes", NULL};
     e2e_http_key(gw->port, "POST", "/v1/pay", key, client, "{\"amount\":42}", 0, &r);
     cr_expect_eq(r.status, 200, "retry after the lease: %ld %s", r.status, r.body);
@@ -193,7 +195,7 @@ Test(probe, absent_releases_and_the_retry_executes_once)
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 0);
 
-    e2e_sleep_ms(1300);
+    e2e_sleep_ms(2300); /* the lease (1 s) and the upstream timeout (1 s) after it */
     e2e_http_key(gw->port, "POST", "/v1/pay", key, NULL, "{\"amount\":7}", 0, &r);
     cr_expect_eq(r.status, 200, "absent: the retry is forwarded: %ld %s", r.status, r.body);
     cr_expect(!e2e_resp_is_replay(&r), "executed, not replayed");
@@ -215,7 +217,7 @@ Test(probe, failing_lookup_stays_unknown)
     char key[64];
     e2e_mkkey(key, sizeof key, "fail");
     timeout_after_send(gw, key);
-    e2e_sleep_ms(1300);
+    e2e_sleep_ms(2300); /* the lease (1 s) and the upstream timeout (1 s) after it */
     struct e2e_resp r;
     for (int i = 0; i < 2; i++) {
         e2e_http_key(gw->port, "POST", "/v1/pay", key, NULL, "{\"amount\":42}", 0, &r);
@@ -292,7 +294,7 @@ Test(probe, an_orphaned_claim_is_looked_up_after_its_lease)
     e2e_mkkey(key2, sizeof key2, "orphan-sweep");
     orphan(&gw, up, key);
     orphan(&gw, up, key2);
-    e2e_sleep_ms(1300); /* both leases (1 s) lapsed */
+    e2e_sleep_ms(2300); /* both leases (1 s) lapsed, and the upstream timeout (1 s) after them */
 
     struct e2e_resp r;
     e2e_http_key(gw->port, "POST", "/v1/pay", key, NULL, "{\"amount\":42}", 0, &r);
@@ -381,7 +383,7 @@ Test(probe, another_tenants_execution_never_settles_a_lost_request)
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_count(up, key), 1, "B's executed");
 
-    e2e_sleep_ms(1300);
+    e2e_sleep_ms(2300); /* the lease (1 s) and the upstream timeout (1 s) after it */
     e2e_http_key(gw->port, "POST", "/v1/pay", key, a, "{\"amount\":42}", 0, &r);
     cr_expect_eq(r.status, 200, "A's retry: %ld %s", r.status, r.body ? (const char *)r.body : "");
     cr_expect(!e2e_resp_is_replay(&r), "A's retry is never B's answer replayed: %s",
@@ -413,7 +415,7 @@ Test(probe, a_scoped_lookup_carries_the_retrys_scope_parts)
     e2e_expect_problem(&r, 504, "upstream-timeout", "A's first attempt");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_wait_count(up, key, 1, 3000), 1);
-    e2e_sleep_ms(1300);
+    e2e_sleep_ms(2300); /* the lease (1 s) and the upstream timeout (1 s) after it */
     e2e_http_key(gw->port, "POST", "/v1/pay", key, a, "{\"amount\":42}", 0, &r);
     cr_expect_eq(r.status, 200, "A's retry: %ld %s", r.status, r.body ? (const char *)r.body : "");
     cr_expect(e2e_resp_is_replay(&r), "A's own execution, found");
