@@ -7,7 +7,9 @@ Checks README.md, CHANGELOG.md and docs/*.md of the source tree given as the fir
   - no document sends the reader to a file a user does not have (SPEC.md, ../shared, "the contract") or to a
     commit (a backquoted hexadecimal commit id): history is in git;
   - README.md stays short (at most 300 lines);
-  - CHANGELOG.md (Keep a Changelog) has an Unreleased section and a section for meson.build's project version.
+  - CHANGELOG.md (Keep a Changelog) has an Unreleased section and a section for meson.build's project version;
+  - every problem type the sources answer (a status then a name, "409, \"name\"", or a name given to a *refuse* or
+    *problem* function) is in docs/http.md, and every name in its table of problems is one the sources answer.
 Prints each problem as FILE:LINE: what, and exits 1 if there is one.
 """
 import os
@@ -59,6 +61,36 @@ def changelog_problems(root):
     return out
 
 
+KEBAB = r'"([a-z]+(?:-[a-z]+)+)"'
+PROBLEM_IN_CODE = [re.compile(r"\b[1-5][0-9]{2},\s*" + r'"([a-z]+(?:-[a-z]+)*)"'),
+                   re.compile(r"\b\w*(?:refuse|problem)\w*\(\s*[\w>.-]+,\s*" + KEBAB)]
+
+
+def problem_problems(root):
+    names = set()
+    for room in ("gateway", "store", "upstream", "common"):
+        d = os.path.join(root, room)
+        for n in sorted(os.listdir(d)):
+            if n.endswith(".c"):
+                with open(os.path.join(d, n), encoding="utf-8") as f:
+                    code = f.read()
+                for pat in PROBLEM_IN_CODE:
+                    names.update(pat.findall(code))
+    with open(os.path.join(root, "docs", "http.md"), encoding="utf-8") as f:
+        http = f.read()
+    out = [f"docs/http.md: the problem type '{n}' the gateway answers is not documented" for n in sorted(names)
+           if f"`{n}`" not in http]
+    table = re.search(r"^## Every problem the gateway answers\n(.*?)^## ", http, re.S | re.M)
+    if not table:
+        return out + ["docs/http.md: no '## Every problem the gateway answers' section"]
+    for n in re.findall(r"^\| `([a-z-]+)` \|", table.group(1), re.M):
+        if n not in names:
+            out.append(f"docs/http.md: the table names '{n}', which no source answers")
+    if len(names) < 20:
+        out.append(f"docs_check: only {len(names)} problem types found in the sources: the patterns went stale")
+    return out
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
     docs = ["README.md", "CHANGELOG.md"] + sorted(
@@ -92,6 +124,7 @@ def main():
                 elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
                     problems.append(f"{rel}:{no}: link to a missing heading: {target}")
     problems += changelog_problems(root)
+    problems += problem_problems(root)
     for p in problems:
         print(p)
     print(f"docs_check: {len(docs)} documents, {len(problems)} problems")
