@@ -9,7 +9,8 @@ Checks README.md, CHANGELOG.md and docs/*.md of the source tree given as the fir
   - README.md stays short (at most 300 lines);
   - CHANGELOG.md (Keep a Changelog) has an Unreleased section and a section for meson.build's project version;
   - every problem type the sources answer (a status then a name, "409, \"name\"", or a name given to a *refuse* or
-    *problem* function) is in docs/http.md, and every name in its table of problems is one the sources answer.
+    *problem* function) is in docs/http.md, and every name in its table of problems is one the sources answer;
+  - every metric common/metrics.c exposes is in docs/operations.md.
 Prints each problem as FILE:LINE: what, and exits 1 if there is one.
 """
 import os
@@ -91,6 +92,18 @@ def problem_problems(root):
     return out
 
 
+def metric_problems(root):
+    with open(os.path.join(root, "common", "metrics.c"), encoding="utf-8") as f:
+        names = set(re.findall(r'"(idemgate_[a-z_]+)"', f.read()))
+    with open(os.path.join(root, "docs", "operations.md"), encoding="utf-8") as f:
+        ops = f.read()
+    out = [f"docs/operations.md: the metric {n} is not in the metrics table" for n in sorted(names)
+           if f"`{n}" not in ops]
+    if len(names) < 15:
+        out.append(f"docs_check: only {len(names)} metrics found in common/metrics.c: the pattern went stale")
+    return out
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
     docs = ["README.md", "CHANGELOG.md"] + sorted(
@@ -125,6 +138,7 @@ def main():
                     problems.append(f"{rel}:{no}: link to a missing heading: {target}")
     problems += changelog_problems(root)
     problems += problem_problems(root)
+    problems += metric_problems(root)
     for p in problems:
         print(p)
     print(f"docs_check: {len(docs)} documents, {len(problems)} problems")
