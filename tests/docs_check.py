@@ -10,7 +10,7 @@ Checks README.md, CHANGELOG.md and docs/*.md of the source tree given as the fir
   - CHANGELOG.md (Keep a Changelog) has an Unreleased section and a section for meson.build's project version;
   - every problem type the sources answer (a status then a name, "409, \"name\"", or a name given to a *refuse* or
     *problem* function) is in docs/http.md, and every name in its table of problems is one the sources answer;
-  - every metric common/metrics.c exposes is in docs/operations.md.
+  - every metric common/metrics.c exposes, and every value of its outcome label, is in docs/operations.md.
 Prints each problem as FILE:LINE: what, and exits 1 if there is one.
 """
 import os
@@ -94,11 +94,22 @@ def problem_problems(root):
 
 def metric_problems(root):
     with open(os.path.join(root, "common", "metrics.c"), encoding="utf-8") as f:
-        names = set(re.findall(r'"(idemgate_[a-z_]+)"', f.read()))
+        code = f.read()
+    names = set(re.findall(r'"(idemgate_[a-z_]+)"', code))
+    block = re.search(r"outcome_names\[[^]]*\] = \{(.*?)\};", code, re.S)
+    outcomes = re.findall(r'= "([a-z_]+)"', block.group(1)) if block else []
     with open(os.path.join(root, "docs", "operations.md"), encoding="utf-8") as f:
         ops = f.read()
     out = [f"docs/operations.md: the metric {n} is not in the metrics table" for n in sorted(names)
            if f"`{n}" not in ops]
+    listed = re.search(r"`outcome` values: `([a-z_ \n]+)`", ops)
+    listed = set(listed.group(1).split()) if listed else set()
+    out += [f"docs/operations.md: the outcome label '{o}' is not in the list of outcome values" for o in outcomes
+            if o not in listed]
+    out += [f"docs/operations.md: lists the outcome '{o}', which common/metrics.c does not have" for o in
+            sorted(listed - set(outcomes))]
+    if len(outcomes) < 10:
+        out.append("docs_check: the outcome names of common/metrics.c were not found: the pattern went stale")
     if len(names) < 15:
         out.append(f"docs_check: only {len(names)} metrics found in common/metrics.c: the pattern went stale")
     return out
