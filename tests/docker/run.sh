@@ -26,6 +26,8 @@ PROJECT=idemgatetest
 OWN_DOCKERD=0
 UP_PID=
 STACK_UP=0
+SD_NAME=idemgate-systemd-test
+SD_UP=0
 WORK=$(mktemp -d /tmp/idemgate-docker-test.XXXXXX)
 # The stack as run: docker/compose.yaml with docker/compose.test.yaml over it, resolved by docker-compose (below).
 COMPOSE_FILES=(-f "$WORK/compose.run.yaml")
@@ -67,6 +69,10 @@ cleanup() {
         kill -KILL "$UP_PID" 2>/dev/null
         wait "$UP_PID" 2>/dev/null
         UP_PID=
+    fi
+    if [ "$SD_UP" = 1 ]; then
+        timeout 60 docker rm -f "$SD_NAME" >/dev/null 2>&1
+        SD_UP=0
     fi
     if [ "$OWN_DOCKERD" = 1 ]; then
         say "cleanup: stopping the dockerd this stage started"
@@ -282,6 +288,65 @@ check "no volume of the stack left ($left)" test "$left" = 0
 nets=$(docker network ls --format '{{.Name}}' | grep -v -x -e host -e none -e bridge | tr '\n' ' ')
 check "no network made (host networking only): '${nets}'" test -z "$nets"
 timing down $((SECONDS - t))
+
+# ---- the Debian package's systemd unit, started by a booted systemd: the test machines have none of their own,
+# so it runs as PID 1 of a container (no network: its own loopback; SYS_ADMIN and no seccomp profile, so that it
+# can set up the unit's sandbox), with Debian's PostgreSQL and Redis started by their units beside it.
+t=$SECONDS
+mkdir -p "$WORK/sd"
+deb=$(tests/package/build-deb.sh "$WORK/deb") || fatal "the Debian package for the unit (build-deb.sh)" "$WORK/deb/build.log"
+cp "$deb" "$WORK/sd/idemgate.deb" && cp tests/package/systemd.Dockerfile "$WORK/sd/Dockerfile"
+timeout 900 docker build --network host -t idemgate-systemd:test "$WORK/sd" >"$WORK/sd-build.log" 2>&1 ||
+    fatal "image: Debian's systemd, PostgreSQL, Redis and the package (systemd.Dockerfile)" "$WORK/sd-build.log"
+docker image prune -f --filter label=org.idemgate.stage=systemd >/dev/null 2>&1 # what older builds left untagged
+docker rm -f "$SD_NAME" >/dev/null 2>&1
+SD_UP=1
+timeout 60 docker run -d --name "$SD_NAME" --network none --cap-add SYS_ADMIN --security-opt seccomp=unconfined \
+    --security-opt apparmor=unconfined --tmpfs /run --tmpfs /run/lock -v /sys/fs/cgroup:/sys/fs/cgroup:ro \
+    idemgate-systemd:test >/dev/null 2>"$WORK/sd-run.log" || fatal "systemd container starts" "$WORK/sd-run.log"
+sd() { timeout 60 docker exec "$SD_NAME" sh -c "$1" 2>&1; }       # sd 'SHELL COMMANDS'
+sd_script() { timeout 60 docker exec -i "$SD_NAME" sh -s 2>&1; } # the same, read from the standard input
+booted=$(sd 'for i in $(seq 1 100); do systemctl is-system-running --wait 2>/dev/null && break; sleep 0.5; done')
+check "systemd booted in the container ($booted)" test "$booted" = running -o "$booted" = degraded
+# The gateway's role and database (Postgres's own unit started the package's cluster), its URL in the env file.
+sd_script >"$WORK/sd-db.log" <<'SH' || fatal "a Postgres role and database for the unit" "$WORK/sd-db.log"
+set -e
+for i in $(seq 1 60); do pg_isready -q -h 127.0.0.1 && break; sleep 0.5; done
+su postgres -c "psql -q -v ON_ERROR_STOP=1" <<'SQL'
+CREATE ROLE idemgate LOGIN PASSWORD 'pw';
+CREATE DATABASE idemgate OWNER idemgate;
+SQL
+umask 077
+echo IDEMGATE_POSTGRES_URL=postgresql://idemgate:pw@127.0.0.1:5432/idemgate >/etc/idemgate/idemgate.env
+SH
+out=$(sd 'systemctl start idemgate 2>/dev/null; systemctl is-active idemgate')
+check "systemctl start idemgate: $out" test "$out" = active
+ready=$(sd 'for i in $(seq 1 40); do r=$(curl -s --max-time 2 -w " %{http_code}" http://127.0.0.1:9090/readyz) &&
+    case "$r" in *" 200") break ;; esac; sleep 0.5; done; echo "$r"' | tr -d '\n')
+ready_full() { [[ "$ready" == *'"postgres":"up"'*'"redis":"up"'*" 200" ]]; }
+check "under its sandbox the gateway reaches Postgres and Redis: /readyz $ready" ready_full
+st=$(sd 'p=$(systemctl show -P MainPID idemgate); grep -E "^(Uid|NoNewPrivs|Seccomp|CapEff):" /proc/$p/status | tr -s "\t " " " | tr "\n" ";"')
+sandboxed() { [[ "$st" =~ Uid:\ ([0-9]+) ]] && [ "${BASH_REMATCH[1]}" -ge 61184 ] && [[ "$st" == *"NoNewPrivs: 1;"* ]] &&
+    [[ "$st" == *"Seccomp: 2;"* ]] && [[ "$st" == *"CapEff: 0000000000000000;"* ]]; }
+check "the gateway runs as a dynamic user, no new privileges, a seccomp filter, no capabilities ($st)" sandboxed
+pid1=$(sd 'systemctl show -P MainPID idemgate')
+out=$(sd 'sed -i "s/^shutdown_grace: .*/shutdown_grace: 7s/" /etc/idemgate/idemgate.yaml && systemctl reload idemgate 2>/dev/null &&
+    for i in $(seq 1 20); do journalctl -u idemgate -o cat | grep -q "event=reloaded" && break; sleep 0.5; done
+    journalctl -u idemgate -o cat | grep -c "event=reloaded"')
+check "systemctl reload: SIGHUP, the file applied (event=reloaded logged $out times), same process" \
+    test "$out" = 1 -a "$(sd 'systemctl show -P MainPID idemgate')" = "$pid1"
+out=$(sd 'systemctl stop idemgate; systemctl is-active idemgate; systemctl show -P Result idemgate;
+    journalctl -u idemgate -o cat | grep -c "event=stopped exit=0"')
+check "systemctl stop: inactive, result success, the gateway logged exit=0 ($(tr '\n' ' ' <<<"$out"))" \
+    test "$(tr '\n' ' ' <<<"$out")" = "inactive success 1 "
+out=$(sd 'echo "listen: [" >>/etc/idemgate/idemgate.yaml; systemctl start idemgate 2>/dev/null; echo "start exit $?";
+    journalctl -u idemgate -o cat | grep -q "event=config_invalid" && echo config_invalid logged;
+    curl -s --max-time 2 http://127.0.0.1:9090/healthz || echo nothing on 9090')
+check "a broken config: ExecStartPre (idemgate --check) keeps it from starting ($(tr '\n' ' ' <<<"$out"))" \
+    test "$(tr '\n' ' ' <<<"$out")" = "start exit 1 config_invalid logged nothing on 9090 "
+timeout 60 docker rm -f "$SD_NAME" >/dev/null 2>&1
+SD_UP=0
+timing systemd $((SECONDS - t))
 
 summary
 [ "$FAIL" = 0 ]
