@@ -10,7 +10,8 @@ Checks README.md, CHANGELOG.md and docs/*.md of the source tree given as the fir
   - CHANGELOG.md (Keep a Changelog) has an Unreleased section and a section for meson.build's project version;
   - every problem type the sources answer (a status then a name, "409, \"name\"", or a name given to a *refuse* or
     *problem* function) is in docs/http.md, and every name in its table of problems is one the sources answer;
-  - every metric common/metrics.c exposes, and every value of its outcome label, is in docs/operations.md.
+  - every metric common/metrics.c exposes, and every value of its outcome label, is in docs/operations.md;
+  - every IDEMGATE_* environment variable the gateway reads is in docs/configuration.md.
 Prints each problem as FILE:LINE: what, and exits 1 if there is one.
 """
 import os
@@ -115,6 +116,20 @@ def metric_problems(root):
     return out
 
 
+def env_problems(root):
+    names = set()
+    for room in ("gateway", "conf", "store", "upstream", "common"):
+        d = os.path.join(root, room)
+        for n in sorted(os.listdir(d)):
+            if n.endswith(".c"):
+                with open(os.path.join(d, n), encoding="utf-8") as f:
+                    names.update(re.findall(r'getenv\("(IDEMGATE_[A-Z_]+)"\)', f.read()))
+    with open(os.path.join(root, "docs", "configuration.md"), encoding="utf-8") as f:
+        conf = f.read()
+    return [f"docs/configuration.md: the environment variable {n} the gateway reads is not documented"
+            for n in sorted(names) if f"`{n}`" not in conf]
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
     docs = ["README.md", "CHANGELOG.md"] + sorted(
@@ -150,6 +165,7 @@ def main():
     problems += changelog_problems(root)
     problems += problem_problems(root)
     problems += metric_problems(root)
+    problems += env_problems(root)
     for p in problems:
         print(p)
     print(f"docs_check: {len(docs)} documents, {len(problems)} problems")
