@@ -77,6 +77,22 @@ static const char intro[] =
     "\n"
     "The environment is the process's: a reload sees the values the process started with.\n";
 
+/* The anchor GitHub gives the heading "`path`": letters and digits lower-cased, '_' and '-' kept, the rest
+ * dropped. */
+static const char *anchor(char *out, size_t n, const char *path)
+{
+    size_t o = 0;
+    for (const char *p = path; *p && o + 1 < n; p++) {
+        char c = *p;
+        if (c >= 'A' && c <= 'Z')
+            c = (char)(c - 'A' + 'a');
+        if ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '-')
+            out[o++] = c;
+    }
+    out[o] = '\0';
+    return out;
+}
+
 static bool glance(struct cm_buf *b, const struct entries *es)
 {
     bool ok = cm_buf_appendf(b, "\n## Every key\n\n| key | type | default |\n| --- | --- | --- |\n");
@@ -88,8 +104,9 @@ static bool glance(struct cm_buf *b, const struct entries *es)
         else
             snprintf(def, sizeof def, "%s", k->required ? "required" : k->block ? "-" : "");
         bool choice = strcmp(k->type, "one of") == 0;
-        ok = cm_buf_appendf(b, "| `%s` | %s%s%s | %s |\n", k->path, k->type, choice ? " " : "",
-                            choice ? k->allowed : "", def[0] ? def : "none");
+        char a[PATH_MAX_];
+        ok = cm_buf_appendf(b, "| [`%s`](#%s) | %s%s%s | %s |\n", k->path, anchor(a, sizeof a, k->path), k->type,
+                            choice ? " " : "", choice ? k->allowed : "", def[0] ? def : "none");
     }
     return ok;
 }
