@@ -142,7 +142,7 @@ say "ports on 127.0.0.1: gateway $HTTP_PORT, admin $ADMIN_PORT, upstream $UP_POR
 resolve() {
     timeout 60 docker-compose -p "$PROJECT" -f docker/compose.yaml -f docker/compose.test.yaml config \
         >"$WORK/compose.merged.yaml" 2>"$WORK/config.log" &&
-        python3 - "$WORK/compose.merged.yaml" "$WORK/compose.run.yaml" <<'PY'
+        /usr/bin/python3 - "$WORK/compose.merged.yaml" "$WORK/compose.run.yaml" <<'PY'
 import sys, yaml
 doc = yaml.safe_load(open(sys.argv[1]))
 for svc in doc["services"].values():
