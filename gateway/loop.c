@@ -317,38 +317,54 @@ bool gw_loop_closing(struct gw_loop *l)
 /* ---- several loops: each owns its HTTP daemon, curl multi handle, Redis context
  * and share of the Postgres pool. */
 
-/* The purge listener's reports, on the first loop's thread. */
+/* The purge listener's reports, on the first loop's thread: they feed the replay cache (may be NULL: off) and the
+ * purge epoch that decides whether a Redis answer may be used. */
 static void cache_listen_cb(void *arg, enum store_notify_event ev, const char *payload, size_t len)
 {
-    struct gw_cache *c = arg;
+    struct gw_loops *ls = arg;
+    struct gw_cache *c = ls->v[0]->cache;
     switch (ev) {
     case STORE_NOTIFY_UP:
+        store_epoch_set_current(ls->epoch, true);
         gw_cache_set_online(c, true, true);
         return;
     case STORE_NOTIFY_LATE:
+        store_epoch_set_current(ls->epoch, false);
         gw_cache_set_online(c, false, true); /* a notification may be late, none is lost: unused, kept */
         return;
     case STORE_NOTIFY_DOWN:
         /* a notification may be missed from now on: the cache is emptied, unused */
+        store_epoch_set_current(ls->epoch, false);
         gw_cache_set_online(c, false, false);
         return;
     case STORE_NOTIFY_MESSAGE:
         gw_cache_notified(c, payload, len);
         return;
+    case STORE_NOTIFY_EPOCH: {
+        char num[24];
+        if (len == 0 || len >= sizeof num)
+            return;
+        memcpy(num, payload, len);
+        num[len] = '\0';
+        char *end = NULL;
+        unsigned long long v = strtoull(num, &end, 10);
+        if (end && *end == '\0')
+            store_epoch_heard(ls->epoch, v);
+        return;
+    }
     }
 }
 
-/* One replay cache for the process, shared by its loops, with one purge listener on the first loop. */
-static void cache_start(struct gw_loops *ls, const struct conf *conf)
+/* One replay cache for the process (when on), shared by its loops, and one purge listener on the first loop (for
+ * the cache, and for the purge epoch whenever Redis is configured). */
+static void listen_start(struct gw_loops *ls, const struct conf *conf, bool cache)
 {
-    struct gw_cache *c = gw_cache_create(conf->replay_cache_max_bytes, conf->replay_cache_max_entries);
-    if (!c)
-        return;
+    struct gw_cache *c = cache ? gw_cache_create(conf->replay_cache_max_bytes, conf->replay_cache_max_entries) : NULL;
     for (size_t i = 0; i < ls->n; i++)
         ls->v[i]->cache = c;
-    ls->v[0]->cache_listen = store_notify_create(ls->v[0]->base, conf->postgres_url, cache_listen_cb, c);
+    ls->v[0]->cache_listen = store_notify_create(ls->v[0]->base, conf->postgres_url, cache_listen_cb, ls);
     if (!ls->v[0]->cache_listen)
-        cm_log(CM_WARN, "cache_listener_failed", "detail=\"the replay cache stays unused\"");
+        cm_log(CM_WARN, "cache_listener_failed", "detail=\"the replay cache and the answers in Redis stay unused\"");
 }
 
 struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
@@ -356,17 +372,26 @@ struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
     /* store.pool is the process's maximum (SPEC 3): the replay cache's listener takes one of its connections, and
      * a pool of one leaves none for it, so the cache is off there. */
     bool cache = conf->replay_cache_max_bytes > 0 && conf->replay_cache_max_entries > 0;
-    if (cache && conf->pool < 2) {
-        cm_log(CM_INFO, "replay_cache_off", "reason=\"store.pool is 1: no connection left for its purge listener\"");
-        cache = false;
+    bool redis = conf->redis_url && *conf->redis_url;
+    if ((cache || redis) && conf->pool < 2) {
+        if (cache)
+            cm_log(CM_INFO, "replay_cache_off",
+                   "reason=\"store.pool is 1: no connection left for its purge listener\"");
+        if (redis)
+            cm_log(CM_INFO, "redis_answers_off",
+                   "reason=\"store.pool is 1: no connection left for the purge listener; Postgres answers every "
+                   "replay\"");
+        cache = redis = false;
     }
-    uint32_t pool = cache ? conf->pool - 1 : conf->pool;
+    bool listen = cache || redis;
+    uint32_t pool = listen ? conf->pool - 1 : conf->pool;
     if (n < 1)
         n = 1;
     if (n > pool)
         n = pool; /* every loop needs at least one Postgres connection */
     struct gw_loops *ls = cm_calloc(1, sizeof *ls);
     ls->v = cm_calloc(n, sizeof *ls->v);
+    ls->epoch = store_epoch_create();
     for (size_t i = 0; i < n; i++) {
         struct conf *share = cm_malloc(sizeof *share);
         *share = *conf;
@@ -379,10 +404,11 @@ struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
         }
         ls->v[i]->conf_share = share;
         ls->v[i]->group = ls;
+        store_set_epoch(ls->v[i]->store, ls->epoch);
         ls->n++;
     }
-    if (cache)
-        cache_start(ls, conf);
+    if (listen)
+        listen_start(ls, conf, cache);
     return ls;
 }
 
@@ -464,6 +490,7 @@ void gw_loops_destroy(struct gw_loops *ls)
     for (size_t i = 0; i < ls->n; i++)
         gw_loop_destroy(ls->v[i]);
     gw_cache_destroy(cache); /* after every loop: all of them used it */
+    store_epoch_destroy(ls->epoch);
     free(ls->v);
     free(ls);
 }

@@ -59,9 +59,11 @@ struct gw_loop_link *gw_loop_first_job(struct gw_loop *l);
 
 /* A set of loops (one per CPU by default): each serves the connections its HTTP daemon accepted, with its own
  * upstream client, Redis context and pool share. */
+struct store_epoch;
 struct gw_loops {
     struct gw_loop **v;
     size_t n;
+    struct store_epoch *epoch; /* the purge epoch (store.h), heard by the listener, shared by the loops' stores */
 };
 /* Creates n loops (at most conf->pool). NULL + *err (heap, caller frees) on failure. */
 struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err);

@@ -145,11 +145,18 @@ static void consume(struct store_notify *n)
             break;
         }
         ExecStatusType st = PQresultStatus(r);
-        PQclear(r);
         if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
+            PQclear(r);
             lost(n, PQerrorMessage(n->pg));
             return;
         }
+        /* The LISTENs' results come first; the epoch's read, last, ends the command that makes the listener up. */
+        bool epoch_read = n->state == N_LISTENING && st == PGRES_TUPLES_OK;
+        if (epoch_read && PQntuples(r) == 1 && PQnfields(r) == 1 && !PQgetisnull(r, 0, 0))
+            n->cb(n->arg, STORE_NOTIFY_EPOCH, PQgetvalue(r, 0, 0), (size_t)PQgetlength(r, 0, 0));
+        PQclear(r);
+        if (n->state == N_LISTENING && !epoch_read)
+            continue;
         if (n->state == N_LISTENING) {
             n->state = N_UP;
             n->backoff_ms = BACKOFF_FIRST_MS;
@@ -166,6 +173,8 @@ static void consume(struct store_notify *n)
     while (n->pg && (msg = PQnotifies(n->pg)) != NULL) {
         if (n->state == N_UP && strcmp(msg->relname, STORE_NOTIFY_CHANNEL) == 0)
             n->cb(n->arg, STORE_NOTIFY_MESSAGE, msg->extra, strlen(msg->extra));
+        else if (strcmp(msg->relname, STORE_NOTIFY_EPOCH_CHANNEL) == 0) /* an epoch is committed: never too early */
+            n->cb(n->arg, STORE_NOTIFY_EPOCH, msg->extra, strlen(msg->extra));
         PQfreemem(msg);
     }
     if (answered) /* after the notifications that came with it */
@@ -188,7 +197,9 @@ static void connect_poll(struct store_notify *n)
             return;
         }
         n->state = N_LISTENING;
-        send_cmd(n, "LISTEN " STORE_NOTIFY_CHANNEL);
+        /* LISTEN first, then the epoch: a purge committed in between is heard of either way. */
+        send_cmd(n, "LISTEN " STORE_NOTIFY_CHANNEL "; LISTEN " STORE_NOTIFY_EPOCH_CHANNEL
+                    "; SELECT epoch::text FROM idemgate_epoch WHERE id = 1");
         return;
     case PGRES_POLLING_FAILED:
     default:

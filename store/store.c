@@ -3,6 +3,7 @@
  * queries) and its Redis fast filter (in-flight marker, completed cache). */
 #include "store/store.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -47,7 +48,7 @@
 #define RKEY_LEN                (4 + 64)
 #define MARKER_LEN              41 /* "F" + fingerprint + token */
 #define MIGRATE_LOCK_ID         "7251983046512"
-#define SCHEMA_VERSION          2
+#define SCHEMA_VERSION          3
 
 #define OID_BOOL        16
 #define OID_BYTEA       17
@@ -94,6 +95,15 @@ static const char schema_v2[] =
     "DROP INDEX IF EXISTS idemgate_keys_in_flight;"
     "INSERT INTO idemgate_schema_version (version) VALUES (2) ON CONFLICT DO NOTHING;";
 
+/* v3: the purge epoch (one row; store.h) and each route's identity as the gateway last started with it
+ * (store_identity_check). Plain tables on Citus too (on the coordinator): small, and never joined with the keys. */
+static const char schema_v3[] =
+    "CREATE TABLE IF NOT EXISTS idemgate_epoch (id int PRIMARY KEY CHECK (id = 1), epoch bigint NOT NULL);"
+    "INSERT INTO idemgate_epoch (id, epoch) VALUES (1, 0) ON CONFLICT DO NOTHING;"
+    "CREATE TABLE IF NOT EXISTS idemgate_routes (route text PRIMARY KEY, identity text NOT NULL,"
+    " updated_at timestamptz NOT NULL DEFAULT now());"
+    "INSERT INTO idemgate_schema_version (version) VALUES (3) ON CONFLICT DO NOTHING;";
+
 #define TS(col) "to_char(" col " AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
 /* Retention applies to completed records only: an unknown outcome (or an
  * orphaned claim) never expires into "new"; it stays until an operator
@@ -118,6 +128,7 @@ enum stmt_id {
     S_PING,
     S_PROBE_TAKE,
     S_PROBE_LIST,
+    S_EPOCH_BUMP,
     S__COUNT
 };
 
@@ -291,6 +302,11 @@ static const char sql_admin_release_citus[] =
 static const char sql_admin_release_citus_left[] =
     "SELECT 't'::text, NULL::bytea FROM idemgate_keys WHERE route = $1 AND key = $2";
 
+/* The purge epoch moves on after an admin purge or release committed (store.h), and every gateway hears of it. */
+static const char sql_epoch_bump[] =
+    "WITH e AS (UPDATE idemgate_epoch SET epoch = epoch + 1 WHERE id = 1 RETURNING epoch)"
+    " SELECT e.epoch::text FROM e, (SELECT pg_notify('" STORE_NOTIFY_EPOCH_CHANNEL "', epoch::text) FROM e) AS n";
+
 /* A TID scan over at most 1000 rows found through the expires_at index. */
 static const char sql_clean[] = "DELETE FROM idemgate_keys WHERE ctid = ANY (ARRAY(SELECT ctid FROM idemgate_keys"
                                 " WHERE expires_at < now() AND lease_until < now() AND state = 'completed' LIMIT 1000))"
@@ -367,6 +383,7 @@ static const struct store_pg_stmt stmts[S__COUNT] = {
     [S_PING] = {"idg_ping", "SELECT 1", 0, NULL, 0, NULL, NULL, NULL},
     [S_PROBE_TAKE] = {"idg_probe_take", sql_probe_take, 6, probe_take_types, 3, NULL, NULL, NULL},
     [S_PROBE_LIST] = {"idg_probe_list", sql_probe_list, 2, probe_list_types, 0, NULL, NULL, NULL},
+    [S_EPOCH_BUMP] = {"idg_epoch_bump", sql_epoch_bump, 0, NULL, 0, NULL, NULL, NULL},
 };
 
 /* ---- the store */
@@ -404,7 +421,13 @@ struct store {
     /* the ordering guard (store/order.c): its statements follow ours in the pool's table */
     struct store_pg_stmt all_stmts[S__COUNT + STORE_ORDER_NSTMTS];
     struct store_order *order;
-    bool settle_stop; /* shutting down past the grace: a settle operation that fails is not tried again */
+    bool settle_stop;          /* shutting down past the grace: a settle operation that fails is not tried again */
+    struct store_epoch *epoch; /* the process's purge epoch (NULL: none; no Redis answer is used) */
+};
+
+struct store_epoch {
+    _Atomic uint64_t known; /* the largest epoch heard of */
+    atomic_bool current;    /* every purge committed until now has been heard of */
 };
 
 /* A claim whose commit outcome the gateway does not know (its statement
@@ -440,8 +463,10 @@ struct claim_op {
     bool marker_ours;         /* our SET NX placed the in-flight marker */
     uint8_t seen[MARKER_LEN]; /* the marker SET NX GET found instead (a cache refill compares against it) */
     bool seen_marker;
-    uint64_t sent_wall_ms;          /* the last attempt was sent then (wall clock: a Redis entry's expiry) */
-    uint64_t sent_ms;               /* the same, cm_now_ms */
+    bool seen_stale;       /* SET NX GET found an answer that may not be used (older than a purge, or unverifiable) */
+    uint64_t epoch;        /* the purge epoch known when the claim was sent: what a refill carries */
+    uint64_t sent_wall_ms; /* the last attempt was sent then (wall clock: a Redis entry's expiry) */
+    uint64_t sent_ms;      /* the same, cm_now_ms */
     int doubt_pids[CLAIM_ATTEMPTS]; /* attempts that may have committed (timeout, connection lost) */
     int ndoubt;
     uint64_t doubt_sent_ms; /* cm_now_ms */
@@ -493,6 +518,7 @@ struct admin_op {
     void *arg;
     int status; /* the answer, while the Redis markers are being removed */
     char *json;
+    bool bump; /* a purge or release: the purge epoch moves on before the answer */
 };
 
 const char *store_verdict_name(enum store_verdict v)
@@ -693,34 +719,93 @@ static void make_marker(uint8_t out[MARKER_LEN], const uint8_t fp[32], uint64_t 
     be64(out + 33, token);
 }
 
+/* A completed answer in Redis: "G" + fingerprint + the record's expiry (wall ms) + the purge epoch (both 8 bytes,
+ * big-endian) + cm_resp_encode blob. */
+#define RVAL_HEAD 49
+
 /* Writes the value only while the key still holds what the writer saw:
  * an admin purge that deleted the record and then the Redis key in between
  * (or anybody else who changed it) wins, and the purged answer is not put
- * back. */
-static const char redis_cas_lua[] = "if redis.call('GET', KEYS[1]) == ARGV[1] then"
-                                    " return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) else return 0 end";
+ * back. An answer of an older epoch (or of the older forms "C"/"E", which
+ * carry none) is replaced too: it may not be used any more, and the answer
+ * just read from Postgres is the record's. ARGV[4]: the new value's epoch. */
+static const char redis_cas_lua[] =
+    "local v = redis.call('GET', KEYS[1]) local put = v == ARGV[1]"
+    " if not put and v then local t = string.sub(v, 1, 1)"
+    " if t == 'C' or t == 'E' then put = true"
+    " elseif t == 'G' and #v >= 49 then local e = 0"
+    " for i = 42, 49 do e = e * 256 + string.byte(v, i) end put = e < tonumber(ARGV[4]) end end"
+    " if put then return redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) else return 0 end";
 
-/* Caches a completed answer, fire-and-forget: "E" + fingerprint + the record's expiry (wall ms, big-endian; never
- * later than Postgres' expires_at: taken from before the statement that read it) + cm_resp_encode blob, for ttl_ms,
- * if the key still holds expect (expect_len bytes). Values of the older form "C" + fingerprint + blob are still
- * read. */
+/* Caches a completed answer, fire-and-forget (format above; the expiry is never later than Postgres' expires_at:
+ * taken from before the statement that read it), for ttl_ms, if the key still holds expect (expect_len bytes; 0: no
+ * marker) or an answer of an epoch older than epoch. */
 static void redis_cache(struct store *s, const char *rkey, const void *expect, size_t expect_len, const uint8_t fp[32],
-                        const void *blob, size_t blob_len, uint64_t ttl_ms, uint64_t expiry_wall_ms)
+                        const void *blob, size_t blob_len, uint64_t ttl_ms, uint64_t expiry_wall_ms, uint64_t epoch)
 {
     if (!s->rd || ttl_ms == 0 || !store_rd_up(s->rd))
         return;
-    size_t vlen = 1 + 32 + 8 + blob_len;
+    size_t vlen = RVAL_HEAD + blob_len;
     char *val = cm_malloc(vlen);
-    val[0] = 'E';
+    val[0] = 'G';
     memcpy(val + 1, fp, 32);
     be64((uint8_t *)val + 33, expiry_wall_ms);
-    memcpy(val + 41, blob, blob_len);
-    char px[24];
+    be64((uint8_t *)val + 41, epoch);
+    memcpy(val + RVAL_HEAD, blob, blob_len);
+    char px[24], ep[24];
     snprintf(px, sizeof px, "%llu", (unsigned long long)ttl_ms);
-    const char *argv[7] = {"EVAL", redis_cas_lua, "1", rkey, expect, val, px};
-    size_t lens[7] = {4, sizeof redis_cas_lua - 1, 1, strlen(rkey), expect_len, vlen, strlen(px)};
-    redis_fire(s, 7, argv, lens);
+    snprintf(ep, sizeof ep, "%llu", (unsigned long long)epoch);
+    const char *argv[8] = {"EVAL", redis_cas_lua, "1", rkey, expect_len ? expect : "", val, px, ep};
+    size_t lens[8] = {4, sizeof redis_cas_lua - 1, 1, strlen(rkey), expect_len, vlen, strlen(px), strlen(ep)};
+    redis_fire(s, 8, argv, lens);
     free(val);
+}
+
+/* ---- the purge epoch (store.h) */
+
+struct store_epoch *store_epoch_create(void)
+{
+    struct store_epoch *e = cm_calloc(1, sizeof *e);
+    atomic_init(&e->known, 0);
+    atomic_init(&e->current, false);
+    return e;
+}
+
+void store_epoch_destroy(struct store_epoch *e)
+{
+    free(e);
+}
+
+void store_epoch_heard(struct store_epoch *e, uint64_t epoch)
+{
+    if (!e)
+        return;
+    uint64_t cur = atomic_load(&e->known);
+    while (cur < epoch && !atomic_compare_exchange_weak(&e->known, &cur, epoch)) {
+    }
+}
+
+void store_epoch_set_current(struct store_epoch *e, bool current)
+{
+    if (e)
+        atomic_store(&e->current, current);
+}
+
+void store_set_epoch(struct store *s, struct store_epoch *e)
+{
+    s->epoch = e;
+}
+
+static uint64_t epoch_known(const struct store *s)
+{
+    return s->epoch ? atomic_load(&s->epoch->known) : 0;
+}
+
+/* An answer of this epoch may answer for Postgres: this process has heard of every purge until now, and none came
+ * after the answer was read. */
+static bool epoch_trusts(const struct store *s, uint64_t epoch)
+{
+    return s->epoch && atomic_load(&s->epoch->current) && epoch >= atomic_load(&s->epoch->known);
 }
 
 /* ---- claim */
@@ -766,11 +851,13 @@ static void claim_answer(struct claim_op *c, struct store_claim_res *res)
  * claim placed or saw (a purge meanwhile removed it). */
 static void claim_answer_pg(struct claim_op *c, struct store_claim_res *res, const char *blob, size_t blob_len)
 {
-    if (res->verdict == STORE_REPLAY && blob != NULL && (c->marker_ours || c->seen_marker)) {
+    if (res->verdict == STORE_REPLAY && blob != NULL && (c->marker_ours || c->seen_marker || c->seen_stale)) {
         uint8_t mine[MARKER_LEN];
         make_marker(mine, c->fp, c->token);
-        redis_cache(c->h.s, c->rkey, c->marker_ours ? mine : c->seen, MARKER_LEN, c->fp, blob, blob_len,
-                    res->expires_in_ms, c->sent_wall_ms + res->expires_in_ms);
+        /* Redis keeps it a margin less than Postgres does: a key Postgres may give again must not find it there. */
+        uint64_t ttl = res->expires_in_ms > REDIS_EXPIRY_MARGIN_MS ? res->expires_in_ms - REDIS_EXPIRY_MARGIN_MS : 0;
+        redis_cache(c->h.s, c->rkey, c->marker_ours ? mine : c->seen, c->seen_stale ? 0 : MARKER_LEN, c->fp, blob,
+                    blob_len, ttl, c->sent_wall_ms + res->expires_in_ms, c->epoch);
     }
     claim_answer(c, res);
 }
@@ -930,17 +1017,22 @@ static void claim_pg(struct claim_op *c)
     store_pg_query(s->pg, S_CLAIM, p, 8, 1, claim_pg_cb, c);
 }
 
-/* A completed answer cached in Redis ('C', or 'E' with the record's expiry) decides the claim: true, with res
- * filled (a replay, or a mismatch for another fingerprint). */
-static bool claim_from_redis(const struct claim_op *c, const redisReply *r, struct store_claim_res *res)
+/* A completed answer cached in Redis ("G", format above) decides the claim when the purge epoch trusts it: true,
+ * with res filled (a replay, or a mismatch for another fingerprint). One it may not trust (read before a purge
+ * this process heard of, or while it cannot know: its listener is not current), or of the older forms "C"/"E"
+ * (no epoch), is marked seen_stale: Postgres decides, and a replay's refill replaces it. */
+static bool claim_from_redis(struct claim_op *c, const redisReply *r, struct store_claim_res *res)
 {
     const uint8_t *v = (const uint8_t *)r->str;
-    if (!(v[0] == 'C' || (v[0] == 'E' && r->len >= 41)))
+    if (v[0] == 'C' || v[0] == 'E' || v[0] == 'G')
+        c->seen_stale = true;
+    if (v[0] != 'G' || r->len < RVAL_HEAD || !epoch_trusts(c->h.s, rd_be64(v + 41)))
         return false;
+    c->seen_stale = false;
     memset(res, 0, sizeof *res);
     res->from_redis = true;
-    size_t off = v[0] == 'E' ? 41 : 33;
-    if (v[0] == 'E') {
+    size_t off = RVAL_HEAD;
+    {
         /* what is left of the record, less a margin for the clocks of the hosts that wrote and read it */
         uint64_t exp = rd_be64(v + 33), now = cm_wall_ms();
         res->expires_in_ms = exp > now + REDIS_EXPIRY_MARGIN_MS ? exp - now - REDIS_EXPIRY_MARGIN_MS : 0;
@@ -967,8 +1059,14 @@ static void claim_redis_cb(void *arg, const struct redisReply *reply)
     if (r && r->type == REDIS_REPLY_NIL) {
         c->marker_ours = true; /* the marker is ours */
     } else if (r && r->type == REDIS_REPLY_STRING && r->len >= 33) {
-        if (!c->answered && claim_from_redis(c, r, &res)) {
-            if (c->held) { /* Postgres' verdict (it failed, say) gives way to the answer */
+        /* Postgres' own verdict, when it has one, stands: a Redis answer takes only the place of none yet, of a
+         * failure, or of the same replay (Redis never overrides Postgres). */
+        bool pg_decided = c->held && c->held_res.verdict != STORE_UNAVAILABLE && c->held_res.verdict != STORE_REPLAY;
+        if (pg_decided) {
+            if (r->str[0] == 'C' || r->str[0] == 'E' || r->str[0] == 'G')
+                c->seen_stale = true; /* a replay's refill may replace it (if older) */
+        } else if (!c->answered && claim_from_redis(c, r, &res)) {
+            if (c->held) { /* Postgres failed: the answer takes its place */
                 cm_resp_free(&c->held_res.resp);
                 c->held = false;
             }
@@ -1007,6 +1105,7 @@ void store_claim(struct store *s, const struct store_claim_req *req, store_claim
     c->retention_ms = req->retention_ms;
     c->takeover = req->takeover_unknown;
     c->token = cm_random_token();
+    c->epoch = epoch_known(s);
     c->cb = cb;
     c->arg = arg;
     redis_key(c->route, c->scope, c->key, c->key_len, c->rkey);
@@ -1604,11 +1703,44 @@ static char *problem_json(int status, const char *name, const char *title, const
     return s ? s : cm_strdup("{}");
 }
 
-static void admin_finish(struct admin_op *a, int status, char *json)
+static void admin_answer(struct admin_op *a, int status, char *json)
 {
     op_unlink(&a->h);
     a->cb(a->arg, status, json);
     op_free(&a->h);
+}
+
+static void admin_bumped_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct admin_op *a = arg;
+    char *json = a->json;
+    a->json = NULL;
+    if (st != STORE_PG_OK || PQntuples(pr) != 1) {
+        log_pg_failure("purge_epoch", st, st == STORE_PG_OK ? "no epoch row" : msg);
+        free(json);
+        admin_answer(a, 503,
+                     problem_json(503, "store-unavailable", "Store unavailable",
+                                  "the records were deleted, but the purge epoch could not be moved on: repeat the "
+                                  "request (until it is, an answer Redis holds may still be replayed)"));
+        return;
+    }
+    store_epoch_heard(a->h.s->epoch, strtoull(PQgetvalue(pr, 0, 0), NULL, 10));
+    admin_answer(a, a->status, json);
+}
+
+/* The answer; a purge or release that succeeded first moves the purge epoch on (store.h), in a transaction of its
+ * own after the deletion committed (a claim that read the record before then knew an older epoch), and this
+ * process hears of it before answering. */
+static void admin_finish(struct admin_op *a, int status, char *json)
+{
+    if (a->bump && status == 200) {
+        a->bump = false;
+        a->status = status;
+        a->json = json;
+        store_pg_query(a->h.s->pg, S_EPOCH_BUMP, NULL, 0, 0, admin_bumped_cb, a);
+        return;
+    }
+    admin_answer(a, status, json);
 }
 
 static void admin_deleted_cb(void *arg, const struct redisReply *reply)
@@ -1744,6 +1876,7 @@ static void admin_run(struct store *s, enum stmt_id stmt, int result_format, con
     struct admin_op *a = cm_calloc(1, sizeof *a);
     op_link(s, &a->h, OP_ADMIN);
     a->stmt = stmt;
+    a->bump = stmt != S_ADMIN_LIST;
     a->route = cm_strdup(route);
     a->key = cm_strndup(key, key_len);
     a->key_len = key_len;
@@ -2189,7 +2322,8 @@ bool store_migrate(const char *postgres_url, enum conf_distributed distributed, 
     if (version < SCHEMA_VERSION) {
         /* One simple query each: its statements run in one implicit transaction. */
         bool citus = distributed == CONF_DIST_CITUS;
-        if ((version < 1 && !exec_script(c, schema_v1, citus, err)) || !exec_script(c, schema_v2, citus, err))
+        if ((version < 1 && !exec_script(c, schema_v1, citus, err)) ||
+            (version < 2 && !exec_script(c, schema_v2, citus, err)) || !exec_script(c, schema_v3, citus, err))
             goto fail;
         cm_log(CM_INFO, "schema_migrated", "from=%ld to=%d", version, SCHEMA_VERSION);
     } else {

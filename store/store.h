@@ -35,6 +35,28 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
 /* Closes everything; pending operations are dropped without callbacks. */
 void store_destroy(struct store *s);
 
+/* ---- the purge epoch: when a Redis answer may be trusted (SPEC 8, "Redis never overrides Postgres")
+ *
+ * Postgres keeps one counter (idemgate_epoch) that every admin purge and release moves on after it committed, and
+ * notifies (STORE_NOTIFY_EPOCH_CHANNEL). A completed answer put into Redis carries the epoch its gateway knew
+ * when it sent the claim that read it; a Redis answer is used only while this process knows the epoch for sure
+ * (its listener is connected and on time) and the answer's epoch is not older than it. So an answer read before a
+ * purge is never used once the purge was heard of, whether Redis missed the purge's DEL (it was unreachable) or
+ * was restored from an older snapshot. One per process, shared by its loops; every function is thread-safe. */
+struct store_epoch;
+/* Creates one (unknown: epoch 0, not current). Aborts on out-of-memory. */
+struct store_epoch *store_epoch_create(void);
+/* NULL is a no-op. */
+void store_epoch_destroy(struct store_epoch *e);
+/* An epoch Postgres committed was heard of (a notification, the listener's read at LISTEN, a local purge): the
+ * known epoch becomes the larger of the two. */
+void store_epoch_heard(struct store_epoch *e, uint64_t epoch);
+/* current: every purge committed until now has been heard of (the listener is connected and its pings come back
+ * in time); false when it is not (connecting, late, lost). */
+void store_epoch_set_current(struct store_epoch *e, bool current);
+/* Gives the store the process's epoch (NULL: none, then no Redis answer is ever used). Call before the loop runs. */
+void store_set_epoch(struct store *s, struct store_epoch *e);
+
 /* Thread-safe readers for /readyz and metrics. store_postgres_healthy: this
  * store's pool heard from Postgres within the last second (a health probe
  * pings it every 300 ms when nothing else did) and found no fault since. */

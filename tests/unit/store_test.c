@@ -183,6 +183,7 @@ struct env {
     struct conf conf;
     struct conf_route routes[2];
     struct store *s;
+    struct store_epoch *epoch; /* current, as a gateway's listener makes it: Redis answers are used */
 };
 
 static void migrate(void)
@@ -210,11 +211,15 @@ static void env_open(struct env *e, const char *pg, const char *redis, uint32_t 
     char *err = NULL;
     e->s = store_create(e->base, &e->conf, &err);
     cr_assert_not_null(e->s, "store_create: %s", err ? err : "?");
+    e->epoch = store_epoch_create();
+    store_epoch_set_current(e->epoch, true);
+    store_set_epoch(e->s, e->epoch);
 }
 
 static void env_close(struct env *e)
 {
     store_destroy(e->s);
+    store_epoch_destroy(e->epoch);
     conf_redis_free(&e->conf.redis);
     event_base_free(e->base);
 }
@@ -472,7 +477,8 @@ Test(store, migrate_is_idempotent)
 {
     migrate();
     migrate();
-    cr_assert_eq(psql_long("SELECT max(version) FROM idemgate_schema_version"), 2);
+    cr_assert_eq(psql_long("SELECT max(version) FROM idemgate_schema_version"), 3);
+    cr_assert_eq(psql_long("SELECT count(*) FROM idemgate_epoch"), 1, "the purge epoch is one row");
     /* primary key (route, key, scope), expires_at (cleaner), in-flight created_at (stuck gauge) */
     cr_assert_eq(psql_long("SELECT count(*) FROM pg_indexes WHERE tablename = 'idemgate_keys'"
                            " AND schemaname = current_schema()"),
@@ -514,10 +520,11 @@ Test(store, migrate_concurrently_from_three_processes)
         cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "migration %d failed", i);
     }
     sql = cm_asprintf("SELECT count(*) FROM pg_tables WHERE schemaname = '%s'", schema);
-    cr_assert_eq(psql_long(sql), 3); /* the keys, the schema version, the ordering guard's resources */
+    cr_assert_eq(psql_long(sql), 5); /* the keys, the schema version, the ordering guard's resources, the purge
+                                      * epoch, the routes' identities */
     free(sql);
     sql = cm_asprintf("SELECT count(*) FROM %s.idemgate_schema_version", schema);
-    cr_assert_eq(psql_long(sql), 2); /* versions 1 and 2, once each */
+    cr_assert_eq(psql_long(sql), 3); /* versions 1 to 3, once each */
     free(sql);
     sql = cm_asprintf("DROP SCHEMA %s CASCADE", schema);
     free(psql(pg_url(), sql));
