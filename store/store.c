@@ -1031,18 +1031,15 @@ static bool claim_from_redis(struct claim_op *c, const redisReply *r, struct sto
     c->seen_stale = false;
     memset(res, 0, sizeof *res);
     res->from_redis = true;
-    size_t off = RVAL_HEAD;
-    {
-        /* what is left of the record, less a margin for the clocks of the hosts that wrote and read it */
-        uint64_t exp = rd_be64(v + 33), now = cm_wall_ms();
-        res->expires_in_ms = exp > now + REDIS_EXPIRY_MARGIN_MS ? exp - now - REDIS_EXPIRY_MARGIN_MS : 0;
-    }
+    /* what is left of the record, less a margin for the clocks of the hosts that wrote and read it */
+    uint64_t exp = rd_be64(v + 33), now = cm_wall_ms();
+    res->expires_in_ms = exp > now + REDIS_EXPIRY_MARGIN_MS ? exp - now - REDIS_EXPIRY_MARGIN_MS : 0;
     if (memcmp(v + 1, c->fp, 32) != 0) {
         cm_resp_init(&res->resp, 0);
         res->verdict = STORE_MISMATCH;
         return true;
     }
-    if (cm_resp_decode(v + off, r->len - off, &res->resp)) {
+    if (cm_resp_decode(v + RVAL_HEAD, r->len - RVAL_HEAD, &res->resp)) {
         res->verdict = STORE_REPLAY;
         return true;
     }
