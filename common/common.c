@@ -82,6 +82,52 @@ void cm_buf_init(struct cm_buf *b, size_t max)
     b->len = 0;
     b->cap = 0;
     b->max = max;
+    b->counted = false;
+}
+
+void cm_buf_init_counted(struct cm_buf *b, size_t max)
+{
+    cm_buf_init(b, max);
+    b->counted = true;
+}
+
+size_t cm_buf_charged(const struct cm_buf *b)
+{
+    return b->counted ? b->cap : 0;
+}
+
+static _Atomic uint64_t g_buffers_used, g_buffers_limit;
+
+void cm_buffers_set_limit(uint64_t limit)
+{
+    atomic_store(&g_buffers_limit, limit);
+}
+
+uint64_t cm_buffers_used(void)
+{
+    return atomic_load(&g_buffers_used);
+}
+
+bool cm_buffers_admit(uint64_t need)
+{
+    uint64_t limit = atomic_load(&g_buffers_limit), used = atomic_load(&g_buffers_used);
+    return limit == 0 || (used < limit && need < limit - used);
+}
+
+bool cm_buffers_try_charge(uint64_t n)
+{
+    uint64_t limit = atomic_load(&g_buffers_limit);
+    uint64_t used = atomic_load(&g_buffers_used);
+    do {
+        if (limit != 0 && (used > limit || n > limit - used))
+            return false;
+    } while (!atomic_compare_exchange_weak(&g_buffers_used, &used, used + n));
+    return true;
+}
+
+void cm_buffers_release(uint64_t n)
+{
+    atomic_fetch_sub(&g_buffers_used, n);
 }
 
 bool cm_buf_append(struct cm_buf *b, const void *p, size_t n)
@@ -94,6 +140,8 @@ bool cm_buf_append(struct cm_buf *b, const void *p, size_t n)
             cap = cap > ((size_t)-1) / 2 ? b->len + n + 1 : cap * 2;
         if (cap > b->max + 1)
             cap = b->max + 1;
+        if (b->counted && !cm_buffers_try_charge(cap - b->cap))
+            return false;
         b->data = cm_realloc(b->data, cap);
         b->cap = cap;
     }
@@ -133,6 +181,8 @@ void cm_buf_reset(struct cm_buf *b)
 
 void cm_buf_free(struct cm_buf *b)
 {
+    if (b->counted && b->cap)
+        cm_buffers_release(b->cap);
     free(b->data);
     b->data = NULL;
     b->len = 0;

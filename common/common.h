@@ -30,8 +30,16 @@ struct cm_buf {
     size_t len;
     size_t cap;
     size_t max;
+    bool counted; /* its capacity is charged to the buffer budget (cm_buffers_*) */
 };
 void cm_buf_init(struct cm_buf *b, size_t max);
+/* Same, and the buffer's capacity is charged to the process's buffer budget as it grows: an append that would take
+ * the budget over its limit fails like one over max; cm_buf_free gives the charge back. After cm_buf_take the taker
+ * owns the charge (cm_buf_charged before the take) and gives it back with cm_buffers_release. Moving the struct
+ * moves the charge. */
+void cm_buf_init_counted(struct cm_buf *b, size_t max);
+/* Bytes of the budget b holds (0 when not counted). */
+size_t cm_buf_charged(const struct cm_buf *b);
 /* Returns false (buffer unchanged) when len + n would exceed max. */
 bool cm_buf_append(struct cm_buf *b, const void *p, size_t n) CM_MUST_CHECK;
 bool cm_buf_appendf(struct cm_buf *b, const char *fmt, ...) CM_PRINTF(2, 3) CM_MUST_CHECK;
@@ -39,6 +47,17 @@ void cm_buf_reset(struct cm_buf *b);
 void cm_buf_free(struct cm_buf *b);
 /* Hands the heap data to the caller (may be NULL when empty) and resets b. */
 char *cm_buf_take(struct cm_buf *b, size_t *len);
+
+/* ---- the process's buffer budget (SPEC 7 limits.buffers): bytes of request bodies and answers held in memory,
+ * charged by counted buffers while a body is read and an answer is read, stored and written. Any thread. */
+/* The limit; 0 (the default) is no limit. */
+void cm_buffers_set_limit(uint64_t limit);
+uint64_t cm_buffers_used(void);
+/* Whether a request needing need more bytes may start: used + need stays below the limit (nothing is charged). */
+bool cm_buffers_admit(uint64_t need);
+/* Charges n bytes unless that would take the budget over its limit (then false, nothing charged). */
+bool cm_buffers_try_charge(uint64_t n) CM_MUST_CHECK;
+void cm_buffers_release(uint64_t n);
 
 /* ---- ordered header list; names keep the case they arrived with. The strings live in chunks the list owns
  * (a few allocations per list instead of one per header); they stay where they are until cm_hdrs_free. */

@@ -70,6 +70,8 @@ static _Atomic int64_t cache_bytes;
 static _Atomic uint64_t cache_hits;
 static _Atomic uint64_t cache_misses;
 static _Atomic int cache_online;
+static _Atomic uint64_t shed[CM_SHED__COUNT];
+static const char *const shed_names[CM_SHED__COUNT] = {[CM_SHED_BUFFERS] = "buffers"};
 
 static const char *const outcome_names[CM_OUT__COUNT] = {
     [CM_OUT_FORWARDED] = "forwarded",
@@ -155,6 +157,8 @@ static void zero_globals(void)
     atomic_store_explicit(&cache_hits, 0, memory_order_relaxed);
     atomic_store_explicit(&cache_misses, 0, memory_order_relaxed);
     atomic_store_explicit(&cache_online, 0, memory_order_relaxed);
+    for (size_t i = 0; i < CM_SHED__COUNT; i++)
+        atomic_store_explicit(&shed[i], 0, memory_order_relaxed);
 }
 
 void cm_metrics_reset(void)
@@ -381,6 +385,12 @@ void cm_metric_replay_cache_online(bool online)
     atomic_store_explicit(&cache_online, online ? 1 : 0, memory_order_relaxed);
 }
 
+void cm_metric_shed(enum cm_shed_reason r)
+{
+    if ((unsigned)r < CM_SHED__COUNT)
+        atomic_fetch_add_explicit(&shed[r], 1, memory_order_relaxed);
+}
+
 void cm_metric_claims_in_doubt(int64_t delta)
 {
     atomic_fetch_add_explicit(&claims_in_doubt, delta, memory_order_relaxed);
@@ -568,6 +578,16 @@ bool cm_metrics_render(struct cm_buf *out)
         !put_family(out, "idemgate_replay_cache_misses_total", "counter",
                     "Look-ups the replay cache could not answer (asked the store).") ||
         !cm_buf_appendf(out, "idemgate_replay_cache_misses_total %llu\n", (unsigned long long)ctr_get(&cache_misses)))
+        return false;
+    if (!put_family(out, "idemgate_shed_total", "counter",
+                    "Requests answered 503 overloaded before anything was claimed or forwarded, by reason "
+                    "(buffers: limits.buffers was reached)."))
+        return false;
+    for (size_t i = 0; i < CM_SHED__COUNT; i++)
+        if (!put_labelled(out, "idemgate_shed_total", "reason", shed_names[i], ctr_get(&shed[i])))
+            return false;
+    if (!put_gauge(out, "idemgate_buffers_bytes", "Bytes of request bodies and answers held (limits.buffers).",
+                   (long long)cm_buffers_used()))
         return false;
     return put_family(out, "idemgate_build_info", "gauge", "Build information.") &&
            put_labelled(out, "idemgate_build_info", "version", IDEMGATE_VERSION, 1);

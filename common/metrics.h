@@ -75,6 +75,9 @@ void cm_metric_claims_in_doubt(int64_t delta);
 void cm_metric_replay_cache_set(int64_t entries, int64_t bytes);
 void cm_metric_replay_cache_lookup(bool hit);
 void cm_metric_replay_cache_online(bool online);
+/* idemgate_shed_total{reason}: requests answered 503 overloaded before anything was claimed or forwarded. */
+enum cm_shed_reason { CM_SHED_BUFFERS, CM_SHED__COUNT };
+void cm_metric_shed(enum cm_shed_reason r);
 
 /* ---- unknown outcomes resolved by probing (SPEC 9) and shadow mode (SPEC 10) */
 

@@ -2510,6 +2510,23 @@ static const struct field replay_cache_fields[] = {
           .doc = "Answers kept in memory at most. 0 disables the cache.", .example = "100000"),
 };
 
+static const struct field limits_fields[] = {
+    FIELD("buffers", F_SIZE, struct conf, limits_buffers, 1, 1024 * GIB, .def = "512MiB", .restart = true,
+          .doc = "Bytes of request bodies and answers the process holds in memory at once (counted while a body "
+                 "is read and an answer is read, stored or written). A request that would pass it is answered 503 "
+                 "`overloaded` with `Retry-After` before anything is claimed or forwarded "
+                 "(`idemgate_shed_total{reason=\"buffers\"}`); an answer that arrives while it is full is 502 "
+                 "`upstream-response-too-large`. At least the largest `max_body` plus `max_response` of a route "
+                 "(or of the top level)."),
+};
+
+static bool fn_limits(struct ctx *x, yaml_node_t *n, void *target)
+{
+    if (n->type != YAML_MAPPING_NODE)
+        return fail(x, n, "must be a mapping {buffers: SIZE}");
+    return parse_map(x, n, limits_fields, NFIELDS(limits_fields), target);
+}
+
 /* replay_cache: {max_bytes: 2MiB, max_entries: 4096} or replay_cache: off */
 static bool fn_replay_cache(struct ctx *x, yaml_node_t *n, void *target)
 {
@@ -2577,6 +2594,8 @@ static const struct field top_fields[] = {
     FIELD_FN("jwt", struct conf, jwt, fn_jwt, false, .what = "mapping", SUB(jwt_fields, offsetof(struct conf, jwt)),
              .doc = "How bearer tokens are verified for `jwt:CLAIM` scope parts. Needed only when a route uses "
                     "one. A request on such a route without a valid token is 401 `invalid-credentials`."),
+    FIELD_BASE("limits", fn_limits, false, .what = "mapping", SUB(limits_fields, 0),
+               .doc = "Bounds on what the whole process holds."),
     FIELD_BASE("replay_cache", fn_replay_cache, false, .what = "mapping or off", SUB(replay_cache_fields, 0),
                .restart = true, .allowed = "`{max_bytes: SIZE, max_entries: N}` or `off`",
                .doc = "Completed answers kept in this process's memory and replayed without a store round trip. "
@@ -2731,6 +2750,7 @@ static void conf_defaults(struct conf *c)
     c->threads = 0;
     c->replay_cache_max_bytes = 2 * MIB;
     c->replay_cache_max_entries = 4096;
+    c->limits_buffers = 512 * MIB;
 }
 
 static bool apply_env(struct ctx *x, yaml_node_t *root)
@@ -2796,6 +2816,44 @@ static bool check_addresses(struct ctx *x, yaml_node_t *root)
                          c->listen.port);
     }
     return true;
+}
+
+/* SPEC 7: limits.buffers holds at least one request of the largest kind, its body and the answer it may store. */
+static bool check_buffers(struct ctx *x, yaml_node_t *root)
+{
+    const struct conf *c = x->c;
+    uint64_t need = c->max_body + c->max_response;
+    const char *what = "the top level";
+    for (size_t i = 0; i < c->routes_n; i++) {
+        const struct conf_idem *im = &c->routes[i].idem;
+        if (im->max_body + im->max_response > need) {
+            need = im->max_body + im->max_response;
+            what = c->routes[i].name ? c->routes[i].name : "a route";
+        }
+    }
+    if (c->limits_buffers >= need)
+        return true;
+    yaml_node_t *limits = NULL, *buffers = NULL, *routes = NULL;
+    size_t line = find_line(x, root, "limits", &limits);
+    size_t bline = find_line(x, limits, "buffers", &buffers);
+    if (!line) { /* the default is too small: point at what made it so */
+        size_t rl = find_line(x, root, "routes", &routes), mr = find_line(x, root, "max_response", NULL);
+        line = mr ? mr : find_line(x, root, "max_body", NULL);
+        for (size_t i = 0; i < c->routes_n && routes && routes->type == YAML_SEQUENCE_NODE; i++)
+            if (c->routes[i].name && strcmp(c->routes[i].name, what) == 0 &&
+                routes->data.sequence.items.start + i < routes->data.sequence.items.top)
+                line = node_line(yaml_document_get_node(x->doc, routes->data.sequence.items.start[i]));
+        line = line ? line : rl;
+    }
+    snprintf(x->path, sizeof x->path, "limits.buffers");
+    x->plen = strlen(x->path);
+    return fail_line(x,
+                     bline  ? bline
+                     : line ? line
+                            : node_line(root),
+                     "%" PRIu64 " bytes is less than max_body plus max_response of %s (%" PRIu64
+                     " bytes): one such request could never be served",
+                     c->limits_buffers, what, need);
 }
 
 /* ---- routes that meet only under SPEC 7's spelling rule */
@@ -2952,7 +3010,7 @@ struct conf *conf_load_string(const char *name, const char *yaml, size_t len, ch
         fail_line(&x, x.jwt_part_line, "a jwt:CLAIM scope needs a top-level jwt: block (keys or secret_env)");
         goto fail;
     }
-    if (!check_addresses(&x, root) || !check_route_spellings(&x, root))
+    if (!check_addresses(&x, root) || !check_route_spellings(&x, root) || !check_buffers(&x, root))
         goto fail;
     if (!apply_env(&x, root))
         goto fail;
@@ -3031,6 +3089,7 @@ size_t conf_restart_keys(const struct conf *old, const struct conf *neu, const c
         {"replay_cache", old->replay_cache_max_bytes == neu->replay_cache_max_bytes &&
                              old->replay_cache_max_entries == neu->replay_cache_max_entries},
         {"store.distributed", old->distributed == neu->distributed},
+        {"limits.buffers", old->limits_buffers == neu->limits_buffers},
         {"threads", old->threads == neu->threads},
         {"max_connections", old->max_connections == neu->max_connections},
         {"client_timeout", old->client_timeout_ms == neu->client_timeout_ms},

@@ -213,6 +213,9 @@ struct conf {
     struct conf_jwt jwt;        /* top-level jwt: (SPEC 9) */
     /* replay_cache: completed records kept in memory (gateway/cache.c); either bound 0 (or replay_cache: off):
      * no cache. Defaults 1MiB and 4096 entries. */
+    /* limits.buffers (SPEC 7): bytes of request bodies and answers held in memory at once, default 512MiB, at least
+     * the largest max_body plus max_response of a route (or of the top level) */
+    uint64_t limits_buffers;
     uint64_t replay_cache_max_bytes;
     uint32_t replay_cache_max_entries;
 };

@@ -38,7 +38,8 @@ struct conn_track {
     int fd;
     bool over_limit;                /* accepted while max_connections were already open */
     bool shut;                      /* the watchdog shut it down */
-    _Atomic uint64_t reading_since; /* ms; 0 while its request is in the pipeline or being answered */
+    _Atomic uint64_t reading_since; /* ms; 0 while its request is in the pipeline; while answering, since queued */
+    atomic_bool answering;          /* its answer is being written: a cut drops what the kernel still holds of it */
 };
 
 /* One daemon and the loop thread that runs it. */
@@ -78,6 +79,7 @@ struct req {
     struct shard *shard; /* its daemon and loop; shard->f the front */
     enum stage stage;
     bool body_too_large;
+    bool body_over_budget;  /* limits.buffers was reached while the body was read */
     struct cm_hdrs in_hdrs; /* as received, in order */
     /* The request target as the URI log callback saw it: where it sits in MHD's read buffer and its strlen then
      * (before MHD cut the query off; a NUL inside makes it short), and what cm_target_parse made of it. */
@@ -168,8 +170,16 @@ static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum 
     struct req *r = *req_cls;
     *req_cls = NULL;
     struct conn_track *t = c ? track_of(c) : NULL;
-    if (t) /* a keep-alive connection now waits for its next request: the deadline runs again */
+    if (t && toe != MHD_REQUEST_TERMINATED_COMPLETED_OK && atomic_load(&t->answering) && t->fd >= 0) {
+        /* an answer cut (libmicrohttpd's idle timeout, the watchdog, an error): libmicrohttpd closes the socket
+         * next; a reset then drops what the kernel still holds of the answer for a reader that stopped */
+        struct linger lg = {.l_onoff = 1, .l_linger = 0};
+        (void)setsockopt(t->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+    }
+    if (t) { /* a keep-alive connection now waits for its next request: the deadline runs again */
+        atomic_store(&t->answering, false);
         atomic_store(&t->reading_since, cm_now_ms());
+    }
     /* A submitted job is only ever completed after the loop resumed it. */
     if (r && r->stage == STAGE_SUBMITTED && !atomic_load(&r->job.done)) {
         cm_log(CM_ERROR, "bug", "msg=\"request completed while in the pipeline\"");
@@ -243,6 +253,13 @@ static void *watchdog_main(void *arg)
             uint64_t since = atomic_load(&t->reading_since);
             if (!t->shut && t->fd >= 0 && cm_overdue(since, now, f->conf->client_timeout_ms)) {
                 shutdown(t->fd, SHUT_RDWR);
+                if (atomic_load(&t->answering)) {
+                    /* A shutdown leaves the answer queued in the kernel, and libmicrohttpd notices it only at its next
+                     * send, when a slow reader has made room: disconnect (Linux: connect(AF_UNSPEC) resets the
+                     * connection and drops its queues), so that the socket reports the hang-up at once. */
+                    struct sockaddr sa = {.sa_family = AF_UNSPEC};
+                    (void)connect(t->fd, &sa, sizeof sa);
+                }
                 t->shut = true;
                 shut++;
             }
@@ -381,6 +398,17 @@ static bool method_case_variant(const char *m)
     return false;
 }
 
+/* SPEC 7: a client that stops reading its answer is cut after client_timeout, whatever the answer holds: from
+ * now the watchdog counts the time its answer takes to be written (completed() starts the keep-alive wait). */
+static void answer_deadline(struct MHD_Connection *c)
+{
+    struct conn_track *t = track_of(c);
+    if (t) {
+        atomic_store(&t->answering, true);
+        atomic_store(&t->reading_since, cm_now_ms());
+    }
+}
+
 /* A HEAD answer's Content-Length, as the upstream sent it (or as stored): libmicrohttpd 0.9.75 writes
  * Content-Length from the response's size and refuses one set by hand (MHD_RF_INSANITY_HEADER_CONTENT_LENGTH
  * would send both), and for HEAD it never reads the body (it counts it as sent). So the answer gets that size
@@ -397,6 +425,21 @@ static bool head_content_length(const struct gw_job *job, uint64_t *out)
 static ssize_t no_body_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
     return MHD_CONTENT_READER_END_WITH_ERROR; /* HEAD: MHD never asks */
+}
+
+/* An answer's body and what it holds of the buffer budget, both given back when MHD is done with the answer (sent,
+ * or its connection closed). */
+struct counted_body {
+    char *data;
+    size_t charged;
+};
+
+static void counted_body_free(void *cls)
+{
+    struct counted_body *b = cls;
+    cm_buffers_release(b->charged);
+    free(b->data);
+    free(b);
 }
 
 void gw_front_answer_headers(struct MHD_Response *resp, const struct cm_hdrs *hdrs, bool replayed)
@@ -419,28 +462,36 @@ void gw_front_answer_headers(struct MHD_Response *resp, const struct cm_hdrs *hd
 static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
 {
     struct gw_job *job = &r->job;
-    size_t len;
+    size_t len, charged = cm_buf_charged(&job->resp_body);
     char *body = cm_buf_take(&job->resp_body, &len);
     uint64_t head_len = 0;
     struct MHD_Response *resp;
+    struct counted_body *cb = NULL;
     if (head_content_length(job, &head_len)) { /* MHD writes Content-Length from the size; no body is read */
         free(body); /* a HEAD's record has an empty body (a replay decodes it as an empty buffer, not none) */
         body = NULL;
+        cm_buffers_release(charged);
         resp = MHD_create_response_from_callback(head_len, 4096, no_body_read, NULL, NULL);
+    } else if (body && charged) { /* the answer holds its share of limits.buffers until MHD is done with it */
+        cb = cm_malloc(sizeof *cb);
+        cb->data = body;
+        cb->charged = charged;
+        resp = MHD_create_response_from_buffer_with_free_callback_cls(len, body, counted_body_free, cb);
     } else if (body)
         resp = MHD_create_response_from_buffer_with_free_callback(len, body, free);
     else
         resp = MHD_create_response_from_buffer(0, (void *)"", MHD_RESPMEM_PERSISTENT);
     if (!resp) {
-        free(body);
+        if (cb)
+            counted_body_free(cb);
+        else
+            free(body);
         return MHD_NO;
     }
     gw_front_answer_headers(resp, &job->resp_hdrs, job->replayed);
     if (atomic_load(&r->shard->f->shutting_down) || job->status == 431 || job->status == 413 || job->status == 400)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
-    struct conn_track *t = track_of(c);
-    if (t)
-        atomic_store(&t->reading_since, 0);
+    answer_deadline(c);
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)job->status, resp);
     MHD_destroy_response(resp);
     r->stage = STAGE_ANSWERED;
@@ -453,6 +504,18 @@ static enum MHD_Result reject(struct req *r, struct MHD_Connection *c, int statu
 {
     gw_job_problem(&r->job, status, name, title, detail);
     cm_metric_request(r->job.route_index, outcome);
+    return queue_answer(r, c);
+}
+
+/* SPEC 7: limits.buffers would be passed: 503 overloaded with Retry-After, before anything is claimed or forwarded. */
+static enum MHD_Result shed_buffers(struct req *r, struct MHD_Connection *c)
+{
+    cm_metric_shed(CM_SHED_BUFFERS);
+    cm_buf_free(&r->job.body);
+    gw_job_problem(&r->job, 503, "overloaded", "Overloaded",
+                   "the gateway holds as many request bodies and answers as limits.buffers allows; retry later");
+    gw_job_retry_after(&r->job, 1000);
+    cm_metric_request(r->job.route_index, CM_OUT_ERROR);
     return queue_answer(r, c);
 }
 
@@ -857,7 +920,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     if (!job->upstream)
         return reject(r, c, 404, "route-not-found", "No route", "no route matches this path", CM_OUT_NOT_FOUND);
 
-    uint64_t max_body = route ? route->idem.max_body : conf->max_body;
+    uint64_t max_body = route ? route->idem.max_body : conf->max_body, body_need = 0;
     const char *cl = cm_hdrs_get(&r->in_hdrs, "Content-Length");
     if (cl) { /* framing_ambiguous let only 1*DIGIT through; more than 19 significant digits is over any max_body */
         size_t n = strlen(cl);
@@ -867,8 +930,11 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         if (!cm_parse_digits(cl, n, 19, &v) || v > max_body)
             return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
                           CM_OUT_TOO_LARGE);
+        body_need = v;
     }
-    cm_buf_init(&job->body, (size_t)max_body);
+    if (!cm_buffers_admit(body_need))
+        return shed_buffers(r, c);
+    cm_buf_init_counted(&job->body, (size_t)max_body);
 
     /* SPEC 7: two key headers are refused on any request, also one that passes through (a method outside the
      * route's, key: off, the default upstream): which one counts would depend on who reads it. Shadow mode forwards
@@ -916,6 +982,8 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     if (r->body_too_large)
         return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
                       CM_OUT_TOO_LARGE);
+    if (r->body_over_budget)
+        return shed_buffers(r, c);
     if (job->ordered && job->route->ordering.source == CONF_SEQ_JSON &&
         !gw_seq_from_json(job->body.data, job->body.len, job->route->ordering.seq_name, &job->seq)) {
         if (job->route->idem.mode != CONF_MODE_SHADOW)
@@ -941,9 +1009,7 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     bool queued = false;
     switch (gw_pipeline_answer_cached(job, share ? c : NULL, &queued)) {
     case GW_CACHED_QUEUED: {
-        struct conn_track *t = track_of(c);
-        if (t)
-            atomic_store(&t->reading_since, 0);
+        answer_deadline(c);
         r->stage = STAGE_ANSWERED;
         return queued ? MHD_YES : MHD_NO;
     }
@@ -983,8 +1049,13 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     /* fall through */
     case STAGE_BODY:
         if (*upload_data_size) {
-            if (!r->body_too_large && !cm_buf_append(&r->job.body, upload_data, *upload_data_size)) {
-                r->body_too_large = true;
+            if (!r->body_too_large && !r->body_over_budget &&
+                !cm_buf_append(&r->job.body, upload_data, *upload_data_size)) {
+                /* over max_body, or (within it) over what limits.buffers has left */
+                if (*upload_data_size > r->job.body.max || r->job.body.len > r->job.body.max - *upload_data_size)
+                    r->body_too_large = true;
+                else
+                    r->body_over_budget = true;
                 cm_buf_free(&r->job.body);
             }
             *upload_data_size = 0;
@@ -1349,6 +1420,7 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
      * the request's head (the headers MHD handed us point into it) and the records of the request's headers:
      * room for both at their limits, plus slack for those records and MHD's own answer headers. Over
      * max_header_bytes the front answers 431; a request head that overflows the pool gets MHD's own 431. */
+    cm_buffers_set_limit(conf->limits_buffers); /* SPEC 7: bodies and answers held at once, process-wide */
     size_t mem = (size_t)conf->max_header_bytes + (size_t)conf->max_response_header_bytes + GW_POOL_SLACK;
     if (mem < 16 * 1024)
         mem = 16 * 1024;

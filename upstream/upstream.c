@@ -215,6 +215,7 @@ void up_transfer_begin(struct up_client *c, struct up_transfer *t, const struct 
     t->invalid = t->hdrs_final = t->too_large = t->done = t->leaving = false;
     t->send_until = req->send_until_ms;
     cm_resp_init(&t->resp, req->max_response);
+    cm_buf_init_counted(&t->resp.body, req->max_response); /* SPEC 7 limits.buffers: full, it is too large */
     clock_gettime(CLOCK_MONOTONIC, &t->start);
     up_link(c, t);
 }

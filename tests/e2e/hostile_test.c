@@ -106,6 +106,10 @@ static void raise_nofile(void)
 
 /* ---- helpers: raw conversations */
 
+static int tcp_connect_small_rcvbuf(uint16_t port);
+static int peek_status(int fd, int wait_ms);
+static double gw_metric(const struct e2e_gw *gw, const char *name, const char *const *labels);
+
 /* Connects to 127.0.0.1:port (blocking connect), then makes the socket non-blocking. */
 static int tcp_connect(uint16_t port)
 {
@@ -523,6 +527,34 @@ Test(hostile, idle_connections_are_closed_after_client_timeout)
                   (unsigned long long)c.close_ms, CLOSE_BOUND_MS);
     conv_free(&c);
     expect_serving(gw, "after idle connections");
+}
+
+/* SPEC 7: a client that reads its answer too slowly (a few KiB now and then, which resets libmicrohttpd's idle
+ * timeout) is cut after client_timeout whatever the answer holds; it used to be kept as long as it read. */
+Test(hostile, a_trickling_reader_is_cut_after_client_timeout)
+{
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(conf_main, &up, &gw);
+    int fd = tcp_connect_small_rcvbuf(gw->port);
+    static const char req[] = "GET /hostile/trickle HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Test-Body-Size: 8000000\r\n\r\n";
+    cr_assert_eq(send(fd, req, strlen(req), MSG_NOSIGNAL), (ssize_t)strlen(req));
+    cr_assert_eq(peek_status(fd, 5000), 200, "no answer");
+    uint64_t t0 = e2e_now_ms(), closed_ms = 0;
+    size_t total = 0;
+    char buf[2048];
+    while (e2e_now_ms() - t0 < (uint64_t)WATCH_MS && !closed_ms) {
+        ssize_t got = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (got == 0 || (got < 0 && errno == ECONNRESET))
+            closed_ms = e2e_now_ms() - t0;
+        total += got > 0 ? (size_t)got : 0;
+        e2e_sleep_ms(got > 0 ? 300 : 20); /* about 7 KiB a second once the kernel's share is read */
+    }
+    close(fd);
+    cr_expect(closed_ms > 0, "a reader taking %zu bytes of 8 MB in %d ms is still connected", total, WATCH_MS);
+    cr_expect(closed_ms <= CLOSE_BOUND_MS + 1000, "the trickling reader was cut after %llu ms",
+              (unsigned long long)closed_ms);
+    expect_serving(gw, "after a trickling reader");
 }
 
 /* ---- lying and invalid framing */
@@ -1100,7 +1132,9 @@ Test(hostile, thousand_concurrent_connections_are_served_by_a_few_threads)
     cr_assert_not_null(paths);
     for (size_t i = 0; i < N; i++) {
         snprintf(paths[i], sizeof paths[i], "/hostile/c1k/%zu", i);
-        rq[i] = (struct e2e_req){.path = paths[i], .headers = h, .timeout_ms = 20000};
+        /* small bodies, as the benchmark's: limits.buffers (default 512MiB) sheds none of them */
+        rq[i] = (struct e2e_req){
+            .method = "POST", .path = paths[i], .headers = h, .body = "{\"a\":1}", .body_len = 7, .timeout_ms = 20000};
     }
     long before = e2e_upstream_count(up, NULL);
     struct sampler s = {.pid = gw->proc.pid};
@@ -1132,7 +1166,164 @@ Test(hostile, thousand_concurrent_connections_are_served_by_a_few_threads)
               s.max_threads, threads0);
     cr_log_info("1000 x 100 ms: %llu ms, max %ld threads, max VmRSS %ld kB", (unsigned long long)wall, s.max_threads,
                 s.max_rss);
+    static const char *const reason[] = {"reason=\"buffers\"", NULL};
+    cr_expect_eq(gw_metric(gw, "idemgate_shed_total", reason), 0, "requests shed under limits.buffers' default");
     expect_serving(gw, "after 1000 concurrent connections");
+}
+
+/* ---- memory: limits.buffers (SPEC 7) */
+
+/* clang-format off */
+/* 64 MiB of bodies and answers at most; a client that stops reading is cut after 4 s. */
+#define CONF_BUFFERS_LIMITS "limits:\n  buffers: 64MiB\n"
+static const char conf_buffers[] = E2E_CONF_HEAD "client_timeout: 4s\n" CONF_BUFFERS_LIMITS CONF_REST("10s");
+static const char conf_buffers_nolimits[] = E2E_CONF_HEAD "client_timeout: 4s\n" CONF_REST("10s");
+/* clang-format on */
+
+/* A value of the gateway's /metrics (labels as e2e_metric_value), -1 when absent. */
+static double gw_metric(const struct e2e_gw *gw, const char *name, const char *const *labels)
+{
+    struct e2e_resp r;
+    e2e_get(gw->admin_port, "/metrics", &r);
+    cr_assert_eq(r.status, 200, "/metrics: %ld", r.status);
+    double v = e2e_metric_value((const char *)r.body, name, labels);
+    e2e_resp_free(&r);
+    return v;
+}
+
+/* Connects with a 4 KiB receive buffer (so that the kernel takes little of an answer off the gateway). */
+static int tcp_connect_small_rcvbuf(uint16_t port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    cr_assert(fd >= 0, "socket: %s", strerror(errno));
+    int sz = 4096;
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof sz);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0, "connect: %s", strerror(errno));
+    return fd;
+}
+
+/* Sends the attacker's request on fd: an 8 MB answer, never read. */
+static void ask_big(int fd, size_t i)
+{
+    char req[200];
+    int n = snprintf(req, sizeof req,
+                     "GET /hostile/big/%zu HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Test-Body-Size: 8000000\r\n\r\n", i);
+    cr_expect_eq(send(fd, req, (size_t)n, MSG_NOSIGNAL), n, "send %zu: %s", i, strerror(errno));
+}
+
+/* The status of the answer that starts arriving on fd within wait_ms (peeked, not read), 0 when none. */
+static int peek_status(int fd, int wait_ms)
+{
+    struct pollfd pf = {.fd = fd, .events = POLLIN};
+    char b[16];
+    if (poll(&pf, 1, wait_ms) <= 0 || recv(fd, b, sizeof b - 1, MSG_PEEK) < 12)
+        return 0;
+    b[12] = '\0';
+    return strncmp(b, "HTTP/1.1 ", 9) == 0 ? atoi(b + 9) : 0;
+}
+
+/* Reads fd to its end (for at most 1.5 s); true when the gateway had closed it (end of stream or reset): what the
+ * kernels still held of the answer arrives first. */
+static bool drained_closed(int fd)
+{
+    char buf[65536];
+    uint64_t end = e2e_now_ms() + 1500;
+    (void)fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    while (e2e_now_ms() < end) {
+        struct pollfd pf = {.fd = fd, .events = POLLIN};
+        if (poll(&pf, 1, 200) <= 0)
+            continue;
+        ssize_t got = recv(fd, buf, sizeof buf, 0);
+        if (got == 0 || (got < 0 && errno == ECONNRESET))
+            return true;
+    }
+    return false;
+}
+
+/* The attack: 60 connections each ask for an 8 MB answer and never read it (before: the gateway went from 13 MiB to
+ * 478 MiB, and with the defaults one client could make it hold ~36 GiB). With limits.buffers 64 MiB:
+ * - one after the other (each answer in before the next request): the gateway holds 8 of them, then answers the
+ *   rest, and a second client, 503 overloaded with Retry-After at once (idemgate_shed_total{reason="buffers"});
+ *   after client_timeout the readers that stopped are cut, the memory is given back and the second client is served;
+ * - all at once: the gateway's peak resident memory stays within the limit plus its own (answers that arrive while
+ *   it is full are 502, not held).
+ * E2E_NO_LIMITS=1 runs the same without the limits: block, to measure a gateway without it (no assertion then). */
+Test(hostile, answers_nobody_reads_are_bounded_by_limits_buffers)
+{
+    bool nolimits = getenv("E2E_NO_LIMITS") != NULL;
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(nolimits ? conf_buffers_nolimits : conf_buffers, &up, &gw);
+    expect_serving(gw, "warm-up");
+    e2e_sleep_ms(200);
+    long rss0 = proc_status(gw->proc.pid, "VmRSS");
+    cr_assert(rss0 > 0, "cannot read VmRSS of the gateway");
+    static const char *const none[] = {NULL};
+    static const char *const reason[] = {"reason=\"buffers\"", NULL};
+
+    enum { N = 60 };
+    int fds[N];
+    size_t held = 0, shed = 0;
+    for (size_t i = 0; i < N; i++) {
+        fds[i] = tcp_connect_small_rcvbuf(gw->port);
+        ask_big(fds[i], i);
+        int st = peek_status(fds[i], 5000);
+        held += st == 200;
+        shed += st == 503;
+    }
+    /* a second client, while the attackers hold what they hold */
+    struct e2e_req rq = {.path = "/hostile/victim", .timeout_ms = 3000};
+    struct e2e_resp r;
+    uint64_t tv = e2e_now_ms();
+    e2e_http(gw->port, &rq, &r);
+    uint64_t took = e2e_now_ms() - tv;
+    double held_bytes = gw_metric(gw, "idemgate_buffers_bytes", none);
+    if (!nolimits) {
+        cr_expect(held >= 7 && held <= 8, "%zu answers of 8 MB held under a 64 MiB limit", held);
+        cr_expect_eq(shed, N - held, "%zu of the other %zu requests shed with 503", shed, N - held);
+        e2e_expect_problem(&r, 503, "overloaded", "a second client during the attack");
+        cr_expect_not_null(e2e_resp_header(&r, "Retry-After"), "503 overloaded without Retry-After");
+        cr_expect(took < 1000, "the second client was answered after %llu ms", (unsigned long long)took);
+        cr_expect(gw_metric(gw, "idemgate_shed_total", reason) >= (double)shed + 1,
+                  "idemgate_shed_total{reason=buffers} did not count every shed request");
+        cr_expect(held_bytes > 0 && held_bytes <= 64.0 * 1024 * 1024, "idemgate_buffers_bytes %.0f", held_bytes);
+    }
+    e2e_resp_free(&r);
+    long rss_seq = proc_status(gw->proc.pid, "VmHWM");
+    /* the readers that stopped are cut after client_timeout (4 s, whole seconds) whatever they hold */
+    e2e_sleep_ms(6500);
+    size_t cut = 0;
+    for (size_t i = 0; i < N; i++) {
+        cut += drained_closed(fds[i]);
+        close(fds[i]);
+    }
+    if (!nolimits) {
+        cr_expect_eq(cut, N, "only %zu of %d connections that stopped reading were cut after client_timeout", cut, N);
+        cr_expect_eq(gw_metric(gw, "idemgate_buffers_bytes", none), 0, "buffers still held after the cut");
+        expect_serving(gw, "after the attack");
+    }
+
+    /* all at once */
+    for (size_t i = 0; i < N; i++) {
+        fds[i] = tcp_connect_small_rcvbuf(gw->port);
+        ask_big(fds[i], i);
+    }
+    e2e_sleep_ms(3000);
+    long rss_burst = proc_status(gw->proc.pid, "VmHWM");
+    for (size_t i = 0; i < N; i++)
+        close(fds[i]);
+    fprintf(stderr,
+            "60 x 8 MB answers never read (%s): VmRSS %ld kB before; peak VmHWM %ld kB one after the other (%zu held, "
+            "%zu shed, %zu cut after client_timeout), %ld kB all at once\n",
+            nolimits ? "no limits: block" : "limits.buffers 64MiB", rss0, rss_seq, held, shed, cut, rss_burst);
+    if (nolimits)
+        return;
+    cr_expect(rss_burst < rss0 + (64 + 64) * 1024, "peak VmHWM %ld kB, from %ld kB (bound: +64 MiB +64 MiB)", rss_burst,
+              rss0);
+    e2e_sleep_ms(300);
+    expect_serving(gw, "after the burst");
 }
 
 /* ---- out of file descriptors */

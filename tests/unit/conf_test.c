@@ -263,7 +263,10 @@ Test(conf, every_key_set)
                              "max_response: 100B\n"
                              "max_connections: 100000\n"
                              "client_timeout: 1h\n"
+                             "limits:\n"
+                             "  buffers: 2GiB\n"
                              "threads: 64\n");
+    cr_expect_eq(c->limits_buffers, 2ULL << 30);
     cr_expect_str_eq(c->listen.host, "::1");
     cr_expect_eq(c->listen.port, 0);
     cr_expect_not(c->admin_enabled);
@@ -860,6 +863,12 @@ static const struct bad_case bad_cases[] = {
     {"root is a list", "- a\n- b\n", "t.yaml:1: (root): expected a mapping, got a list"},
     {"empty file", "# nothing\n", "t.yaml:1: (root): the configuration is empty"},
     {"two documents", BASE "---\nlisten: 127.0.0.1:1\n", "t.yaml:6: (root): only one YAML document is allowed"},
+    /* SPEC 7: limits.buffers holds at least one request of the largest kind */
+    {"buffers below a route's body and answer",
+     BASE "limits:\n  buffers: 8MiB\n" ROUTE("    idempotency: {max_body: 2MiB, max_response: 8MiB}\n"),
+     "t.yaml:7: limits.buffers: 8388608 bytes is less than max_body plus max_response of p (10485760 bytes)"},
+    {"buffers below the top level's", BASE "max_response: 600MiB\n",
+     "t.yaml:6: limits.buffers: 536870912 bytes is less than max_body plus max_response of the top level"},
     /* SPEC 7: routes that meet only when case, ';' parameters and a format suffix are ignored need one policy */
     {"routes meeting by case",
      BASE "routes:\n  - name: a\n    match: {path: /v1/jwt}\n    upstream: api\n    idempotency: {key: required}\n"
@@ -1457,6 +1466,7 @@ static const char *const restart_keys[] = {
     "client_timeout",
     "max_header_bytes",
     "max_response_header_bytes",
+    "limits.buffers",
 };
 
 static void restart_flag_matches(const struct conf_key_doc *k, void *arg)
