@@ -2512,6 +2512,7 @@ static const struct field replay_cache_fields[] = {
 
 static const struct field limits_fields[] = {
     FIELD("buffers", F_SIZE, struct conf, limits_buffers, 1, 1024 * GIB, .def = "512MiB", .restart = true,
+          .example = "2GiB",
           .doc = "Bytes of request bodies and answers the process holds in memory at once (counted while a body "
                  "is read and an answer is read, stored or written). A request that would pass it is answered 503 "
                  "`overloaded` with `Retry-After` before anything is claimed or forwarded "

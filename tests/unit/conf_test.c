@@ -1556,6 +1556,7 @@ static const struct ex_ctx {
                                 "      @sequence sequence: header:X-Seq\n      %s\n"},
     {"jwt.", BASE "jwt:\n  @secret_env secret_env: X\n  %s\n"},
     {"replay_cache.", BASE "replay_cache:\n  %s\n"},
+    {"limits.", BASE "limits:\n  %s\n"},
 };
 
 /* The context's text for key (its last path part) with "KEY: VALUE" in place: a line "@name ..." is kept (without
