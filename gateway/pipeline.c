@@ -137,12 +137,14 @@ static void set_state(struct gw_job *job, enum gw_pipe_state s)
     }
 
 /* SPEC 8: the lease (the key's claim or the resource's marker) ended before the request could leave: nothing was
- * sent, and the record is left to whoever holds it now (503 with Retry-After). */
+ * sent (503 with Retry-After). The record is left to whoever holds it now: the release is fenced by this request's
+ * token, so it deletes the claim only when nobody took it over (a renewal Postgres, paused, never confirmed);
+ * without it such a claim would lapse into an unknown outcome for a request that never left. */
 #define LEASE_LOST(mode)                                                                                               \
     {                                                                                                                  \
         mode, SENT, UP_LEASE_LOST, false, 503, "store-unavailable", "Store unavailable",                               \
             "this gateway lost its lease on the request before it could be sent; nothing was forwarded", "not_sent",   \
-            GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_STORE_UNAVAILABLE                                                   \
+            (mode) ? GW_RECORD_RELEASE : GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_STORE_UNAVAILABLE                      \
     }
 
 static const struct gw_outcome outcomes[] = {

@@ -176,9 +176,9 @@ static void looked_up(void *arg, enum up_result ur, struct cm_resp *resp, const 
     struct store_id id = run_id(r);
     r->transfer = NULL;
     cm_metric_upstream_seconds(secs);
-    if (ur == UP_LEASE_LOST) { /* the take lapsed before the look-up could leave: the record is whoever's now */
+    if (ur == UP_LEASE_LOST) { /* the take lapsed before the look-up could leave: given back, fenced by our token */
         cm_log(CM_WARN, "probe_unresolved", "route=%s reason=lease_lost", r->route_name);
-        run_done(r, GW_PROBE_STORE);
+        give_back(r, GW_PROBE_STORE);
         return;
     }
     if (ur == UP_OK && status_in(pc->found, pc->found_n, resp->status)) {

@@ -184,6 +184,50 @@ Test(paused, a_paused_owner_never_sends_what_it_no_longer_owns)
     e2e_resp_free(&r);
 }
 
+/* The lease runs out only because Postgres, stopped, never confirmed a renewal: nobody took the claim over. The
+ * request is not sent (503), and the claim, still this request's, is released (fenced by its token) once Postgres
+ * answers: the retry executes once, never "outcome unknown" for a request that never left. */
+Test(paused, a_lease_lost_to_a_stopped_postgres_releases_the_unsent_claim)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *a = gw_start(up, "10s", "      key: required\n      lease: 1s\n      on_unknown: reject\n", 0);
+    char busy[96], k[96];
+    e2e_mkkey(busy, sizeof busy, "pbusy");
+    e2e_mkkey(k, sizeof k, "pgstop");
+    const char *slow[] = {"X-Test-Delay-Ms: 4000", NULL};
+    struct e2e_async *hold = post_async(a->port, "/v1/pay/busy", busy, slow);
+    cr_assert_eq(e2e_upstream_wait_count(up, busy, 1, 3000), 1, "the busy request did not reach the upstream");
+    struct e2e_async *queued = post_async(a->port, "/v1/pay/k", k, NULL);
+    e2e_sleep_ms(300);
+    cr_assert_eq(e2e_services("pg-stop"), 0);
+    e2e_sleep_ms(2500);
+    cr_assert_eq(e2e_services("pg-start"), 0);
+    struct e2e_resp r;
+    e2e_http_join(queued, &r);
+    e2e_expect_problem(&r, 503, "store-unavailable", "the request whose lease ran out while Postgres was away");
+    e2e_resp_free(&r);
+    e2e_http_join(hold, &r);
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, k), 0, "nothing was sent");
+    uint64_t deadline = e2e_now_ms() + 15000;
+    long st = 0;
+    bool replay = false;
+    while (e2e_now_ms() < deadline) {
+        post(a->port, "/v1/pay/k", k, NULL, &r);
+        st = r.status;
+        replay = e2e_resp_is_replay(&r);
+        bool busy_answer = st == 503 || (st == 409 && e2e_resp_is_problem(&r, "idempotency-key-in-use"));
+        if (!busy_answer)
+            cr_log_info("last answer %ld %.200s", st, (const char *)r.body);
+        e2e_resp_free(&r);
+        if (!busy_answer)
+            break;
+        e2e_sleep_ms(200);
+    }
+    cr_expect(st == 200 && !replay, "the retry executes (never outcome-unknown for a request never sent): %ld", st);
+    cr_expect_eq(e2e_upstream_count(up, k), 1, "exactly one execution");
+}
+
 /* ---- 2. the ordering guard: a higher sequence never overtakes a lower one in flight */
 
 /* A takes the marker for seq 2, its request waits for the connection, A is paused 2.5 s (lease 1 s); B's seq 3

@@ -64,9 +64,10 @@ static const struct expect spec[] = {
     {P, true, UP_INVALID_RESPONSE, false, 502, "upstream-invalid-response", GW_RECORD_NONE, GW_EFFECT_UNKNOWN,
      CM_OUT_ERROR},
     {P, true, UP_TOO_LARGE, false, 502, "upstream-response-too-large", GW_RECORD_NONE, GW_EFFECT_UNKNOWN, CM_OUT_ERROR},
-    /* SPEC 8: the lease ended before the request could leave: nothing sent, the record left to its holder */
+    /* SPEC 8: the lease ended before the request could leave: nothing sent, released fenced by its token */
     {P, true, UP_LEASE_LOST, false, 503, "store-unavailable", GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_STORE_UNAVAILABLE},
-    {I, true, UP_LEASE_LOST, false, 503, "store-unavailable", GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_STORE_UNAVAILABLE},
+    {I, true, UP_LEASE_LOST, false, 503, "store-unavailable", GW_RECORD_RELEASE, GW_EFFECT_NONE,
+     CM_OUT_STORE_UNAVAILABLE},
 };
 #define SPEC_N (sizeof spec / sizeof spec[0])
 
@@ -134,8 +135,8 @@ Test(outcome, rows_are_consistent)
         }
         /* SPEC 1: what may have executed is never released; what did not run always is */
         switch (o->effect) {
-        case GW_EFFECT_NONE: /* a lost lease leaves the record to whoever holds it now (SPEC 8) */
-            cr_expect_eq(o->record, o->result == UP_LEASE_LOST ? GW_RECORD_NONE : GW_RECORD_RELEASE, "row %zu", i);
+        case GW_EFFECT_NONE:
+            cr_expect_eq(o->record, GW_RECORD_RELEASE, "row %zu", i);
             break;
         case GW_EFFECT_APPLIED:
             cr_expect_eq(o->record, GW_RECORD_COMPLETE, "row %zu", i);
