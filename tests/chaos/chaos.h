@@ -42,6 +42,7 @@ enum fkind {
     F_PG_SERIALIZABLE,
     F_PG_FAILOVER,
     F_CITUS_WORKER, /* a Citus worker stopped (fast) and started again: only with a Citus cluster */
+    F_GW_PAUSE,     /* a whole gateway SIGSTOPped for 1 to 3 leases, then SIGCONTed */
     F__N
 };
 
@@ -143,6 +144,7 @@ struct opts {
     bool no_faults;
     unsigned fault_mask; /* 1 << enum fkind: the kinds to inject (--faults) */
     bool faults_given;   /* --faults was given (a kind it names that cannot run is an error) */
+    long clock_skew_ms;  /* instance 1's wall clock is this far off (tests/tools/clockshift.c; 0: none) */
 };
 
 struct ch_state {
@@ -185,6 +187,10 @@ struct ch_state {
 
     struct worker *workers;
     atomic_bool abort;
+    /* the ordered writer (traffic.c): requests sent, sequences it moved past (answered or given up) */
+    pthread_t ord_thread;
+    bool ord_started;
+    unsigned long ord_requests, ord_done;
 
     /* registry of child pids for the signal handler */
     pthread_mutex_t pid_mu;
@@ -224,6 +230,9 @@ void ch_on_fatal_signal(int sig);
 /* Forks and execs argv with stdout+stderr appended to log_path; the child dies with the forking thread
  * (PR_SET_PDEATHSIG). Returns the pid or -1. */
 pid_t ch_spawn(char *const argv[], const char *log_path);
+/* The same with extra "K=V" entries (NULL-terminated, may be NULL) added to the environment (built before the
+ * fork: the child only calls execve). */
+pid_t ch_spawn_env(char *const argv[], const char *log_path, char *const extra_env[]);
 /* Waits up to timeout_ms for pid; true with *status (may be NULL) when it exited and was reaped. */
 bool ch_proc_wait(pid_t pid, int timeout_ms, int *status);
 /* sig, then SIGKILL after grace_ms; always reaps. Returns the wait status. */
@@ -255,5 +264,10 @@ struct http_res {
 void ch_http_do(CURL *c, uint16_t port, const char *method, const char *path, struct curl_slist *hdrs, const char *body,
                 size_t blen, long timeout_ms, char *buf, size_t bufcap, bool fresh, struct http_res *r);
 bool ch_http_get_ok(CURL *c, uint16_t port, const char *path, long timeout_ms, char *buf, size_t cap);
+
+/* ---- traffic.c: the ordered writer (pthread start routine): CH_ORD_RESOURCES resources of the route "ord", each
+ * written with sequences 1, 2, 3... through a random gateway (a retry of the same sequence and key until a final
+ * answer), until ch.traffic_end. The upstream counts sequences applied below a resource's highest. */
+void *ch_ordered_main(void *arg);
 
 #endif

@@ -16,7 +16,7 @@
 #define CH_LOG_LINES_MAX  24
 #define CH_LIVENESS_TRIES 6 /* final retries of a never-executed key (503 store-unavailable is retried) */
 
-enum chk { K_RUN, K_AT_MOST_ONCE, K_SAME_ANSWER, K_TENANT, K_SETTLED, K_LIVENESS, K__N };
+enum chk { K_RUN, K_AT_MOST_ONCE, K_SAME_ANSWER, K_TENANT, K_SETTLED, K_ORDER, K_LIVENESS, K__N };
 
 struct tally {
     size_t requests, attempts, keys;
@@ -45,6 +45,7 @@ struct ctx {
     long total_before, total_after;
     long probe_count;
     struct tally t;
+    long order_violations; /* from the upstream (check_order) */
     bool ok[K__N];
     unsigned reported[K__N];
 };
@@ -701,6 +702,31 @@ static void check_liveness(struct ctx *x)
     curl_easy_cleanup(c);
 }
 
+/* Sequences applied in order per resource (SPEC 6): the upstream counts every write it applied with an
+ * X-Sequence below its resource's highest applied one (a lower sequence that overtook a higher one: a lost update). */
+static void check_order(struct ctx *x)
+{
+    CURL *c = curl_easy_init();
+    char buf[64];
+    uint64_t v = 0;
+    bool ok = c != NULL && ch_http_get_ok(c, ch.tu_port, "/_test/order-violations", 3000, buf, sizeof buf) &&
+              ch_parse_u64(buf, UINT32_MAX, &v);
+    curl_easy_cleanup(c);
+    x->order_violations = (long)v;
+    if (!ok) {
+        violation(x, K_ORDER);
+        ch_out("VIOLATION in-order: cannot read the upstream's order violations\n");
+    } else if (v > 0) {
+        violation(x, K_ORDER);
+        ch_out("VIOLATION in-order: %" PRIu64 " writes applied below their resource's highest applied sequence (see "
+               "event=order_violation in testupstream.log)\n",
+               v);
+    } else if (ch.ord_done < 10 && ch.o.duration_s >= 30) {
+        violation(x, K_ORDER);
+        ch_out("VIOLATION in-order: the ordered writer settled only %lu sequences\n", ch.ord_done);
+    }
+}
+
 static void check_run(struct ctx *x)
 {
     unsigned crashes = 0, restart_fails = 0, external = 0;
@@ -751,6 +777,9 @@ static const struct check checks[K__N] = {
     [K_TENANT] = {"tenant-isolation", check_tenant_isolation, "one tenant's answer or scope reached another"},
     [K_SETTLED] = {"records-settled", check_records_settled,
                    "records left in a state the protocol does not allow after the quiet period"},
+    [K_ORDER] = {"in-order", check_order,
+                 "a lower sequence was applied after a higher one of the same resource (the ordering guard let a "
+                 "request overtake another in flight)"},
     [K_LIVENESS] = {"liveness", check_liveness,
                     "keys that never executed stay blocked (409) after every lease lapsed: a claim nobody acted on "
                     "was never released"},
@@ -783,6 +812,8 @@ static void print_figures(const struct ctx *x)
            t->lost_answers, t->unstored_answers, x->completion_failed_logs, x->lease_lost_logs, t->late_answers,
            t->unexpected);
     ch_out("chaos: wrong_tenant_answers=%zu scope_errors=%zu\n", t->wrong_tenant, t->scope_errors);
+    ch_out("chaos: ordered: requests=%lu sequences_settled=%lu applied_out_of_order=%ld\n", ch.ord_requests,
+           ch.ord_done, x->order_violations);
     ch_out("chaos: records: completed=%zu unknown=%zu in_flight_lapsed=%zu stuck=%zu lost=%zu stored_release=%zu "
            "foreign=%zu; keys blocked as unknown without any execution=%zu; unknown outcomes without an injected "
            "cause=%zu\n",

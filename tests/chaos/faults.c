@@ -344,6 +344,30 @@ static void fault_pg_pause(uint64_t *rng)
     standby_check("postgres_pause");
 }
 
+/* ------------------------------------------------------------------ a gateway paused (SIGSTOP/SIGCONT) */
+
+/* A whole gateway stops for 1 to 3 leases (a VM freeze, a stopped container, an overloaded host): its leases lapse
+ * while it is away, another gateway may take its keys over, and when it resumes it must not act on what it no
+ * longer owns (SPEC 8, a paused owner never acts). */
+static void fault_gw_pause(uint64_t *rng)
+{
+    ch.faults[F_GW_PAUSE]++;
+    int i = (int)ch_rnd_range(rng, 0, ch.o.instances - 1);
+    pid_t pid = ch.inst[i].pid;
+    uint64_t ms = ch_rnd_range(rng, ch.o.lease_ms, 3ull * ch.o.lease_ms);
+    uint64_t t = ch_mono_ms();
+    size_t w = ch_window_begin(F_GW_PAUSE, i);
+    bool ok = pid > 0 && pause_one(pid);
+    ch_log("fault=gateway_pause phase=begin instance=%d ms=%" PRIu64 " ok=%d", i, ms, ok);
+    if (!ok)
+        ch.fault_failures++;
+    else
+        ch_nap(ms);
+    continue_all();
+    ch_window_end(w);
+    ch_log("fault=gateway_pause phase=end instance=%d ms=%" PRIu64, i, ch_mono_ms() - t);
+}
+
 /* ------------------------------------------------------------------ SQL faults (superuser connection) */
 
 /* Runs sql (one or more statements, one implicit transaction) as superuser, bounded; the first value of the
@@ -538,6 +562,7 @@ static const struct fault_kind kinds[F__N] = {
     [F_PG_SERIALIZABLE] = {"serializable_default", fault_pg_serializable, true, false, false, true, false, 0},
     [F_PG_FAILOVER] = {"failover", fault_pg_failover, true, false, true, false, false, 1},
     [F_CITUS_WORKER] = {"citus_worker_restart", fault_citus_worker, true, false, false, false, true, 0},
+    [F_GW_PAUSE] = {"gateway_pause", fault_gw_pause, true, false, false, false, false, 0},
 };
 
 const char *ch_fault_name(enum fkind k)

@@ -83,6 +83,23 @@ bool ch_write_gw_conf(struct inst *g)
                 "      max_body: 64KiB\n"
                 "      forward_key: true\n",
                 ch_route_name[rt], ch_route_name[rt], ch.o.lease_ms, rt == RT_RETRY ? "retry" : "reject");
+    /* the ordering guard's route (traffic.c's ordered writer; checked: sequences applied in order) */
+    fprintf(f,
+            "  - name: ord\n"
+            "    match:\n"
+            "      path_prefix: /v1/ord\n"
+            "      methods: [POST]\n"
+            "    upstream: api\n"
+            "    idempotency:\n"
+            "      key: required\n"
+            "      lease: %ums\n"
+            "      on_unknown: reject\n"
+            "    ordering:\n"
+            "      resource: /v1/ord/{id}\n"
+            "      sequence: header:X-Sequence\n"
+            "      on_gap: accept\n"
+            "      hold: 1s\n",
+            ch.o.lease_ms);
     return fclose(f) == 0;
 }
 
@@ -98,7 +115,14 @@ pid_t ch_gw_spawn(struct inst *g)
         fclose(lf);
     }
     char *argv[] = {ch.idemgate_bin, (char *)"-c", g->conf, NULL};
-    return ch_spawn(argv, g->log);
+    if (g->idx != 1 || ch.o.clock_skew_ms == 0)
+        return ch_spawn(argv, g->log);
+    /* gateways whose clocks are minutes apart (SPEC 8, one clock): instance 1's wall clock is moved */
+    static char preload[PATH_MAX + 16], shift[64];
+    snprintf(preload, sizeof preload, "LD_PRELOAD=%s/tests/tools/libclockshift.so", ch.o.build);
+    snprintf(shift, sizeof shift, "IDEMGATE_CLOCK_SHIFT_MS=%ld", ch.o.clock_skew_ms);
+    char *env[] = {preload, shift, NULL};
+    return ch_spawn_env(argv, g->log, env);
 }
 
 /* Waits for /healthz of the process p started for g; on success g->pid = p, else p is stopped. */

@@ -129,15 +129,18 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: chaos --build DIR --services-dir DIR [--duration SECONDS] [--workers N] [--instances 1|2]\n"
                "             [--seed S] [--services-sh PATH] [--lease-ms N] [--upstream-timeout-ms N] [--keep]\n"
-               "             [--no-faults] [--faults LIST] [--pg-async]\n"
+               "             [--no-faults] [--faults LIST] [--pg-async] [--clock-skew-ms N]\n"
                "  --faults: comma-separated fault kinds, or all (the default; failover only when the services have a\n"
                "            standby): gateway_kill,postgres_restart,redis_restart,redis_flush,upstream_down,\n"
-               "            postgres_pause,commit_errors,serializable_default,failover,citus_worker_restart\n"
+               "            postgres_pause,commit_errors,serializable_default,failover,citus_worker_restart,\n"
+               "            gateway_pause\n"
                "            (citus_worker_restart only on a Citus cluster, where the two SQL faults do not run)\n"
                "  --services-dir: a directory started by scripts/services.sh (its env file is read)\n"
                "  --services-sh: scripts/services.sh (default $IDEMGATE_SERVICES_SH)\n"
                "  --keep: keep the run directory (configs, gateway logs) even when every check passes\n"
-               "  --pg-async: keep the cluster's synchronous_commit=off (demonstrates lost commits on a crash)\n");
+               "  --pg-async: keep the cluster's synchronous_commit=off (demonstrates lost commits on a crash)\n"
+               "  --clock-skew-ms: instance 1's wall clock runs this far ahead (default 120000; 0: none), through\n"
+               "                   BUILD/tests/tools/libclockshift.so\n");
 }
 
 static bool parse_args(int argc, char **argv)
@@ -149,6 +152,7 @@ static bool parse_args(int argc, char **argv)
     o->seed = ch_wall_ms() ^ ((uint64_t)getpid() << 20);
     o->lease_ms = 2000;
     o->up_timeout_ms = 3000;
+    o->clock_skew_ms = 120000;
     o->services_sh = getenv("IDEMGATE_SERVICES_SH");
     o->fault_mask = (1u << F__N) - 1;
     for (int i = 1; i < argc; i++) {
@@ -201,6 +205,8 @@ static bool parse_args(int argc, char **argv)
             o->faults_given = true;
         } else if (strcmp(a, "--upstream-timeout-ms") == 0 && ch_parse_u64(v, 60000, &n) && n >= 500)
             o->up_timeout_ms = (unsigned)n;
+        else if (strcmp(a, "--clock-skew-ms") == 0 && ch_parse_u64(v, 86400000, &n))
+            o->clock_skew_ms = (long)n;
         else {
             fprintf(stderr, "chaos: bad option or value: %s %s\n", a, v);
             return false;
@@ -377,7 +383,8 @@ int main(int argc, char **argv)
             break;
         started++;
     }
-    ch_log("event=traffic_start workers=%u", started);
+    ch.ord_started = pthread_create(&ch.ord_thread, NULL, ch_ordered_main, NULL) == 0;
+    ch_log("event=traffic_start workers=%u ordered_writer=%d", started, ch.ord_started);
     uint64_t last_report = ch_mono_ms();
     while (ch_mono_ms() < ch.traffic_end && !atomic_load(&ch.abort)) {
         ch_nap(200);
@@ -391,6 +398,8 @@ int main(int argc, char **argv)
     }
     for (unsigned w = 0; w < started; w++)
         pthread_join(ch.workers[w].thread, NULL);
+    if (ch.ord_started)
+        pthread_join(ch.ord_thread, NULL);
     ch.o.workers = started;
     ch_log("event=traffic_end");
     uint64_t bound = ch_mono_ms() + 120000;

@@ -9,7 +9,9 @@
 #
 # CHAOS OPTIONS go to the checker as they are (--seed S, --workers N, --instances 1|2, --keep,
 # --faults LIST, ...). --faults takes comma-separated kinds (gateway_kill, postgres_restart, redis_restart,
-# redis_flush, upstream_down, postgres_pause, commit_errors, serializable_default, failover) or all (the default).
+# redis_flush, upstream_down, postgres_pause, commit_errors, serializable_default, failover, gateway_pause) or
+# all (the default). Instance 1 runs with its wall clock 2 minutes ahead (--clock-skew-ms, through the
+# tests/tools/libclockshift.so shim).
 # Environment: IDEMGATE_BUILD_DIR (default ./build; built when the checker is missing),
 # IDEMGATE_TEST_SERVICES_DIR (running Postgres+Redis from scripts/services.sh; else throwaway ones are started
 # here and stopped at exit), IDEMGATE_SERVICES_SH (default scripts/services.sh). When the faults include a
@@ -33,7 +35,7 @@ fail() {
 }
 
 usage() {
-    sed -n '4,17p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '4,19p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -91,12 +93,13 @@ case "$1" in
 esac
 
 CHAOS=$BUILD/tests/chaos/chaos
-if [ ! -x "$CHAOS" ] || [ ! -x "$BUILD/idemgate" ] || [ ! -x "$BUILD/tests/tools/testupstream" ]; then
+if [ ! -x "$CHAOS" ] || [ ! -x "$BUILD/idemgate" ] || [ ! -x "$BUILD/tests/tools/testupstream" ] ||
+    [ ! -f "$BUILD/tests/tools/libclockshift.so" ]; then
     say "building in $BUILD"
     if [ ! -f "$BUILD/build.ninja" ]; then
         meson setup "$BUILD" "$ROOT" >&2 || fail "meson setup failed"
     fi
-    ninja -C "$BUILD" idemgate tests/tools/testupstream tests/chaos/chaos >&2 || fail "build failed"
+    ninja -C "$BUILD" idemgate tests/tools/testupstream tests/tools/libclockshift.so tests/chaos/chaos >&2 || fail "build failed"
 fi
 
 # Does the fault list (default: all) include a failover? Is the run to be kept (--keep)?

@@ -206,10 +206,27 @@ void ch_on_fatal_signal(int sig)
  * (PR_SET_PDEATHSIG), so an abrupt end of this process never leaves a gateway behind. Returns the pid or -1. */
 pid_t ch_spawn(char *const argv[], const char *log_path)
 {
+    return ch_spawn_env(argv, log_path, NULL);
+}
+
+pid_t ch_spawn_env(char *const argv[], const char *log_path, char *const extra_env[])
+{
+    extern char **environ;
+    size_t ne = 0, nx = 0;
+    while (environ[ne] != NULL)
+        ne++;
+    while (extra_env != NULL && extra_env[nx] != NULL)
+        nx++;
+    char **envp = ch_xcalloc(ne + nx + 1, sizeof *envp);
+    memcpy(envp, environ, ne * sizeof *envp);
+    if (nx > 0)
+        memcpy(envp + ne, extra_env, nx * sizeof *envp);
     pid_t parent = getpid();
     pid_t p = fork();
-    if (p < 0)
+    if (p < 0) {
+        free(envp);
         return -1;
+    }
     if (p == 0) {
         (void)prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (getppid() != parent)
@@ -227,9 +244,10 @@ pid_t ch_spawn(char *const argv[], const char *log_path)
         dup2(lf, 2);
         for (int fd = 3; fd < 1024; fd++)
             close(fd);
-        execv(argv[0], argv);
+        execve(argv[0], argv, envp);
         _exit(127);
     }
+    free(envp);
     pid_register(p);
     return p;
 }
