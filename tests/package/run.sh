@@ -76,6 +76,7 @@ in_package() { grep -q " \./${1#/}\$" "$WORK/contents"; }
 want=(/usr/bin/idemgate /usr/share/man/man8/idemgate.8.gz /usr/share/man/man5/idemgate.yaml.5.gz "$UNIT"
     /etc/idemgate/idemgate.yaml /usr/share/doc/idemgate/copyright /usr/share/doc/idemgate/examples/idemgate.example.yaml)
 [ -f docs/configuration.md ] && want+=(/usr/share/doc/idemgate/configuration.md)
+[ -f CHANGELOG.md ] && want+=(/usr/share/doc/idemgate/CHANGELOG.md.gz)
 for f in conf/examples/*.yaml; do [ -f "$f" ] && want+=("/usr/share/doc/idemgate/examples/${f#conf/examples/}"); done
 missing=()
 for f in "${want[@]}"; do in_package "$f" || missing+=("$f"); done
@@ -93,6 +94,8 @@ pass "dpkg -i $(basename "$DEB")"
 check "dpkg knows idemgate $VERSION as installed" \
     test "$(dpkg-query -W -f='${db:Status-Abbrev} ${Version}' idemgate)" = "ii  $VERSION"
 
+first=$(zcat /usr/share/doc/idemgate/changelog.gz 2>&1 | head -n 1)
+check "/usr/share/doc/idemgate/changelog.gz is debian/changelog ($first)" test "${first%%;*}" = "idemgate ($clog) unstable"
 v=$(/usr/bin/idemgate --version 2>&1)
 check "/usr/bin/idemgate --version: '$v' is 'idemgate $VERSION'" test "$v" = "idemgate $VERSION"
 
