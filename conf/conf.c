@@ -2583,10 +2583,12 @@ static const struct field top_fields[] = {
           .doc = "The largest upstream answer relayed for requests outside idempotency; beyond it 502.",
           .example = "16MiB"),
     FIELD("max_connections", F_U32, struct conf, max_connections, 1, 100000, .def = "4096", .restart = true,
-          .doc = "Client connections at most; beyond it 503 `too-many-connections` and the connection is closed.",
+          .doc = "Client connections at most; beyond it 503 `too-many-connections` and the connection is closed. "
+                 "The admin listener takes as many.",
           .example = "10000"),
     FIELD("client_timeout", F_DUR, struct conf, client_timeout_ms, 1, DURATION_MAX, .def = "30s", .restart = true,
-          .doc = "An idle client connection, or one sending its request slower than this, is closed.",
+          .doc = "An idle client connection, one sending its request slower than this, or one whose answer takes "
+                 "longer than this to be written (a client that stops reading) is cut; on the admin listener too.",
           .example = "10s"),
     FIELD("threads", F_U32, struct conf, threads, 0, 64, .def = "0", .restart = true,
           .doc = "I/O loop threads, each with its own HTTP front, upstream client, Redis connection and share of "

@@ -12,6 +12,7 @@
 #include "common/metrics.h"
 #include "common/uri.h"
 #include "gateway/admin.h"
+#include "gateway/conntrack.h"
 #include "gateway/idem.h"
 #include "gateway/front.h"
 #include "gateway/loop.h"
@@ -26,7 +27,8 @@ struct gw_admin {
     struct MHD_Daemon *d;
     uint16_t port;
     atomic_size_t jobs;
-    atomic_bool draining; /* SIGTERM: /readyz is 503 while in-flight requests finish */
+    atomic_bool draining;       /* SIGTERM: /readyz is 503 while in-flight requests finish */
+    struct gw_conntrack *conns; /* the request-read and answer-write deadlines, as the front's */
 };
 
 enum admin_op { OP_LIST, OP_PURGE, OP_RELEASE };
@@ -46,8 +48,29 @@ struct admin_job {
     atomic_bool done;
 };
 
+static struct gw_conn *conn_of(struct MHD_Connection *c)
+{
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return ci ? ci->socket_context : NULL;
+}
+
+static void conn_notify(void *cls, struct MHD_Connection *c, void **socket_ctx, enum MHD_ConnectionNotificationCode toe)
+{
+    struct gw_admin *a = cls;
+    if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        *socket_ctx = gw_conntrack_add(a->conns, ci ? ci->connect_fd : -1);
+    } else { /* before MHD closes the socket: the watchdog never sees a reused fd */
+        gw_conntrack_remove(a->conns, *socket_ctx);
+        *socket_ctx = NULL;
+    }
+}
+
 static enum MHD_Result answer(struct MHD_Connection *c, unsigned status, const char *ctype, char *body, size_t len)
 {
+    struct gw_conn *t = conn_of(c);
+    if (t) /* a client that does not read its answer is cut after client_timeout */
+        gw_conn_answering(t);
     struct MHD_Response *r = MHD_create_response_from_buffer_with_free_callback(len, body, free);
     if (!r) {
         free(body);
@@ -199,6 +222,9 @@ static enum MHD_Result keys_endpoint(struct gw_admin *a, struct MHD_Connection *
     j->route = route;
     j->submitted = true;
     atomic_fetch_add(&a->jobs, 1);
+    struct gw_conn *t = conn_of(c);
+    if (t) /* the store has it: no deadline (the store's own timeouts bound it) */
+        gw_conn_waiting(t);
     MHD_suspend_connection(c);
     gw_loop_submit(a->loop, admin_run, j);
     return MHD_YES;
@@ -292,6 +318,9 @@ static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum 
     struct gw_admin *a = cls;
     struct admin_job *j = *req_cls;
     *req_cls = NULL;
+    struct gw_conn *t = c ? conn_of(c) : NULL;
+    if (t) /* the next request on a keep-alive connection is read from now */
+        gw_conn_request_done(t, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK);
     if (!j)
         return;
     if (j->submitted)
@@ -333,13 +362,23 @@ struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_loop *loop, c
     memset(&ss, 0, sizeof ss);
     memcpy(&ss, res->ai_addr, res->ai_addrlen);
     freeaddrinfo(res);
+    /* SPEC 7: /healthz, /readyz and /metrics answer while 1,000 connections trickle bytes at it, as the front does:
+     * as many connections as the front takes, each held to client_timeout by the same watchdog */
+    a->conns = gw_conntrack_start(conf->client_timeout_ms, "admin", err);
+    if (!a->conns) {
+        free(a);
+        return NULL;
+    }
+    unsigned timeout_s = (unsigned)((conf->client_timeout_ms + 999) / 1000);
     a->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
                                 MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0),
                             0, NULL, NULL, handler, a, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "admin",
-                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, 256u,
-                            MHD_OPTION_CONNECTION_TIMEOUT, 30u, MHD_OPTION_NOTIFY_COMPLETED, completed, a,
+                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT,
+                            (unsigned)conf->max_connections, MHD_OPTION_CONNECTION_TIMEOUT, timeout_s,
+                            MHD_OPTION_NOTIFY_COMPLETED, completed, a, MHD_OPTION_NOTIFY_CONNECTION, conn_notify, a,
                             MHD_OPTION_URI_LOG_CALLBACK, admin_uri_log, a, MHD_OPTION_END);
     if (!a->d) {
+        gw_conntrack_stop(a->conns);
         char addr[320];
         *err = cm_asprintf("cannot listen on admin address %s",
                            conf_addr_fmt(addr, sizeof addr, conf->admin_listen.host, conf->admin_listen.port));
@@ -372,5 +411,6 @@ void gw_admin_stop(struct gw_admin *a)
     if (!a)
         return;
     MHD_stop_daemon(a->d);
+    gw_conntrack_stop(a->conns); /* after the daemon: it told it of every close */
     free(a);
 }

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "common/uri.h"
+#include "gateway/conntrack.h"
 #include "gateway/front.h"
 #include "gateway/gateway.h"
 #include "gateway/loop.h"
@@ -31,16 +32,6 @@
 #include "gateway/problem.h"
 
 enum stage { STAGE_NEW, STAGE_BODY, STAGE_SUBMITTED, STAGE_ANSWERED };
-
-/* One client connection: for the request-read deadline and the connection limit. */
-struct conn_track {
-    struct conn_track *prev, *next;
-    int fd;
-    bool over_limit;                /* accepted while max_connections were already open */
-    bool shut;                      /* the watchdog shut it down */
-    _Atomic uint64_t reading_since; /* ms; 0 while its request is in the pipeline; while answering, since queued */
-    atomic_bool answering;          /* its answer is being written: a cut drops what the kernel still holds of it */
-};
 
 /* One daemon and the loop thread that runs it. */
 struct shard {
@@ -58,11 +49,8 @@ struct shard {
 };
 
 struct gw_front {
-    pthread_mutex_t mu; /* guards tracks */
-    struct conn_track *tracks;
-    pthread_t watchdog;
-    atomic_bool stop;
-    const struct conf *conf; /* the start-time configuration: listen, pool size, limits that need a restart */
+    struct gw_conntrack *conns; /* the request-read and answer-write deadlines */
+    const struct conf *conf;    /* the start-time configuration: listen, pool size, limits that need a restart */
     struct shard *shards;
     size_t nshards;
     MHD_socket lsock; /* the listening socket, shared by every daemon */
@@ -92,7 +80,7 @@ struct req {
     struct gw_conf *cref;      /* the configuration this request is served under (one reference) */
 };
 
-static struct conn_track *track_of(struct MHD_Connection *c);
+static struct gw_conn *track_of(struct MHD_Connection *c);
 
 void gw_mhd_log(void *cls, const char *fmt, va_list ap)
 {
@@ -169,17 +157,9 @@ static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum 
 {
     struct req *r = *req_cls;
     *req_cls = NULL;
-    struct conn_track *t = c ? track_of(c) : NULL;
-    if (t && toe != MHD_REQUEST_TERMINATED_COMPLETED_OK && atomic_load(&t->answering) && t->fd >= 0) {
-        /* an answer cut (libmicrohttpd's idle timeout, the watchdog, an error): libmicrohttpd closes the socket
-         * next; a reset then drops what the kernel still holds of the answer for a reader that stopped */
-        struct linger lg = {.l_onoff = 1, .l_linger = 0};
-        (void)setsockopt(t->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
-    }
-    if (t) { /* a keep-alive connection now waits for its next request: the deadline runs again */
-        atomic_store(&t->answering, false);
-        atomic_store(&t->reading_since, cm_now_ms());
-    }
+    struct gw_conn *t = c ? track_of(c) : NULL;
+    if (t) /* a keep-alive connection now waits for its next request: the deadline runs again; a cut answer resets */
+        gw_conn_request_done(t, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK);
     /* A submitted job is only ever completed after the loop resumed it. */
     if (r && r->stage == STAGE_SUBMITTED && !atomic_load(&r->job.done)) {
         cm_log(CM_ERROR, "bug", "msg=\"request completed while in the pipeline\"");
@@ -191,7 +171,7 @@ static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum 
     req_free(r);
 }
 
-static struct conn_track *track_of(struct MHD_Connection *c)
+static struct gw_conn *track_of(struct MHD_Connection *c)
 {
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
     return ci ? ci->socket_context : NULL;
@@ -205,71 +185,18 @@ static void conn_notify(void *cls, struct MHD_Connection *c, void **socket_ctx, 
         atomic_fetch_add(&sh->open, 1);
         long prev = atomic_fetch_add(&f->connections, 1);
         cm_metric_connections(1);
-        struct conn_track *t = cm_calloc(1, sizeof *t);
         const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-        t->fd = ci ? ci->connect_fd : -1;
+        struct gw_conn *t = gw_conntrack_add(f->conns, ci ? ci->connect_fd : -1);
         t->over_limit = prev >= (long)f->conf->max_connections;
-        atomic_store(&t->reading_since, cm_now_ms());
-        pthread_mutex_lock(&f->mu);
-        t->next = f->tracks;
-        if (f->tracks)
-            f->tracks->prev = t;
-        f->tracks = t;
-        pthread_mutex_unlock(&f->mu);
         *socket_ctx = t;
     } else {
         atomic_fetch_sub(&sh->open, 1);
         atomic_fetch_sub(&f->connections, 1);
         cm_metric_connections(-1);
-        struct conn_track *t = *socket_ctx;
+        /* MHD notifies CLOSED before it closes the socket: the watchdog never sees a reused fd */
+        gw_conntrack_remove(f->conns, *socket_ctx);
         *socket_ctx = NULL;
-        if (t) { /* MHD notifies CLOSED before it closes the socket: the watchdog never sees a reused fd */
-            pthread_mutex_lock(&f->mu);
-            if (t->prev)
-                t->prev->next = t->next;
-            else
-                f->tracks = t->next;
-            if (t->next)
-                t->next->prev = t->prev;
-            pthread_mutex_unlock(&f->mu);
-            free(t);
-        }
     }
-}
-
-/* Shuts down the connections that have been reading one request (or waiting for the next one) for longer than
- * client_timeout: MHD's connection timeout is an idle timeout that every received byte resets (slowloris). MHD
- * then reads EOF and closes the connection itself. */
-static void *watchdog_main(void *arg)
-{
-    struct gw_front *f = arg;
-    while (!atomic_load(&f->stop)) {
-        struct timespec ts = {0, 200 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-        uint64_t now = cm_now_ms();
-        size_t shut = 0;
-        pthread_mutex_lock(&f->mu);
-        for (struct conn_track *t = f->tracks; t; t = t->next) {
-            uint64_t since = atomic_load(&t->reading_since);
-            if (!t->shut && t->fd >= 0 && cm_overdue(since, now, f->conf->client_timeout_ms)) {
-                shutdown(t->fd, SHUT_RDWR);
-                if (atomic_load(&t->answering)) {
-                    /* A shutdown leaves the answer queued in the kernel, and libmicrohttpd notices it only at its next
-                     * send, when a slow reader has made room: disconnect (Linux: connect(AF_UNSPEC) resets the
-                     * connection and drops its queues), so that the socket reports the hang-up at once. */
-                    struct sockaddr sa = {.sa_family = AF_UNSPEC};
-                    (void)connect(t->fd, &sa, sizeof sa);
-                }
-                t->shut = true;
-                shut++;
-            }
-        }
-        pthread_mutex_unlock(&f->mu);
-        if (shut)
-            cm_log(CM_INFO, "client_timeout", "connections=%zu timeout_ms=%llu", shut,
-                   (unsigned long long)f->conf->client_timeout_ms);
-    }
-    return NULL;
 }
 
 /* ---- the raw header block (libmicrohttpd 0.9.75 parses it in place; see README "Security")
@@ -402,11 +329,9 @@ static bool method_case_variant(const char *m)
  * now the watchdog counts the time its answer takes to be written (completed() starts the keep-alive wait). */
 static void answer_deadline(struct MHD_Connection *c)
 {
-    struct conn_track *t = track_of(c);
-    if (t) {
-        atomic_store(&t->answering, true);
-        atomic_store(&t->reading_since, cm_now_ms());
-    }
+    struct gw_conn *t = track_of(c);
+    if (t)
+        gw_conn_answering(t);
 }
 
 /* A HEAD answer's Content-Length, as the upstream sent it (or as stored): libmicrohttpd 0.9.75 writes
@@ -855,7 +780,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         job->upstream = &conf->upstreams[conf->default_upstream];
     } /* else CM_ROUTE_NONE, as set at the request line */
 
-    struct conn_track *t = track_of(c);
+    struct gw_conn *t = track_of(c);
     if (t && t->over_limit)
         return reject(r, c, 503, "too-many-connections", "Too many connections",
                       "the gateway is at its connection limit; retry later", CM_OUT_ERROR);
@@ -1021,9 +946,9 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     }
     build_forward_headers(r, c);
     cm_hdrs_free(&r->in_hdrs);
-    struct conn_track *t = track_of(c);
+    struct gw_conn *t = track_of(c);
     if (t)
-        atomic_store(&t->reading_since, 0);
+        gw_conn_waiting(t);
     r->stage = STAGE_SUBMITTED;
     atomic_fetch_add(&r->shard->f->suspended, 1);
     MHD_suspend_connection(c);
@@ -1399,7 +1324,7 @@ static void front_free(struct gw_front *f)
     if (f->lsock != MHD_INVALID_SOCKET && !f->lsock_closed)
         close(f->lsock);
     free(f->shards);
-    pthread_mutex_destroy(&f->mu);
+    gw_conntrack_stop(f->conns); /* after the daemons: they told it of every close */
     free(f);
 }
 
@@ -1407,11 +1332,14 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
 {
     struct gw_front *f = cm_calloc(1, sizeof *f);
     f->conf = conf;
-    pthread_mutex_init(&f->mu, NULL);
     f->lsock = MHD_INVALID_SOCKET;
     struct sockaddr_storage ss;
     if (!make_addr(&conf->listen, &ss, err)) {
-        pthread_mutex_destroy(&f->mu);
+        free(f);
+        return NULL;
+    }
+    f->conns = gw_conntrack_start(conf->client_timeout_ms, "front", err);
+    if (!f->conns) {
         free(f);
         return NULL;
     }
@@ -1460,15 +1388,6 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
             return NULL; /* a loop is stuck: leak rather than race it */
         }
     }
-    if (pthread_create(&f->watchdog, NULL, watchdog_main, f) != 0) {
-        *err = cm_asprintf("cannot start the front watchdog thread");
-        bool all = front_stop_accepting(f);
-        for (size_t i = 0; i < f->nshards; i++)
-            all = on_loop(&f->shards[i], shard_detach) && all;
-        if (all)
-            front_free(f);
-        return NULL;
-    }
     return f;
 }
 
@@ -1496,8 +1415,6 @@ void gw_front_stop(struct gw_front *f)
 {
     if (!f)
         return;
-    atomic_store(&f->stop, true);
-    pthread_join(f->watchdog, NULL);
     (void)front_stop_accepting(f);
     for (size_t i = 0; i < f->nshards; i++)
         (void)on_loop(&f->shards[i], shard_detach);

@@ -1326,6 +1326,62 @@ Test(hostile, answers_nobody_reads_are_bounded_by_limits_buffers)
     expect_serving(gw, "after the burst");
 }
 
+/* ---- the admin listener under slowloris (SPEC 7) */
+
+/* 1000 connections trickle a request's head at the admin listener, a byte a second: /healthz, /readyz and /metrics
+ * still answer within a second each, and the trickling connections are cut after client_timeout, as the front's
+ * are. Before: 256 such connections (its connection limit) kept /readyz unanswered for as long as they ran. */
+Test(hostile, admin_answers_while_a_thousand_connections_trickle)
+{
+    raise_nofile();
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(conf_main, &up, &gw);
+    e2e_gw_wait_ready(gw);
+    enum { N = 1000 };
+    int *fds = calloc(N, sizeof *fds);
+    cr_assert_not_null(fds);
+    for (size_t i = 0; i < N; i++) {
+        fds[i] = tcp_connect(gw->admin_port);
+        (void)send(fds[i], "GET /healthz HTTP/1.1\r\n", 23, MSG_NOSIGNAL);
+    }
+    static const char *const paths[] = {"/healthz", "/readyz", "/metrics"};
+    size_t slow = 0, asked = 0;
+    uint64_t t0 = e2e_now_ms();
+    for (int round = 0; round < 4; round++) {
+        for (size_t i = 0; i < N; i++) /* a byte a second from every attacker */
+            (void)send(fds[i], "X", 1, MSG_NOSIGNAL);
+        for (size_t p = 0; p < 3; p++) {
+            struct e2e_req rq = {.path = paths[p], .timeout_ms = 1500};
+            struct e2e_resp r;
+            e2e_http(gw->admin_port, &rq, &r);
+            asked++;
+            if (r.status != 200 || r.seconds >= 1.0) {
+                slow++;
+                cr_log_error("round %d %s: %ld after %.2f s (%s)", round, paths[p], r.status, r.seconds, r.error);
+            }
+            e2e_resp_free(&r);
+        }
+        e2e_sleep_ms(700);
+    }
+    cr_expect_eq(slow, 0,
+                 "%zu of %zu admin requests were not answered 200 within a second under 1000 trickling "
+                 "connections",
+                 slow, asked);
+    /* client_timeout (2 s) has passed for every one of them: cut */
+    e2e_sleep_ms((int)(t0 + CLOSE_BOUND_MS + 1000 > e2e_now_ms() ? t0 + CLOSE_BOUND_MS + 1000 - e2e_now_ms() : 0));
+    size_t open = 0;
+    for (size_t i = 0; i < N; i++) {
+        char b[256];
+        ssize_t got = recv(fds[i], b, sizeof b, MSG_DONTWAIT);
+        open += got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+        close(fds[i]);
+    }
+    free(fds);
+    cr_expect_eq(open, 0, "%zu of %d trickling admin connections still open after client_timeout", open, N);
+    e2e_gw_assert_alive(gw, "after the admin slowloris");
+}
+
 /* ---- out of file descriptors */
 
 /* clang-format off */
