@@ -32,9 +32,11 @@
 #define DOUBT_MAX               1024 /* claims in doubt remembered per store (loop) */
 #define DOUBT_BACKOFF_MIN_MS    100
 #define DOUBT_BACKOFF_MAX_MS    2000
-#define PROBE_EVERY_MS          300  /* the health probe's period */
-#define PROBE_IDLE_MS           250  /* pings only when Postgres has not answered anything for this long */
-#define HEALTHY_WITHIN_MS       1000 /* /readyz: the last answer is at most this old */
+#define PROBE_EVERY_MS          300   /* the health probe's period */
+#define CLOCK_EVERY_MS          10000 /* Postgres's clock is read this often (store_clock_ms) */
+#define CLOCK_MAX_RTT_MS        500   /* a reading whose round trip took longer is not used */
+#define PROBE_IDLE_MS           250   /* pings only when Postgres has not answered anything for this long */
+#define HEALTHY_WITHIN_MS       1000  /* /readyz: the last answer is at most this old */
 #define COMPLETE_BACKOFF_MIN_MS 50
 #define COMPLETE_BACKOFF_MAX_MS 1000
 #define CLEAN_FIRST_MS          1000
@@ -126,6 +128,7 @@ enum stmt_id {
     S_DOUBT_ALIVE,
     S_DOUBT_RELEASE,
     S_PING,
+    S_CLOCK,
     S_PROBE_TAKE,
     S_PROBE_LIST,
     S_EPOCH_BUMP,
@@ -381,6 +384,8 @@ static const struct store_pg_stmt stmts[S__COUNT] = {
     [S_DOUBT_ALIVE] = {"idg_doubt_alive", sql_doubt_alive, 2, doubt_alive_types, 0, NULL, NULL, NULL},
     [S_DOUBT_RELEASE] = {"idg_doubt_release", sql_doubt_release, 4, release_types, 3, NULL, NULL, NULL},
     [S_PING] = {"idg_ping", "SELECT 1", 0, NULL, 0, NULL, NULL, NULL},
+    [S_CLOCK] = {"idg_clock", "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8", 0, NULL, 0, NULL, NULL,
+                 NULL},
     [S_PROBE_TAKE] = {"idg_probe_take", sql_probe_take, 6, probe_take_types, 3, NULL, NULL, NULL},
     [S_PROBE_LIST] = {"idg_probe_list", sql_probe_list, 2, probe_list_types, 0, NULL, NULL, NULL},
     [S_EPOCH_BUMP] = {"idg_epoch_bump", sql_epoch_bump, 0, NULL, 0, NULL, NULL, NULL},
@@ -417,7 +422,10 @@ struct store {
     uint64_t doubt_backoff_ms;
     bool doubt_busy; /* a query for doubt_head runs */
     struct event *probe_timer;
-    bool probing; /* a ping runs */
+    bool probing;           /* a ping runs */
+    bool clocking;          /* a reading of Postgres's clock runs */
+    uint64_t clock_sent_ms; /* it was sent then (cm_now_ms) */
+    uint64_t clock_read_ms; /* the last usable reading came then (0: none yet) */
     /* the ordering guard (store/order.c): its statements follow ours in the pool's table */
     struct store_pg_stmt all_stmts[S__COUNT + STORE_ORDER_NSTMTS];
     struct store_order *order;
@@ -463,10 +471,11 @@ struct claim_op {
     bool marker_ours;         /* our SET NX placed the in-flight marker */
     uint8_t seen[MARKER_LEN]; /* the marker SET NX GET found instead (a cache refill compares against it) */
     bool seen_marker;
-    bool seen_stale;       /* SET NX GET found an answer that may not be used (older than a purge, or unverifiable) */
-    uint64_t epoch;        /* the purge epoch known when the claim was sent: what a refill carries */
-    uint64_t sent_wall_ms; /* the last attempt was sent then (wall clock: a Redis entry's expiry) */
-    uint64_t sent_ms;      /* the same, cm_now_ms */
+    bool seen_stale; /* SET NX GET found an answer that may not be used (older than a purge, or unverifiable) */
+    uint64_t epoch;  /* the purge epoch known when the claim was sent: what a refill carries */
+    uint64_t
+        sent_pg_ms;   /* the last attempt was sent then, on Postgres's clock (store_clock_ms): a Redis entry's expiry */
+    uint64_t sent_ms; /* the same, cm_now_ms */
     int doubt_pids[CLAIM_ATTEMPTS]; /* attempts that may have committed (timeout, connection lost) */
     int ndoubt;
     uint64_t doubt_sent_ms; /* cm_now_ms */
@@ -857,7 +866,7 @@ static void claim_answer_pg(struct claim_op *c, struct store_claim_res *res, con
         /* Redis keeps it a margin less than Postgres does: a key Postgres may give again must not find it there. */
         uint64_t ttl = res->expires_in_ms > REDIS_EXPIRY_MARGIN_MS ? res->expires_in_ms - REDIS_EXPIRY_MARGIN_MS : 0;
         redis_cache(c->h.s, c->rkey, c->marker_ours ? mine : c->seen, c->seen_stale ? 0 : MARKER_LEN, c->fp, blob,
-                    blob_len, ttl, c->sent_wall_ms + res->expires_in_ms, c->epoch);
+                    blob_len, ttl, c->sent_pg_ms + res->expires_in_ms, c->epoch);
     }
     claim_answer(c, res);
 }
@@ -1012,7 +1021,7 @@ static void claim_pg(struct claim_op *c)
         {ret, 8, true},
         {&takeover, 1, true},
     };
-    c->sent_wall_ms = cm_wall_ms();
+    c->sent_pg_ms = store_clock_ms();
     c->sent_ms = cm_now_ms();
     store_pg_query(s->pg, S_CLAIM, p, 8, 1, claim_pg_cb, c);
 }
@@ -1032,7 +1041,7 @@ static bool claim_from_redis(struct claim_op *c, const redisReply *r, struct sto
     memset(res, 0, sizeof *res);
     res->from_redis = true;
     /* what is left of the record, less a margin for the clocks of the hosts that wrote and read it */
-    uint64_t exp = rd_be64(v + 33), now = cm_wall_ms();
+    uint64_t exp = rd_be64(v + 33), now = store_clock_ms(); /* both on Postgres's clock (SPEC 8, one clock) */
     res->expires_in_ms = exp > now + REDIS_EXPIRY_MARGIN_MS ? exp - now - REDIS_EXPIRY_MARGIN_MS : 0;
     if (memcmp(v + 1, c->fp, 32) != 0) {
         cm_resp_init(&res->resp, 0);
@@ -1981,13 +1990,50 @@ static void probe_cb(void *arg, enum store_pg_status st, const PGresult *pr, con
     s->probing = false;
 }
 
+/* ---- Postgres's clock, as this process reads it (SPEC 8, one clock) */
+
+/* Postgres's wall clock less this process's monotonic one (ms), from the latest reading of any loop. */
+static _Atomic int64_t pg_clock_offset;
+static atomic_bool pg_clock_known;
+
+uint64_t store_clock_ms(void)
+{
+    if (!atomic_load_explicit(&pg_clock_known, memory_order_acquire))
+        return cm_wall_ms();
+    return (uint64_t)((int64_t)cm_now_ms() + atomic_load_explicit(&pg_clock_offset, memory_order_relaxed));
+}
+
+static void clock_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct store *s = arg;
+    (void)msg;
+    s->clocking = false;
+    uint64_t now = cm_now_ms();
+    if (st != STORE_PG_OK || PQntuples(pr) != 1 || now - s->clock_sent_ms > CLOCK_MAX_RTT_MS)
+        return; /* read again at the next probe tick */
+    int64_t pg_ms = strtoll(PQgetvalue(pr, 0, 0), NULL, 10);
+    if (pg_ms <= 0)
+        return;
+    /* the server read its clock somewhere in the round trip: its middle is off by at most half of it */
+    int64_t mid = (int64_t)(s->clock_sent_ms + (now - s->clock_sent_ms) / 2);
+    atomic_store_explicit(&pg_clock_offset, pg_ms - mid, memory_order_relaxed);
+    atomic_store_explicit(&pg_clock_known, true, memory_order_release);
+    s->clock_read_ms = now;
+}
+
 /* Every PROBE_EVERY_MS: a cheap SELECT 1 when nothing else showed that the
- * server answers (a busy pool proves it with every result). */
+ * server answers (a busy pool proves it with every result); and Postgres's
+ * clock every CLOCK_EVERY_MS. */
 static void probe_timer_cb(evutil_socket_t fd, short what, void *arg)
 {
     struct store *s = arg;
     (void)fd;
     (void)what;
+    if (!s->clocking && (s->clock_read_ms == 0 || cm_now_ms() - s->clock_read_ms >= CLOCK_EVERY_MS)) {
+        s->clocking = true;
+        s->clock_sent_ms = cm_now_ms();
+        store_pg_query(s->pg, S_CLOCK, NULL, 0, 0, clock_cb, s);
+    }
     if (s->probing || cm_now_ms() - store_pg_last_ok_ms(s->pg) < PROBE_IDLE_MS)
         return;
     s->probing = true;

@@ -57,6 +57,12 @@ void store_epoch_set_current(struct store_epoch *e, bool current);
 /* Gives the store the process's epoch (NULL: none, then no Redis answer is ever used). Call before the loop runs. */
 void store_set_epoch(struct store *s, struct store_epoch *e);
 
+/* Postgres's wall clock (ms since the epoch) as this process reads it: the monotonic clock plus the offset of the
+ * latest reading (every 10 s, SELECT clock_timestamp(), off by at most half its round trip); the local wall clock
+ * before the first reading. Expiries that travel between gateways (a Redis entry's) are written and read on it, so
+ * that gateways whose clocks disagree agree on them (SPEC 8, one clock). Any thread. */
+uint64_t store_clock_ms(void);
+
 /* Thread-safe readers for /readyz and metrics. store_postgres_healthy: this
  * store's pool heard from Postgres within the last second (a health probe
  * pings it every 300 ms when nothing else did) and found no fault since. */

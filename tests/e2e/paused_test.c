@@ -464,3 +464,37 @@ Test(paused, a_claim_in_doubt_with_a_clock_60s_behind)
 {
     claim_in_doubt_with_clock(-60000);
 }
+
+/* ---- suspected: the in-process replay cache's expiry under skew */
+
+/* B executes k (retention 3 s); A, whose cache has no k, replays it from Postgres and refills Redis with the
+ * record's expiry; C, whose wall clock is 60 s behind, replays k from Redis and keeps it in its in-process replay
+ * cache. That entry must end with the record (on Postgres's clock), not 60 s later: after retention k is new. */
+Test(paused, a_replay_cache_filled_from_redis_ends_with_the_record_under_skew)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    const char *idem = "      key: required\n      retention: 3s\n";
+    struct e2e_gw *b = gw_start(up, "10s", idem, 0);
+    struct e2e_gw *a = gw_start(up, "10s", idem, 0);
+    struct e2e_gw *c = gw_start(up, "10s", idem, -60000);
+    e2e_sleep_ms(1000); /* every gateway has read Postgres's clock */
+    char k[96];
+    e2e_mkkey(k, sizeof k, "skewcache");
+    struct e2e_resp r;
+    post(b->port, "/v1/pay/k", k, NULL, &r);
+    cr_assert_eq(r.status, 200, "B executes: %ld", r.status);
+    e2e_resp_free(&r);
+    post(a->port, "/v1/pay/k", k, NULL, &r);
+    cr_assert(r.status == 200 && e2e_resp_is_replay(&r), "A replays from Postgres: %ld", r.status);
+    e2e_resp_free(&r);
+    post(c->port, "/v1/pay/k", k, NULL, &r);
+    cr_assert(r.status == 200 && e2e_resp_is_replay(&r), "C replays: %ld", r.status);
+    e2e_resp_free(&r);
+    e2e_sleep_ms(4000); /* past the retention (3 s) */
+    post(c->port, "/v1/pay/k", k, NULL, &r);
+    cr_expect(r.status == 200 && !e2e_resp_is_replay(&r),
+              "after its retention the key is new at C (never replayed from C's cache): %ld replay=%d", r.status,
+              e2e_resp_is_replay(&r));
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, k), 2, "executed again after the retention");
+}
