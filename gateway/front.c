@@ -67,7 +67,14 @@ struct req {
     struct shard *shard; /* its daemon and loop; shard->f the front */
     enum stage stage;
     bool body_too_large;
-    bool body_over_budget;  /* limits.buffers was reached while the body was read */
+    bool body_over_budget; /* limits.buffers was reached while the body was read */
+    /* A chunked body's framing, which libmicrohttpd 0.9.75 reads leniently (see chunk_framing_ok): the body's bytes
+     * follow the header block in its read buffer, from body_base; data_end is the end of the last piece it handed
+     * over; chunk_why says why the framing is refused (NULL while it is sound). */
+    bool chunked;
+    const char *body_base;
+    const char *data_end;
+    const char *chunk_why;
     struct cm_hdrs in_hdrs; /* as received, in order */
     /* The request target as the URI log callback saw it: where it sits in MHD's read buffer and its strlen then
      * (before MHD cut the query off; a NUL inside makes it short), and what cm_target_parse made of it. */
@@ -896,8 +903,89 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
                           CM_OUT_ERROR);
         job->ordered = false; /* mode: shadow refuses nothing (SPEC 10): forwarded, the guard not consulted */
     }
+    if (cm_hdrs_get(&r->in_hdrs, "Transfer-Encoding")) { /* exactly "chunked" by now */
+        r->chunked = true;
+        r->body_base = method + header_block_size(c);
+    }
     r->stage = STAGE_BODY;
     return MHD_YES;
+}
+
+/* ---- chunked framing (SPEC 7): libmicrohttpd 0.9.75 takes a bare LF for CR LF after a chunk size, a chunk
+ * extension and a chunk's data (process_request_body: "TODO: Add an option to disallow bare LF";
+ * MHD_OPTION_STRICT_FOR_CLIENT does not reach that code), and parses trailers with its header-line code (obs-fold is
+ * appended to the field's name; Content-Length is kept as a footer). A server in front of the gateway that reads
+ * the framing strictly would see other message boundaries. The body parser leaves the framing in its read buffer,
+ * which starts right after the header block and is compacted back to there after each pass, and hands each chunk's
+ * data over as a pointer into it: the bytes it consumed before a piece are either what follows the previous piece
+ * (same pass) or what starts the buffer (a new pass), and one of them must be exactly the framing. */
+
+/* from[0..n) is a chunk's framing as RFC 9112 7.1 has it: optionally the CR LF ending the previous chunk's data, then
+ * (unless n is 0: the same chunk goes on) a chunk-size line: 1*HEXDIG, optionally ";" and an extension of visible
+ * ASCII, SP or HTAB, and CR LF. */
+static bool chunk_gap_ok(const char *from, size_t n)
+{
+    size_t i = 0;
+    if (n >= 2 && from[0] == '\r' && from[1] == '\n')
+        i = 2;
+    if (i == n)
+        return true;
+    size_t hex = 0;
+    while (i < n && isxdigit((unsigned char)from[i]))
+        i++, hex++;
+    if (hex == 0)
+        return false;
+    if (i < n && from[i] == ';')
+        while (i < n && ((from[i] > 0x20 && from[i] < 0x7f) || from[i] == ' ' || from[i] == '\t'))
+            i++;
+    return n - i == 2 && from[i] == '\r' && from[i + 1] == '\n';
+}
+
+#define CHUNK_GAP_MAX 1024 /* a chunk-size line with its extension, at most */
+
+/* The framing libmicrohttpd consumed before the body piece at data is sound (bounded reads inside its read buffer:
+ * body_base .. data). */
+static bool chunk_framing_ok(const struct req *r, const char *data)
+{
+    uintptr_t d = (uintptr_t)data, base = (uintptr_t)r->body_base, prev = (uintptr_t)r->data_end;
+    if (!r->body_base || d < base)
+        return false; /* not the layout this check knows: fail closed */
+    if (r->data_end && prev >= base && prev <= d && d - prev <= CHUNK_GAP_MAX && chunk_gap_ok(r->data_end, d - prev))
+        return true;
+    return d - base <= CHUNK_GAP_MAX && chunk_gap_ok(r->body_base, d - base);
+}
+
+/* Trailer fields that would change how the message is framed, routed or read if anybody merged them */
+static bool trailer_forbidden(const char *name)
+{
+    static const char *const names[] = {"Content-Length", "Transfer-Encoding", "Host",         "Trailer",
+                                        "Content-Type",   "Content-Encoding",  "Content-Range"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strcasecmp(name, names[i]) == 0)
+            return true;
+    return false;
+}
+
+/* Each trailer: a token name not in trailer_forbidden, a sound value, and the two where libmicrohttpd parsed them in
+ * place: the value right after the name's NUL (the colon) and its OWS. A folded trailer's name was moved into a new
+ * allocation (0.9.75's process_broken_line), so its value is not there. At most 64 bytes after the name are read. */
+static enum MHD_Result trailer_check(void *cls, enum MHD_ValueKind kind, const char *key, size_t klen,
+                                     const char *value, size_t vlen)
+{
+    const char **why = cls;
+    if (*why)
+        return MHD_NO;
+    const char *s = key + klen + 1;
+    bool adjacent = value && (uintptr_t)value >= (uintptr_t)s && (uintptr_t)value - (uintptr_t)s <= 64;
+    for (; adjacent && s < value; s++)
+        adjacent = *s == ' ' || *s == '\t';
+    if (!adjacent || key[klen] != '\0')
+        *why = "a chunked body's trailer is folded (obs-fold)";
+    else if (!cm_token_ok(key, klen) || !cm_field_value_ok(value, vlen))
+        *why = "a chunked body's trailer is malformed";
+    else if (trailer_forbidden(key))
+        *why = "a chunked body's trailer names a framing or routing field";
+    return *why ? MHD_NO : MHD_YES;
 }
 
 /* Final call: the body is in; hash it and hand the job to the loop. */
@@ -907,6 +995,10 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     if (r->body_too_large)
         return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
                       CM_OUT_TOO_LARGE);
+    if (r->chunked && !r->chunk_why)
+        MHD_get_connection_values_n(c, MHD_FOOTER_KIND, trailer_check, &r->chunk_why);
+    if (r->chunk_why) /* 400 closes the connection */
+        return reject(r, c, 400, "bad-request", "Bad request", r->chunk_why, CM_OUT_ERROR);
     if (r->body_over_budget)
         return shed_buffers(r, c);
     if (job->ordered && job->route->ordering.source == CONF_SEQ_JSON &&
@@ -974,6 +1066,9 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
     /* fall through */
     case STAGE_BODY:
         if (*upload_data_size) {
+            if (r->chunked && !r->chunk_why && !chunk_framing_ok(r, upload_data))
+                r->chunk_why = "chunked framing with a bare LF, or a chunk extension that is not visible ASCII";
+            r->data_end = upload_data + *upload_data_size;
             if (!r->body_too_large && !r->body_over_budget &&
                 !cm_buf_append(&r->job.body, upload_data, *upload_data_size)) {
                 /* over max_body, or (within it) over what limits.buffers has left */

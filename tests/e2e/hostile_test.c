@@ -701,6 +701,65 @@ Test(hostile, malformed_chunked_bodies_are_refused_and_not_forwarded)
 }
 
 /* A chunked body: the given chunk sizes, each filled with fill (heap; *len set). */
+/* SPEC 7: chunked framing that libmicrohttpd 0.9.75 reads leniently (a bare LF ending a chunk-size line or a chunk's
+ * data, a bare LF ending a chunk extension, a trailer folded or naming a framing field) is 400 bad-request, the
+ * connection closed, nothing forwarded; they were forwarded. Sound chunked bodies (an extension, a harmless trailer,
+ * the body split over several writes) still pass. */
+Test(hostile, lenient_chunked_framing_is_refused_and_the_connection_closed)
+{
+    struct e2e_upstream *up;
+    struct e2e_gw *gw;
+    e2e_start(conf_main, &up, &gw);
+    static const int ok_400[] = {400, 0};
+#define CHUNKED_HEAD "POST /hostile/chunked HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    static const struct {
+        const char *what;
+        const char *req;
+    } cases[] = {
+        {"bare LF after the chunk size", CHUNKED_HEAD "5\nhello\r\n0\r\n\r\n"},
+        {"bare LF after a chunk's data", CHUNKED_HEAD "5\r\nhello\n5\r\nworld\r\n0\r\n\r\n"},
+        {"bare LF after the second chunk size", CHUNKED_HEAD "5\r\nhello\r\n5\nworld\r\n0\r\n\r\n"},
+        {"bare LF ending a chunk extension", CHUNKED_HEAD "5;a=b\nhello\r\n0\r\n\r\n"},
+        {"trailer with obs-fold", CHUNKED_HEAD "5\r\nhello\r\n0\r\nX-T: a\r\n b\r\n\r\n"},
+        {"trailer Content-Length", CHUNKED_HEAD "5\r\nhello\r\n0\r\nContent-Length: 5\r\n\r\n"},
+        {"trailer Transfer-Encoding", CHUNKED_HEAD "5\r\nhello\r\n0\r\nTransfer-Encoding: chunked\r\n\r\n"},
+        {"keyed, bare LF after the chunk size",
+         "POST /v1/pay/chunked HTTP/1.1\r\nHost: a\r\nIdempotency-Key: lf-chunk\r\nTransfer-Encoding: chunked\r\n\r\n"
+         "5\nhello\r\n0\r\n\r\n"},
+    };
+    long before = e2e_upstream_count(up, NULL);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        struct conv c;
+        converse(gw->port, cases[i].req, strlen(cases[i].req), WATCH_MS, &c);
+        expect_refused(&c, ok_400, CLOSE_BOUND_MS, cases[i].what);
+        conv_free(&c);
+        cr_expect_eq(e2e_upstream_count(up, NULL), before, "%s: reached the upstream", cases[i].what);
+    }
+    static const char *const good[] = {
+        CHUNKED_HEAD "5;a=b\r\nhello\r\n0\r\n\r\n",
+        CHUNKED_HEAD "5\r\nhello\r\n6\r\n world\r\n0\r\nX-T: a\r\n\r\n",
+        CHUNKED_HEAD "5\r\nhello\r\n0;x\r\n\r\n",
+    };
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        struct e2e_raw r;
+        e2e_raw_send(gw->port, good[i], strlen(good[i]), 5000, &r);
+        cr_expect_eq(r.status, 200, "sound chunked body %zu: %.200s", i, r.data ? r.data : "");
+        free(r.data);
+    }
+    /* split over several writes, at every kind of boundary */
+    static const char *const parts[] = {CHUNKED_HEAD "5", "\r",          "\nhel", "lo\r", "\n",
+                                        "6\r\n wor",      "ld\r\n0\r\n", "\r\n"};
+    int fd = tcp_connect(gw->port);
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+        cr_expect_eq(send(fd, parts[i], strlen(parts[i]), MSG_NOSIGNAL), (ssize_t)strlen(parts[i]));
+        e2e_sleep_ms(50);
+    }
+    cr_expect_eq(peek_status(fd, 5000), 200, "a sound chunked body sent in pieces");
+    close(fd);
+#undef CHUNKED_HEAD
+    expect_serving(gw, "after lenient chunked framing");
+}
+
 static char *chunked_request(const char *target, const char *extra, const size_t *sizes, size_t n, char fill,
                              size_t *len)
 {
