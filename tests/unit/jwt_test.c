@@ -502,3 +502,42 @@ Test(jwt_conf, refused)
         free(err);
     }
 }
+
+/* Scopes stored by earlier builds must keep matching: jwt: parts hash to these values (computed before the request
+ * part reader, gateway/parts.c, existed). */
+Test(jwt, scope_hashes_pinned)
+{
+    static const struct {
+        const char *iss; /* jwt.issuer */
+        const char *payload, *claim, *hex;
+    } cases[] = {
+        {NULL, "{\"sub\":\"u\",\"exp\":1900000100}", "sub",
+         "ea6bc97e3b3c5aa6b16767a40f5e99a5dfefd3f8a014fb8cfc99e77756849f02"},
+        {NULL, "{\"sub\":\"u\",\"iss\":\"https://a.test\",\"exp\":1900000100}", "sub",
+         "804251d7179c38e51428d436b79b34b085c982b224184e373fe762456b51f6a3"},
+        {NULL, "{\"sub\":123,\"exp\":1900000100}", "sub",
+         "1fc7b981bd23838657349b468dd27eaaaad54b872472cfd54089c60cb5dfbda0"},
+        {NULL, "{\"org\":{\"b\":2,\"a\":[1,\"x\"]},\"exp\":1900000100}", "org",
+         "c9f713b159f48d12cf005b4f17bcb54945254d85d26153b7bf9de2d3e161c15e"},
+        {NULL, "{\"sub\":\"u\",\"exp\":1900000100}", "tenant",
+         "565d85e1b214a5c38a81bde28017b6a17e7234a86821ebc8b6b43032ee059365"},
+        {"https://a.test", "{\"sub\":\"u\",\"iss\":\"https://a.test\",\"exp\":1900000100}", "sub",
+         "ce9beefd8503648d8a1b80f68f7cc8776cacc94e6bc31fa4f2bec3b42f3ebafc"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        struct gw_jwt *j = verifier(cases[i].iss, NULL);
+        struct gw_jwt_claims *cl = NULL;
+        cr_assert_eq(gw_jwt_verify(j, token("HS256", NULL, "{\"alg\":\"HS256\"}", cases[i].payload), NOW, &cl),
+                     GW_JWT_OK);
+        struct conf_part parts[] = {{CONF_PART_METHOD, NULL}, {CONF_PART_JWT, (char *)cases[i].claim}};
+        struct gw_reqparts rp = {.method = "POST", .path = "/", .query = "", .jwt = cl};
+        uint8_t h[32];
+        char got[65];
+        gw_hash_parts(parts, 2, &rp, h);
+        for (size_t k = 0; k < 32; k++)
+            snprintf(got + 2 * k, 3, "%02x", h[k]);
+        cr_expect_str_eq(got, cases[i].hex, "case %zu: %s", i, got);
+        gw_jwt_claims_free(cl);
+        gw_jwt_destroy(j);
+    }
+}
