@@ -84,6 +84,7 @@ struct req {
     bool long_target_parsed; /* target_res TOO_LONG, but the path is sound: job->path is it, for the route only */
     const char *target_why;
     struct gw_jwt_claims *jwt; /* the verified bearer token of a jwt:CLAIM scope, NULL otherwise */
+    struct gw_reqparts parts;  /* what the key, scope, fingerprint and ordering guard read (parts_of) */
     struct gw_conf *cref;      /* the configuration this request is served under (one reference) */
 };
 
@@ -156,6 +157,7 @@ static void req_free(struct req *r)
     cm_buf_free(&r->job.resp_body);
     gw_pipeline_free(&r->job);
     gw_jwt_claims_free(r->jwt);
+    gw_reqparts_free(&r->parts);
     gw_conf_unref(r->cref);
     free(r);
 }
@@ -755,6 +757,21 @@ static void order_match(struct req *r, const struct conf_route *route, const cha
     job->resource_len = strlen(res);
 }
 
+/* The request's part reader (gateway/parts.h) over what has been read so far. The body only grows until submit,
+ * and nothing asks about it before. */
+static struct gw_reqparts *parts_of(struct req *r)
+{
+    struct gw_reqparts *p = &r->parts;
+    p->method = r->job.method;
+    p->path = r->job.path;
+    p->query = r->job.query;
+    p->body = r->job.body.data;
+    p->body_len = r->job.body.len;
+    p->hdrs = &r->in_hdrs;
+    p->jwt = r->jwt;
+    return p;
+}
+
 /* SPEC 6: is a guarded request's sequence header well formed? false: 400 sequence-invalid (a json: sequence is read
  * from the body in submit). */
 static bool order_headers(struct req *r, const struct conf_route *route)
@@ -762,8 +779,7 @@ static bool order_headers(struct req *r, const struct conf_route *route)
     struct gw_job *job = &r->job;
     if (!job->ordered || route->ordering.source != CONF_SEQ_HEADER)
         return true;
-    const char *v = cm_hdrs_get(&r->in_hdrs, route->ordering.seq_name);
-    return v && header_count(&r->in_hdrs, route->ordering.seq_name) == 1 && gw_seq_parse(v, strlen(v), &job->seq);
+    return gw_seq_from_parts(parts_of(r), CONF_SEQ_HEADER, route->ordering.seq_name, &job->seq);
 }
 
 static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const char *method, const char *version)
@@ -871,23 +887,24 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     /* SPEC 7: two key headers are refused on any request, also one that passes through (a method outside the
      * route's, key: off, the default upstream): which one counts would depend on who reads it. Shadow mode forwards
      * everything. */
+    struct gw_reqparts *parts = parts_of(r);
+    struct gw_value kv; /* a header's value: nothing to release */
     if (!(route && route->idem.mode == CONF_MODE_SHADOW)) {
         const char *kname = route && route->idem.header ? route->idem.header : "Idempotency-Key";
-        if (header_count(&r->in_hdrs, kname) > 1)
+        if (gw_parts_count(parts, GW_PART_HEADER, kname) > 1)
             return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
                           "the request carries more than one idempotency key header", CM_OUT_KEY_INVALID);
     }
     if (keyed && shadow) {
-        const char *raw = cm_hdrs_get(&r->in_hdrs, route->idem.header);
-        job->idempotent = job->shadow = header_count(&r->in_hdrs, route->idem.header) == 1 &&
-                                        gw_key_parse(raw, strlen(raw), job->key, &job->key_len);
+        job->idempotent = job->shadow = gw_parts_count(parts, GW_PART_HEADER, route->idem.header) == 1 &&
+                                        gw_parts_value(parts, GW_PART_HEADER, route->idem.header, 0, &kv) &&
+                                        gw_key_parse(kv.p, kv.n, job->key, &job->key_len);
     } else if (keyed) {
-        const char *raw = cm_hdrs_get(&r->in_hdrs, route->idem.header);
-        if (!raw) {
+        if (!gw_parts_value(parts, GW_PART_HEADER, route->idem.header, 0, &kv)) {
             if (route->idem.key == CONF_KEY_REQUIRED)
                 return reject(r, c, 400, "idempotency-key-missing", "Idempotency key missing",
                               "this route requires an idempotency key header", CM_OUT_KEY_MISSING);
-        } else if (!gw_key_parse(raw, strlen(raw), job->key, &job->key_len)) {
+        } else if (!gw_key_parse(kv.p, kv.n, job->key, &job->key_len)) {
             return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
                           "the key must be 1 to 255 visible ASCII characters, bare or as a quoted sf-string",
                           CM_OUT_KEY_INVALID);
@@ -1001,8 +1018,9 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
         return reject(r, c, 400, "bad-request", "Bad request", r->chunk_why, CM_OUT_ERROR);
     if (r->body_over_budget)
         return shed_buffers(r, c);
+    struct gw_reqparts *parts = parts_of(r); /* the body is in */
     if (job->ordered && job->route->ordering.source == CONF_SEQ_JSON &&
-        !gw_seq_from_json(job->body.data, job->body.len, job->route->ordering.seq_name, &job->seq)) {
+        !gw_seq_from_parts(parts, CONF_SEQ_JSON, job->route->ordering.seq_name, &job->seq)) {
         if (job->route->idem.mode != CONF_MODE_SHADOW)
             return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
                           "the body must be JSON with an integer from 1 to 9223372036854775807 at the ordering "
@@ -1011,14 +1029,13 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
         job->ordered = false; /* mode: shadow refuses nothing (SPEC 10): forwarded, the guard not consulted */
     }
     if (job->idempotent || job->ordered) {
-        struct gw_reqparts parts = {job->method,   job->path,   job->query, job->body.data,
-                                    job->body.len, &r->in_hdrs, r->jwt};
         const struct conf_idem *im = &job->route->idem;
-        gw_hash_parts(im->fingerprint, im->fingerprint_n, &parts, job->fp);
-        gw_hash_parts(im->scope, im->scope_n, &parts, job->scope);
+        gw_hash_parts(im->fingerprint, im->fingerprint_n, parts, job->fp);
+        gw_hash_parts(im->scope, im->scope_n, parts, job->scope);
         if (job->idempotent && im->on_unknown == CONF_UNKNOWN_PROBE) /* SPEC 9: the look-up asks as this tenant */
-            gw_scope_probe_headers(im->scope, im->scope_n, &r->in_hdrs, &job->probe_hdrs);
+            gw_scope_probe_headers(im->scope, im->scope_n, parts, &job->probe_hdrs);
     }
+    gw_reqparts_free(parts); /* nothing reads the request's parts past here: the body's index goes now */
     job->loop = r->shard->loop;
     /* A replay the cache holds is answered now: no suspend, no hand-over, and no forwarding headers built; when
      * the answer can be shared, the cache's prepared one, queued as it is. */

@@ -80,9 +80,18 @@ static void put_u64(struct cm_sha256 *h, uint64_t v)
     cm_sha256_update(h, b, sizeof(b));
 }
 
-static void put_str(struct cm_sha256 *h, const char *s)
+static void put_value(struct cm_sha256 *h, const struct gw_value *v)
 {
-    cm_sha256_part(h, s ? s : "", s ? strlen(s) : 0);
+    cm_sha256_part(h, v->p ? v->p : "", v->n);
+}
+
+/* method, path, query, body: the bytes, length-prefixed. */
+static void put_one(struct cm_sha256 *h, struct gw_reqparts *r, enum gw_part kind)
+{
+    struct gw_value v;
+    if (gw_parts_value(r, kind, NULL, 0, &v))
+        put_value(h, &v);
+    gw_value_release(&v);
 }
 
 /* Header names are case-insensitive: hash the configured name in lower case. */
@@ -100,36 +109,33 @@ static void put_lower_name(struct cm_sha256 *h, const char *name)
 
 /* header part: lower-cased name, then the count of values, then each value
  * length-prefixed in arrival order; absent (count 0) differs from one empty value. */
-static void put_header(struct cm_sha256 *h, const char *name, const struct cm_hdrs *hdrs)
+static void put_header(struct cm_sha256 *h, const char *name, struct gw_reqparts *r)
 {
     put_lower_name(h, name);
-    uint64_t count = 0;
-    if (hdrs && name)
-        for (size_t i = 0; i < hdrs->n; i++)
-            if (hdrs->v[i].name && strcasecmp(hdrs->v[i].name, name) == 0)
-                count++;
+    uint64_t count = gw_parts_count(r, GW_PART_HEADER, name);
     put_u64(h, count);
-    if (count == 0)
-        return;
-    for (size_t i = 0; i < hdrs->n; i++)
-        if (hdrs->v[i].name && strcasecmp(hdrs->v[i].name, name) == 0)
-            put_str(h, hdrs->v[i].value);
+    for (size_t i = 0; i < count; i++) {
+        struct gw_value v;
+        if (gw_parts_value(r, GW_PART_HEADER, name, i, &v))
+            put_value(h, &v);
+        gw_value_release(&v);
+    }
 }
 
 /* jwt: part: the claim's name, then 0 (absent), 1 and a string's bytes, or 2 and another JSON value's compact JSON:
  * absent differs from "", and "123" from 123 (SPEC 9). */
-static void put_claim(struct cm_sha256 *h, const struct gw_jwt_claims *jwt, const char *name)
+static void put_claim(struct cm_sha256 *h, struct gw_reqparts *r, const char *name)
 {
-    size_t len = 0;
-    char *v = jwt ? gw_jwt_claim(jwt, name, &len) : NULL;
-    put_str(h, name);
-    put_u64(h, v ? (gw_jwt_claim_is_string(jwt, name) ? 1 : 2) : 0);
-    if (v)
-        cm_sha256_part(h, v, len);
-    free(v);
+    struct gw_value v;
+    bool has = gw_parts_value(r, GW_PART_JWT, name, 0, &v);
+    cm_sha256_part(h, name ? name : "", name ? strlen(name) : 0);
+    put_u64(h, has ? (v.json ? 2 : 1) : 0);
+    if (has)
+        put_value(h, &v);
+    gw_value_release(&v);
 }
 
-void gw_hash_parts(const struct conf_part *parts, size_t n, const struct gw_reqparts *r, uint8_t out[32])
+void gw_hash_parts(const struct conf_part *parts, size_t n, struct gw_reqparts *r, uint8_t out[32])
 {
     struct cm_sha256 h;
     cm_sha256_init(&h);
@@ -138,46 +144,49 @@ void gw_hash_parts(const struct conf_part *parts, size_t n, const struct gw_reqp
         cm_sha256_update(&h, &tag, 1);
         switch (parts[i].kind) {
         case CONF_PART_METHOD:
-            put_str(&h, r->method);
+            put_one(&h, r, GW_PART_METHOD);
             break;
         case CONF_PART_PATH:
-            put_str(&h, r->path);
+            put_one(&h, r, GW_PART_PATH);
             break;
         case CONF_PART_QUERY:
-            put_str(&h, r->query);
+            put_one(&h, r, GW_PART_QUERY);
             break;
         case CONF_PART_BODY:
-            cm_sha256_part(&h, r->body ? r->body : "", r->body ? r->body_len : 0);
+            put_one(&h, r, GW_PART_BODY);
             break;
         case CONF_PART_HEADER:
-            put_header(&h, parts[i].header, r->hdrs);
+            put_header(&h, parts[i].header, r);
             break;
         case CONF_PART_JWT:
-            put_claim(&h, r->jwt, parts[i].header);
+            put_claim(&h, r, parts[i].header);
             if (gw_jwt_issuer_scoped(r->jwt)) /* no jwt.issuer: tokens of several issuers are accepted */
-                put_claim(&h, r->jwt, "iss");
+                put_claim(&h, r, "iss");
             break;
         }
     }
     cm_sha256_final(&h, out);
 }
 
-/* Appends every value of header name in in to out, unless out has it already (two parts naming one header). */
-static void copy_header(const struct cm_hdrs *in, const char *name, struct cm_hdrs *out)
+/* Appends every value of header name to out as it arrived, unless out has it already (two parts naming one
+ * header). */
+static void copy_header(struct gw_reqparts *r, const char *name, struct cm_hdrs *out)
 {
     if (cm_hdrs_get(out, name))
         return;
-    for (size_t i = 0; i < in->n; i++)
-        if (strcasecmp(in->v[i].name, name) == 0)
-            cm_hdrs_add(out, in->v[i].name, in->v[i].value);
+    struct gw_value v;
+    for (size_t i = 0; gw_parts_value(r, GW_PART_HEADER, name, i, &v); i++) {
+        cm_hdrs_addn(out, v.name, strlen(v.name), v.p, v.n);
+        gw_value_release(&v);
+    }
 }
 
-void gw_scope_probe_headers(const struct conf_part *parts, size_t n, const struct cm_hdrs *in, struct cm_hdrs *out)
+void gw_scope_probe_headers(const struct conf_part *parts, size_t n, struct gw_reqparts *r, struct cm_hdrs *out)
 {
     for (size_t i = 0; i < n; i++) {
         if (parts[i].kind == CONF_PART_HEADER)
-            copy_header(in, parts[i].header, out);
+            copy_header(r, parts[i].header, out);
         else if (parts[i].kind == CONF_PART_JWT)
-            copy_header(in, "Authorization", out);
+            copy_header(r, "Authorization", out);
     }
 }

@@ -9,8 +9,7 @@
 
 #include "common/common.h"
 #include "conf/conf.h"
-
-struct gw_jwt_claims;
+#include "gateway/parts.h"
 
 #define GW_KEY_MAX 255
 
@@ -23,28 +22,16 @@ struct gw_jwt_claims;
  * anything else ("" included). "abc" and abc give the same key. */
 bool gw_key_parse(const char *raw, size_t len, char out[GW_KEY_MAX + 1], size_t *out_len) CM_MUST_CHECK;
 
-/* The parts of a request a fingerprint or a scope may cover. */
-struct gw_reqparts {
-    const char *method;
-    const char *path;  /* without query */
-    const char *query; /* without '?', "" when none */
-    const void *body;
-    size_t body_len;
-    const struct cm_hdrs *hdrs; /* request headers in arrival order */
-    /* the verified bearer JWT's claims, for jwt:CLAIM parts (NULL: none; the front answers 401 before hashing a
-     * scope that needs them) */
-    const struct gw_jwt_claims *jwt;
-};
-
 /* SHA-256 over the parts in order: each part is tagged (kind byte) and
  * length-prefixed; a header part covers every value of that header (case-
  * insensitive name) in order, and "absent" hashes differently from "empty".
- * With n == 0 the result is the hash of nothing (a fixed value). */
-void gw_hash_parts(const struct conf_part *parts, size_t n, const struct gw_reqparts *r, uint8_t out[32]);
+ * With n == 0 the result is the hash of nothing (a fixed value). Every value is read through r (gateway/parts.h);
+ * stored records hold these hashes, so the bytes hashed for a part never change (tests pin them). */
+void gw_hash_parts(const struct conf_part *parts, size_t n, struct gw_reqparts *r, uint8_t out[32]);
 
 /* The request parts of a scope that an on_unknown: probe look-up carries (SPEC 9), appended to out: every value of
  * each header: part's header in arrival order, and the Authorization header (the verified bearer token) once when
  * the scope has a jwt: part. The other parts (method, path, query, body) cannot travel with a look-up. */
-void gw_scope_probe_headers(const struct conf_part *parts, size_t n, const struct cm_hdrs *in, struct cm_hdrs *out);
+void gw_scope_probe_headers(const struct conf_part *parts, size_t n, struct gw_reqparts *r, struct cm_hdrs *out);
 
 #endif

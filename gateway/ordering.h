@@ -8,6 +8,8 @@
 #include <stdint.h>
 
 #include "common/common.h"
+#include "conf/conf.h"
+#include "gateway/parts.h"
 
 /* Largest sequence: 2^63 - 1. */
 #define GW_SEQ_MAX INT64_MAX
@@ -31,7 +33,13 @@ bool gw_seq_parse(const char *v, size_t len, int64_t *out) CM_MUST_CHECK;
  * "\u0000" and lone surrogate escapes are valid there. false when the body
  * is not such JSON (duplicate member names in any object, or nesting deeper
  * than 2048, refused too), the pointer names nothing, or the value is not
- * such an integer. One iterative pass; nothing is kept of the body. */
+ * such an integer. Read by gateway/json.h; nothing is kept of the body. */
 bool gw_seq_from_json(const char *body, size_t len, const char *ptr, int64_t *out) CM_MUST_CHECK;
+
+/* A guarded request's sequence, read through r: from source CONF_SEQ_HEADER, the header name (exactly one field
+ * line, its value as gw_seq_parse takes it); from CONF_SEQ_JSON, the body's value at the JSON Pointer name (as
+ * gw_seq_from_json). true and *out set, or false (400 sequence-invalid). May read the body, once per r. */
+bool gw_seq_from_parts(struct gw_reqparts *r, enum conf_seq_source source, const char *name,
+                       int64_t *out) CM_MUST_CHECK;
 
 #endif

@@ -61,7 +61,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         free(value);
     }
     /* the rest is the body, binary as is */
-    struct gw_reqparts req = {method, path, query, r.left ? r.p : NULL, r.left, &h, NULL};
+    struct gw_reqparts req = {.method = method,
+                              .path = path,
+                              .query = query,
+                              .body = r.left ? r.p : NULL,
+                              .body_len = r.left,
+                              .hdrs = &h,
+                              .jwt = NULL};
 
     uint8_t a[32], b[32];
     gw_hash_parts(parts, nparts, &req, a);

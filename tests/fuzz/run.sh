@@ -35,10 +35,11 @@ unset IDEMGATE_POSTGRES_URL IDEMGATE_REDIS_URL IDEMGATE_ADMIN_TOKEN
 
 sources() {
     case "$1" in
-    key | fp) echo "common/common.c gateway/idem.c gateway/jwt.c" ;;
+    key | fp) echo "common/common.c gateway/idem.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;
     resp | hdrs) echo "common/common.c" ;;
     conf) echo "common/common.c conf/conf.c" ;;
     path) echo "common/common.c common/uri.c" ;;
+    parts) echo "common/common.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;
     h1) echo "common/common.c upstream/upstream.c upstream/h1.c upstream/curl.c" ;;
     esac
 }
@@ -47,11 +48,11 @@ sources() {
 extra_libs() {
     case "$1" in
     h1) pkg-config --libs libcurl libevent ;;
-    key | fp) pkg-config --libs jansson ;;
+    key | fp | parts) pkg-config --libs jansson ;;
     esac
 }
 
-TARGETS=(key resp hdrs fp conf path h1)
+TARGETS=(key resp hdrs fp conf path h1 parts)
 passed=0
 failed=0
 for t in "${TARGETS[@]}"; do

@@ -180,7 +180,7 @@ static struct conf_part P_PATH = {CONF_PART_PATH, NULL};
 static struct conf_part P_QUERY = {CONF_PART_QUERY, NULL};
 static struct conf_part P_BODY = {CONF_PART_BODY, NULL};
 
-static void fp(const struct conf_part *parts, size_t n, const struct gw_reqparts *r, uint8_t out[32])
+static void fp(const struct conf_part *parts, size_t n, struct gw_reqparts *r, uint8_t out[32])
 {
     gw_hash_parts(parts, n, r, out);
 }
@@ -192,7 +192,8 @@ static bool same(const uint8_t a[32], const uint8_t b[32])
 
 static struct gw_reqparts base_req(void)
 {
-    struct gw_reqparts r = {"POST", "/v1/payments", "a=1", "{\"amount\":10}", 13, NULL, NULL};
+    struct gw_reqparts r = {
+        .method = "POST", .path = "/v1/payments", .query = "a=1", .body = "{\"amount\":10}", .body_len = 13};
     return r;
 }
 
@@ -253,8 +254,10 @@ Test(idem, fingerprint_no_concatenation_ambiguity)
 {
     struct conf_part pq[2] = {P_PATH, P_QUERY};
     uint8_t a[32], b[32];
-    struct gw_reqparts r1 = {"POST", "ab", "c", "", 0, NULL, NULL};
-    struct gw_reqparts r2 = {"POST", "a", "bc", "", 0, NULL, NULL};
+    struct gw_reqparts r1 = {
+        .method = "POST", .path = "ab", .query = "c", .body = "", .body_len = 0, .hdrs = NULL, .jwt = NULL};
+    struct gw_reqparts r2 = {
+        .method = "POST", .path = "a", .query = "bc", .body = "", .body_len = 0, .hdrs = NULL, .jwt = NULL};
     fp(pq, 2, &r1, a);
     fp(pq, 2, &r2, b);
     cr_assert_not(same(a, b));
@@ -262,7 +265,8 @@ Test(idem, fingerprint_no_concatenation_ambiguity)
     /* same bytes, different part kinds */
     struct conf_part just_path[1] = {P_PATH};
     struct conf_part just_query[1] = {P_QUERY};
-    struct gw_reqparts r3 = {"POST", "x", "x", "", 0, NULL, NULL};
+    struct gw_reqparts r3 = {
+        .method = "POST", .path = "x", .query = "x", .body = "", .body_len = 0, .hdrs = NULL, .jwt = NULL};
     fp(just_path, 1, &r3, a);
     fp(just_query, 1, &r3, b);
     cr_assert_not(same(a, b));
@@ -278,7 +282,8 @@ Test(idem, fingerprint_part_order)
 {
     struct conf_part mp[2] = {P_METHOD, P_PATH};
     struct conf_part pm[2] = {P_PATH, P_METHOD};
-    struct gw_reqparts r = {"POST", "POST", "", "", 0, NULL, NULL};
+    struct gw_reqparts r = {
+        .method = "POST", .path = "POST", .query = "", .body = "", .body_len = 0, .hdrs = NULL, .jwt = NULL};
     uint8_t a[32], b[32];
     /* method == path: only the kind tags tell the orders apart */
     fp(mp, 2, &r, a);
@@ -290,7 +295,8 @@ Test(idem, empty_parts_is_fixed_hash)
 {
     uint8_t a[32], b[32], want[32];
     struct gw_reqparts r1 = base_req();
-    struct gw_reqparts r2 = {"GET", "/", "", NULL, 0, NULL, NULL};
+    struct gw_reqparts r2 = {
+        .method = "GET", .path = "/", .query = "", .body = NULL, .body_len = 0, .hdrs = NULL, .jwt = NULL};
     fp(NULL, 0, &r1, a);
     fp(NULL, 0, &r2, b);
     cr_assert(same(a, b));
@@ -303,7 +309,8 @@ Test(idem, fingerprint_binary_body)
     static const char b1[] = {'a', 0, 'b', 0, 0};
     static const char b2[] = {'a', 0, 'c', 0, 0};
     struct conf_part body[1] = {P_BODY};
-    struct gw_reqparts r = {"POST", "/", "", b1, sizeof(b1), NULL, NULL};
+    struct gw_reqparts r = {
+        .method = "POST", .path = "/", .query = "", .body = b1, .body_len = sizeof(b1), .hdrs = NULL, .jwt = NULL};
     uint8_t a[32], b[32];
     fp(body, 1, &r, a);
     r.body = b2; /* differs after the first NUL */
@@ -340,7 +347,8 @@ Test(idem, header_parts)
     cm_hdrs_init(&joined);
     cm_hdrs_add(&joined, "X-Tenant", "ab");
 
-    struct gw_reqparts r = {"POST", "/", "", "", 0, NULL, NULL};
+    struct gw_reqparts r = {
+        .method = "POST", .path = "/", .query = "", .body = "", .body_len = 0, .hdrs = NULL, .jwt = NULL};
     uint8_t h_null[32], h_abs[32], h_emp[32], h_one[32], h_case[32], h_two[32], h_swap[32], h_join[32], h[32];
     fp(hp, 1, &r, h_null); /* no header list at all == absent */
     r.hdrs = &absent;
@@ -404,16 +412,18 @@ Test(idem, scope_probe_headers)
     cm_hdrs_add(&in, "Cookie", "secret");
     cm_hdrs_add(&in, "Authorization", "Bearer t");
     cm_hdrs_add(&in, "X-TENANT", "b");
-    gw_scope_probe_headers(parts, sizeof parts / sizeof parts[0], &in, &out);
+    struct gw_reqparts rp = {.method = "POST", .path = "/", .query = "", .hdrs = &in};
+    gw_scope_probe_headers(parts, sizeof parts / sizeof parts[0], &rp, &out);
     cr_assert_eq(out.n, 3, "X-Tenant twice, Authorization once: %zu", out.n);
     cr_expect_str_eq(out.v[0].value, "a");
     cr_expect_str_eq(out.v[1].value, "b", "in arrival order");
+    cr_expect_str_eq(out.v[1].name, "X-TENANT", "names as they arrived");
     cr_expect_str_eq(out.v[2].name, "Authorization");
     cr_expect_null(cm_hdrs_get(&out, "Cookie"), "nothing but the scope's parts");
     cm_hdrs_free(&out);
     cm_hdrs_init(&out);
     struct conf_part body[] = {{CONF_PART_BODY, NULL}, {CONF_PART_QUERY, NULL}};
-    gw_scope_probe_headers(body, 2, &in, &out);
+    gw_scope_probe_headers(body, 2, &rp, &out);
     cr_expect_eq(out.n, 0, "parts a look-up cannot carry add nothing");
     cm_hdrs_free(&out);
     cm_hdrs_free(&in);
@@ -450,31 +460,42 @@ Test(idem, hashes_pinned)
     } cases[] = {
         {DEFAULT_FP,
          4,
-         {"POST", "/v1/payments", "a=1", "{\"amount\":10}", 13, &none, NULL},
+         {.method = "POST",
+          .path = "/v1/payments",
+          .query = "a=1",
+          .body = "{\"amount\":10}",
+          .body_len = 13,
+          .hdrs = &none},
          "d391143324d644fd809712afc329fe162ade06a7c121a68a0067081168658efd"},
         {DEFAULT_FP,
          4,
-         {"PUT", "/", "", NULL, 0, NULL, NULL},
+         {.method = "PUT", .path = "/", .query = "", .body = NULL, .body_len = 0, .hdrs = NULL, .jwt = NULL},
          "c5e62665127068d8d231a3b9affbbddaf93b9080fcc01b4059b156d5bcce263e"},
         {DEFAULT_FP,
          4,
-         {"POST", "/x", "b=%20&c", bin, sizeof bin, &hs, NULL},
+         {.method = "POST",
+          .path = "/x",
+          .query = "b=%20&c",
+          .body = bin,
+          .body_len = sizeof bin,
+          .hdrs = &hs,
+          .jwt = NULL},
          "2ad2dd6fadea462f5e3d5519a2597140df03ec1712b2918cdec4d6bd18a8d59d"},
         {p_hdr,
          3,
-         {"POST", "/", "", NULL, 0, &hs, NULL},
+         {.method = "POST", .path = "/", .query = "", .body = NULL, .body_len = 0, .hdrs = &hs, .jwt = NULL},
          "e9220fa05a59442b5c3c406e6834b6ac899551ca06f500de8ffe24f8ee975686"},
         {p_hdr,
          3,
-         {"POST", "/", "", NULL, 0, &none, NULL},
+         {.method = "POST", .path = "/", .query = "", .body = NULL, .body_len = 0, .hdrs = &none, .jwt = NULL},
          "36c1732e56dc2f965a7f909c9964cafb37d0be7f9da6e2ad3abce787fbe9c6fa"},
         {p_mix,
          4,
-         {"DELETE", "/a/b", "q", "[1,2]", 5, &hs, NULL},
+         {.method = "DELETE", .path = "/a/b", .query = "q", .body = "[1,2]", .body_len = 5, .hdrs = &hs, .jwt = NULL},
          "7a249e0edf8afff8a2e953efbee419d52c9f63b7584fe1b75d9506af2f839b97"},
         {NULL,
          0,
-         {"POST", "/", "", NULL, 0, NULL, NULL},
+         {.method = "POST", .path = "/", .query = "", .body = NULL, .body_len = 0, .hdrs = NULL, .jwt = NULL},
          "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

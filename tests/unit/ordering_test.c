@@ -358,3 +358,46 @@ Test(ordering_conf, bad_blocks_name_line_and_key)
         free(err);
     }
 }
+
+/* The sequence as the front reads it, through the request part reader: a header needs exactly one field line. */
+Test(seq_parse, from_parts)
+{
+    static const struct {
+        const char *h1, *h2; /* Seq field lines (NULL: none) */
+        const char *body;
+        enum conf_seq_source src;
+        bool ok;
+        int64_t want;
+    } cases[] = {
+        {"7", NULL, NULL, CONF_SEQ_HEADER, true, 7},
+        {NULL, NULL, NULL, CONF_SEQ_HEADER, false, 0},
+        {"7", "7", NULL, CONF_SEQ_HEADER, false, 0},
+        {" 9223372036854775807\t", NULL, NULL, CONF_SEQ_HEADER, true, INT64_MAX},
+        {"07", NULL, NULL, CONF_SEQ_HEADER, false, 0},
+        {NULL, NULL, "{\"seq\": 12}", CONF_SEQ_JSON, true, 12},
+        {NULL, NULL, "{\"seq\": \"12\"}", CONF_SEQ_JSON, false, 0},
+        {NULL, NULL, "{\"seq\": 12", CONF_SEQ_JSON, false, 0},
+        {NULL, NULL, NULL, CONF_SEQ_JSON, false, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        struct cm_hdrs h;
+        cm_hdrs_init(&h);
+        if (cases[i].h1)
+            cm_hdrs_add(&h, "Seq", cases[i].h1);
+        if (cases[i].h2)
+            cm_hdrs_add(&h, "seq", cases[i].h2);
+        struct gw_reqparts r = {.method = "PUT",
+                                .path = "/",
+                                .query = "",
+                                .hdrs = &h,
+                                .body = cases[i].body,
+                                .body_len = cases[i].body ? strlen(cases[i].body) : 0};
+        int64_t seq = 0;
+        bool ok = gw_seq_from_parts(&r, cases[i].src, cases[i].src == CONF_SEQ_HEADER ? "SEQ" : "/seq", &seq);
+        cr_expect_eq(ok, cases[i].ok, "case %zu", i);
+        if (ok)
+            cr_expect_eq(seq, cases[i].want, "case %zu", i);
+        gw_reqparts_free(&r);
+        cm_hdrs_free(&h);
+    }
+}
