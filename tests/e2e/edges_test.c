@@ -20,11 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
-
 #include "harness.h"
-#include "tests/tools/b64url.h"
 
 TestSuite(edges, .init = e2e_setup, .fini = e2e_teardown, .timeout = 120);
 
@@ -464,20 +460,14 @@ static const char conf_spell[] =
     "  secret_env: IDEMGATE_JWT_SECRET\n";
 /* clang-format on */
 
-/* "Authorization: Bearer <HS256 token of sub>" into out. */
+/* "Authorization: Bearer <HS256 token of sub>" and CR LF into out. */
 static void spell_bearer(const char *sub, char *out, size_t n)
 {
-    char payload[256], h[128], pl[512], msg[700], sig[128];
+    char payload[256];
     snprintf(payload, sizeof payload, "{\"sub\":\"%s\",\"exp\":%ld}", sub, (long)time(NULL) + 600);
-    static const char hdr[] = "{\"alg\":\"HS256\",\"typ\":\"JWT\"}";
-    test_b64url((const unsigned char *)hdr, strlen(hdr), h);
-    test_b64url((const unsigned char *)payload, strlen(payload), pl);
-    snprintf(msg, sizeof msg, "%s.%s", h, pl);
-    unsigned char mac[EVP_MAX_MD_SIZE];
-    unsigned int ml = 0;
-    HMAC(EVP_sha256(), SPELL_SECRET, (int)strlen(SPELL_SECRET), (const unsigned char *)msg, strlen(msg), mac, &ml);
-    test_b64url(mac, ml, sig);
-    snprintf(out, n, "Authorization: Bearer %s.%s\r\n", msg, sig);
+    char *b = e2e_bearer_hs256("{\"alg\":\"HS256\",\"typ\":\"JWT\"}", payload, SPELL_SECRET);
+    snprintf(out, n, "%s\r\n", b);
+    free(b);
 }
 
 /* Spellings of /v1/jwt that a server behind the gateway may read as it (Tomcat and Spring drop ";..." path

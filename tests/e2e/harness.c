@@ -5,6 +5,8 @@
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
 #include <curl/curl.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -27,6 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tests/tools/b64url.h"
 #include "tests/tools/body_pattern.h"
 
 extern char **environ;
@@ -1718,4 +1721,21 @@ struct e2e_proc *e2e_proc_start(const char *const *argv, const char *what)
     free(envp);
     register_proc(p);
     return p;
+}
+
+char *e2e_bearer_hs256(const char *hdr, const char *payload, const char *secret)
+{
+    char h[512], p[2048], sig[128], msg[2600];
+    cr_assert(strlen(hdr) <= 360 && strlen(payload) <= 1500, "token parts too long for e2e_bearer_hs256");
+    test_b64url((const unsigned char *)hdr, strlen(hdr), h);
+    test_b64url((const unsigned char *)payload, strlen(payload), p);
+    snprintf(msg, sizeof msg, "%s.%s", h, p);
+    unsigned char mac[EVP_MAX_MD_SIZE];
+    unsigned int ml = 0;
+    HMAC(EVP_sha256(), secret, (int)strlen(secret), (const unsigned char *)msg, strlen(msg), mac, &ml);
+    test_b64url(mac, ml, sig);
+    char *out = malloc(3000);
+    cr_assert_not_null(out);
+    snprintf(out, 3000, "Authorization: Bearer %s.%s", msg, sig);
+    return out;
 }

@@ -298,6 +298,10 @@ void e2e_mkkey(char *buf, size_t n, const char *tag);
  * (NULL-terminated), or -1 when there is none. A metric without labels matches with labels = {NULL}. */
 double e2e_metric_value(const char *text, const char *name, const char *const *labels);
 
+/* "Authorization: Bearer <token>" (heap, caller frees; no CR LF) for a JWT of that header and payload (JSON texts),
+ * signed HS256 with secret. */
+char *e2e_bearer_hs256(const char *hdr, const char *payload, const char *secret);
+
 /* Monotonic milliseconds. */
 uint64_t e2e_now_ms(void);
 void e2e_sleep_ms(int ms);

@@ -34,17 +34,7 @@ static const char *const conf_tmpl =
 /* "Authorization: Bearer <HS256 token>" for a header and payload, signed with secret. */
 static char *bearer(const char *hdr, const char *payload, const char *secret)
 {
-    char h[512], p[2048], sig[128], msg[2600];
-    test_b64url((const unsigned char *)hdr, strlen(hdr), h);
-    test_b64url((const unsigned char *)payload, strlen(payload), p);
-    snprintf(msg, sizeof msg, "%s.%s", h, p);
-    unsigned char mac[EVP_MAX_MD_SIZE];
-    unsigned int ml = 0;
-    HMAC(EVP_sha256(), secret, (int)strlen(secret), (const unsigned char *)msg, strlen(msg), mac, &ml);
-    test_b64url(mac, ml, sig);
-    char *out = malloc(3000);
-    snprintf(out, 3000, "Authorization: Bearer %s.%s", msg, sig);
-    return out;
+    return e2e_bearer_hs256(hdr, payload, secret);
 }
 
 static char *token_for(const char *sub, long exp_in_s, const char *extra)
