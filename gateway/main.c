@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,7 @@
 #define MIGRATE_TIMEOUT_MS 5000
 #define MIGRATE_RETRY_MS   2000
 #define ABORT_WAIT_MS      7000
+#define ACCEPT_MAX         64 /* --accept-identity-change names */
 
 static void usage(FILE *out)
 {
@@ -29,13 +31,23 @@ static void usage(FILE *out)
                  "       idemgate --check -c FILE  validate the configuration, print what is wrong, exit 0/1\n"
                  "       idemgate --version\n"
                  "       idemgate --print-reference  every configuration key as Markdown (docs/configuration.md)\n"
+                 "options: --accept-identity-change ROUTE  start although ROUTE's key source, scope or fingerprint\n"
+                 "             changed while it has records within retention (repeat it per route)\n"
                  "environment: IDEMGATE_POSTGRES_URL, IDEMGATE_REDIS_URL (empty: no Redis), IDEMGATE_ADMIN_TOKEN,\n"
                  "             IDEMGATE_STORE_DISTRIBUTED (none|citus: store.distributed),\n"
                  "             IDEMGATE_LOG_LEVEL (debug|info|warn|error)\n");
 }
 
+/* The routes named by --accept-identity-change. */
+struct accept_list {
+    const char *names[ACCEPT_MAX];
+    size_t n;
+};
+
 struct migrator {
     const struct conf *conf;
+    const struct accept_list *accept;
+    atomic_bool refused; /* a route's identity changed under its records: the process stops (exit 1) */
     struct gw_loops *loops;
     pthread_t thread;
     pthread_mutex_t mu;
@@ -43,15 +55,38 @@ struct migrator {
     bool stop;
 };
 
+/* The schema, then the routes' identities (SPEC 8). true: ready; false with *refused (an identity changed under
+ * records; *err says which) or without (Postgres failed: try again later). */
+static bool prepare_store(const struct conf *conf, const struct accept_list *accept, bool *refused, char **err)
+{
+    *refused = false;
+    return store_migrate(conf->postgres_url, conf->distributed, MIGRATE_TIMEOUT_MS, err) &&
+           store_identity_check(conf->postgres_url, conf, accept->names, accept->n, MIGRATE_TIMEOUT_MS, refused, err);
+}
+
+static void log_refused(const char *err)
+{
+    char q[2048];
+    cm_log(CM_ERROR, "start_refused", "reason=route_identity error=%s", cm_log_quote(q, sizeof q, err ? err : "?"));
+}
+
 /* Retries the schema migration until it succeeds or the process stops. */
 static void *migrate_main(void *arg)
 {
     struct migrator *m = arg;
     for (;;) {
         char *err = NULL;
-        if (store_migrate(m->conf->postgres_url, m->conf->distributed, MIGRATE_TIMEOUT_MS, &err)) {
+        bool refused = false;
+        if (prepare_store(m->conf, m->accept, &refused, &err)) {
             gw_loops_set_schema_ready(m->loops, true);
             cm_log(CM_INFO, "schema_ready", NULL);
+            return NULL;
+        }
+        if (refused) { /* no keyed request was served yet (the schema was not ready): stop */
+            log_refused(err);
+            free(err);
+            atomic_store(&m->refused, true);
+            kill(getpid(), SIGTERM);
             return NULL;
         }
         char q[512];
@@ -120,7 +155,7 @@ static bool jobs_busy(void *arg)
 
 /* Runs until SIGTERM/SIGINT; SIGHUP reloads file. gc is the start-time configuration (the caller keeps its
  * reference: the store and the admin listener use it until the end). */
-static int run(const char *file, struct gw_conf *gc)
+static int run(const char *file, struct gw_conf *gc, const struct accept_list *accept)
 {
     const struct conf *conf = gc->conf;
     struct gw_conf *cur = gw_conf_ref(gc); /* the configuration in force */
@@ -130,7 +165,8 @@ static int run(const char *file, struct gw_conf *gc)
     struct gw_loops *loops = NULL;
     struct gw_front *front = NULL;
     struct gw_admin *admin = NULL;
-    struct migrator mig = {.conf = conf};
+    struct migrator mig = {.conf = conf, .accept = accept};
+    atomic_init(&mig.refused, false);
     bool mig_started = false;
     pthread_mutex_init(&mig.mu, NULL);
     pthread_cond_init(&mig.cv, NULL);
@@ -139,7 +175,13 @@ static int run(const char *file, struct gw_conf *gc)
      * when Postgres is not there yet, a thread keeps trying in the background
      * and idempotent requests get 503 until then. */
     char *merr = NULL;
-    bool migrated = store_migrate(conf->postgres_url, conf->distributed, MIGRATE_TIMEOUT_MS, &merr);
+    bool refused = false;
+    bool migrated = prepare_store(conf, accept, &refused, &merr);
+    if (refused) {
+        log_refused(merr);
+        free(merr);
+        goto out;
+    }
     if (!migrated)
         cm_log(CM_WARN, "schema_unavailable", "error=%s retry_ms=%d", cm_log_quote(q, sizeof q, merr ? merr : "?"),
                MIGRATE_RETRY_MS);
@@ -234,7 +276,7 @@ static int run(const char *file, struct gw_conf *gc)
     /* Let resumed connections flush their answers. */
     struct timespec ts = {0, 50 * 1000 * 1000};
     nanosleep(&ts, NULL);
-    rc = 0;
+    rc = atomic_load(&mig.refused) ? 1 : 0;
 out:
     free(err);
     if (mig_started) {
@@ -259,7 +301,21 @@ int main(int argc, char **argv)
 {
     const char *file = NULL;
     bool check = false;
+    struct accept_list accept = {.n = 0};
     for (int i = 1; i < argc; i++) {
+        const char *route = NULL;
+        if (strcmp(argv[i], "--accept-identity-change") == 0 && i + 1 < argc)
+            route = argv[++i];
+        else if (strncmp(argv[i], "--accept-identity-change=", 25) == 0)
+            route = argv[i] + 25;
+        if (route) {
+            if (accept.n == ACCEPT_MAX || !*route) {
+                fprintf(stderr, "idemgate: --accept-identity-change: a route name, at most %d of them\n", ACCEPT_MAX);
+                return 1;
+            }
+            accept.names[accept.n++] = route;
+            continue;
+        }
         if (strcmp(argv[i], "--version") == 0 || strcmp(argv[i], "-V") == 0) {
             printf("idemgate %s\n", IDEMGATE_VERSION);
             return 0;
@@ -321,7 +377,7 @@ int main(int argc, char **argv)
     sigaddset(&set, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &set, NULL); /* every thread inherits this; main takes them with sigwait */
     gw_conf_label(gc);
-    int rc = run(file, gc);
+    int rc = run(file, gc, &accept);
     gw_conf_unref(gc);
     return rc;
 }

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "common/metrics.h"
+#include "conf/identity.h"
 #include "gateway/jwt.h"
 #include "gateway/loop.h"
 
@@ -142,6 +143,31 @@ static void log_reloaded(const char *file, const struct conf *old, const struct 
         cm_buf_free(all[i]);
 }
 
+/* Routes of both configurations whose identity (key source, scope, fingerprint: conf/identity.h) the new one
+ * changes: each logged as reload_refused. Returns how many. A record's key is found again only under the identity
+ * it was made with: a changed scope would execute a completed key's retry again (or run it beside the one in
+ * flight), a changed fingerprint would answer a byte-identical retry 422. */
+static size_t identity_changes(const char *file, const struct conf *old, const struct conf *neu)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < neu->routes_n; i++) {
+        const struct conf_route *o = route_named(old, neu->routes[i].name);
+        char *was = o ? conf_route_identity(o) : NULL, *now = conf_route_identity(&neu->routes[i]);
+        if (was && now && strcmp(was, now) != 0) {
+            char what[64], fq[1024];
+            conf_identity_diff(was, now, what, sizeof what);
+            cm_log(CM_WARN, "reload_refused",
+                   "route=%s changed=%s msg=\"a route's identity (key source, scope, fingerprint) cannot change under "
+                   "its records: use a new route name, or restart\" file=%s",
+                   neu->routes[i].name, what, cm_log_quote(fq, sizeof fq, file));
+            n++;
+        }
+        free(was);
+        free(now);
+    }
+    return n;
+}
+
 static void log_failed(const char *file, char *err)
 {
     char fq[1024], q[2048];
@@ -165,6 +191,10 @@ struct gw_conf *gw_reload(const char *file, struct gw_conf *cur, struct gw_loops
         for (size_t i = 0; i < nk && i < sizeof keys / sizeof keys[0]; i++)
             cm_log(CM_WARN, "reload_refused", "key=%s msg=\"needs a restart\" file=%s", keys[i],
                    cm_log_quote(fq, sizeof fq, file));
+        gw_conf_unref(c);
+        return NULL;
+    }
+    if (identity_changes(file, cur->conf, c->conf) > 0) { /* all or nothing, as above */
         gw_conf_unref(c);
         return NULL;
     }

@@ -13,6 +13,7 @@
 
 #include "common/metrics.h"
 #include "conf/conf.h"
+#include "conf/identity.h"
 #include "store/notify.h"
 #include "store/order.h"
 #include "store/pg.h"
@@ -2173,9 +2174,9 @@ static char *trimmed(const char *msg)
     return cm_strndup(msg, n);
 }
 
-static bool exec_ok(PGconn *c, const char *sql, PGresult **out, char **err)
+/* r's success; otherwise *err and r is freed. */
+static bool result_ok(PGconn *c, PGresult *r, char **err)
 {
-    PGresult *r = PQexec(c, sql);
     ExecStatusType st = r ? PQresultStatus(r) : PGRES_FATAL_ERROR;
     if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
         char *m = trimmed(r ? PQresultErrorMessage(r) : PQerrorMessage(c));
@@ -2184,6 +2185,14 @@ static bool exec_ok(PGconn *c, const char *sql, PGresult **out, char **err)
         PQclear(r);
         return false;
     }
+    return true;
+}
+
+static bool exec_ok(PGconn *c, const char *sql, PGresult **out, char **err)
+{
+    PGresult *r = PQexec(c, sql);
+    if (!result_ok(c, r, err))
+        return false;
     if (out)
         *out = r;
     else
@@ -2329,14 +2338,15 @@ static bool distribute(PGconn *c, enum conf_distributed mode, char **err)
     return true;
 }
 
-bool store_migrate(const char *postgres_url, enum conf_distributed distributed, uint64_t timeout_ms, char **err)
+/* A blocking session for start-up work (application_name app), every statement bounded by timeout_ms. NULL with
+ * *err when it cannot be had. */
+static PGconn *sync_connect(const char *postgres_url, uint64_t timeout_ms, const char *app, char **err)
 {
     char ct[24], stmt_to[64];
     uint64_t secs = (timeout_ms + 999) / 1000;
     snprintf(ct, sizeof ct, "%llu", (unsigned long long)(secs < 2 ? 2 : secs));
     static const char *const kw[] = {"dbname", "connect_timeout", "application_name", NULL};
-    const char *vals[] = {postgres_url, ct, "idemgate-migrate", NULL};
-    PGresult *r = NULL;
+    const char *vals[] = {postgres_url, ct, app, NULL};
     PGconn *c = PQconnectdbParams(kw, vals, 1);
     if (!c || PQstatus(c) != CONNECTION_OK) {
         char *m = trimmed(c ? PQerrorMessage(c) : "out of memory");
@@ -2347,6 +2357,107 @@ bool store_migrate(const char *postgres_url, enum conf_distributed distributed, 
     PQsetNoticeProcessor(c, migrate_notice, NULL);
     snprintf(stmt_to, sizeof stmt_to, "SET statement_timeout = %llu", (unsigned long long)timeout_ms);
     if (!exec_ok(c, stmt_to, NULL, err) || !exec_ok(c, "SET client_min_messages = warning", NULL, err))
+        goto fail;
+    return c;
+fail:
+    if (c)
+        PQfinish(c);
+    return NULL;
+}
+
+/* One row's first value of a statement with text parameters, heap (NULL: no row). false with *err on failure. */
+static bool query_param(PGconn *c, const char *sql, int n, const char *const *params, char **value, char **err)
+{
+    *value = NULL;
+    PGresult *r = PQexecParams(c, sql, n, NULL, params, NULL, NULL, 0);
+    if (!result_ok(c, r, err))
+        return false;
+    if (PQntuples(r) > 0 && PQnfields(r) > 0 && !PQgetisnull(r, 0, 0))
+        *value = cm_strdup(PQgetvalue(r, 0, 0));
+    PQclear(r);
+    return true;
+}
+
+static bool accepted(const char *route, const char *const *accept, size_t naccept)
+{
+    for (size_t i = 0; i < naccept; i++)
+        if (strcmp(accept[i], route) == 0)
+            return true;
+    return false;
+}
+
+/* One route: compared with its recorded identity, recorded when new or changed (and allowed to). */
+static bool identity_route(PGconn *c, const char *route, const char *id, bool accept, bool *refused, char **err)
+{
+    const char *p1[1] = {route};
+    char *old = NULL, *count = NULL;
+    bool ok = query_param(c, "SELECT identity FROM idemgate_routes WHERE route = $1", 1, p1, &old, err);
+    if (!ok || (old && strcmp(old, id) == 0))
+        goto out;
+    long n = 0;
+    if (old) {
+        /* the records a retry may now miss: completed ones still replayed, and those not settled */
+        ok = query_param(c,
+                         "SELECT count(*)::text FROM idemgate_keys WHERE route = $1"
+                         " AND (state <> 'completed' OR expires_at > now())",
+                         1, p1, &count, err);
+        if (!ok)
+            goto out;
+        n = count ? strtol(count, NULL, 10) : 0;
+        char what[64];
+        conf_identity_diff(old, id, what, sizeof what);
+        if (n > 0 && !accept) {
+            *refused = true;
+            ok = false;
+            *err = cm_asprintf("route %s: its identity changed (%s; was \"%s\", now \"%s\") and %ld of its records "
+                               "are within retention: a retry of one of them may now be executed again or answered "
+                               "422. Use a new route name for the new identity, or start with "
+                               "--accept-identity-change %s",
+                               route, what, old, id, n, route);
+            goto out;
+        }
+        char qo[256], qn[256];
+        cm_log(n > 0 ? CM_WARN : CM_INFO, "route_identity_changed",
+               "route=%s changed=%s records_within_retention=%ld accepted=%s was=%s now=%s", route, what, n,
+               n > 0 ? "yes" : "no records", cm_log_quote(qo, sizeof qo, old), cm_log_quote(qn, sizeof qn, id));
+    }
+    const char *p2[2] = {route, id};
+    char *none = NULL;
+    ok = query_param(c,
+                     "INSERT INTO idemgate_routes (route, identity) VALUES ($1, $2) ON CONFLICT (route)"
+                     " DO UPDATE SET identity = EXCLUDED.identity, updated_at = now()",
+                     2, p2, &none, err);
+    free(none);
+out:
+    free(old);
+    free(count);
+    return ok;
+}
+
+bool store_identity_check(const char *postgres_url, const struct conf *conf, const char *const *accept, size_t naccept,
+                          uint64_t timeout_ms, bool *refused, char **err)
+{
+    *refused = false;
+    PGconn *c = sync_connect(postgres_url, timeout_ms, "idemgate-migrate", err);
+    if (!c)
+        return false;
+    bool ok = true;
+    for (size_t i = 0; i < conf->routes_n && ok; i++) {
+        char *id = conf_route_identity(&conf->routes[i]);
+        if (id)
+            ok = identity_route(c, conf->routes[i].name, id, accepted(conf->routes[i].name, accept, naccept), refused,
+                                err);
+        free(id);
+    }
+    PQfinish(c);
+    return ok;
+}
+
+bool store_migrate(const char *postgres_url, enum conf_distributed distributed, uint64_t timeout_ms, char **err)
+{
+    PGresult *r = NULL;
+    PGconn *c = sync_connect(postgres_url, timeout_ms, "idemgate-migrate", err);
+    if (!c)
         goto fail;
     /* Serialises concurrent starts: CREATE ... IF NOT EXISTS alone races. */
     if (!exec_ok(c, "SELECT pg_advisory_lock(" MIGRATE_LOCK_ID ")", NULL, err))

@@ -26,6 +26,14 @@ struct store;
 bool store_migrate(const char *postgres_url, enum conf_distributed distributed, uint64_t timeout_ms,
                    char **err) CM_MUST_CHECK;
 
+/* A route's identity (conf/identity.h) against the one recorded in Postgres (SPEC 8): each keyed route's is
+ * recorded; when one changed and the route has records within retention (completed and not expired, or not
+ * settled), the start is refused (false, *refused, *err names the route, what changed and how many records a retry
+ * may now miss) unless the route is among accept (naccept names: --accept-identity-change). Call after
+ * store_migrate. false without *refused: Postgres failed (*err). *err is heap (caller frees). */
+bool store_identity_check(const char *postgres_url, const struct conf *conf, const char *const *accept, size_t naccept,
+                          uint64_t timeout_ms, bool *refused, char **err) CM_MUST_CHECK;
+
 /* Creates the store on base: a pool of conf->pool non-blocking Postgres
  * connections (connected lazily, reconnected with backoff), the Redis
  * context when conf->redis_url is set, and a background task that deletes

@@ -241,3 +241,130 @@ Test(authority, a_redis_restored_from_an_older_snapshot_does_not_undo_a_purge)
     kill(rpid, SIGTERM);
     waitpid(rpid, NULL, 0);
 }
+
+/* ---- a route's identity: name, key source, scope parts, fingerprint parts */
+
+/* Rewrites g's config with text (its own rendered config, edited) and sends SIGHUP; waits for the outcome's log line
+ * (reloaded or reload_refused) and returns true when the reload was refused. */
+static bool reload_with(struct e2e_gw *g, const char *text)
+{
+    size_t refused = e2e_gw_log_count(g, "event=reload_refused"), done = e2e_gw_log_count(g, "event=reloaded ");
+    const char *tmp = e2e_write_file("next.yaml", text);
+    cr_assert_eq(rename(tmp, g->conf_path), 0);
+    cr_assert_eq(kill(g->proc.pid, SIGHUP), 0);
+    for (uint64_t end = e2e_now_ms() + 5000; e2e_now_ms() < end; e2e_sleep_ms(20)) {
+        if (e2e_gw_log_count(g, "event=reload_refused") > refused)
+            return true;
+        if (e2e_gw_log_count(g, "event=reloaded ") > done)
+            return false;
+    }
+    cr_assert_fail("no outcome of the reload logged");
+    return false;
+}
+
+/* g's rendered config with add inserted after the route's "key: required" line (heap). */
+static char *conf_plus(const struct e2e_gw *g, const char *add)
+{
+    const char *at = strstr(g->conf_text, "      key: required\n");
+    cr_assert(at, "no key line in the config");
+    size_t head = (size_t)(at - g->conf_text) + strlen("      key: required\n");
+    char *out = NULL;
+    cr_assert(asprintf(&out, "%.*s%s%s", (int)head, g->conf_text, add, g->conf_text + head) > 0);
+    return out;
+}
+
+/* A SIGHUP that changes a route's scope or fingerprint would change every key's identity: a completed key's retry
+ * executed again (another scope hash), a byte-identical retry answered 422 (another fingerprint). Refused. */
+Test(authority, a_reload_that_changes_a_routes_identity_is_refused)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_pay_conf c = {.idem = "key: required\n"};
+    struct e2e_gw *g = e2e_gw_start_pay(up, &c, admin_env);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "auth-reload");
+    struct e2e_resp r;
+    post(g, key, "{\"r\":1}", &r);
+    cr_assert_eq(r.status, 200);
+    e2e_resp_free(&r);
+
+    char *scoped = conf_plus(g, "      scope: [header:Authorization]\n");
+    cr_expect(reload_with(g, scoped), "a reload adding a scope part was applied");
+    cr_expect(e2e_gw_log_contains(g, "event=reload_refused route=pay changed=scope"));
+    free(scoped);
+    const char *const auth[] = {"Authorization: Bearer tenant-1", NULL};
+    e2e_http_key(g->port, "POST", "/v1/pay/a", key, auth, "{\"r\":1}", 0, &r);
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "the completed key's retry after the reload: %ld", r.status);
+    e2e_resp_free(&r);
+
+    char *fp = conf_plus(g, "      fingerprint: [method, path, query, body, header:X-Tenant]\n");
+    cr_expect(reload_with(g, fp), "a reload adding a fingerprint part was applied");
+    cr_expect(e2e_gw_log_contains(g, "event=reload_refused route=pay changed=fingerprint"));
+    free(fp);
+    post(g, key, "{\"r\":1}", &r);
+    cr_expect(r.status == 200 && e2e_resp_is_replay(&r), "a byte-identical retry after the reload: %ld", r.status);
+    e2e_resp_free(&r);
+    cr_expect_eq(e2e_upstream_count(up, key), 1, "executed again after the reload");
+
+    /* what does not change the identity still reloads */
+    char *longer = conf_plus(g, "      lease: 90s\n");
+    cr_expect_not(reload_with(g, longer), "a reload changing only the lease was refused");
+    free(longer);
+}
+
+/* A gateway with route `route` (key required, the extra idempotency lines) in front of up; strict: without
+ * --accept-identity-change; wait: until ready (else the caller checks the start). */
+static struct e2e_gw *gw_route(const struct e2e_upstream *up, const char *route, const char *extra, bool strict,
+                               bool wait)
+{
+    char idem[256];
+    snprintf(idem, sizeof idem, "key: required\n%s", extra);
+    struct e2e_pay_conf c = {.idem = idem, .route = route};
+    char *tmpl = e2e_conf_pay(&c);
+    struct e2e_gw_opts o = {
+        .up = up, .env = admin_env, .wait_ready = wait, .no_wait = !wait, .strict_identity = strict};
+    struct e2e_gw *g = e2e_gw_start(tmpl, &o);
+    free(tmpl);
+    return g;
+}
+
+/* The same at a restart: the identity recorded in Postgres is compared; a change under records within retention
+ * refuses the start (saying how many) unless --accept-identity-change names the route; without records it is
+ * recorded quietly. */
+Test(authority, a_start_with_a_changed_identity_is_refused_while_the_route_has_records)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    char route[32], empty[40], key[96];
+    snprintf(route, sizeof route, "idr%08x", (unsigned)(e2e_now_ms() ^ ((uint64_t)getpid() << 16)));
+    snprintf(empty, sizeof empty, "%se", route);
+    e2e_mkkey(key, sizeof key, "auth-start");
+    struct e2e_gw *g = gw_route(up, route, "", true, true);
+    struct e2e_resp r;
+    post(g, key, "{\"s\":1}", &r);
+    cr_assert_eq(r.status, 200);
+    e2e_resp_free(&r);
+    e2e_gw_stop(g, 5000);
+
+    g = gw_route(up, route, "scope: [header:Authorization]\n", true, false);
+    cr_assert(e2e_proc_wait(&g->proc, 15000), "the gateway started with the changed identity");
+    cr_expect_eq(e2e_proc_exit_code(&g->proc), 1);
+    char want[160];
+    snprintf(want, sizeof want, "route %s: its identity changed (scope;", route);
+    cr_expect(e2e_gw_log_contains(g, "event=start_refused"), "no start_refused line");
+    cr_expect(e2e_gw_log_contains(g, want), "the log does not name the route and the change");
+    cr_expect(e2e_gw_log_contains(g, "and 1 of its records are within retention"), "the log does not count");
+    cr_expect(e2e_gw_log_contains(g, "--accept-identity-change"), "the log does not name the flag");
+
+    /* accepted: it starts, says so, and the new identity is the recorded one */
+    g = gw_route(up, route, "scope: [header:Authorization]\n", false, true);
+    cr_expect(e2e_gw_log_contains(g, "event=route_identity_changed"), "the accepted change is not logged");
+    cr_expect(e2e_gw_log_contains(g, "records_within_retention=1"));
+    e2e_gw_stop(g, 5000);
+    g = gw_route(up, route, "scope: [header:Authorization]\n", true, true);
+    e2e_gw_stop(g, 5000);
+
+    /* a route without records changes its identity freely */
+    g = gw_route(up, empty, "", true, true);
+    e2e_gw_stop(g, 5000);
+    g = gw_route(up, empty, "scope: [header:Authorization]\n", true, true);
+    cr_expect(e2e_gw_log_contains(g, "records_within_retention=0"));
+}

@@ -781,7 +781,21 @@ static int gw_try_start(struct e2e_gw *g, const char *tmpl, const struct e2e_gw_
     g->proc.exited = false;
     g->proc.killed = false;
 
-    const char *argv[] = {e2e_env("IDEMGATE_BIN"), "-c", g->conf_path, NULL};
+    /* idemgate -c FILE, and --accept-identity-change NAME per "- name: NAME" line (routes and upstreams alike: an
+     * upstream's name is no route's and changes nothing) unless the test wants the check */
+    enum { NAMES_MAX = 32 };
+    const char *argv[3 + 2 * NAMES_MAX + 1] = {e2e_env("IDEMGATE_BIN"), "-c", g->conf_path};
+    size_t na = 3;
+    for (const char *p = g->conf_text; !o->strict_identity && p && na + 2 < sizeof argv / sizeof argv[0] - 1;
+         p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
+        const char *name = p + strspn(p, " ");
+        if (strncmp(name, "- name: ", 8) != 0)
+            continue;
+        name += 8;
+        argv[na++] = "--accept-identity-change";
+        argv[na++] = keep(xasprintf("%.*s", (int)strcspn(name, " \r\n#"), name));
+    }
+    argv[na] = NULL;
     static const char *const drop[] = {"IDEMGATE_POSTGRES_URL", "IDEMGATE_REDIS_URL", "IDEMGATE_ADMIN_TOKEN", NULL};
     char **envp = build_env(drop, o->env);
     g->proc.pid = spawn(argv, envp, g->proc.log, g->proc.log);

@@ -128,6 +128,9 @@ struct e2e_gw_opts {
     /* Also wait (bounded) until GET /readyz answers 200, as e2e_gw_wait_ready: the store is up (ignored with
      * no_wait). */
     bool wait_ready;
+    /* Without it the gateway starts with --accept-identity-change for every name in the config: the tests share
+     * one database and give route "pay" many identities (SPEC 8). */
+    bool strict_identity;
 };
 /* Renders the template and writes it as the gateway's config, then runs
  * `idemgate -c FILE` with stderr into a log, and waits (bounded) for
