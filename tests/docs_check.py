@@ -11,7 +11,8 @@ Checks README.md, CHANGELOG.md and docs/*.md of the source tree given as the fir
   - every problem type the sources answer (a status then a name, "409, \"name\"", or a name given to a *refuse* or
     *problem* function) is in docs/http.md, and every name in its table of problems is one the sources answer;
   - every metric common/metrics.c exposes, and every value of its outcome label, is in docs/operations.md;
-  - every IDEMGATE_* environment variable the gateway reads is in docs/configuration.md.
+  - every IDEMGATE_* environment variable the gateway reads is in docs/configuration.md;
+  - every module (a .c file of common, conf, store, upstream, gateway) has its row in docs/ARCHITECTURE.md.
 Prints each problem as FILE:LINE: what, and exits 1 if there is one.
 """
 import os
@@ -130,6 +131,17 @@ def env_problems(root):
             for n in sorted(names) if f"`{n}`" not in conf]
 
 
+def module_problems(root):
+    with open(os.path.join(root, "docs", "ARCHITECTURE.md"), encoding="utf-8") as f:
+        arch = f.read()
+    out = []
+    for room in ("common", "conf", "store", "upstream", "gateway"):
+        for n in sorted(os.listdir(os.path.join(root, room))):
+            if n.endswith(".c") and f"| `{room}/{n[:-2]}` |" not in arch:
+                out.append(f"docs/ARCHITECTURE.md: the module {room}/{n[:-2]} has no row in the table of rooms")
+    return out
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
     docs = ["README.md", "CHANGELOG.md"] + sorted(
@@ -166,6 +178,7 @@ def main():
     problems += problem_problems(root)
     problems += metric_problems(root)
     problems += env_problems(root)
+    problems += module_problems(root)
     for p in problems:
         print(p)
     print(f"docs_check: {len(docs)} documents, {len(problems)} problems")
