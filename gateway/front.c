@@ -742,21 +742,6 @@ static const char *jwt_check(struct req *r, const struct conf_route *route)
     return NULL;
 }
 
-/* First call: headers are in. Returns MHD_YES to go on reading the body, or
- * the result of queueing an early answer (r->stage == STAGE_ANSWERED). */
-/* SPEC 6: does the route's ordering guard cover this request? Sets job->ordered and its resource instance. */
-static void order_match(struct req *r, const struct conf_route *route, const char *method)
-{
-    struct gw_job *job = &r->job;
-    char *res;
-    if (!route || !route->ordering.enabled || !(route->methods & conf_method_bit(method)) ||
-        !gw_order_match(route->ordering.resource, job->path, &res))
-        return;
-    job->ordered = true;
-    job->resource = res; /* in the template's spelling (SPEC 7: policy never depends on how a path is spelled) */
-    job->resource_len = strlen(res);
-}
-
 /* The request's part reader (gateway/parts.h) over what has been read so far. The body only grows until submit,
  * and nothing asks about it before. */
 static struct gw_reqparts *parts_of(struct req *r)
@@ -772,6 +757,19 @@ static struct gw_reqparts *parts_of(struct req *r)
     return p;
 }
 
+/* SPEC 6: does the route's ordering guard cover this request? Sets job->ordered and its resource instance. */
+static void order_match(struct req *r, const struct conf_route *route, const char *method)
+{
+    struct gw_job *job = &r->job;
+    char *res;
+    if (!route || !route->ordering.enabled || !(route->methods & conf_method_bit(method)) ||
+        !gw_order_resource(parts_of(r), route->ordering.resource, &res))
+        return;
+    job->ordered = true;
+    job->resource = res; /* in the template's spelling (SPEC 7: policy never depends on how a path is spelled) */
+    job->resource_len = strlen(res);
+}
+
 /* SPEC 6: is a guarded request's sequence header well formed? false: 400 sequence-invalid (a json: sequence is read
  * from the body in submit). */
 static bool order_headers(struct req *r, const struct conf_route *route)
@@ -782,6 +780,8 @@ static bool order_headers(struct req *r, const struct conf_route *route)
     return gw_seq_from_parts(parts_of(r), CONF_SEQ_HEADER, route->ordering.seq_name, &job->seq);
 }
 
+/* First call: headers are in. Returns MHD_YES to go on reading the body, or
+ * the result of queueing an early answer (r->stage == STAGE_ANSWERED). */
 static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const char *method, const char *version)
 {
     const struct conf *conf = r->job.conf;

@@ -6,10 +6,9 @@
 #include <string.h>
 #include <strings.h>
 
-bool gw_order_match(const char *tmpl, const char *path, char **resource)
+static bool order_match(const char *tmpl, const char *path, size_t plen, char **resource)
 {
     *resource = NULL;
-    size_t plen = strlen(path);
     while (plen > 1 && path[plen - 1] == '/')
         plen--;
     size_t ti = 0, pi = 0, tlen = strlen(tmpl);
@@ -77,6 +76,18 @@ bool gw_seq_parse(const char *v, size_t len, int64_t *out)
         return false;
     *out = (int64_t)n;
     return true;
+}
+
+bool gw_order_match(const char *tmpl, const char *path, char **resource)
+{
+    return order_match(tmpl, path, strlen(path), resource);
+}
+
+bool gw_order_resource(struct gw_reqparts *r, const char *tmpl, char **resource)
+{
+    struct gw_value v; /* the path: nothing to release */
+    *resource = NULL;
+    return gw_parts_value(r, GW_PART_PATH, NULL, 0, &v) && order_match(tmpl, v.p, v.n, resource);
 }
 
 bool gw_seq_from_parts(struct gw_reqparts *r, enum conf_seq_source source, const char *name, int64_t *out)

@@ -22,6 +22,9 @@
  * sent (parameters removed), so "/V1/Accounts;x/AbC/address.json" is "/v1/accounts/AbC/address". */
 bool gw_order_match(const char *tmpl, const char *path, char **resource) CM_MUST_CHECK;
 
+/* gw_order_match on the request's path, read through r. */
+bool gw_order_resource(struct gw_reqparts *r, const char *tmpl, char **resource) CM_MUST_CHECK;
+
 /* Parses a sequence header value: 1*DIGIT without sign or leading zero,
  * 1 .. 2^63-1, optional surrounding spaces/tabs. false for anything else. */
 bool gw_seq_parse(const char *v, size_t len, int64_t *out) CM_MUST_CHECK;

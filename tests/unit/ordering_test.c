@@ -43,6 +43,14 @@ Test(order_match, templates)
         if (m && cases[i].match)
             cr_expect_str_eq(res, cases[i].resource, "%s: %s", cases[i].path, res);
         free(res);
+        /* the same through the request part reader, as the front asks */
+        struct gw_reqparts r = {.method = "PUT", .path = cases[i].path, .query = ""};
+        res = NULL;
+        m = gw_order_resource(&r, cases[i].tmpl, &res);
+        cr_expect_eq(m, cases[i].match, "reader: %s vs %s", cases[i].tmpl, cases[i].path);
+        if (m && cases[i].match)
+            cr_expect_str_eq(res, cases[i].resource, "reader: %s: %s", cases[i].path, res);
+        free(res);
     }
 }
 
