@@ -28,7 +28,9 @@
 #define CH_GW_READY_MS    15000
 #define CH_CMD_TIMEOUT_MS 45000
 #define CH_MAX_WINDOWS    4096
-#define CH_MAX_PAUSED     256 /* Postgres processes one pause may stop */
+#define CH_MAX_PAUSED     256                      /* Postgres processes one pause may stop */
+#define CH_ADMIN_TOKEN    "chaos-admin-token-3f9a" /* the gateways' IDEMGATE_ADMIN_TOKEN (the purge rounds) */
+#define CH_PURGE_PREFIX   "purge-"                 /* the purge rounds' keys (not the clients') */
 
 /* Fault kinds; their names, injectors and properties are the table in faults.c. */
 enum fkind {
@@ -41,8 +43,9 @@ enum fkind {
     F_PG_COMMIT_ERR,
     F_PG_SERIALIZABLE,
     F_PG_FAILOVER,
-    F_CITUS_WORKER, /* a Citus worker stopped (fast) and started again: only with a Citus cluster */
-    F_GW_PAUSE,     /* a whole gateway SIGSTOPped for 1 to 3 leases, then SIGCONTed */
+    F_CITUS_WORKER,      /* a Citus worker stopped (fast) and started again: only with a Citus cluster */
+    F_GW_PAUSE,          /* a whole gateway SIGSTOPped for 1 to 3 leases, then SIGCONTed */
+    F_REDIS_PAUSE_PURGE, /* Redis SIGSTOPped while an admin purge is acknowledged (a round of its own keys) */
     F__N
 };
 
@@ -182,6 +185,8 @@ struct ch_state {
     atomic_int citus_down; /* the Citus worker that is stopped (1 or 2), 0: none */
     unsigned faults[F__N];
     unsigned fault_failures;
+    /* F_REDIS_PAUSE_PURGE's rounds: each checks its key's intents across the purge (faults.c) */
+    unsigned purge_rounds, purge_inconclusive, purge_violations;
     struct window win[CH_MAX_WINDOWS];
     size_t nwin;
 

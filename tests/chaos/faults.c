@@ -257,6 +257,136 @@ static void inject_redis_flush(uint64_t *rng)
     fault_redis_flush();
 }
 
+/* ------------------------------------------------------------------ Redis paused while an admin purge is answered */
+
+#define CH_PURGE_BUF 4096
+
+/* POST body with key to instance i on the reject route (a tenant of its own); the answer in r (body in buf). */
+static void purge_post(CURL *c, int i, const char *key, const char *body, char *buf, struct http_res *r)
+{
+    char kh[96];
+    snprintf(kh, sizeof kh, "Idempotency-Key: %s", key);
+    struct curl_slist *h = curl_slist_append(NULL, kh);
+    h = curl_slist_append(h, "Authorization: Bearer chaos-purge");
+    h = curl_slist_append(h, "Content-Type: application/json");
+    h = curl_slist_append(h, "Expect:");
+    ch_http_do(c, ch.inst[i].port, "POST", ch_route_path[RT_REJECT], h, body, strlen(body), 5000, buf, CH_PURGE_BUF,
+               true, r);
+    curl_slist_free_all(h);
+}
+
+/* DELETE /admin/keys of key on the reject route at instance i; its status (0: no answer). */
+static long purge_admin(CURL *c, int i, const char *key)
+{
+    char path[160], buf[512];
+    snprintf(path, sizeof path, "/admin/keys?route=%s&key=%s", ch_route_name[RT_REJECT], key);
+    struct curl_slist *h = curl_slist_append(NULL, "Authorization: Bearer " CH_ADMIN_TOKEN);
+    struct http_res r;
+    ch_http_do(c, ch.inst[i].admin_port, "DELETE", path, h, NULL, 0, 5000, buf, sizeof buf, true, &r);
+    curl_slist_free_all(h);
+    return r.cc == CURLE_OK ? r.status : 0;
+}
+
+static pid_t redis_pid(void)
+{
+    char path[PATH_MAX], line[32] = "";
+    if (!ch_env_value("REDIS_PIDFILE", path, sizeof path))
+        return 0;
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return 0;
+    bool got = fgets(line, sizeof line, f) != NULL;
+    fclose(f);
+    uint64_t v = 0;
+    line[strcspn(line, "\r\n")] = '\0';
+    return got && ch_parse_u64(line, INT32_MAX, &v) && v > 1 ? (pid_t)v : 0;
+}
+
+static void purge_violation(const char *key, const char *what, const struct http_res *r)
+{
+    ch.purge_violations++;
+    ch_out("VIOLATION purge: key %s: %s (got %ld%s exec=%s: %.120s)\n", key, what, r->status,
+           r->replayed ? " replayed" : "", r->exec, r->body ? r->body : "");
+    ch_log("event=purge_violation key=%s what=\"%s\" status=%ld", key, what, r->status);
+}
+
+/* One round of its own key: intent 1 executed at one instance and replayed at another (which puts the answer into
+ * Redis); Redis paused (SIGSTOP) while an instance purges the key through the admin API, continued a moment
+ * later; then intent 2 (another body) must execute once, and each of its retries, at every instance, get its
+ * first answer (never intent 1's, never 422), and intent 1's body must be 422 (SPEC 8: Redis never overrides
+ * Postgres). A step that fails before the purge (no 200, no purge) makes the round inconclusive, not a
+ * violation. */
+static void fault_redis_pause_purge(uint64_t *rng)
+{
+    ch.faults[F_REDIS_PAUSE_PURGE]++;
+    CURL *c = curl_easy_init();
+    char *buf = ch_xcalloc(2, CH_PURGE_BUF), *first = buf + CH_PURGE_BUF;
+    char key[48], exec2[24];
+    snprintf(key, sizeof key, CH_PURGE_PREFIX "%s-%u", ch.tag, ch.faults[F_REDIS_PAUSE_PURGE]);
+    int n = (int)ch.o.instances, a = (int)(ch_splitmix64(rng) % (uint64_t)n), b = (a + 1) % n;
+    struct http_res r;
+    uint64_t t = ch_mono_ms();
+    pid_t rp = redis_pid();
+    bool ready = c != NULL && rp > 0;
+    if (ready) {
+        purge_post(c, a, key, "{\"purge\":1}", buf, &r);
+        ready = r.cc == CURLE_OK && r.status == 200 && !r.replayed;
+    }
+    if (ready) {
+        purge_post(c, b, key, "{\"purge\":1}", buf, &r);
+        ready = r.cc == CURLE_OK && r.status == 200 && r.replayed;
+    }
+    if (!ready) {
+        ch.purge_inconclusive++;
+        ch_log("fault=redis_pause_purge phase=skipped key=%s reason=\"intent 1 not answered and replayed\"", key);
+        goto out;
+    }
+    ch_nap(300); /* the replay's refill */
+    ch_log("fault=redis_pause_purge phase=begin key=%s redis_pid=%ld", key, (long)rp);
+    size_t w = ch_window_begin(F_REDIS_PAUSE_PURGE, -1);
+    ch.paused[0] = rp; /* continue_all continues it on every exit path */
+    kill(rp, SIGSTOP);
+    ch_nap(ch_rnd_range(rng, 400, 1200)); /* the traffic's timeouts make the gateways give their links up */
+    long st = 0;
+    int at = (int)(ch_splitmix64(rng) % (uint64_t)n);
+    for (int i = 0; i < 5 && st != 200; i++) {
+        st = purge_admin(c, at, key);
+        if (st != 200)
+            ch_nap(300);
+    }
+    ch_nap(ch_rnd_range(rng, 500, 2500));
+    kill(rp, SIGCONT);
+    ch.paused[0] = 0;
+    ch_window_end(w);
+    ch_log("fault=redis_pause_purge phase=end key=%s purge_status=%ld ms=%" PRIu64, key, st, ch_mono_ms() - t);
+    if (st != 200) {
+        ch.purge_inconclusive++;
+        goto out;
+    }
+    ch.purge_rounds++;
+    ch_nap(2500); /* the gateways' Redis links come back (reconnect backoff up to 2 s) */
+    purge_post(c, b, key, "{\"purge\":2}", first, &r);
+    if (r.cc != CURLE_OK || r.status != 200 || r.replayed) {
+        purge_violation(key, "intent 2 after the purge was not executed", &r);
+        goto out;
+    }
+    snprintf(exec2, sizeof exec2, "%s", r.exec);
+    for (int i = 0; i < 2 * n; i++) {
+        purge_post(c, i % n, key, "{\"purge\":2}", buf, &r);
+        if (r.cc != CURLE_OK || r.status != 200 || !r.replayed || strcmp(r.exec, exec2) != 0) {
+            purge_violation(key, "a retry of intent 2 did not get its first answer", &r);
+            goto out;
+        }
+    }
+    purge_post(c, a, key, "{\"purge\":1}", buf, &r);
+    if (r.cc != CURLE_OK || r.status != 422)
+        purge_violation(key, "intent 1's body after intent 2's record was not 422", &r);
+out:
+    free(buf);
+    if (c)
+        curl_easy_cleanup(c);
+}
+
 /* ------------------------------------------------------------------ Postgres paused (SIGSTOP/SIGCONT) */
 
 static pid_t read_ppid(pid_t pid)
@@ -563,6 +693,7 @@ static const struct fault_kind kinds[F__N] = {
     [F_PG_FAILOVER] = {"failover", fault_pg_failover, true, false, true, false, false, 1},
     [F_CITUS_WORKER] = {"citus_worker_restart", fault_citus_worker, true, false, false, false, true, 0},
     [F_GW_PAUSE] = {"gateway_pause", fault_gw_pause, true, false, false, false, false, 0},
+    [F_REDIS_PAUSE_PURGE] = {"redis_pause_purge", fault_redis_pause_purge, false, false, false, false, false, 0},
 };
 
 const char *ch_fault_name(enum fkind k)

@@ -115,13 +115,14 @@ pid_t ch_gw_spawn(struct inst *g)
         fclose(lf);
     }
     char *argv[] = {ch.idemgate_bin, (char *)"-c", g->conf, NULL};
+    static char token[] = "IDEMGATE_ADMIN_TOKEN=" CH_ADMIN_TOKEN; /* the purge rounds use the admin API */
     if (g->idx != 1 || ch.o.clock_skew_ms == 0)
-        return ch_spawn(argv, g->log);
+        return ch_spawn_env(argv, g->log, (char *[]){token, NULL});
     /* gateways whose clocks are minutes apart (SPEC 8, one clock): instance 1's wall clock is moved */
     static char preload[PATH_MAX + 16], shift[64];
     snprintf(preload, sizeof preload, "LD_PRELOAD=%s/tests/tools/libclockshift.so", ch.o.build);
     snprintf(shift, sizeof shift, "IDEMGATE_CLOCK_SHIFT_MS=%ld", ch.o.clock_skew_ms);
-    char *env[] = {preload, shift, NULL};
+    char *env[] = {preload, shift, token, NULL};
     return ch_spawn_env(argv, g->log, env);
 }
 

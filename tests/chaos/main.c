@@ -133,7 +133,7 @@ static void usage(FILE *f)
                "  --faults: comma-separated fault kinds, or all (the default; failover only when the services have a\n"
                "            standby): gateway_kill,postgres_restart,redis_restart,redis_flush,upstream_down,\n"
                "            postgres_pause,commit_errors,serializable_default,failover,citus_worker_restart,\n"
-               "            gateway_pause\n"
+               "            gateway_pause,redis_pause_purge\n"
                "            (citus_worker_restart only on a Citus cluster, where the two SQL faults do not run)\n"
                "  --services-dir: a directory started by scripts/services.sh (its env file is read)\n"
                "  --services-sh: scripts/services.sh (default $IDEMGATE_SERVICES_SH)\n"

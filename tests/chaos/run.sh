@@ -9,7 +9,8 @@
 #
 # CHAOS OPTIONS go to the checker as they are (--seed S, --workers N, --instances 1|2, --keep,
 # --faults LIST, ...). --faults takes comma-separated kinds (gateway_kill, postgres_restart, redis_restart,
-# redis_flush, upstream_down, postgres_pause, commit_errors, serializable_default, failover, gateway_pause) or
+# redis_flush, upstream_down, postgres_pause, commit_errors, serializable_default, failover, gateway_pause,
+# redis_pause_purge) or
 # all (the default). Instance 1 runs with its wall clock 2 minutes ahead (--clock-skew-ms, through the
 # tests/tools/libclockshift.so shim).
 # Environment: IDEMGATE_BUILD_DIR (default ./build; built when the checker is missing),

@@ -120,14 +120,36 @@ static void *fo_client_main(void *arg)
     return NULL;
 }
 
+/* A test's services: the multi-host URL and the Redis URL (heap; fo_rig_free) for fo_conf's placeholders, and an
+ * upstream. */
+struct fo_rig {
+    char *multi, *redis;
+    const char *vars[5];
+    struct e2e_upstream *up;
+};
+
+static void fo_rig_start(struct fo_rig *rig)
+{
+    rig->multi = fo_env("IDEMGATE_TEST_PG_MULTI_URL");
+    rig->redis = fo_env("IDEMGATE_TEST_REDIS_URL");
+    cr_assert(rig->multi != NULL && rig->redis != NULL, "services.sh standby-start writes the multi-host URL");
+    const char *v[] = {"FO_PG", rig->multi, "FO_REDIS", rig->redis, NULL};
+    memcpy(rig->vars, v, sizeof v);
+    rig->up = e2e_upstream_start(NULL);
+}
+
+static void fo_rig_free(struct fo_rig *rig)
+{
+    free(rig->multi);
+    free(rig->redis);
+}
+
 Test(failover, primary_crash_and_promotion_under_traffic)
 {
-    char *multi = fo_env("IDEMGATE_TEST_PG_MULTI_URL");
-    char *redis = fo_env("IDEMGATE_TEST_REDIS_URL");
-    cr_assert(multi != NULL && redis != NULL, "services.sh standby-start writes the multi-host URL");
-    struct e2e_upstream *up = e2e_upstream_start(NULL);
-    const char *vars[] = {"FO_PG", multi, "FO_REDIS", redis, NULL};
-    struct e2e_gw_opts o = {.up = up, .vars = vars, .wait_ready = true};
+    struct fo_rig rig;
+    fo_rig_start(&rig);
+    struct e2e_upstream *up = rig.up;
+    struct e2e_gw_opts o = {.up = up, .vars = rig.vars, .wait_ready = true};
     struct e2e_gw *gw = e2e_gw_start(fo_conf, &o);
 
     /* keys completed before the failover: their claims are on the standby too (synchronous commit) */
@@ -245,6 +267,87 @@ Test(failover, primary_crash_and_promotion_under_traffic)
         }
     for (unsigned i = 0; i < FO_THREADS; i++)
         free(cl[i].reqs);
-    free(multi);
-    free(redis);
+    fo_rig_free(&rig);
+}
+
+/* The purge listener (store/notify.c) after a failover: it connects with store.postgres as the pool does
+ * (target_session_attrs=read-write), and a standby refuses LISTEN, so once the old primary is gone it can only
+ * listen on the new one. A purge answered after the promotion must reach the other instance's replay cache and
+ * purge epoch: its replay of the purged key executes anew. */
+static double fo_metric(const struct e2e_gw *g, const char *name)
+{
+    struct e2e_resp r;
+    e2e_get(g->admin_port, "/metrics", &r);
+    static const char *const none[] = {NULL};
+    double v = r.status == 200 ? e2e_metric_value((const char *)r.body, name, none) : -1;
+    e2e_resp_free(&r);
+    return v;
+}
+
+static bool fo_online(const struct e2e_gw *g, int timeout_ms)
+{
+    for (uint64_t end = e2e_now_ms() + (uint64_t)timeout_ms; e2e_now_ms() < end; e2e_sleep_ms(50))
+        if (fo_metric(g, "idemgate_replay_cache_online") == 1)
+            return true;
+    return false;
+}
+
+Test(failover, a_purge_after_the_failover_reaches_the_other_instances_cache)
+{
+    struct fo_rig rig;
+    fo_rig_start(&rig);
+    struct e2e_upstream *up = rig.up;
+    static const char *const env[] = {"IDEMGATE_ADMIN_TOKEN=fo-admin-token", NULL};
+    struct e2e_gw_opts o = {.up = up, .vars = rig.vars, .env = env, .wait_ready = true};
+    struct e2e_gw *a = e2e_gw_start(fo_conf, &o), *b = e2e_gw_start(fo_conf, &o);
+    cr_assert(fo_online(a, 10000) && fo_online(b, 10000), "the listeners never came up");
+    char key[96];
+    snprintf(key, sizeof key, "fo-purge-%d", (int)getpid());
+    struct fo_req q;
+    fo_send(a->port, key, false, 5000, &q);
+    cr_assert_eq(q.status, 200);
+    fo_send(b->port, key, false, 5000, &q);
+    cr_assert(q.status == 200 && q.replayed, "b's replay: %ld", q.status);
+    cr_assert_eq(fo_metric(b, "idemgate_replay_cache_entries"), 1, "b's cache does not hold the key");
+
+    cr_assert_eq(fo_services("promote", NULL), 0, "services.sh promote (the primary stopped first)");
+    cr_assert(fo_online(a, 15000) && fo_online(b, 15000), "a listener did not come back after the failover");
+    char *port = fo_env("PG_PORT"), q_sql[256];
+    cr_assert(port != NULL);
+    snprintf(q_sql, sizeof q_sql,
+             "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemgate-listen' AND"
+             " inet_server_port() = %s",
+             port);
+    char *admin = fo_env("IDEMGATE_TEST_PG_ADMIN_URL");
+    cr_assert(admin != NULL);
+    char psql[512];
+    const char *argv[] = {e2e_in_path("psql", psql, sizeof psql), "-X", "-At", "-d", admin, "-c", q_sql, NULL};
+    char *out = NULL;
+    cr_assert_eq(e2e_run(argv, NULL, 10000, &out, NULL), 0, "psql on the new primary");
+    cr_expect_eq(strtol(out ? out : "0", NULL, 10), 2, "listeners on the new primary (port %s): %s", port, out);
+    free(out);
+
+    char path[256];
+    snprintf(path, sizeof path, "/admin/keys?route=pay&key=%s", key);
+    const char *const h[] = {"Authorization: Bearer fo-admin-token", NULL};
+    struct e2e_resp r = {0};
+    for (int i = 0; i < 20; i++) { /* the pool may still be reconnecting: 503 */
+        e2e_resp_free(&r);
+        e2e_http(a->admin_port, &(struct e2e_req){.method = "DELETE", .path = path, .headers = h}, &r);
+        if (r.status == 200)
+            break;
+        e2e_sleep_ms(250);
+    }
+    cr_assert_eq(r.status, 200, "the purge after the failover: %ld", r.status);
+    e2e_resp_free(&r);
+    uint64_t end = e2e_now_ms() + 1000;
+    while (fo_metric(b, "idemgate_replay_cache_entries") != 0 && e2e_now_ms() < end)
+        e2e_sleep_ms(20);
+    cr_expect_eq(fo_metric(b, "idemgate_replay_cache_entries"), 0, "b still holds the purged entry 1 s later");
+    fo_send(b->port, key, false, 5000, &q);
+    cr_expect(q.status == 200 && !q.replayed, "b after the purge: %ld%s", q.status, q.replayed ? " (replayed)" : "");
+    cr_expect_eq(e2e_upstream_count(up, key), 2, "the purged key was not executed anew");
+    free(port);
+    free(admin);
+    fo_rig_free(&rig);
 }
