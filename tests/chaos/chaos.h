@@ -49,6 +49,8 @@ enum fkind {
     F__N
 };
 
+#define CH_ORD_RESOURCES 4 /* resources of the ordered writers, one thread each */
+
 struct window { /* a fault's time span, for the "could this have made an outcome unknown" question */
     uint64_t begin, end;
     enum fkind kind;
@@ -192,10 +194,11 @@ struct ch_state {
 
     struct worker *workers;
     atomic_bool abort;
-    /* the ordered writer (traffic.c): requests sent, sequences it moved past (answered or given up) */
-    pthread_t ord_thread;
-    bool ord_started;
-    unsigned long ord_requests, ord_done;
+    /* the ordered writers (traffic.c, one per resource): requests sent, sequences moved past (answered or given
+     * up) */
+    pthread_t ord_threads[CH_ORD_RESOURCES];
+    unsigned ord_started;
+    atomic_ulong ord_requests, ord_done;
 
     /* registry of child pids for the signal handler */
     pthread_mutex_t pid_mu;
@@ -270,9 +273,10 @@ void ch_http_do(CURL *c, uint16_t port, const char *method, const char *path, st
                 size_t blen, long timeout_ms, char *buf, size_t bufcap, bool fresh, struct http_res *r);
 bool ch_http_get_ok(CURL *c, uint16_t port, const char *path, long timeout_ms, char *buf, size_t cap);
 
-/* ---- traffic.c: the ordered writer (pthread start routine): CH_ORD_RESOURCES resources of the route "ord", each
- * written with sequences 1, 2, 3... through a random gateway (a retry of the same sequence and key until a final
- * answer), until ch.traffic_end. The upstream counts sequences applied below a resource's highest. */
+/* ---- traffic.c: an ordered writer (pthread start routine; arg: the resource's index, cast from uintptr_t): one
+ * resource of the route "ord" written with sequences 1, 2, 3... through a random gateway (the same sequence and key
+ * again until a final answer), until ch.traffic_end. The upstream counts sequences applied below a resource's
+ * highest. */
 void *ch_ordered_main(void *arg);
 
 #endif

@@ -722,9 +722,9 @@ static void check_order(struct ctx *x)
         ch_out("VIOLATION in-order: %" PRIu64 " writes applied below their resource's highest applied sequence (see "
                "event=order_violation in testupstream.log)\n",
                v);
-    } else if (ch.ord_done < 10 && ch.o.duration_s >= 30) {
+    } else if (atomic_load(&ch.ord_done) < 10 && ch.o.duration_s >= 30) {
         violation(x, K_ORDER);
-        ch_out("VIOLATION in-order: the ordered writer settled only %lu sequences\n", ch.ord_done);
+        ch_out("VIOLATION in-order: the ordered writers settled only %lu sequences\n", atomic_load(&ch.ord_done));
     }
 }
 
@@ -825,8 +825,8 @@ static void print_figures(const struct ctx *x)
            t->lost_answers, t->unstored_answers, x->completion_failed_logs, x->lease_lost_logs, t->late_answers,
            t->unexpected);
     ch_out("chaos: wrong_tenant_answers=%zu scope_errors=%zu\n", t->wrong_tenant, t->scope_errors);
-    ch_out("chaos: ordered: requests=%lu sequences_settled=%lu applied_out_of_order=%ld\n", ch.ord_requests,
-           ch.ord_done, x->order_violations);
+    ch_out("chaos: ordered: requests=%lu sequences_settled=%lu applied_out_of_order=%ld\n",
+           atomic_load(&ch.ord_requests), atomic_load(&ch.ord_done), x->order_violations);
     ch_out("chaos: records: completed=%zu unknown=%zu in_flight_lapsed=%zu stuck=%zu lost=%zu stored_release=%zu "
            "foreign=%zu; keys blocked as unknown without any execution=%zu; unknown outcomes without an injected "
            "cause=%zu\n",

@@ -61,9 +61,14 @@ bool ch_write_gw_conf(struct inst *g)
             "    url: http://127.0.0.1:%u\n"
             "    connect_timeout: 500ms\n"
             "    timeout: %ums\n"
+            "  - name: ordapi\n"
+            "    url: http://127.0.0.1:%u\n"
+            "    connect_timeout: 500ms\n"
+            "    timeout: %ums\n"
+            "    max_connections: 1\n"
             "routes:\n",
             (unsigned)g->port, (unsigned)g->admin_port, ch.pg_url, ch.redis_url, (unsigned)ch.gate_port,
-            ch.o.up_timeout_ms);
+            ch.o.up_timeout_ms, (unsigned)ch.gate_port, ch.o.up_timeout_ms);
     for (int rt = 0; rt < 2; rt++)
         fprintf(f,
                 "  - name: %s\n"
@@ -83,13 +88,14 @@ bool ch_write_gw_conf(struct inst *g)
                 "      max_body: 64KiB\n"
                 "      forward_key: true\n",
                 ch_route_name[rt], ch_route_name[rt], ch.o.lease_ms, rt == RT_RETRY ? "retry" : "reject");
-    /* the ordering guard's route (traffic.c's ordered writer; checked: sequences applied in order) */
+    /* the ordering guard's route (traffic.c's ordered writers; checked: sequences applied in order), on an upstream
+     * of its own (the same gate) with one connection: its requests often wait for it */
     fprintf(f,
             "  - name: ord\n"
             "    match:\n"
             "      path_prefix: /v1/ord\n"
             "      methods: [POST]\n"
-            "    upstream: api\n"
+            "    upstream: ordapi\n"
             "    idempotency:\n"
             "      key: required\n"
             "      lease: %ums\n"

@@ -383,8 +383,12 @@ int main(int argc, char **argv)
             break;
         started++;
     }
-    ch.ord_started = pthread_create(&ch.ord_thread, NULL, ch_ordered_main, NULL) == 0;
-    ch_log("event=traffic_start workers=%u ordered_writer=%d", started, ch.ord_started);
+    for (unsigned i = 0; i < CH_ORD_RESOURCES; i++)
+        if (pthread_create(&ch.ord_threads[i], NULL, ch_ordered_main, (void *)(uintptr_t)i) == 0)
+            ch.ord_started = i + 1;
+        else
+            break;
+    ch_log("event=traffic_start workers=%u ordered_writers=%u", started, ch.ord_started);
     uint64_t last_report = ch_mono_ms();
     while (ch_mono_ms() < ch.traffic_end && !atomic_load(&ch.abort)) {
         ch_nap(200);
@@ -398,8 +402,8 @@ int main(int argc, char **argv)
     }
     for (unsigned w = 0; w < started; w++)
         pthread_join(ch.workers[w].thread, NULL);
-    if (ch.ord_started)
-        pthread_join(ch.ord_thread, NULL);
+    for (unsigned i = 0; i < ch.ord_started; i++)
+        pthread_join(ch.ord_threads[i], NULL);
     ch.o.workers = started;
     ch_log("event=traffic_end");
     uint64_t bound = ch_mono_ms() + 120000;
