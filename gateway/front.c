@@ -1021,6 +1021,7 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     struct gw_reqparts *parts = parts_of(r); /* the body is in */
     if (job->ordered && job->route->ordering.source == CONF_SEQ_JSON &&
         !gw_seq_from_parts(parts, CONF_SEQ_JSON, job->route->ordering.seq_name, &job->seq)) {
+        gw_reqparts_free(parts); /* the body's index does not wait for the answer to be read */
         if (job->route->idem.mode != CONF_MODE_SHADOW)
             return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
                           "the body must be JSON with an integer from 1 to 9223372036854775807 at the ordering "

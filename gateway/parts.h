@@ -27,7 +27,8 @@ enum gw_part {
 /* A request's parts. The caller fills the first fields (positional initializers of those seven stay valid) and
  * keeps what they point to alive while the reader is used; the reader owns only what it builds itself (the body's
  * JSON index, made on the first question that needs it, once): gw_reqparts_free releases it. Set body before the
- * first question about it, and do not change it after. */
+ * first question about it, and do not change it after. The index takes one 20-byte entry per JSON value (at most
+ * one per body byte); the front frees it in the same call that built it, so a loop holds at most one. */
 struct gw_reqparts {
     const char *method;
     const char *path;  /* without query */
