@@ -972,6 +972,38 @@ static bool chunk_framing_ok(const struct req *r, const char *data)
     return d - base <= CHUNK_GAP_MAX && chunk_gap_ok(r->body_base, d - base);
 }
 
+/* The trailer section of a chunked body as the header-line parser left it in place: it always starts the read buffer
+ * (the body parser moves what is left after the last chunk there, and reads later bytes into it), each line end CR
+ * LF made two NULs (a bare LF makes one), then the empty line (two NULs). The trailers must tile it in order; only
+ * their pointers and the two bytes after each value are read. */
+struct chunk_tail {
+    const char *p; /* where the next trailer's name must start */
+    bool ok;
+};
+
+static enum MHD_Result tail_trailer(void *cls, enum MHD_ValueKind kind, const char *key, size_t klen, const char *value,
+                                    size_t vlen)
+{
+    struct chunk_tail *t = cls;
+    if (t->ok && (key != t->p || !value || (uintptr_t)value < (uintptr_t)key))
+        t->ok = false;
+    if (t->ok) { /* the value's NUL, then the second NUL of its line end (or, after a bare LF, the next line) */
+        t->p = value + vlen;
+        t->ok = t->p[0] == '\0' && t->p[1] == '\0';
+        t->p += 2;
+    }
+    return t->ok ? MHD_YES : MHD_NO;
+}
+
+static bool chunk_trailers_ok(const struct req *r, struct MHD_Connection *c)
+{
+    if (!r->body_base)
+        return false;
+    struct chunk_tail t = {.p = r->body_base, .ok = true};
+    MHD_get_connection_values_n(c, MHD_FOOTER_KIND, tail_trailer, &t);
+    return t.ok && t.p[0] == '\0' && t.p[1] == '\0';
+}
+
 /* Trailer fields that would change how the message is framed, routed or read if anybody merged them */
 static bool trailer_forbidden(const char *name)
 {
@@ -1014,6 +1046,8 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
                       CM_OUT_TOO_LARGE);
     if (r->chunked && !r->chunk_why)
         MHD_get_connection_values_n(c, MHD_FOOTER_KIND, trailer_check, &r->chunk_why);
+    if (r->chunked && !r->chunk_why && !chunk_trailers_ok(r, c))
+        r->chunk_why = "a chunked body's trailer section ends a line with a bare LF";
     if (r->chunk_why) /* 400 closes the connection */
         return reject(r, c, 400, "bad-request", "Bad request", r->chunk_why, CM_OUT_ERROR);
     if (r->body_over_budget)

@@ -720,6 +720,8 @@ Test(hostile, lenient_chunked_framing_is_refused_and_the_connection_closed)
         {"bare LF after a chunk's data", CHUNKED_HEAD "5\r\nhello\n5\r\nworld\r\n0\r\n\r\n"},
         {"bare LF after the second chunk size", CHUNKED_HEAD "5\r\nhello\r\n5\nworld\r\n0\r\n\r\n"},
         {"bare LF ending a chunk extension", CHUNKED_HEAD "5;a=b\nhello\r\n0\r\n\r\n"},
+        {"bare LF ending the trailer section", CHUNKED_HEAD "5\r\nhello\r\n0\r\nX-T: a\r\n\nGET"},
+        {"bare LF ending a trailer", CHUNKED_HEAD "5\r\nhello\r\n0\r\nX-T: a\n\r\n"},
         {"trailer with obs-fold", CHUNKED_HEAD "5\r\nhello\r\n0\r\nX-T: a\r\n b\r\n\r\n"},
         {"trailer Content-Length", CHUNKED_HEAD "5\r\nhello\r\n0\r\nContent-Length: 5\r\n\r\n"},
         {"trailer Transfer-Encoding", CHUNKED_HEAD "5\r\nhello\r\n0\r\nTransfer-Encoding: chunked\r\n\r\n"},
@@ -739,6 +741,8 @@ Test(hostile, lenient_chunked_framing_is_refused_and_the_connection_closed)
         CHUNKED_HEAD "5;a=b\r\nhello\r\n0\r\n\r\n",
         CHUNKED_HEAD "5\r\nhello\r\n6\r\n world\r\n0\r\nX-T: a\r\n\r\n",
         CHUNKED_HEAD "5\r\nhello\r\n0;x\r\n\r\n",
+        CHUNKED_HEAD "0\r\n\r\n",
+        CHUNKED_HEAD "5\r\nhello\r\n000\r\nX-A: 1\r\nX-B:  2\r\n\r\n",
     };
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
         struct e2e_raw r;
