@@ -1203,7 +1203,8 @@ static const struct field store_fields[] = {
              .example = "postgresql://idemgate@db1:5432,db2:5432/idemgate?target_session_attrs=read-write"),
     FIELD("pool", F_U32, struct conf, pool, 1, 256, .def = "8", .restart = true,
           .doc = "Postgres connections of this process at most, shared by the I/O loops. One of them listens for "
-                 "purges for the replay cache (with `pool: 1` the replay cache is off).",
+                 "purges, for the replay cache and for the answers Redis may give (with `pool: 1` the replay cache "
+                 "is off and Postgres answers every replay).",
           .example = "16"),
     FIELD_BASE("redis", fn_redis, false, .what = "string", .show = show_str, STR_AT(struct conf, redis_url),
                .restart = true,
