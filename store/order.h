@@ -10,7 +10,6 @@
 
 #include "common/common.h"
 
-struct store;
 struct store_pg;
 struct store_pg_stmt;
 struct event_base;
@@ -28,8 +27,6 @@ struct store_order;
 struct store_order *store_order_create(struct event_base *base, struct store_pg *pg, size_t stmt_base);
 /* Drops pending operations without callbacks; NULL is a no-op. */
 void store_order_destroy(struct store_order *o);
-/* store.c: this store's guard state (never NULL once created). */
-struct store_order *store_order_of(struct store *s);
 
 /* ---- for the pipeline */
 

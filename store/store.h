@@ -16,6 +16,7 @@
 struct event_base;
 struct conf;
 struct store;
+struct store_order;
 
 /* Creates or migrates the schema with a blocking connection, under a
  * Postgres advisory lock (safe when several instances start at once).
@@ -42,6 +43,8 @@ bool store_identity_check(const char *postgres_url, const struct conf *conf, con
 struct store *store_create(struct event_base *base, const struct conf *conf, char **err);
 /* Closes everything; pending operations are dropped without callbacks. */
 void store_destroy(struct store *s);
+/* This store's ordering guard state (store/order.h; never NULL once created). */
+struct store_order *store_order_of(struct store *s);
 
 /* ---- the purge epoch: when a Redis answer may be trusted (SPEC 8, "Redis never overrides Postgres")
  *
