@@ -15,7 +15,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "upstream/internal.h"
+#include "upstream/curl.h"
+#include "upstream/head.h"
+#include "upstream/transfer.h"
 
 struct up_curl;
 

@@ -17,7 +17,9 @@
 #include <strings.h>
 #include <unistd.h>
 
-#include "upstream/internal.h"
+#include "upstream/h1.h"
+#include "upstream/head.h"
+#include "upstream/transfer.h"
 
 /* A chunk-size line (with extensions) longer than this is a malformed response. */
 #define H1_MAX_CHUNK_LINE 1024

@@ -7,7 +7,9 @@
 #include <strings.h>
 
 #include "common/common.h"
-#include "upstream/internal.h"
+#include "upstream/h1.h"
+#include "upstream/head.h"
+#include "upstream/transfer.h"
 
 #define FUZZ_MAX_HEAD 2048
 #define FUZZ_MAX_BODY 65536

@@ -40,7 +40,7 @@ sources() {
     conf) echo "common/common.c common/uri.c conf/conf.c" ;;
     path) echo "common/common.c common/uri.c" ;;
     parts) echo "common/common.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;
-    h1) echo "common/common.c upstream/upstream.c upstream/h1.c upstream/curl.c" ;;
+    h1) echo "common/common.c upstream/upstream.c upstream/h1.c upstream/curl.c upstream/head.c upstream/transfer.c" ;;
     esac
 }
 

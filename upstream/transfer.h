@@ -1,23 +1,20 @@
-/* internal.h - what the facade (upstream.c) and its two backends share: the backend table, the part of a transfer
- * and of the client every backend uses, the response head validation, header rules, delivery of a result. Each
- * backend (h1.c: the built-in HTTP/1.1 client; curl.c: libcurl's multi handle) keeps its own transfer struct and
- * state behind struct up_backend; no library header is included here. Not for other rooms. */
-#ifndef IDEMGATE_UPSTREAM_INTERNAL_H
-#define IDEMGATE_UPSTREAM_INTERNAL_H
+/* transfer.h - the transfer core every backend uses: the backend table, the shared part of a transfer and of the
+ * client, the running list, the pools, delivery of a result and the client's teardown. It never names a backend:
+ * the facade (upstream.c) fills the client's table at create. Not for other rooms. */
+#ifndef IDEMGATE_UPSTREAM_TRANSFER_H
+#define IDEMGATE_UPSTREAM_TRANSFER_H
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <time.h>
 
-#include "upstream/upstream.h"
+#include "upstream/types.h"
 
 /* Cap on a chunked body's trailer block (trailers are read and dropped); going over is UP_TOO_LARGE. */
 #define UP_MAX_HEADER_BYTES (256 * 1024)
 /* Longest request target and origin host name up_send takes. */
 #define UP_MAX_TARGET (64 * 1024)
 #define UP_MAX_HOST   253
-/* The gateway's replay marker: an upstream's own is dropped from its answer. */
-#define UP_REPLAYED_HDR "Idempotent-Replayed"
 /* An idle kept-alive connection older than this is not reused when the request says nothing (up_request's
  * keepalive_ms; conf's keepalive_timeout, default the same, as nginx's upstream keepalive_timeout). A server that
  * closes idle connections earlier and says so (Keep-Alive: timeout=N: node, Apache) is believed, less a margin
@@ -55,8 +52,6 @@ struct up_backend {
     void (*destroy)(void *state);
 };
 
-extern const struct up_backend up_h1_backend;   /* h1.c */
-extern const struct up_backend up_curl_backend; /* curl.c */
 enum { UP_BE_H1, UP_BE_CURL, UP_BE_N };
 
 /* The part of a transfer every backend uses: each backend's transfer struct starts with it. */
@@ -89,7 +84,8 @@ struct up_client {
     bool destroy_deferred; /* up_client_destroy was called from a done callback */
     bool closing;          /* up_client_destroy runs: transfers are stopped, none is started */
     long max_host;         /* max_host_connections (0: unbounded) */
-    void *state[UP_BE_N];  /* each backend's */
+    const struct up_backend *be[UP_BE_N]; /* set by the facade at create, asked in this order */
+    void *state[UP_BE_N];                 /* each backend's */
 };
 
 double up_elapsed(const struct timespec *start);
@@ -105,29 +101,6 @@ bool up_pool_put(struct up_client *c, struct up_transfer **pool, size_t *n, stru
 void up_trim_buf(char **mem, size_t *cap);
 void up_link(struct up_client *c, struct up_transfer *t);
 void up_unlink(struct up_client *c, struct up_transfer *t);
-bool up_token_ok(const char *s, size_t *len);
-bool up_value_ok(const char *s, size_t *len);
-/* What a request header becomes upstream: sent as is, skipped (framing, Expect, hop-by-hop: the backend frames the
- * body itself), or sent and noted (Accept, Content-Type: libcurl would add its own otherwise). */
-enum up_hdr_kind { UP_HDR_SEND, UP_HDR_SKIP, UP_HDR_ACCEPT, UP_HDR_CTYPE };
-enum up_hdr_kind up_hdr_kind(const char *name);
-/* Response head lines without their CR LF, validated here for both clients: a status line (starts the head over,
- * after a 1xx too) and a header line (trailers after the final head ignored). The name must be a token, the value
- * pass cm_field_value_ok, no obs-fold, the whole head within t->max_head; the upstream's Idempotent-Replayed is
- * dropped. false: the answer is invalid (t->invalid set, see up_invalid). */
-bool up_status_line(struct up_transfer *t, const char *p, size_t len);
-bool up_header_line(struct up_transfer *t, const char *p, size_t len);
-/* Splits header line p (no CRLF) at its first colon: *name_len bytes of name, and the value without the SP and
- * HTAB around it. false when the line has no colon. */
-/* A status line's form as both clients take it: "HTTP/1.0" or "HTTP/1.1", SP, a status 100-599, then the end or
- * SP and a reason. false: malformed framing. */
-bool up_status_form_ok(const char *p, size_t n);
-bool up_header_split(const char *p, size_t len, size_t *name_len, const char **value, size_t *value_len);
-/* One Content-Length value (v, vl trimmed) of the head being read, into *have / *length: 1 to 19 digits, and the
- * same number as any before it. false: malformed or conflicting. */
-bool up_content_length(const char *v, size_t vl, bool *have, uint64_t *length);
-/* Marks t's answer invalid (UP_INVALID_RESPONSE) for why (a constant); returns false. */
-bool up_invalid(struct up_transfer *t, const char *why);
 /* Runs the callback of a finished transfer (unlinked here) and releases it. Returns true when the client was
  * destroyed from the callback (then nothing of it may be touched). */
 bool up_deliver(struct up_client *c, struct up_transfer *t, enum up_result r, const char *err);
@@ -136,17 +109,9 @@ bool up_deliver(struct up_client *c, struct up_transfer *t, enum up_result r, co
 void up_dispatch_begin(struct up_client *c);
 bool up_dispatch_end(struct up_client *c);
 
-/* The h1 response parser with no socket behind it (tests/fuzz/fuzz_h1.c): the answer to a HEAD request when head,
- * its body capped at max_body, its head at max_head (0: UP_DEFAULT_MAX_HEAD). Never NULL; h1_parser_destroy frees
- * it (NULL: no-op). */
-struct h1_parser;
-struct h1_parser *h1_parser_create(bool head, size_t max_body, size_t max_head);
-/* Feeds n bytes, then the peer's close when eof. Returns 1: a complete answer (h1_parser_resp holds it; bytes after
- * it are not parsed), 0: more wanted, -1: refused (malformed, invalid, over a cap). Once non-zero it stays so. */
-int h1_parser_feed(struct h1_parser *p, const void *data, size_t n, bool eof);
-const struct cm_resp *h1_parser_resp(const struct h1_parser *p);
-/* Bytes of the final head counted against max_head (status line and header lines with CR LF). */
-size_t h1_parser_head_bytes(const struct h1_parser *p);
-void h1_parser_destroy(struct h1_parser *p);
-
+/* Stops a running transfer without calling back; pool false: free it rather than pool it. */
+void up_stop(struct up_client *c, struct up_transfer *t, bool pool);
+/* up_client_destroy's work (c not NULL): from a done callback, stops every transfer and leaves the freeing to
+ * up_dispatch_end; else frees the client now. */
+void up_client_teardown(struct up_client *c);
 #endif
