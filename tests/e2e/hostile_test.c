@@ -1383,8 +1383,10 @@ Test(hostile, answers_nobody_reads_are_bounded_by_limits_buffers)
             nolimits ? "no limits: block" : "limits.buffers 64MiB", rss0, rss_seq, held, shed, cut, rss_burst);
     if (nolimits)
         return;
-    cr_expect(rss_burst < rss0 + (64 + 64) * 1024, "peak VmHWM %ld kB, from %ld kB (bound: +64 MiB +64 MiB)", rss_burst,
-              rss0);
+    /* under ASan freed blocks stay resident in its quarantine (256 MiB by default): the budget is checked above */
+    if (!getenv("ASAN_OPTIONS"))
+        cr_expect(rss_burst < rss0 + (64 + 64) * 1024, "peak VmHWM %ld kB, from %ld kB (bound: +64 MiB +64 MiB)",
+                  rss_burst, rss0);
     e2e_sleep_ms(300);
     expect_serving(gw, "after the burst");
 }
