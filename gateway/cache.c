@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "common/metrics.h"
-#include "gateway/front.h"
+#include "gateway/answer.h"
 #include "gateway/gateway.h"
 #include "store/store.h"
 
@@ -150,7 +150,7 @@ static struct MHD_Response *prepared(struct gw_cache *c, struct entry *e)
             p = MHD_create_response_from_buffer_with_free_callback_cls(
                 r.body.len, r.body.len ? e->blob + e->blob_len - r.body.len : "", prep_free, e);
         if (p) {
-            gw_front_answer_headers(p, &r.hdrs, true); /* as gateway/front.c answers the same record */
+            gw_answer_headers(p, &r.hdrs, true); /* as gateway/front.c answers the same record */
             e->prep_status = (unsigned)r.status;
             atomic_store(&e->prep, p);
         } else {

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "common/uri.h"
+#include "gateway/answer.h"
 #include "gateway/conntrack.h"
 #include "gateway/front.h"
 #include "gateway/gateway.h"
@@ -376,22 +377,6 @@ static void counted_body_free(void *cls)
     free(b);
 }
 
-void gw_front_answer_headers(struct MHD_Response *resp, const struct cm_hdrs *hdrs, bool replayed)
-{
-    for (size_t i = 0; i < hdrs->n; i++) {
-        const struct cm_hdr *h = &hdrs->v[i];
-        /* the upstream's own Idempotent-Replayed never reaches the client (records stored before it was
-         * dropped at parsing may still hold one): a replay carries exactly one, ours */
-        if (strcasecmp(h->name, "Content-Length") == 0 || cm_is_hop_by_hop(h->name) ||
-            strcasecmp(h->name, "Idempotent-Replayed") == 0)
-            continue;
-        if (MHD_add_response_header(resp, h->name, h->value) != MHD_YES)
-            cm_log(CM_WARN, "response_header_dropped", "name=%.64s", h->name);
-    }
-    if (replayed)
-        MHD_add_response_header(resp, "Idempotent-Replayed", "true");
-}
-
 /* Queues the job's answer (status, headers, body) on the connection. */
 static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
 {
@@ -422,7 +407,7 @@ static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
             free(body);
         return MHD_NO;
     }
-    gw_front_answer_headers(resp, &job->resp_hdrs, job->replayed);
+    gw_answer_headers(resp, &job->resp_hdrs, job->replayed);
     if (atomic_load(&r->shard->f->shutting_down) || job->status == 431 || job->status == 413 || job->status == 400)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     answer_deadline(c);
@@ -461,11 +446,6 @@ static void job_finish(struct gw_job *job)
     atomic_store(&job->done, true);
     MHD_resume_connection(job->conn);
     event_active(sh->kick, EV_TIMEOUT, 0);
-}
-
-void gw_job_done(struct gw_job *job)
-{
-    job->finish(job);
 }
 
 static const char *client_ip(struct MHD_Connection *c, char *buf, size_t n)
@@ -787,7 +767,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     const struct conf *conf = r->job.conf;
     struct gw_job *job = &r->job;
     job->method = cm_strdup(method);
-    job->finish = job_finish;
+    job->done_cb = job_finish;
     const char *block_bad = raw_block_check(r, c, method, version);
 
     /* The route first (when the target is sound), so that even the refusals below answer in its errors: format

@@ -22,13 +22,6 @@ void gw_front_quiesce(struct gw_front *f);
 /* Stops the daemon; every suspended connection must have been resumed. */
 void gw_front_stop(struct gw_front *f);
 
-/* Adds an answer's headers to an MHD response as the front sends every answer: the stored or upstream headers in
- * order, without Content-Length (MHD writes it), hop-by-hop ones and any Idempotent-Replayed, then ours when
- * replayed. A header MHD refuses is logged and left out. */
-struct MHD_Response;
-struct cm_hdrs;
-void gw_front_answer_headers(struct MHD_Response *resp, const struct cm_hdrs *h, bool replayed);
-
 /* Formats an MHD log message as one key=value line (the front's and the admin listener's daemons). */
 void gw_mhd_log(void *cls, const char *fmt, va_list ap);
 

@@ -45,7 +45,7 @@ struct gw_job {
     char *resource; /* the resource instance (normalized path, heap, freed by the front) */
     size_t resource_len;
 
-    /* answer (written by the pipeline before gw_job_done) */
+    /* answer (written by the pipeline before done_cb) */
     int status;
     struct cm_hdrs resp_hdrs;
     struct cm_buf resp_body;
@@ -55,7 +55,9 @@ struct gw_job {
     void *conn; /* struct MHD_Connection * */
     atomic_bool done;
     struct gw_loop *loop;
-    void (*finish)(struct gw_job *job); /* set by the front: resumes the connection */
+    /* set by the front before the job is submitted: the pipeline calls it exactly once, on the loop thread, when
+     * the answer is ready (it resumes the connection). The pipeline never calls the front otherwise. */
+    void (*done_cb)(struct gw_job *job);
 
     /* the pipeline's own state (gateway/pipeline.c; NULL until gw_pipeline_run, freed by gw_pipeline_free) */
     struct gw_pipe *pipe;
@@ -70,7 +72,5 @@ void gw_job_problem_ext(struct gw_job *job, int status, const char *name, const 
 /* Adds Retry-After (ms rounded up to whole seconds, at least 1) to the problem answer just written; on an errors:
  * stripe route a 503 then says Stripe-Should-Retry: true (SPEC 9). */
 void gw_job_retry_after(struct gw_job *job, uint64_t ms);
-/* Loop thread: the answer is ready; hands the job back to the front (gateway/front.c). */
-void gw_job_done(struct gw_job *job);
 
 #endif

@@ -355,7 +355,7 @@ static void finish(struct gw_job *job, enum cm_outcome outcome)
     cm_metric_request(job->route_index, outcome);
     gw_loop_job_remove(job->loop, &p->link);
     set_state(job, GW_PIPE_DONE);
-    gw_job_done(job);
+    job->done_cb(job); /* the front's callback: control goes back up without the pipeline knowing the front */
 }
 
 /* Moves an upstream (or stored) answer into the job's answer. */

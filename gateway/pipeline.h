@@ -12,7 +12,7 @@
 struct gw_job;
 
 /* Loop thread: runs the pipeline for a submitted job (allocating its private state, job->pipe); ends in
- * gw_job_done, exactly once. */
+ * job->done_cb (set by the front), exactly once. */
 void gw_pipeline_run(void *job);
 /* Front, on the job's loop thread before suspending it: whether the replay cache answered the job (a replay or a
  * 422, counted). GW_CACHED_QUEUED: a shared prepared answer was queued on conn (only when conn is not NULL),
