@@ -10,6 +10,7 @@
 
 #include "common/metrics.h"
 #include "gateway/answer.h"
+#include "gateway/ctx.h"
 #include "gateway/gateway.h"
 #include "store/store.h"
 
@@ -443,7 +444,7 @@ void gw_cache_usage(struct gw_cache *c, size_t *entries, size_t *bytes)
 enum gw_cache_verdict gw_cache_claim(struct gw_job *job, struct MHD_Connection *conn, bool *queued_ok,
                                      struct store_claim_res *res)
 {
-    struct gw_cache *c = gw_loop_cache(job->loop);
+    struct gw_cache *c = job->ctx->cache;
     if (!c || job->shadow)
         return GW_CACHE_MISS;
     struct cm_resp resp;
@@ -464,12 +465,12 @@ enum gw_cache_verdict gw_cache_claim(struct gw_job *job, struct MHD_Connection *
 
 uint64_t gw_cache_before_store(struct gw_job *job)
 {
-    return gw_cache_epoch(gw_loop_cache(job->loop));
+    return gw_cache_epoch(job->ctx->cache);
 }
 
 void gw_cache_completed(struct gw_job *job, const struct cm_resp *resp, uint64_t started_ms, uint64_t epoch)
 {
-    struct gw_cache *c = gw_loop_cache(job->loop);
+    struct gw_cache *c = job->ctx->cache;
     if (!c)
         return;
     (void)gw_cache_put(c, job->route->name, job->scope, job->key, job->key_len, job->fp, resp,
@@ -484,7 +485,7 @@ bool gw_cache_redis_fill_ok(struct gw_cache *c, uint64_t now_ms)
 
 void gw_cache_replayed(struct gw_job *job, const struct store_claim_res *res, uint64_t started_ms, uint64_t epoch)
 {
-    struct gw_cache *c = gw_loop_cache(job->loop);
+    struct gw_cache *c = job->ctx->cache;
     if (!c || job->shadow || res->expires_in_ms == 0)
         return;
     /* A purge deletes the Redis copy after its commit (and its notification): until then Redis may still answer

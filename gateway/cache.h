@@ -11,7 +11,6 @@
 #include "common/common.h"
 
 struct gw_cache;
-struct gw_loop;
 
 /* Creates an empty cache holding at most max_entries entries and max_bytes bytes (entry, names, headers and body
  * counted). It starts offline (unused until gw_cache_set_online(c, true, ...)). Returns NULL when either bound is 0
@@ -72,7 +71,7 @@ bool gw_cache_redis_fill_ok(struct gw_cache *c, uint64_t now_ms);
 /* Current entries and bytes (for tests; the metrics carry the same). */
 void gw_cache_usage(struct gw_cache *c, size_t *entries, size_t *bytes);
 
-/* ---- the pipeline's call sites (loop thread) */
+/* ---- the pipeline's call sites (loop thread): the cache is the job's context's (job->ctx->cache) */
 struct gw_job;
 struct store_claim_res;
 /* Before the store's claim: looks the job's record up (not for shadow routes). GW_CACHE_REPLAY / _MISMATCH: *res is
@@ -92,8 +91,5 @@ void gw_cache_replayed(struct gw_job *job, const struct store_claim_res *res, ui
 /* After the completion committed (ok with one row): keeps resp (copied) until started_ms + retention, which is
  * never later than the record's own expiry. epoch: what gw_cache_before_store gave before the completion. */
 void gw_cache_completed(struct gw_job *job, const struct cm_resp *resp, uint64_t started_ms, uint64_t epoch);
-
-/* The process's cache, shared by its loops (gateway/loop.c); NULL when off or for a loop built alone. */
-struct gw_cache *gw_loop_cache(struct gw_loop *l);
 
 #endif

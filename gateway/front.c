@@ -1052,6 +1052,7 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     }
     gw_reqparts_free(parts); /* nothing reads the request's parts past here: the body's index goes now */
     job->loop = r->shard->loop;
+    job->ctx = gw_loop_ctx(job->loop);
     /* A replay the cache holds is answered now: no suspend, no hand-over, and no forwarding headers built; when
      * the answer can be shared, the cache's prepared one, queued as it is. */
     bool share = strcmp(job->method, "HEAD") != 0 && !atomic_load(&r->shard->f->shutting_down);

@@ -1,6 +1,6 @@
 /* gateway.h - the job: one client request carried from the HTTP front (gateway/front.h) to the pipeline
- * (gateway/pipeline.h) and back, and how an answer is written into it. The loop is gateway/loop.h, the
- * configuration handle gateway/reload.h, the admin listener gateway/admin.h. */
+ * (gateway/pipeline.h) and back through the callback the front sets on it. Plain data: it never calls anything (its
+ * error answers are written by gateway/problem.h, the context it works with is gateway/ctx.h). */
 #ifndef IDEMGATE_GATEWAY_H
 #define IDEMGATE_GATEWAY_H
 
@@ -14,6 +14,7 @@
 #include "gateway/idem.h"
 
 struct gw_loop;
+struct gw_ctx;
 struct gw_pipe;
 
 /* ---- a job: one client request in the pipeline. Built by the front, run by the pipeline and answered by the
@@ -54,7 +55,8 @@ struct gw_job {
     /* front bookkeeping */
     void *conn; /* struct MHD_Connection * */
     atomic_bool done;
-    struct gw_loop *loop;
+    struct gw_loop *loop; /* the front's: where the job is submitted */
+    struct gw_ctx *ctx;   /* what the pipeline works with on that loop's thread (gateway/ctx.h), set by the front */
     /* set by the front before the job is submitted: the pipeline calls it exactly once, on the loop thread, when
      * the answer is ready (it resumes the connection). The pipeline never calls the front otherwise. */
     void (*done_cb)(struct gw_job *job);
@@ -62,15 +64,5 @@ struct gw_job {
     /* the pipeline's own state (gateway/pipeline.c; NULL until gw_pipeline_run, freed by gw_pipeline_free) */
     struct gw_pipe *pipe;
 };
-
-/* Fills the answer with the gateway error, written in the route's errors format (problem+json without a route);
- * gateway/problem.c. extra: NULL or more JSON members ("\"current\":11"). Every error the pipeline and the front
- * answer goes through here. */
-void gw_job_problem(struct gw_job *job, int status, const char *name, const char *title, const char *detail);
-void gw_job_problem_ext(struct gw_job *job, int status, const char *name, const char *title, const char *detail,
-                        const char *extra);
-/* Adds Retry-After (ms rounded up to whole seconds, at least 1) to the problem answer just written; on an errors:
- * stripe route a 503 then says Stripe-Should-Retry: true (SPEC 9). */
-void gw_job_retry_after(struct gw_job *job, uint64_t ms);
 
 #endif

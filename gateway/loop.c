@@ -23,6 +23,7 @@
 #include <time.h>
 
 #include "gateway/cache.h"
+#include "gateway/ctx.h"
 #include "gateway/loop.h"
 #include "gateway/pipeline.h"
 #include "gateway/reload.h"
@@ -38,28 +39,18 @@ struct work {
 };
 
 struct gw_loop {
+    struct gw_ctx ctx; /* what its jobs work with (gateway/ctx.h): assembled here, handed to each job */
     const struct conf *conf;
     struct conf *conf_share; /* shallow copy with this loop's share of the pool, or NULL */
-    struct gw_conf *cur;     /* what new requests are served with (loop thread; one reference) */
-    size_t nloops;           /* loops sharing the upstreams' max_connections (1 alone) */
-    struct event_base *base;
     struct event *wake;
     struct event *trim; /* gives freed heap memory back to the system, once a second */
-    struct up_client *up;
-    struct store *store;
-    struct gw_probe *probe; /* on_unknown: probe look-ups and their sweeper (gateway/probe.c) */
     pthread_t thread;
     bool running;
     pthread_mutex_t mu;
     struct work *head, *tail;
     bool stopping;
-    atomic_bool schema_ready;
-    struct gw_loop_link *active; /* running jobs (loop thread only) */
-    atomic_size_t njobs;
-    atomic_bool closing;
     struct gw_loops *group;            /* the loops of this process, or NULL (alone) */
-    struct gw_cache *cache;            /* the process's replay cache (shared; freed by gw_loops_destroy), or NULL */
-    struct store_notify *cache_listen; /* its purge listener, on the first loop only */
+    struct store_notify *cache_listen; /* the process's purge listener, on the first loop only */
 };
 
 static void drain(evutil_socket_t fd, short what, void *arg)
@@ -77,7 +68,7 @@ static void drain(evutil_socket_t fd, short what, void *arg)
         w = next;
     }
     if (stop)
-        event_base_loopbreak(l->base);
+        event_base_loopbreak(l->ctx.base);
 }
 
 /* glibc keeps what a thread frees in that thread's arena; after a burst (a
@@ -98,7 +89,7 @@ static void *loop_main(void *arg)
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL);
-    event_base_loop(l->base, EVLOOP_NO_EXIT_ON_EMPTY);
+    event_base_loop(l->ctx.base, EVLOOP_NO_EXIT_ON_EMPTY);
     return NULL;
 }
 
@@ -117,32 +108,32 @@ struct gw_loop *gw_loop_create(const struct conf *conf, size_t nloops, char **er
     struct gw_loop *l = cm_calloc(1, sizeof *l);
     l->conf = conf;
     pthread_mutex_init(&l->mu, NULL);
-    l->base = event_base_new();
-    if (!l->base) {
+    l->ctx.base = event_base_new();
+    if (!l->ctx.base) {
         *err = cm_strdup("cannot create the event loop");
         goto fail;
     }
-    l->wake = event_new(l->base, -1, EV_PERSIST, drain, l);
+    l->wake = event_new(l->ctx.base, -1, EV_PERSIST, drain, l);
     event_add(l->wake, NULL);
-    l->trim = event_new(l->base, -1, EV_PERSIST, trim_cb, l);
+    l->trim = event_new(l->ctx.base, -1, EV_PERSIST, trim_cb, l);
     static const struct timeval every_s = {1, 0};
     if (l->trim)
         event_add(l->trim, &every_s);
-    l->nloops = nloops > 0 ? nloops : 1;
+    l->ctx.nloops = nloops > 0 ? nloops : 1;
     long max_host = 0; /* for requests that bring no bound (the libcurl path): the largest, shared too */
     for (size_t i = 0; i < conf->upstreams_n; i++) {
-        long share = (long)gw_loop_upstream_max(l, &conf->upstreams[i]);
+        long share = (long)gw_ctx_upstream_max(&l->ctx, &conf->upstreams[i]);
         max_host = share > max_host ? share : max_host;
     }
-    l->up = up_client_create(l->base, max_host);
-    if (!l->up) {
+    l->ctx.up = up_client_create(l->ctx.base, max_host);
+    if (!l->ctx.up) {
         *err = cm_strdup("cannot create the upstream client");
         goto fail;
     }
-    l->store = store_create(l->base, conf, err);
-    if (!l->store)
+    l->ctx.store = store_create(l->ctx.base, conf, err);
+    if (!l->ctx.store)
         goto fail;
-    l->probe = gw_probe_create(l);
+    l->ctx.probe = gw_probe_create(&l->ctx);
     return l;
 fail:
     gw_loop_destroy(l);
@@ -190,50 +181,39 @@ void gw_loop_destroy(struct gw_loop *l)
     /* Anything still queued after the break runs now, on this thread. */
     drain(-1, 0, l);
     store_notify_destroy(l->cache_listen);
-    gw_conf_unref(l->cur);
-    store_destroy(l->store);
-    up_client_destroy(l->up);
-    gw_probe_destroy(l->probe); /* after the store and upstream client: none of their callbacks comes any more */
-    free(l->conf_share);        /* shallow: the strings belong to the real conf */
+    gw_conf_unref(l->ctx.cur);
+    store_destroy(l->ctx.store);
+    up_client_destroy(l->ctx.up);
+    gw_probe_destroy(l->ctx.probe); /* after the store and upstream client: none of their callbacks comes any more */
+    free(l->conf_share);            /* shallow: the strings belong to the real conf */
     if (l->wake)
         event_free(l->wake);
     if (l->trim)
         event_free(l->trim);
-    if (l->base)
-        event_base_free(l->base);
+    if (l->ctx.base)
+        event_base_free(l->ctx.base);
     pthread_mutex_destroy(&l->mu);
     free(l);
 }
 
+struct gw_ctx *gw_loop_ctx(struct gw_loop *l)
+{
+    return &l->ctx;
+}
+
 struct gw_cache *gw_loop_cache(struct gw_loop *l)
 {
-    return l->cache;
+    return l->ctx.cache;
 }
 
 struct event_base *gw_loop_base(struct gw_loop *l)
 {
-    return l->base;
-}
-
-size_t gw_loop_upstream_max(const struct gw_loop *l, const struct conf_upstream *u)
-{
-    size_t n = l->nloops > 0 ? l->nloops : 1;
-    return (u->max_connections + n - 1) / n;
-}
-
-struct up_client *gw_loop_upstream(struct gw_loop *l)
-{
-    return l->up;
-}
-
-struct gw_probe *gw_loop_probe(struct gw_loop *l)
-{
-    return l->probe;
+    return l->ctx.base;
 }
 
 struct store *gw_loop_store(struct gw_loop *l)
 {
-    return l->store;
+    return l->ctx.store;
 }
 
 const struct conf *gw_loop_conf(struct gw_loop *l)
@@ -243,17 +223,17 @@ const struct conf *gw_loop_conf(struct gw_loop *l)
 
 struct gw_conf *gw_loop_current(struct gw_loop *l)
 {
-    return l->cur;
+    return l->ctx.cur;
 }
 
 void gw_loop_set_schema_ready(struct gw_loop *l, bool ready)
 {
-    atomic_store(&l->schema_ready, ready);
+    atomic_store(&l->ctx.schema_ready, ready);
 }
 
 bool gw_loop_schema_ready(struct gw_loop *l)
 {
-    return atomic_load(&l->schema_ready);
+    return atomic_load(&l->ctx.schema_ready);
 }
 
 /* Every loop's pool must have heard from Postgres within the last second:
@@ -264,54 +244,15 @@ bool gw_loop_postgres_ready(struct gw_loop *l)
     size_t n = l->group ? l->group->n : 1;
     for (size_t i = 0; i < n; i++) {
         struct gw_loop *x = l->group ? l->group->v[i] : l;
-        if (!gw_loop_schema_ready(x) || !store_postgres_healthy(x->store))
+        if (!gw_loop_schema_ready(x) || !store_postgres_healthy(x->ctx.store))
             return false;
     }
     return true;
 }
 
-void gw_loop_job_add(struct gw_loop *l, struct gw_loop_link *job)
-{
-    job->prev = NULL;
-    job->next = l->active;
-    if (l->active)
-        l->active->prev = job;
-    l->active = job;
-    atomic_fetch_add(&l->njobs, 1);
-}
-
-void gw_loop_job_remove(struct gw_loop *l, struct gw_loop_link *job)
-{
-    if (job->prev)
-        job->prev->next = job->next;
-    else if (l->active == job)
-        l->active = job->next;
-    else
-        return; /* not listed */
-    if (job->next)
-        job->next->prev = job->prev;
-    job->next = job->prev = NULL;
-    atomic_fetch_sub(&l->njobs, 1);
-}
-
 size_t gw_loop_jobs(struct gw_loop *l)
 {
-    return atomic_load(&l->njobs);
-}
-
-struct gw_loop_link *gw_loop_first_job(struct gw_loop *l)
-{
-    return l->active;
-}
-
-void gw_loop_set_closing(struct gw_loop *l)
-{
-    atomic_store(&l->closing, true);
-}
-
-bool gw_loop_closing(struct gw_loop *l)
-{
-    return atomic_load(&l->closing);
+    return atomic_load(&l->ctx.njobs);
 }
 
 /* ---- several loops: each owns its HTTP daemon, curl multi handle, Redis context
@@ -322,7 +263,7 @@ bool gw_loop_closing(struct gw_loop *l)
 static void cache_listen_cb(void *arg, enum store_notify_event ev, const char *payload, size_t len)
 {
     struct gw_loops *ls = arg;
-    struct gw_cache *c = ls->v[0]->cache;
+    struct gw_cache *c = ls->v[0]->ctx.cache;
     switch (ev) {
     case STORE_NOTIFY_UP:
         store_epoch_set_current(ls->epoch, true);
@@ -361,8 +302,8 @@ static void listen_start(struct gw_loops *ls, const struct conf *conf, bool cach
 {
     struct gw_cache *c = cache ? gw_cache_create(conf->replay_cache_max_bytes, conf->replay_cache_max_entries) : NULL;
     for (size_t i = 0; i < ls->n; i++)
-        ls->v[i]->cache = c;
-    ls->v[0]->cache_listen = store_notify_create(ls->v[0]->base, conf->postgres_url, cache_listen_cb, ls);
+        ls->v[i]->ctx.cache = c;
+    ls->v[0]->cache_listen = store_notify_create(ls->v[0]->ctx.base, conf->postgres_url, cache_listen_cb, ls);
     if (!ls->v[0]->cache_listen)
         cm_log(CM_WARN, "cache_listener_failed", "detail=\"the replay cache and the answers in Redis stay unused\"");
 }
@@ -404,7 +345,7 @@ struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
         }
         ls->v[i]->conf_share = share;
         ls->v[i]->group = ls;
-        store_set_epoch(ls->v[i]->store, ls->epoch);
+        store_set_epoch(ls->v[i]->ctx.store, ls->epoch);
         ls->n++;
     }
     if (listen)
@@ -415,8 +356,8 @@ struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err)
 void gw_loops_install(struct gw_loops *ls, struct gw_conf *c)
 {
     for (size_t i = 0; i < ls->n; i++) {
-        gw_conf_unref(ls->v[i]->cur);
-        ls->v[i]->cur = gw_conf_ref(c);
+        gw_conf_unref(ls->v[i]->ctx.cur);
+        ls->v[i]->ctx.cur = gw_conf_ref(c);
     }
 }
 
@@ -444,8 +385,8 @@ static void swap_release(struct swap *sw)
 static void swap_run(void *arg)
 {
     struct swap_item *it = arg;
-    struct gw_conf *old = it->l->cur;
-    it->l->cur = gw_conf_ref(it->sw->c);
+    struct gw_conf *old = it->l->ctx.cur;
+    it->l->ctx.cur = gw_conf_ref(it->sw->c);
     gw_conf_unref(old);
     atomic_fetch_sub(&it->sw->pending, 1);
     swap_release(it->sw);
@@ -486,7 +427,7 @@ void gw_loops_destroy(struct gw_loops *ls)
 {
     if (!ls)
         return;
-    struct gw_cache *cache = ls->n ? ls->v[0]->cache : NULL;
+    struct gw_cache *cache = ls->n ? ls->v[0]->ctx.cache : NULL;
     for (size_t i = 0; i < ls->n; i++)
         gw_loop_destroy(ls->v[i]);
     gw_cache_destroy(cache); /* after every loop: all of them used it */
@@ -512,5 +453,5 @@ void gw_loops_set_schema_ready(struct gw_loops *ls, bool ready)
 void gw_loops_abort_all(struct gw_loops *ls)
 {
     for (size_t i = 0; i < ls->n; i++)
-        gw_loop_submit(ls->v[i], gw_pipeline_abort_all, ls->v[i]);
+        gw_loop_submit(ls->v[i], gw_pipeline_abort_all, &ls->v[i]->ctx);
 }

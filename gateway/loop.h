@@ -11,11 +11,9 @@
 #include "conf/conf.h"
 
 struct event_base;
-struct up_client;
 struct store;
 struct gw_loop;
 struct gw_conf;
-struct gw_probe;
 
 /* Creates the loop (event base, upstream client, store). NULL + *err (heap, caller frees) on failure. */
 struct gw_loop *gw_loop_create(const struct conf *conf, size_t nloops, char **err);
@@ -25,13 +23,14 @@ bool gw_loop_start(struct gw_loop *l) CM_MUST_CHECK;
 void gw_loop_submit(struct gw_loop *l, void (*fn)(void *), void *arg);
 /* Stops the thread (pending submissions are run first, best effort) and frees everything. NULL is a no-op. */
 void gw_loop_destroy(struct gw_loop *l);
+/* What this loop's jobs work with (gateway/ctx.h); the front hands it to each job (job->ctx). */
+struct gw_ctx;
+struct gw_ctx *gw_loop_ctx(struct gw_loop *l);
 struct event_base *gw_loop_base(struct gw_loop *l);
-struct up_client *gw_loop_upstream(struct gw_loop *l);
-/* This loop's share of an upstream's max_connections (the bound holds over all loops together). */
-size_t gw_loop_upstream_max(const struct gw_loop *l, const struct conf_upstream *u);
 struct store *gw_loop_store(struct gw_loop *l);
-/* The loop's on_unknown: probe look-ups and sweeper (gateway/probe.h). */
-struct gw_probe *gw_loop_probe(struct gw_loop *l);
+/* The process's replay cache, shared by its loops (gateway/cache.h); NULL when off or for a loop built alone. */
+struct gw_cache;
+struct gw_cache *gw_loop_cache(struct gw_loop *l);
 /* The start-time configuration (this loop's share of the pool): what the store and the loop were built from. */
 const struct conf *gw_loop_conf(struct gw_loop *l);
 /* Loop thread only: the configuration new requests are served with (no reference is taken). */
@@ -42,20 +41,8 @@ bool gw_loop_schema_ready(struct gw_loop *l);
 /* True when every loop of the process (this one alone when it has no group) has its schema and heard from
  * Postgres within the last second (store_postgres_healthy). Thread-safe. */
 bool gw_loop_postgres_ready(struct gw_loop *l);
-/* After this, new jobs are answered 503 at once (shutdown past the grace). */
-void gw_loop_set_closing(struct gw_loop *l);
-bool gw_loop_closing(struct gw_loop *l);
-/* Jobs between gw_loop_job_add and gw_loop_job_remove (for graceful shutdown). Thread-safe. */
+/* Jobs running (gw_ctx_job_add to gw_ctx_job_remove; for graceful shutdown). Thread-safe. */
 size_t gw_loop_jobs(struct gw_loop *l);
-
-/* Loop thread only: the list of running jobs, through a link the pipeline embeds in its own state (the loop
- * never looks past it). Removing a link that is not listed is a no-op. */
-struct gw_loop_link {
-    struct gw_loop_link *next, *prev;
-};
-void gw_loop_job_add(struct gw_loop *l, struct gw_loop_link *link);
-void gw_loop_job_remove(struct gw_loop *l, struct gw_loop_link *link);
-struct gw_loop_link *gw_loop_first_job(struct gw_loop *l);
 
 /* A set of loops (one per CPU by default): each serves the connections its HTTP daemon accepted, with its own
  * upstream client, Redis context and pool share. */

@@ -155,6 +155,12 @@ static bool jobs_busy(void *arg)
 
 /* Runs until SIGTERM/SIGINT; SIGHUP reloads file. gc is the start-time configuration (the caller keeps its
  * reference: the store and the admin listener use it until the end). */
+/* gw_reload's swap (gateway/reload.h): the new configuration goes into every loop. */
+static bool swap_loops(void *arg, struct gw_conf *c, uint64_t timeout_ms)
+{
+    return gw_loops_swap(arg, c, timeout_ms);
+}
+
 static int run(const char *file, struct gw_conf *gc, const struct accept_list *accept)
 {
     const struct conf *conf = gc->conf;
@@ -247,7 +253,7 @@ static int run(const char *file, struct gw_conf *gc, const struct accept_list *a
             continue;
         if (sig != SIGHUP)
             break;
-        struct gw_conf *neu = gw_reload(file, cur, loops);
+        struct gw_conf *neu = gw_reload(file, cur, swap_loops, loops);
         if (neu) {
             gw_conf_unref(cur);
             cur = neu;

@@ -12,7 +12,7 @@
 
 #include "gateway/cache.h"
 #include "gateway/gateway.h"
-#include "gateway/loop.h"
+#include "gateway/ctx.h"
 #include "gateway/owned.h"
 #include "gateway/probe.h"
 #include "gateway/problem.h"
@@ -26,7 +26,7 @@ struct renew_ticket;
 
 /* The pipeline's state of one job (loop thread only); the front never sees it. */
 struct gw_pipe {
-    struct gw_loop_link link; /* the loop's list of running jobs */
+    struct gw_job_link link; /* the loop's list of running jobs */
     struct gw_job *job;
     enum gw_pipe_state state;
     enum cm_outcome outcome; /* the answer's outcome, kept while the record or the marker is settled */
@@ -249,7 +249,7 @@ static void timer_arm_ms(struct event *ev, uint64_t ms)
 static struct event *renew_every_third(struct gw_job *job, event_callback_fn cb)
 {
     uint64_t lease = job->route->idem.lease_ms;
-    struct event *ev = event_new(gw_loop_base(job->loop), -1, EV_PERSIST, cb, job);
+    struct event *ev = event_new(job->ctx->base, -1, EV_PERSIST, cb, job);
     timer_arm_ms(ev, lease / 3 ? lease / 3 : 1);
     return ev;
 }
@@ -307,8 +307,7 @@ static void settle_upstream(struct gw_job *job, const struct gw_outcome *o, stru
 static bool lease_check(struct gw_job *job)
 {
     struct gw_pipe *p = job->pipe;
-    if (!p->bounded || !p->transfer || cm_now_ms() < p->send_until_ms ||
-        !up_drop_unsent(gw_loop_upstream(job->loop), p->transfer))
+    if (!p->bounded || !p->transfer || cm_now_ms() < p->send_until_ms || !up_drop_unsent(job->ctx->up, p->transfer))
         return false;
     p->transfer = NULL;
     settle_upstream(job, gw_outcome_for(job->idempotent, true, UP_LEASE_LOST, false), NULL,
@@ -353,7 +352,7 @@ static void finish(struct gw_job *job, enum cm_outcome outcome)
         p->order_ticket = NULL;
     }
     cm_metric_request(job->route_index, outcome);
-    gw_loop_job_remove(job->loop, &p->link);
+    gw_ctx_job_remove(job->ctx, &p->link);
     set_state(job, GW_PIPE_DONE);
     job->done_cb(job); /* the front's callback: control goes back up without the pipeline knowing the front */
 }
@@ -423,7 +422,7 @@ static void completed(void *arg, bool ok, long rows)
 static void settle_upstream(struct gw_job *job, const struct gw_outcome *o, struct cm_resp *resp, const char *errmsg)
 {
     struct gw_pipe *p = job->pipe;
-    struct store *st = gw_loop_store(job->loop);
+    struct store *st = job->ctx->store;
     p->effect = o->effect;
     if (o->log_event)
         cm_log(CM_WARN, o->log_event, "route=%s result=%s detail=\"%s\"", job->route ? job->route->name : "-",
@@ -508,12 +507,11 @@ static void forward(struct gw_job *job, bool idempotent)
                 .max_response = max_response(job),
                 .max_header_bytes = (size_t)job->conf->max_response_header_bytes,
                 .no_resend = job->idempotent || !method_is_idempotent(job->method),
-                .max_connections = gw_loop_upstream_max(job->loop, u),
+                .max_connections = gw_ctx_upstream_max(job->ctx, u),
                 .keepalive_ms = u->keepalive_timeout_ms,
                 .send_until_ms = p->bounded ? &p->send_until_ms : NULL,
             };
-            p->transfer =
-                up_send(gw_loop_upstream(job->loop), &req, idempotent ? idem_forward_done : passthrough_done, job);
+            p->transfer = up_send(job->ctx->up, &req, idempotent ? idem_forward_done : passthrough_done, job);
         }
         cm_buf_free(&target);
     }
@@ -587,7 +585,7 @@ static void renew_tick(evutil_socket_t fd, short what, void *arg)
     if (!t)
         return;
     struct store_id id = job_id(job);
-    store_renew(gw_loop_store(job->loop), &id, p->token, job->route->idem.lease_ms, renewed, t);
+    store_renew(job->ctx->store, &id, p->token, job->route->idem.lease_ms, renewed, t);
 }
 
 static void wait_tick(evutil_socket_t fd, short what, void *arg)
@@ -681,8 +679,7 @@ static void shadow_guard(struct gw_job *job)
 {
     struct store_order_id id = guard_id(job);
     set_state(job, GW_PIPE_GUARDING);
-    store_order_peek(store_order_of(gw_loop_store(job->loop)), &id, job->seq, job->key, job->key_len, shadow_guarded,
-                     job);
+    store_order_peek(store_order_of(job->ctx->store), &id, job->seq, job->key, job->key_len, shadow_guarded, job);
 }
 
 /* finish() asks first: a guarded shadow request settles what enforce would have, before its answer (so that the
@@ -699,8 +696,8 @@ static bool shadow_settle(struct gw_job *job, enum cm_outcome outcome)
             struct store_order_id id = guard_id(job);
             p->outcome = outcome;
             set_state(job, GW_PIPE_UNGUARDING);
-            store_order_advance(store_order_of(gw_loop_store(job->loop)), &id, job->seq, unknown ? job->key : NULL,
-                                job->key_len, guard_settled, job);
+            store_order_advance(store_order_of(job->ctx->store), &id, job->seq, unknown ? job->key : NULL, job->key_len,
+                                guard_settled, job);
             return true;
         }
     }
@@ -710,7 +707,7 @@ static bool shadow_settle(struct gw_job *job, enum cm_outcome outcome)
     p->outcome = outcome;
     struct store_id kid = job_id(job);
     set_state(job, GW_PIPE_RECORDING);
-    store_release(gw_loop_store(job->loop), &kid, p->token, job->route->idem.lease_ms, answer_after_store, job);
+    store_release(job->ctx->store, &kid, p->token, job->route->idem.lease_ms, answer_after_store, job);
     return true;
 }
 
@@ -760,7 +757,7 @@ static void probe_unknown(struct gw_job *job)
     struct store_id id = job_id(job);
     job->pipe->probed = true; /* once per request: a second unknown verdict is answered 409 */
     set_state(job, GW_PIPE_PROBING);
-    gw_probe_run(gw_loop_probe(job->loop), job->route_index, &id, &job->probe_hdrs, probe_answered, job);
+    gw_probe_run(job->ctx->probe, job->route_index, &id, &job->probe_hdrs, probe_answered, job);
 }
 
 /* The key is in flight (in Postgres, or held by another request of this process): wait (on_in_flight: wait) or 409. */
@@ -777,7 +774,7 @@ static void in_flight(struct gw_job *job, uint64_t lease_remaining_ms)
         if (now < p->wait_deadline_ms) {
             uint64_t d = backoff_next(&p->wait_backoff_ms, now, p->wait_deadline_ms, WAIT_BACKOFF_MAX_MS);
             if (!p->timer)
-                p->timer = evtimer_new(gw_loop_base(job->loop), wait_tick, job);
+                p->timer = evtimer_new(job->ctx->base, wait_tick, job);
             set_state(job, GW_PIPE_WAITING);
             timer_arm_ms(p->timer, d);
             return;
@@ -890,7 +887,7 @@ static void claim(struct gw_job *job)
     }
     job->pipe->cache_epoch = gw_cache_before_store(job);
     job->pipe->claim_sent_ms = cm_now_ms();
-    store_claim(gw_loop_store(job->loop), &req, job->shadow ? shadow_claimed : claimed, job);
+    store_claim(job->ctx->store, &req, job->shadow ? shadow_claimed : claimed, job);
 }
 
 /* The front, on the job's loop thread, before it suspends the request: a key whose completed record the replay
@@ -898,8 +895,8 @@ static void claim(struct gw_job *job)
  * same order), without the suspend, the hand-over to the loop and the resume. Anything else goes the whole way. */
 enum gw_cached gw_pipeline_answer_cached(struct gw_job *job, struct MHD_Connection *conn, bool *queued_ok)
 {
-    if (!job->idempotent || job->ordered || job->shadow || gw_loop_closing(job->loop) || !up_target_ok(job->uri) ||
-        !gw_loop_schema_ready(job->loop))
+    if (!job->idempotent || job->ordered || job->shadow || atomic_load(&job->ctx->closing) || !up_target_ok(job->uri) ||
+        !atomic_load(&job->ctx->schema_ready))
         return GW_CACHED_NONE;
     struct store_id id = job_id(job);
     if (gw_owned_held(&id))
@@ -930,8 +927,8 @@ void gw_pipeline_run(void *arg)
     cm_resp_init(&p->up_resp, 0);
     p->started_ms = cm_now_ms();
     job->pipe = p;
-    gw_loop_job_add(job->loop, &p->link);
-    if (gw_loop_closing(job->loop)) {
+    gw_ctx_job_add(job->ctx, &p->link);
+    if (atomic_load(&job->ctx->closing)) {
         gw_job_problem(job, 503, "shutting-down", "Shutting down", "the gateway is stopping");
         finish(job, CM_OUT_ERROR);
         return;
@@ -949,16 +946,16 @@ void gw_pipeline_run(void *arg)
     if (!job->idempotent && job->route->idem.mode == CONF_MODE_SHADOW) {
         /* keyless (or an invalid key) on a guarded shadow route: forwarded, no decision; what executed still
          * advances the resource's sequence, as enforce's guard would have */
-        job->pipe->shadow_advance = gw_loop_schema_ready(job->loop);
+        job->pipe->shadow_advance = atomic_load(&job->ctx->schema_ready);
         forward_passthrough(job);
         return;
     }
-    if (!gw_loop_schema_ready(job->loop) && job->shadow) {
+    if (!atomic_load(&job->ctx->schema_ready) && job->shadow) {
         cm_metric_shadow_store_error(job->route_index);
         forward_passthrough(job); /* the store never fails a shadow request */
         return;
     }
-    if (!gw_loop_schema_ready(job->loop)) {
+    if (!atomic_load(&job->ctx->schema_ready)) {
         answer_store_unavailable(job, "the idempotency store is not ready yet; nothing was forwarded");
         finish(job, CM_OUT_STORE_UNAVAILABLE);
         return;
@@ -990,28 +987,28 @@ void gw_pipeline_free(struct gw_job *job)
     job->pipe = NULL;
 }
 
-static struct gw_job *job_of_link(struct gw_loop_link *link)
+static struct gw_job *job_of_link(struct gw_job_link *link)
 {
     return ((struct gw_pipe *)((char *)link - offsetof(struct gw_pipe, link)))->job;
 }
 
 void gw_pipeline_abort_all(void *arg)
 {
-    struct gw_loop *l = arg;
-    gw_loop_set_closing(l);
+    struct gw_ctx *x = arg;
+    atomic_store(&x->closing, true);
     /* A completion (release, mark unknown) retried while Postgres is away would keep its client waiting for up to
      * a lease: it gives up now, and its client gets the answer it has (SPEC 4). */
-    store_settle_stop(gw_loop_store(l));
+    store_settle_stop(x->store);
     /* Jobs waiting for the store keep going (every store operation is
      * bounded); the others are answered now. */
-    struct gw_loop_link *link = gw_loop_first_job(l);
+    struct gw_job_link *link = x->active;
     while (link) {
-        struct gw_loop_link *next = link->next;
+        struct gw_job_link *next = link->next;
         struct gw_job *job = job_of_link(link);
         struct gw_pipe *p = job->pipe;
         if (!(store_states & ST(p->state))) {
             if (p->transfer) {
-                up_cancel(gw_loop_upstream(l), p->transfer);
+                up_cancel(x->up, p->transfer);
                 p->transfer = NULL;
             }
             gw_job_problem(job, 503, "shutting-down", "Shutting down",
@@ -1074,7 +1071,7 @@ static bool guard_settle(struct gw_job *job, enum cm_outcome outcome)
             return false;
         struct store_id kid = job_id(job);
         set_state(job, GW_PIPE_RECORDING);
-        store_release(gw_loop_store(job->loop), &kid, p->token, job->route->idem.lease_ms, answer_after_store, job);
+        store_release(job->ctx->store, &kid, p->token, job->route->idem.lease_ms, answer_after_store, job);
         return true;
     }
     if (!p->order_held)
@@ -1084,7 +1081,7 @@ static bool guard_settle(struct gw_job *job, enum cm_outcome outcome)
     guard_stop_timers(job);
     struct store_order_id id = guard_id(job);
     set_state(job, GW_PIPE_UNGUARDING);
-    store_order_settle(store_order_of(gw_loop_store(job->loop)), &id, p->order_token,
+    store_order_settle(store_order_of(job->ctx->store), &id, p->order_token,
                        p->effect == GW_EFFECT_NONE      ? STORE_SETTLE_RELEASED
                        : p->effect == GW_EFFECT_APPLIED ? STORE_SETTLE_APPLIED
                                                         : STORE_SETTLE_UNKNOWN,
@@ -1099,8 +1096,8 @@ static void guard_renew_tick(evutil_socket_t fd, short what, void *arg)
     if (!t)
         return;
     struct store_order_id id = guard_id(job);
-    store_order_renew(store_order_of(gw_loop_store(job->loop)), &id, job->pipe->order_token, job->route->idem.lease_ms,
-                      renewed, t);
+    store_order_renew(store_order_of(job->ctx->store), &id, job->pipe->order_token, job->route->idem.lease_ms, renewed,
+                      t);
 }
 
 static void guard_try(struct gw_job *job);
@@ -1161,7 +1158,7 @@ static void guard_done(void *arg, const struct store_order_res *res)
             uint64_t d =
                 backoff_next(&job->pipe->order_backoff_ms, now, job->pipe->order_deadline_ms, GUARD_BACKOFF_MAX_MS);
             if (!job->pipe->order_timer)
-                job->pipe->order_timer = evtimer_new(gw_loop_base(job->loop), guard_wait_tick, job);
+                job->pipe->order_timer = evtimer_new(job->ctx->base, guard_wait_tick, job);
             set_state(job, GW_PIPE_GUARD_WAIT);
             timer_arm_ms(job->pipe->order_timer, d);
             return;
@@ -1186,8 +1183,7 @@ static void guard_done(void *arg, const struct store_order_res *res)
             struct store_id id = job_id(job);
             job->pipe->outcome = CM_OUT_STORE_UNAVAILABLE;
             set_state(job, GW_PIPE_RECORDING);
-            store_release(gw_loop_store(job->loop), &id, job->pipe->token, job->route->idem.lease_ms,
-                          answer_after_store, job);
+            store_release(job->ctx->store, &id, job->pipe->token, job->route->idem.lease_ms, answer_after_store, job);
             return;
         }
         finish(job, CM_OUT_STORE_UNAVAILABLE);
@@ -1221,7 +1217,7 @@ static void guard_held_here(struct gw_job *job)
     struct store_id kid = job_id(job);
     p->outcome = CM_OUT_IN_FLIGHT;
     set_state(job, GW_PIPE_RECORDING);
-    store_release(gw_loop_store(job->loop), &kid, p->token, lease, answer_after_store, job);
+    store_release(job->ctx->store, &kid, p->token, lease, answer_after_store, job);
 }
 
 static void guard_try(struct gw_job *job)
@@ -1248,7 +1244,7 @@ static void guard_try(struct gw_job *job)
     }
     set_state(job, GW_PIPE_GUARDING);
     job->pipe->order_sent_ms = cm_now_ms();
-    store_order_acquire(store_order_of(gw_loop_store(job->loop)), &req, guard_done, job);
+    store_order_acquire(store_order_of(job->ctx->store), &req, guard_done, job);
 }
 
 static void guard_start(struct gw_job *job)

@@ -21,10 +21,10 @@ void gw_pipeline_run(void *job);
 enum gw_cached { GW_CACHED_NONE, GW_CACHED_ANSWER, GW_CACHED_QUEUED };
 struct MHD_Connection;
 enum gw_cached gw_pipeline_answer_cached(struct gw_job *job, struct MHD_Connection *conn, bool *queued_ok);
-/* Loop thread: ends every running job of the loop (a struct gw_loop *) now (grace expired): upstream transfers
- * are cancelled, their records stay in flight (unknown after the lease), the clients get 503 shutting-down. Jobs
- * waiting for the store finish on their own (every store operation is bounded). */
-void gw_pipeline_abort_all(void *loop);
+/* Loop thread: ends every running job of the context (a struct gw_ctx *, gateway/ctx.h) now (grace expired): upstream
+ * transfers are cancelled, their records stay in flight (unknown after the lease), the clients get 503 shutting-down.
+ * Jobs waiting for the store finish on their own (every store operation is bounded). */
+void gw_pipeline_abort_all(void *ctx);
 /* Frees the pipeline's state of a job that was answered (or never run); the front calls it when it frees the
  * job. No-op when job->pipe is NULL. */
 void gw_pipeline_free(struct gw_job *job);

@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "common/metrics.h"
-#include "gateway/loop.h"
+#include "gateway/ctx.h"
 #include "gateway/reload.h"
 #include "store/store.h"
 #include "upstream/upstream.h"
@@ -41,7 +41,7 @@ struct probe_run {
 };
 
 struct gw_probe {
-    struct gw_loop *loop;
+    struct gw_ctx *ctx;        /* the thread's context (gateway/ctx.h): base, store, upstream client, configuration */
     struct event *sweep_timer; /* runs always: a reload may add a probe route */
     bool listing;              /* the sweeper's query runs */
     size_t sweeping;           /* look-ups the sweeper started that still run */
@@ -140,8 +140,8 @@ static void give_back(struct probe_run *r, enum gw_probe_result res)
     cm_resp_free(&r->resp);
     cm_resp_init(&r->resp, 0);
     /* back-dated by the wait: the original attempt is over (the take waited for it), the next look-up may go at once */
-    store_mark_unknown(gw_loop_store(r->p->loop), &id, r->token, -(int64_t)probe_wait_ms(r), r->route->idem.lease_ms,
-                       gave_back, r);
+    store_mark_unknown(r->p->ctx->store, &id, r->token, -(int64_t)probe_wait_ms(r), r->route->idem.lease_ms, gave_back,
+                       r);
 }
 
 static void found_stored(void *arg, bool ok, long rows)
@@ -172,7 +172,7 @@ static void looked_up(void *arg, enum up_result ur, struct cm_resp *resp, const 
 {
     struct probe_run *r = arg;
     const struct conf_probe *pc = &r->route->idem.probe;
-    struct store *st = gw_loop_store(r->p->loop);
+    struct store *st = r->p->ctx->store;
     struct store_id id = run_id(r);
     r->transfer = NULL;
     cm_metric_upstream_seconds(secs);
@@ -277,11 +277,11 @@ static bool send_lookup(struct probe_run *r)
             .max_response = (size_t)r->route->idem.max_response,
             .max_header_bytes = (size_t)conf->max_response_header_bytes,
             .no_resend = !safe,
-            .max_connections = gw_loop_upstream_max(r->p->loop, u),
+            .max_connections = gw_ctx_upstream_max(r->p->ctx, u),
             .keepalive_ms = u->keepalive_timeout_ms,
             .send_until_ms = &r->send_until_ms,
         };
-        r->transfer = up_send(gw_loop_upstream(r->p->loop), &req, looked_up, r);
+        r->transfer = up_send(r->p->ctx->up, &req, looked_up, r);
         ok = r->transfer != NULL;
     }
     cm_hdrs_free(&hdrs);
@@ -320,7 +320,7 @@ static void run_start(struct gw_probe *p, size_t route_index, const struct store
 {
     /* the configuration in force now (a reload may have added, changed or removed the route's probe: block); by
      * name, since a request's route_index is its metrics slot and after a reload its route is another struct */
-    struct gw_conf *gc = gw_loop_current(p->loop);
+    struct gw_conf *gc = p->ctx->cur;
     const struct conf *conf = gc ? gc->conf : NULL;
     const struct conf_route *route = NULL;
     for (size_t i = 0; conf && i < conf->routes_n && !route; i++)
@@ -360,7 +360,7 @@ static void run_start(struct gw_probe *p, size_t route_index, const struct store
     const struct conf_upstream *u = &conf->upstreams[r->route->upstream];
     r->hold_ms = u->connect_timeout_ms + u->timeout_ms + HOLD_EXTRA_MS;
     r->take_sent_ms = cm_now_ms();
-    store_probe_take(gw_loop_store(p->loop), id, r->token, r->hold_ms, probe_wait_ms(r), taken, r);
+    store_probe_take(p->ctx->store, id, r->token, r->hold_ms, probe_wait_ms(r), taken, r);
 }
 
 void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, const struct cm_hdrs *scope_hdrs,
@@ -390,7 +390,7 @@ static void listed(void *arg, bool ok, const struct store_unknown_rec *recs, siz
  * it has none. */
 static char *probe_routes(struct gw_probe *p)
 {
-    struct gw_conf *gc = gw_loop_current(p->loop);
+    struct gw_conf *gc = p->ctx->cur;
     if (!gc)
         return NULL;
     const struct conf *conf = gc->conf;
@@ -415,7 +415,7 @@ static void sweep_tick(evutil_socket_t fd, short what, void *arg)
     (void)fd;
     (void)what;
     /* one batch at a time: a sweep waits for the previous one's look-ups */
-    if (p->listing || p->sweeping > 0 || !gw_loop_schema_ready(p->loop) || gw_loop_closing(p->loop)) {
+    if (p->listing || p->sweeping > 0 || !atomic_load(&p->ctx->schema_ready) || atomic_load(&p->ctx->closing)) {
         sweep_schedule(p, SWEEP_EVERY_MS);
         return;
     }
@@ -425,15 +425,15 @@ static void sweep_tick(evutil_socket_t fd, short what, void *arg)
         return;
     }
     p->listing = true;
-    store_probe_list(gw_loop_store(p->loop), routes, SWEEP_BATCH, listed, p);
+    store_probe_list(p->ctx->store, routes, SWEEP_BATCH, listed, p);
     free(routes);
 }
 
-struct gw_probe *gw_probe_create(struct gw_loop *l)
+struct gw_probe *gw_probe_create(struct gw_ctx *x)
 {
     struct gw_probe *p = cm_calloc(1, sizeof *p);
-    p->loop = l;
-    p->sweep_timer = evtimer_new(gw_loop_base(l), sweep_tick, p);
+    p->ctx = x;
+    p->sweep_timer = evtimer_new(x->base, sweep_tick, p);
     if (!p->sweep_timer)
         abort();
     sweep_schedule(p, SWEEP_FIRST_MS);

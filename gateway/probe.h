@@ -7,14 +7,15 @@
 
 #include "common/common.h"
 
-struct gw_loop;
+struct gw_ctx;
 struct gw_probe;
 struct store_id;
 
-/* Creates the loop's prober, and its sweeper timer when a route has on_unknown: probe (the sweeper looks at
- * unknown outcomes whose lease lapsed every few seconds, a bounded batch at a time). Never NULL; the caller frees it
- * with gw_probe_destroy after the loop's store and upstream client are gone (their callbacks no longer come). */
-struct gw_probe *gw_probe_create(struct gw_loop *l);
+/* Creates the prober of the thread whose context x is (it reads x at each use), and its sweeper timer when a route has
+ * on_unknown: probe (the sweeper looks at unknown outcomes whose lease lapsed every few seconds, a bounded batch at a
+ * time). Never NULL; the caller frees it with gw_probe_destroy after the loop's store and upstream client are gone
+ * (their callbacks no longer come). */
+struct gw_probe *gw_probe_create(struct gw_ctx *x);
 /* Frees every look-up still running without calling back; NULL is a no-op. */
 void gw_probe_destroy(struct gw_probe *p);
 

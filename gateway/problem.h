@@ -3,6 +3,7 @@
 #define IDEMGATE_GW_PROBLEM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #define GW_PROBLEM_CONTENT_TYPE "application/problem+json"
 #define GW_PROBLEM_TYPE_PREFIX  "urn:idemgate:problem:"
@@ -33,5 +34,17 @@ const char *gw_problem_stripe_type(int status, const char *name);
 /* Appends s JSON-escaped (without quotes) to out; false when out's cap is hit. */
 struct cm_buf;
 _Bool gw_json_escape(struct cm_buf *out, const char *s, size_t n) __attribute__((warn_unused_result));
+
+/* ---- a job's error answer (gateway/gateway.h) */
+struct gw_job;
+/* Fills the answer with the gateway error, written in the route's errors format (problem+json without a route);
+ * gateway/problem.c. extra: NULL or more JSON members ("\"current\":11"). Every error the pipeline and the front
+ * answer goes through here. */
+void gw_job_problem(struct gw_job *job, int status, const char *name, const char *title, const char *detail);
+void gw_job_problem_ext(struct gw_job *job, int status, const char *name, const char *title, const char *detail,
+                        const char *extra);
+/* Adds Retry-After (ms rounded up to whole seconds, at least 1) to the problem answer just written; on an errors:
+ * stripe route a 503 then says Stripe-Should-Retry: true (SPEC 9). */
+void gw_job_retry_after(struct gw_job *job, uint64_t ms);
 
 #endif

@@ -7,7 +7,6 @@
 #include "common/metrics.h"
 #include "conf/identity.h"
 #include "gateway/jwt.h"
-#include "gateway/loop.h"
 
 #define SWAP_TIMEOUT_MS 10000
 #define NAMES_MAX       1024 /* the names listed in event=reloaded */
@@ -176,7 +175,7 @@ static void log_failed(const char *file, char *err)
     free(err);
 }
 
-struct gw_conf *gw_reload(const char *file, struct gw_conf *cur, struct gw_loops *ls)
+struct gw_conf *gw_reload(const char *file, struct gw_conf *cur, gw_conf_swap_fn swap, void *swap_arg)
 {
     char *err = NULL;
     struct gw_conf *c = gw_conf_load(file, &err);
@@ -200,7 +199,7 @@ struct gw_conf *gw_reload(const char *file, struct gw_conf *cur, struct gw_loops
     }
     gw_conf_label(c); /* only now: a refused file adds no route label */
     gw_warn_unscoped(c->conf);
-    if (!gw_loops_swap(ls, c, SWAP_TIMEOUT_MS))
+    if (!swap(swap_arg, c, SWAP_TIMEOUT_MS))
         cm_log(CM_WARN, "reload_slow", "msg=\"an I/O loop has not taken the new configuration yet; it will\"");
     log_reloaded(file, cur->conf, c->conf);
     return c;

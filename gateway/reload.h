@@ -4,12 +4,13 @@
 #define IDEMGATE_RELOAD_H
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "conf/conf.h"
 
 struct gw_jwt;
-struct gw_loops;
 
 /* ---- the configuration in force: immutable and reference-counted. Each loop holds the one it serves new requests
  * with; each request takes a reference when the front accepts its head and drops it when the request is freed, so
@@ -31,11 +32,15 @@ struct gw_conf *gw_conf_ref(struct gw_conf *c);
 /* Drops a reference (any thread); the last one frees the handle and its conf. NULL is a no-op. */
 void gw_conf_unref(struct gw_conf *c);
 
-/* Main thread. Loads file; when it is valid, needs no restart and its JWT keys load, every loop of ls gets it (the
- * requests already accepted finish under the configuration they started with) and the new handle is returned
- * with one reference for the caller, who then drops its reference to cur. Otherwise nothing changes, the reason is
- * logged (event=reload_failed with FILE:LINE: KEY, or event=reload_refused key=...) and NULL is returned. */
-struct gw_conf *gw_reload(const char *file, struct gw_conf *cur, struct gw_loops *ls);
+/* Puts c in force in every I/O loop (gw_loops_swap, passed by gateway/main.c: the reload never reaches up into the
+ * loops itself), waiting up to timeout_ms; false when one has not taken it yet (it still will). */
+typedef bool (*gw_conf_swap_fn)(void *arg, struct gw_conf *c, uint64_t timeout_ms);
+/* Main thread. Loads file; when it is valid, needs no restart and its JWT keys load, swap(swap_arg, ...) gives it
+ * to every loop (the requests already accepted finish under the configuration they started with) and the new
+ * handle is returned with one reference for the caller, who then drops its reference to cur. Otherwise nothing
+ * changes, the reason is logged (event=reload_failed with FILE:LINE: KEY, or event=reload_refused key=...) and
+ * NULL is returned. */
+struct gw_conf *gw_reload(const char *file, struct gw_conf *cur, gw_conf_swap_fn swap, void *swap_arg);
 
 /* Logs route_without_scope for every idempotent or ordering route without a scope (SPEC 7, 9), at start and at each
  * reload. */
