@@ -18,6 +18,7 @@ Rules checked:
 
   scripts/check-rooms.py            check; prints every violation and exits 1 if there is one
   scripts/check-rooms.py --graph    also print the module graph (A -> B, C)
+  scripts/check-rooms.py --room R   only the violations of modules of room R (a test per room that is clean)
 """
 import os
 import re
@@ -33,6 +34,12 @@ ORDER = {
     "store": ["store/store", "store/notify", "store/order", "store/redis", "store/pg", "store/cancel"],
     "upstream": ["upstream/upstream", "upstream/curl", "upstream/h1", "upstream/head", "upstream/transfer",
                  "upstream/types"],
+    "gateway": [
+        "gateway/main", "gateway/admin", "gateway/front", "gateway/loop", "gateway/pipeline", "gateway/probe",
+        "gateway/cache", "gateway/ctx", "gateway/reload", "gateway/ordering", "gateway/problem", "gateway/gateway",
+        "gateway/idem", "gateway/parts", "gateway/jwt", "gateway/json", "gateway/status", "gateway/conntrack",
+        "gateway/answer", "gateway/owned",
+    ],
 }
 
 
@@ -108,7 +115,9 @@ def ctags_symbols(files):
 
 
 def main():
-    graph_out = "--graph" in sys.argv[1:]
+    args = sys.argv[1:]
+    graph_out = "--graph" in args
+    only = args[args.index("--room") + 1] if "--room" in args and args.index("--room") + 1 < len(args) else None
     files = sources()
     syms = ctags_symbols(files)
     owner = {}
@@ -188,6 +197,8 @@ def main():
                 detail.append(f"    {a} -> {b} ({', '.join(sorted(calls[a][b])[:4])})")
         bad.append("circle: " + " <-> ".join(comp) + "\n" + "\n".join(detail))
 
+    if only:
+        bad = [b for b in bad if b.startswith((f"{only}/", f"circle: {only}/"))]
     if graph_out:
         for a in sorted(calls):
             print(f"{a} -> {', '.join(sorted(calls[a]))}")
