@@ -1,6 +1,7 @@
 /* cache.h - the in-process replay cache: completed records (immutable until retention or purge) kept in memory,
  * bounded in entries and bytes, shared by the loops of a process (a rwlock), usable only while the purge listener
- * (store/notify.c) is connected. */
+ * (store/notify.c) is connected. It never asks the loop or the store: the pipeline passes the job, whose context
+ * holds the cache. */
 #ifndef IDEMGATE_GW_CACHE_H
 #define IDEMGATE_GW_CACHE_H
 

@@ -1,5 +1,6 @@
 /* front.h - the HTTP front (libmicrohttpd): accepts connections, reads and checks each request, builds its job
- * (gateway/gateway.h), hands it to its loop's pipeline and sends the answer. */
+ * (gateway/gateway.h), hands it to its loop's pipeline and sends the answer. The pipeline calls it back only through
+ * the callback it sets on the job (job->done_cb); nothing below the front calls the front. */
 #ifndef IDEMGATE_GW_FRONT_H
 #define IDEMGATE_GW_FRONT_H
 

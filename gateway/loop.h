@@ -1,5 +1,6 @@
 /* loop.h - the I/O loop: one thread running libevent, owning its HTTP daemon's events, the upstream client, its
- * share of the Postgres pool and the Redis context; and the set of loops of a process. */
+ * share of the Postgres pool and the Redis context; and the set of loops of a process. It assembles each thread's
+ * context (gateway/ctx.h) and never runs a request itself (the pipeline does, from the job's context). */
 #ifndef IDEMGATE_GW_LOOP_H
 #define IDEMGATE_GW_LOOP_H
 

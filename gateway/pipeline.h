@@ -1,5 +1,6 @@
 /* pipeline.h - the request pipeline on the loop thread (claim, guard, forward once, settle the record, answer),
- * and the one table from an upstream result to the answer and what happens to the record. */
+ * and the one table from an upstream result to the answer and what happens to the record. It works with the job's
+ * context (job->ctx) and hands the job back through job->done_cb; it never calls the front or the loop. */
 #ifndef IDEMGATE_GW_PIPELINE_H
 #define IDEMGATE_GW_PIPELINE_H
 

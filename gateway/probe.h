@@ -1,5 +1,6 @@
 /* probe.h - on_unknown: probe: asking the route's upstream whether an unknown outcome executed (SPEC 9), for a
- * retry that met one after its lease and for the background sweeper. Loop thread only. */
+ * retry that met one after its lease and for the background sweeper. Loop thread only; it works with the thread's
+ * context (gateway/ctx.h) and answers through its callback, never calling the pipeline or the loop. */
 #ifndef IDEMGATE_GW_PROBE_H
 #define IDEMGATE_GW_PROBE_H
 

@@ -1,4 +1,5 @@
-/* problem.h - RFC 9457 problem+json bodies for every error the gateway answers. */
+/* problem.h - RFC 9457 problem+json bodies for every error the gateway answers, and a job's error answer in its
+ * route's errors: format. Writes into the job only; never sends, never looks the configuration up. */
 #ifndef IDEMGATE_GW_PROBLEM_H
 #define IDEMGATE_GW_PROBLEM_H
 

@@ -1,5 +1,6 @@
 /* reload.h - SIGHUP: load and validate the new configuration completely, refuse what needs a restart, then swap
- * it into every I/O loop at a safe point on its own thread (all or nothing). */
+ * it into every I/O loop at a safe point on its own thread (all or nothing). The swap is the caller's function
+ * (gateway/main.c passes gw_loops_swap): the reload never reaches into the loops. */
 #ifndef IDEMGATE_RELOAD_H
 #define IDEMGATE_RELOAD_H
 
