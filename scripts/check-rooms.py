@@ -31,7 +31,7 @@ RANK = {"common": 0, "conf": 1, "store": 2, "upstream": 2, "gateway": 3}
 # The intended layering inside a room, highest first: a module may reach only those after it. A room without an
 # entry is checked for circles only.
 ORDER = {
-    "store": ["store/store", "store/notify", "store/order", "store/redis", "store/pg", "store/cancel"],
+    "store": ["store/store", "store/migrate", "store/notify", "store/order", "store/redis", "store/pg", "store/cancel"],
     "upstream": ["upstream/upstream", "upstream/curl", "upstream/h1", "upstream/head", "upstream/transfer",
                  "upstream/types"],
     "gateway": [

@@ -80,10 +80,10 @@ struct up_client {
     struct event_base *base;
     struct up_transfer *transfers; /* running, in a doubly linked list */
     size_t active;
-    int dispatching;       /* > 0 while done callbacks run */
-    bool destroy_deferred; /* up_client_destroy was called from a done callback */
-    bool closing;          /* up_client_destroy runs: transfers are stopped, none is started */
-    long max_host;         /* max_host_connections (0: unbounded) */
+    int dispatching;                      /* > 0 while done callbacks run */
+    bool destroy_deferred;                /* up_client_destroy was called from a done callback */
+    bool closing;                         /* up_client_destroy runs: transfers are stopped, none is started */
+    long max_host;                        /* max_host_connections (0: unbounded) */
     const struct up_backend *be[UP_BE_N]; /* set by the facade at create, asked in this order */
     void *state[UP_BE_N];                 /* each backend's */
 };
