@@ -32,6 +32,7 @@ RANK = {"common": 0, "conf": 1, "store": 2, "upstream": 2, "gateway": 3}
 # entry is checked for circles only.
 ORDER = {
     "store": ["store/store", "store/migrate", "store/notify", "store/order", "store/redis", "store/pg", "store/cancel"],
+    "conf": ["conf/reference", "conf/identity", "conf/conf", "conf/restart", "conf/types"],
     "upstream": ["upstream/upstream", "upstream/curl", "upstream/h1", "upstream/head", "upstream/transfer",
                  "upstream/types"],
     "gateway": [

@@ -37,7 +37,7 @@ sources() {
     case "$1" in
     key | fp) echo "common/common.c gateway/idem.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;
     resp | hdrs) echo "common/common.c" ;;
-    conf) echo "common/common.c common/uri.c conf/conf.c" ;;
+    conf) echo "common/common.c common/uri.c conf/conf.c conf/restart.c" ;;
     path) echo "common/common.c common/uri.c" ;;
     parts) echo "common/common.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;
     h1) echo "common/common.c upstream/upstream.c upstream/h1.c upstream/curl.c upstream/head.c upstream/transfer.c" ;;

@@ -1,0 +1,218 @@
+/* types.h - what a loaded configuration is made of (struct conf, its routes, upstreams and sections, their enums);
+ * declarations only, never a function: the loader (conf.c) fills them, the rest of conf/ and the other rooms read them.
+ */
+#ifndef IDEMGATE_CONF_TYPES_H
+#define IDEMGATE_CONF_TYPES_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/common.h"
+
+/* HTTP method bits for conf_route.methods. */
+enum {
+    CONF_M_GET = 1 << 0,
+    CONF_M_HEAD = 1 << 1,
+    CONF_M_POST = 1 << 2,
+    CONF_M_PUT = 1 << 3,
+    CONF_M_PATCH = 1 << 4,
+    CONF_M_DELETE = 1 << 5,
+    CONF_M_OPTIONS = 1 << 6,
+    CONF_M_TRACE = 1 << 7,
+    CONF_M_CONNECT = 1 << 8,
+};
+
+struct conf_addr {
+    char *host; /* "127.0.0.1", "::1", "0.0.0.0", "localhost" */
+    uint16_t port;
+};
+
+/* An upstream, its URL parsed once here into the parts the runtime uses as they are (never parsed again). */
+struct conf_upstream {
+    char *name;
+    char *url;                     /* as written, trailing slash removed (for logs and Host): http://127.0.0.1:9000 */
+    bool https;                    /* scheme https (else http) */
+    char *host;                    /* host name or IP literal, IPv6 without brackets: "127.0.0.1", "::1", "api.local" */
+    uint16_t port;                 /* as written, else 80 (http) or 443 (https) */
+    bool host_is_ip;               /* host is an IPv4 or IPv6 literal */
+    char *base_path;               /* path part of url without trailing '/', "" when none */
+    uint64_t connect_timeout_ms;   /* default 2s */
+    uint64_t timeout_ms;           /* default 30s */
+    uint32_t max_connections;      /* upstream sockets, default 1024 */
+    uint64_t keepalive_timeout_ms; /* an idle pooled connection is reused up to this long, default 60s (nginx's) */
+};
+
+/* Redis, parsed once from store.redis: TCP (redis://[:password@]host:port[/db]) or a unix socket (an absolute
+ * path, or unix:///path[?db=N]). */
+struct conf_redis {
+    char *host;      /* TCP host, IPv6 without brackets; NULL with a unix socket */
+    uint16_t port;   /* TCP port */
+    char *unix_path; /* the socket's absolute path, or NULL */
+    char *password;  /* AUTH password, or NULL */
+    uint32_t db;     /* 0: no SELECT */
+};
+
+enum conf_key_mode { CONF_KEY_OPTIONAL = 0, CONF_KEY_REQUIRED, CONF_KEY_OFF };
+enum conf_in_flight { CONF_IN_FLIGHT_CONFLICT = 0, CONF_IN_FLIGHT_WAIT };
+enum conf_on_unknown { CONF_UNKNOWN_REJECT = 0, CONF_UNKNOWN_RETRY, CONF_UNKNOWN_PROBE };
+/* store.distributed: the engine the tables live on (none: plain Postgres; citus: distributed by the gateway). */
+enum conf_distributed { CONF_DIST_NONE = 0, CONF_DIST_CITUS };
+enum conf_part_kind {
+    CONF_PART_METHOD,
+    CONF_PART_PATH,
+    CONF_PART_QUERY,
+    CONF_PART_BODY,
+    CONF_PART_HEADER,
+    CONF_PART_JWT, /* a claim of the verified bearer JWT (scope only) */
+};
+
+struct conf_part {
+    enum conf_part_kind kind;
+    char *header; /* CONF_PART_HEADER: the header name; CONF_PART_JWT: the claim name */
+};
+
+/* ---- probe and shadow mode (SPEC 9, 10) */
+
+/* A static header of the look-up: the value as written, or read from the environment at load ($NAME). */
+struct conf_probe_header {
+    char *name;
+    char *value;
+    bool has_key; /* the value as written holds "{key}": each is replaced by the key (never in a $NAME value) */
+};
+
+/* on_unknown: probe: how the gateway asks the upstream whether an unknown outcome executed (SPEC 9). */
+struct conf_probe {
+    bool enabled; /* a probe: block was given (required with on_unknown: probe, refused otherwise) */
+    char *method; /* a token, default GET */
+    char *path;   /* origin-form, starts with '/', "{key}" at most once (the key, percent-encoded) */
+    int *found;   /* default [200]: this answer becomes the record's stored answer */
+    size_t found_n;
+    int *absent; /* default [404]: nothing executed, the claim is released */
+    size_t absent_n;
+    struct conf_probe_header *headers; /* the only headers the look-up carries (with the scope's request parts) */
+    size_t headers_n;
+    /* default false: the upstream's look-up by key alone is tenant-safe, so the sweeper (which has no request to
+     * take the scope's parts from) may probe a scoped route, and a scope part the look-up cannot carry is allowed */
+    bool keys_unique_upstream;
+    /* default 5s: after a lease lapses, nobody probes before the lapse + the upstream's timeout + grace (SPEC 8: the
+     * original attempt may still be running at the upstream) */
+    uint64_t grace_ms;
+};
+
+/* mode: enforce (default) or shadow: forward everything, count what enforce would have done (SPEC 10). */
+enum conf_idem_mode { CONF_MODE_ENFORCE = 0, CONF_MODE_SHADOW };
+
+struct conf_idem {
+    enum conf_key_mode key;  /* default optional */
+    char *header;            /* default "Idempotency-Key" */
+    struct conf_part *scope; /* default none */
+    size_t scope_n;
+    struct conf_part *fingerprint; /* default method, path, query, body */
+    size_t fingerprint_n;
+    uint64_t retention_ms;            /* default 24h */
+    uint64_t lease_ms;                /* default 60s */
+    enum conf_in_flight on_in_flight; /* default conflict */
+    uint64_t wait_ms;                 /* default 10s */
+    enum conf_on_unknown on_unknown;  /* default reject */
+    int *release_statuses;            /* default none */
+    size_t release_statuses_n;
+    uint64_t max_body;        /* default 1MiB; applies to every request of the route */
+    bool forward_key;         /* default true */
+    uint64_t max_response;    /* default 8MiB: largest stored/replayed response */
+    struct conf_probe probe;  /* with on_unknown: probe */
+    enum conf_idem_mode mode; /* default enforce */
+};
+
+/* How the gateway's own error answers on a route are written (SPEC 9, errors:). */
+enum conf_errors_kind { CONF_ERRORS_PROBLEM = 0, CONF_ERRORS_STRIPE, CONF_ERRORS_TEMPLATE };
+struct conf_errors {
+    enum conf_errors_kind kind; /* default problem (RFC 9457 problem+json) */
+    char *tmpl;                 /* CONF_ERRORS_TEMPLATE: the text with {status} {name} {title} {detail} */
+    char *content_type;         /* CONF_ERRORS_TEMPLATE: default application/json */
+};
+
+/* ---- ordering guard (SPEC 6): a per-resource monotonic sequence */
+enum conf_seq_source { CONF_SEQ_HEADER = 0, CONF_SEQ_JSON };
+enum conf_on_gap { CONF_GAP_ACCEPT = 0, CONF_GAP_REJECT, CONF_GAP_HOLD };
+#define CONF_RESOURCE_MAX 1024 /* bytes of an ordering.resource template */
+struct conf_ordering {
+    bool enabled;                /* an ordering: block was given */
+    char *resource;              /* path template, "/v1/accounts/{id}/address" (trailing '/' removed) */
+    enum conf_seq_source source; /* header:NAME or json:/pointer */
+    char *seq_name;              /* the header name, or the JSON Pointer ("" is the whole body) */
+    enum conf_on_gap on_gap;     /* default accept */
+    uint64_t hold_ms;            /* default 2s: bounds the gap hold and the in-flight wait */
+};
+
+struct conf_route {
+    char *name;
+    char *path;        /* exact path, or NULL */
+    char *path_prefix; /* whole-segment prefix, or NULL; exactly one is set */
+    char *match_key;   /* path or path_prefix in SPEC 7's match form (cm_path_match_form): what requests meet */
+    unsigned methods;  /* CONF_M_* bits idempotency applies to; default POST|PATCH */
+    size_t upstream;   /* index into conf.upstreams */
+    struct conf_idem idem;
+    struct conf_errors errors;
+    struct conf_ordering ordering;
+};
+
+/* Top-level jwt: how jwt:CLAIM scope parts verify the bearer token (SPEC 9). */
+struct conf_jwt {
+    bool enabled;       /* a jwt: block was given */
+    char *keys_file;    /* JWKS file (RS256, ES256 keys), or NULL */
+    char *secret_env;   /* name of the environment variable holding the HS256 secret, or NULL */
+    char *issuer;       /* NULL: iss not checked */
+    char *audience;     /* NULL: aud not checked */
+    uint64_t leeway_ms; /* default 30s, for exp and nbf */
+    /* Where the entries were written, for the key loader's errors ("FILE:LINE: jwt.keys: ..."): the config file
+     * (conf.file, not owned; NULL when the struct was not loaded by conf) and the lines of the keys: and secret_env:
+     * entries (0: not given). */
+    const char *file;
+    size_t keys_line;
+    size_t secret_env_line;
+};
+
+struct conf {
+    char *file;                    /* path the config was read from */
+    struct conf_addr listen;       /* default 127.0.0.1:8080 */
+    struct conf_addr admin_listen; /* default 127.0.0.1:9090 */
+    bool admin_enabled;            /* false when admin.listen is "off" */
+    uint64_t shutdown_grace_ms;    /* default 10s */
+
+    char *postgres_url;                /* required (after env override) */
+    uint32_t pool;                     /* default 8, 1..256 */
+    char *redis_url;                   /* as written (for logs; passwords redacted there); NULL: no Redis */
+    struct conf_redis redis;           /* redis_url parsed once; valid when redis_url != NULL */
+    uint64_t redis_timeout_ms;         /* default 50ms */
+    enum conf_distributed distributed; /* store.distributed, default none */
+
+    struct conf_upstream *upstreams;
+    size_t upstreams_n;
+    struct conf_route *routes;
+    size_t routes_n;
+    bool has_default_upstream;
+    size_t default_upstream; /* index, valid when has_default_upstream */
+
+    /* Front limits (top-level keys; extensions to SPEC section 3). */
+    uint64_t max_header_bytes; /* default 16KiB -> 431 */
+    /* default 16KiB: an upstream head (status line and header lines) larger than this is an invalid answer (502
+     * upstream-invalid-response), as nginx refuses "upstream sent too big header" */
+    uint64_t max_response_header_bytes;
+    uint64_t max_body;          /* default 1MiB, requests no route matches -> 413 */
+    uint64_t max_response;      /* default 8MiB, responses of non-idempotent requests */
+    uint32_t max_connections;   /* default 4096; beyond: 503 and close */
+    uint64_t client_timeout_ms; /* default 30s: idle/slow client connections */
+    uint32_t threads;           /* HTTP front threads, default 0 = number of CPUs */
+    char *admin_token;          /* from IDEMGATE_ADMIN_TOKEN only, NULL when unset */
+    struct conf_jwt jwt;        /* top-level jwt: (SPEC 9) */
+    /* replay_cache: completed records kept in memory (gateway/cache.c); either bound 0 (or replay_cache: off):
+     * no cache. Defaults 1MiB and 4096 entries. */
+    /* limits.buffers (SPEC 7): bytes of request bodies and answers held in memory at once, default 512MiB, at least
+     * the largest max_body plus max_response of a route (or of the top level) */
+    uint64_t limits_buffers;
+    uint64_t replay_cache_max_bytes;
+    uint32_t replay_cache_max_entries;
+};
+
+#endif
