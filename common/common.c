@@ -1,4 +1,5 @@
-/* common.c - allocator, capped buffers, header lists, response codec, logging, hashing, time. */
+/* common.c - allocator, capped buffers, header lists, response codec, logging, hashing, time. Never a network library,
+ * never another room. */
 #include "common/common.h"
 
 #include <errno.h>

@@ -1,5 +1,5 @@
 /* common.h - allocator, capped buffers, header lists, logging, hashing and
- * time helpers shared by every room. Nothing here includes a network library. */
+ * time helpers shared by every room. Nothing here includes a network library. It never calls another room. */
 #ifndef IDEMGATE_COMMON_H
 #define IDEMGATE_COMMON_H
 

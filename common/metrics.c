@@ -1,4 +1,5 @@
-/* metrics.c - the process-wide Prometheus registry: relaxed C11 atomics, rendered as text format 0.0.4. */
+/* metrics.c - the process-wide Prometheus registry: relaxed C11 atomics, rendered as text format 0.0.4. Never a lock,
+ * never another room. */
 #include "common/metrics.h"
 #include "common/version.h"
 

@@ -1,6 +1,7 @@
 /* metrics.h - the process-wide Prometheus registry: lock-free counters,
  * gauges and histograms updated from any thread, rendered by the admin
- * listener. A route's counters are found by its slot (cm_metrics_route), which its name keeps across reloads. */
+ * listener. A route's counters are found by its slot (cm_metrics_route), which its name keeps across reloads. Never
+ * calls another room. */
 #ifndef IDEMGATE_METRICS_H
 #define IDEMGATE_METRICS_H
 

@@ -1,4 +1,5 @@
-/* uri.c - request-target validation and normalisation, and the strict percent-decoder (see uri.h). */
+/* uri.c - request-target validation and normalisation, and the strict percent-decoder (see uri.h). Never I/O, never
+ * another room. */
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <stdint.h>

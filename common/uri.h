@@ -1,5 +1,5 @@
 /* uri.h - request-target validation and normalisation (RFC 3986 6.2.2, RFC 9112 3.2) and one strict
- * percent-decoder, pure functions shared by the HTTP front and the admin listener. */
+ * percent-decoder, pure functions shared by the HTTP front and the admin listener. Never I/O. */
 #ifndef IDEMGATE_CM_URI_H
 #define IDEMGATE_CM_URI_H
 

@@ -1,4 +1,5 @@
-/* conf.c - loads the YAML configuration (libyaml document API) into struct conf and validates every key. */
+/* conf.c - loads the YAML configuration (libyaml document API) into struct conf and validates every key. Never a
+ * socket, never the reference (reference.c) or the reload's comparison (restart.c). */
 #include "conf/conf.h"
 
 #include <arpa/inet.h>

@@ -1,5 +1,5 @@
 /* conf.h - the configuration: parsed once from YAML into an immutable struct,
- * validated completely before anything starts. */
+ * validated completely before anything starts. Never a socket, never a loop. */
 #ifndef IDEMGATE_CONF_H
 #define IDEMGATE_CONF_H
 

@@ -1,4 +1,5 @@
-/* identity.c - a route's identity as one text (name aside), and what differs between two of them. */
+/* identity.c - a route's identity as one text (name aside), and what differs between two of them. Never YAML, never
+ * I/O. */
 #include "conf/identity.h"
 
 #include <ctype.h>

@@ -1,5 +1,5 @@
 /* identity.h - a route's identity (SPEC 8): its name, key source, scope parts and fingerprint parts, as one text.
- * A record's key is found again only under the identity it was made with. */
+ * A record's key is found again only under the identity it was made with. Never YAML, never I/O. */
 #ifndef IDEMGATE_CONF_IDENTITY_H
 #define IDEMGATE_CONF_IDENTITY_H
 

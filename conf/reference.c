@@ -1,4 +1,5 @@
-/* reference.c - the configuration reference (docs/configuration.md) as Markdown, from conf's key tables. */
+/* reference.c - the configuration reference (docs/configuration.md) as Markdown, from conf's key tables. Never parses
+ * YAML. */
 #include "conf/reference.h"
 
 #include <stdio.h>

@@ -1,4 +1,5 @@
-/* reference.h - the configuration reference (docs/configuration.md) written from conf's key tables. */
+/* reference.h - the configuration reference (docs/configuration.md) written from conf's key tables. Never parses YAML.
+ */
 #ifndef IDEMGATE_CONF_REFERENCE_H
 #define IDEMGATE_CONF_REFERENCE_H
 

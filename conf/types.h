@@ -1,6 +1,5 @@
 /* types.h - what a loaded configuration is made of (struct conf, its routes, upstreams and sections, their enums);
- * declarations only, never a function: the loader (conf.c) fills them, the rest of conf/ and the other rooms read them.
- */
+ * declarations only, never a function: the loader (conf.c) fills them, the others read them. */
 #ifndef IDEMGATE_CONF_TYPES_H
 #define IDEMGATE_CONF_TYPES_H
 

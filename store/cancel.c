@@ -1,4 +1,5 @@
-/* cancel.c - a bounded queue of libpq cancel requests and the one background thread that sends them. */
+/* cancel.c - a bounded queue of libpq cancel requests and the one background thread that sends them. Never a loop's
+ * connections. */
 #include "store/cancel.h"
 
 #include <pthread.h>

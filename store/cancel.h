@@ -1,5 +1,5 @@
 /* cancel.h - cancel requests for server processes the pool gave up on, sent off the event loops. Internal to
- * store/. */
+ * store/. Never blocks a loop. */
 #ifndef IDEMGATE_STORE_CANCEL_H
 #define IDEMGATE_STORE_CANCEL_H
 

@@ -1,4 +1,5 @@
-/* notify.c - the purge listener: LISTEN on one non-blocking libpq connection, pinged, reconnected with backoff. */
+/* notify.c - the purge listener: LISTEN on one non-blocking libpq connection, pinged, reconnected with backoff. Never
+ * the claim path. */
 #include "store/notify.h"
 
 #include <event2/event.h>

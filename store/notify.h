@@ -1,6 +1,6 @@
 /* notify.h - one Postgres LISTEN connection per process (non-blocking libpq on a loop's event base, reconnected
  * with backoff, pinged so that a dead connection is noticed within a second): the purge channel of the replay
- * cache. */
+ * cache. Never the claim path. */
 #ifndef IDEMGATE_STORE_NOTIFY_H
 #define IDEMGATE_STORE_NOTIFY_H
 

@@ -1,5 +1,5 @@
 /* order.c - the ordering guard's statements: compare-and-take of a resource's
- * in-flight marker (one upsert under the row lock), its fenced settle and renewal. */
+ * in-flight marker (one upsert under the row lock), its fenced settle and renewal. Never the keys table (store.c). */
 #include "store/order.h"
 
 #include <stdio.h>

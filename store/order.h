@@ -1,6 +1,6 @@
 /* order.h - the ordering guard's Postgres side (SPEC 6): per (route, scope,
  * resource) the highest applied sequence and one in-flight marker, fenced by
- * a token and leased like a key's claim. Loop thread only, like store.h. */
+ * a token and leased like a key's claim. Loop thread only, like store.h. Never the keys table (store.h). */
 #ifndef IDEMGATE_STORE_ORDER_H
 #define IDEMGATE_STORE_ORDER_H
 

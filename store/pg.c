@@ -2,7 +2,7 @@
  * PQconnectPoll, prepare statements once per connection, run queries in
  * pipeline mode (one query, or a batch of batchable ones sharing one implicit
  * transaction and one commit), bounded FIFO, per-query timeouts, reconnect
- * with backoff. */
+ * with backoff. Never what a statement means (its callers' SQL). */
 #include "store/pg.h"
 
 #include <errno.h>

@@ -1,6 +1,6 @@
 /* pg.h - a bounded pool of non-blocking libpq connections driven by one
  * libevent base, with prepared statements, a bounded FIFO of waiting queries,
- * per-query timeouts and reconnection with backoff. Internal to store/. */
+ * per-query timeouts and reconnection with backoff. Internal to store/. Never what a statement means. */
 #ifndef IDEMGATE_STORE_PG_H
 #define IDEMGATE_STORE_PG_H
 

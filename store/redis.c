@@ -1,6 +1,7 @@
 /* redis.c - hiredis 0.14 async client on libevent: per-command timers (the
  * async API has none), AUTH/SELECT (or PING) on connect, reconnect with backoff from a
- * timer (never from hiredis callbacks), drop the link after repeated timeouts. */
+ * timer (never from hiredis callbacks), drop the link after repeated timeouts. Never what a reply means (store.c
+ * decides). */
 #include "store/redis.h"
 
 #include <stdatomic.h>

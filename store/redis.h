@@ -1,6 +1,6 @@
 /* redis.h - one hiredis (0.14) async connection on a libevent base, with a
  * timeout per command, AUTH/SELECT from the URL and reconnection with
- * backoff. Internal to store/: callers see hiredis replies only here. */
+ * backoff. Internal to store/: callers see hiredis replies only here. Never what a reply means. */
 #ifndef IDEMGATE_STORE_REDIS_H
 #define IDEMGATE_STORE_REDIS_H
 

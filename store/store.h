@@ -2,7 +2,7 @@
  * constraint, fenced by a random token) and its fast filter (Redis: SET NX
  * in-flight marker and completed-response cache). Every call except
  * store_migrate and the *_up readers happens on the I/O thread. Redis may be
- * empty, stale or down: that costs latency, never a second execution. */
+ * empty, stale or down: that costs latency, never a second execution. Never the blocking start-up work (migrate.h). */
 #ifndef IDEMGATE_STORE_H
 #define IDEMGATE_STORE_H
 

@@ -4,7 +4,8 @@
  * became readable (libcurl 7.88 checks only for a close before reuse). It refuses the framing h1.c refuses (libcurl
  * takes the last of two Content-Lengths, reads "2x" as 2, passes any three-digit status, waits on a 101's tunnel),
  * and keeps a connection only after an answer framed by a non-zero Content-Length: after any other answer libcurl
- * drops extra bytes of the same read without a word and would reuse the connection. */
+ * drops extra bytes of the same read without a word and would reuse the connection. Never the built-in client's
+ * sockets. */
 #include <curl/curl.h>
 #include <event2/event.h>
 #include <pthread.h>

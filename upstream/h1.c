@@ -6,7 +6,7 @@
  * Why it exists: on the proxy's fast path libcurl cost about a quarter of the gateway's CPU (a connection struct
  * and a URL parse per transfer, ~18 allocations, two poll() calls per request); a request here costs one send()
  * and one recv(). It takes the configured origins that are http:// at an IP literal (https and host names go to
- * libcurl); the address comes from the origin, parsed once per origin, never from the request target. */
+ * libcurl); the address comes from the origin, parsed once per origin, never from the request target. Never libcurl. */
 #include <errno.h>
 #include <event2/event.h>
 #include <netinet/in.h>

@@ -1,6 +1,6 @@
 /* upstream.h - forwarding to upstreams on the I/O thread's libevent loop: a built-in HTTP/1.1 client for http://
  * upstreams at an IP address, one libcurl multi handle for the others (keep-alive connections reused). Every call
- * here happens on that one thread. */
+ * here happens on that one thread. Never a backend's details. */
 #ifndef IDEMGATE_UPSTREAM_H
 #define IDEMGATE_UPSTREAM_H
 
