@@ -268,12 +268,14 @@ size_t cm_path_match_form(const char *p, size_t n, char *out)
         char c = p[i];
         if (c == '/')
             param = false;
-        else if (c == ';')
-            param = true;
+        else if (c == ';' || (c == '%' && i + 2 < n && p[i + 1] == '3' && (p[i + 2] | 0x20) == 'b'))
+            param = true; /* %3B too: an upstream may decode it before it drops parameters */
         if (param)
             continue;
         out[o++] = c >= 'A' && c <= 'Z' ? (char)(c + 32) : c;
     }
+    if (o > 1 && out[o - 1] == '/')
+        o--; /* a trailing '/' is ignored */
     out[o] = '\0';
     return o;
 }

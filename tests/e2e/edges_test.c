@@ -473,7 +473,8 @@ static void spell_bearer(const char *sub, char *out, size_t n)
 /* Spellings of /v1/jwt that a server behind the gateway may read as it (Tomcat and Spring drop ";..." path
  * parameters, many servers fold case, Rails and Spring read ".json" as a format): each meets the jwt route. */
 static const char *const jwt_spellings[] = {"/v1/jwt",      "/v1/jwt;",      "/v1/jwt;jsessionid=x", "/V1/JWT",
-                                            "/v1/jwt.json", "/V1/Jwt;a=b/x", "/v1;x=1/jwt",          "/v1/JWT.Json"};
+                                            "/v1/jwt.json", "/V1/Jwt;a=b/x", "/v1;x=1/jwt",          "/v1/JWT.Json",
+                                            "/v1/jwt/",     "/v1/jwt%3Bx",   "/V1/JWT%3b/",          "/v1/jwt.json/"};
 
 /* An attacker (a second client, without a token) tries each spelling with the key a victim used; then a retry
  * under each spelling, with a token: the route's policy holds for all of them and the request is executed once.

@@ -514,7 +514,11 @@ Test(conf, route_matching)
         {"", NULL},
         {"/v1/orders", "orders"},
         {"/v1/orders/1", NULL}, /* path is exact */
-        {"/v1/orders/", NULL},
+        {"/v1/orders/", "orders"}, /* a trailing '/' is ignored */
+        {"/v1/orders%3Bx", "orders"}, /* an encoded ';' starts segment parameters too */
+        {"/v1/orders%3bx/", "orders"},
+        {"/v1/payments/special/", "exact"},
+        {"/v1/orders/x/", NULL},
         /* SPEC 7: case, segment parameters and a format suffix on the last segment do not matter */
         {"/V1/orders", "orders"},
         {"/v1/orders;jsessionid=x", "orders"},

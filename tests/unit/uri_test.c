@@ -244,8 +244,21 @@ Test(uri, match_form_and_meets)
     static const struct {
         const char *in, *out;
     } forms[] = {
-        {"/V1/Pay", "/v1/pay"}, {"/v1/pay;", "/v1/pay"}, {"/v1;a=b/pay;jsessionid=X", "/v1/pay"}, {"/", "/"},
-        {"/a;b/", "/a/"},       {"/%7E;x", "/%7e"},
+        {"/V1/Pay", "/v1/pay"},
+        {"/v1/pay;", "/v1/pay"},
+        {"/v1;a=b/pay;jsessionid=X", "/v1/pay"},
+        {"/", "/"},
+        {"/a;b/", "/a"},
+        {"/%7E;x", "/%7e"},
+        /* a trailing '/' is ignored; an encoded ';' starts the segment's parameters as ';' does (an upstream may
+           decode it first) */
+        {"/v1/jwt/", "/v1/jwt"},
+        {"/v1/jwt%3Bx", "/v1/jwt"},
+        {"/v1/jwt%3bx/y", "/v1/jwt/y"},
+        {"/v1/jwt.json/", "/v1/jwt.json"},
+        {"/v1%3B/", "/v1"},
+        {"/%3", "/%3"},
+        {"/a%3", "/a%3"},
     };
     for (size_t i = 0; i < sizeof forms / sizeof forms[0]; i++) {
         char out[64];
