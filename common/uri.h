@@ -49,8 +49,8 @@ void cm_target_free(struct cm_target *t);
 bool cm_pct_decode(const char *s, size_t n, bool plus_space, char *out, size_t *out_len) CM_MUST_CHECK;
 
 /* SPEC 7: routes match a path in its match form: ASCII letters lowercased, segment parameters (';' or an encoded
- * "%3B" and the rest of its segment) removed and a trailing '/' dropped ("/V1/Pay;x=1/A/" -> "/v1/pay/a"). Writes the form of p[0..n) into out (room for n + 1
- * bytes, NUL-terminated) and returns its length. */
+ * "%3B" and the rest of its segment) removed and a trailing '/' dropped ("/V1/Pay;x=1/A/" -> "/v1/pay/a"). Writes the
+ * form of p[0..n) into out (room for n + 1 bytes, NUL-terminated) and returns its length. */
 size_t cm_path_match_form(const char *p, size_t n, char *out);
 
 /* Whether a route's path rk (in match form; a whole-segment prefix when prefix) meets a request path k (in match

@@ -1542,7 +1542,8 @@ static const struct field match_fields[] = {
              .allowed = "starts with `/`; no space, control byte, `?` or `#`",
              .doc = "The route matches this path (after the gateway normalised it), compared in the match form: "
                     "case folded, `;` (or `%3B`) segment parameters dropped, a trailing `/` and a suffix such as "
-                    "`.json` of the last segment ignored, so no spelling of the path escapes the route (security.md). Give `path` "
+                    "`.json` of the last segment ignored, so no spelling of the path escapes the route (security.md). "
+                    "Give `path` "
                     "or `path_prefix`, not both. Two routes that meet only in the match form must have the "
                     "same policy.",
              .example = "/v1/charges"),

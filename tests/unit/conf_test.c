@@ -513,8 +513,8 @@ Test(conf, route_matching)
         {"/", NULL},
         {"", NULL},
         {"/v1/orders", "orders"},
-        {"/v1/orders/1", NULL}, /* path is exact */
-        {"/v1/orders/", "orders"}, /* a trailing '/' is ignored */
+        {"/v1/orders/1", NULL},       /* path is exact */
+        {"/v1/orders/", "orders"},    /* a trailing '/' is ignored */
         {"/v1/orders%3Bx", "orders"}, /* an encoded ';' starts segment parameters too */
         {"/v1/orders%3bx/", "orders"},
         {"/v1/payments/special/", "exact"},
