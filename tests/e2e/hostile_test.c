@@ -722,6 +722,8 @@ Test(hostile, lenient_chunked_framing_is_refused_and_the_connection_closed)
         {"bare LF ending a chunk extension", CHUNKED_HEAD "5;a=b\nhello\r\n0\r\n\r\n"},
         {"bare LF ending the trailer section", CHUNKED_HEAD "5\r\nhello\r\n0\r\nX-T: a\r\n\nGET"},
         {"bare LF ending a trailer", CHUNKED_HEAD "5\r\nhello\r\n0\r\nX-T: a\n\r\n"},
+        {"bare LF ending the trailer section, nothing after", CHUNKED_HEAD "5\r\nhello\r\n0\r\nX-T: a\r\n\n"},
+        {"bare LF ending an empty trailer section", CHUNKED_HEAD "0\r\n\n"},
         {"trailer with obs-fold", CHUNKED_HEAD "5\r\nhello\r\n0\r\nX-T: a\r\n b\r\n\r\n"},
         {"trailer Content-Length", CHUNKED_HEAD "5\r\nhello\r\n0\r\nContent-Length: 5\r\n\r\n"},
         {"trailer Transfer-Encoding", CHUNKED_HEAD "5\r\nhello\r\n0\r\nTransfer-Encoding: chunked\r\n\r\n"},
