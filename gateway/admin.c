@@ -1,5 +1,6 @@
 /* admin.c - the admin listener: health, readiness, Prometheus metrics and the
- * key endpoints (inspect, purge, release) behind a bearer token. */
+ * key endpoints (inspect, purge, release) behind a bearer token. It never runs a request through the pipeline: the key
+ * endpoints ask the store and the cache directly. */
 #include <microhttpd.h>
 #include <stdatomic.h>
 #include <netdb.h>

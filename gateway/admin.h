@@ -1,4 +1,5 @@
-/* admin.h - the admin listener (SPEC 5): health, readiness, metrics, the status page and the key endpoints. */
+/* admin.h - the admin listener (SPEC 5): health, readiness, metrics, the status page and the key endpoints. Never on
+ * the client listener, never through the pipeline. */
 #ifndef IDEMGATE_GW_ADMIN_H
 #define IDEMGATE_GW_ADMIN_H
 

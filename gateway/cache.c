@@ -1,5 +1,6 @@
 /* cache.c - the in-process replay cache: a chained hash on (route, key) whose entries carry the scope hash, the
- * fingerprint, the expiry and the answer as its stored blob; CLOCK eviction over a slot array; one rwlock. */
+ * fingerprint, the expiry and the answer as its stored blob; CLOCK eviction over a slot array; one rwlock. It never
+ * asks the store or the loop: fills come from the pipeline. */
 #include "gateway/cache.h"
 
 #include <microhttpd.h>

@@ -1,4 +1,5 @@
-/* conntrack.c - the connection watchdog: cuts connections that read a request or write an answer for too long. */
+/* conntrack.c - the connection watchdog: cuts connections that read a request or write an answer for too long. It only
+ * shuts sockets down: never reads or writes a byte of them. */
 #include "gateway/conntrack.h"
 
 #include <pthread.h>

@@ -1,7 +1,7 @@
 /* conntrack.h - client connections held to a deadline (slowloris, slow readers): a watchdog thread cuts every
  * connection that has been reading its request, or writing its answer, for longer than a timeout, because
  * libmicrohttpd's own connection timeout is an idle timeout that every byte resets. Used by the front and the admin
- * listener alike. */
+ * listener alike. It never reads or writes a connection. */
 #ifndef IDEMGATE_GW_CONNTRACK_H
 #define IDEMGATE_GW_CONNTRACK_H
 

@@ -4,7 +4,8 @@
  * the same thread runs the pipeline, and answers when it resumes it. No
  * request crosses a thread. The front accepts itself, on one listening socket
  * watched by every loop, and places each connection on the loop that holds
- * the fewest (MHD_add_connection), so the loops share the clients evenly. */
+ * the fewest (MHD_add_connection), so the loops share the clients evenly. It never touches the store or the upstream:
+ * the pipeline does, from the job's context. */
 #include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>

@@ -1,4 +1,5 @@
-/* idem.c - Idempotency-Key parsing (bare token or RFC 8941 sf-string) and request part hashing. */
+/* idem.c - Idempotency-Key parsing (bare token or RFC 8941 sf-string) and request part hashing. It never reads a
+ * request part itself (gateway/parts.c does) and never stores anything. */
 #include "gateway/idem.h"
 #include "gateway/jwt.h"
 

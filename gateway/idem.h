@@ -1,5 +1,6 @@
 /* idem.h - the idempotency key parser (IETF sf-string or bare token) and the
- * request fingerprint / scope hash (SHA-256 over length-prefixed parts). */
+ * request fingerprint / scope hash (SHA-256 over length-prefixed parts). It never reads a request itself: the parts
+ * come from gateway/parts.h. */
 #ifndef IDEMGATE_GW_IDEM_H
 #define IDEMGATE_GW_IDEM_H
 

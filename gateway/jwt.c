@@ -1,4 +1,5 @@
-/* jwt.c - bearer JWT verification with OpenSSL and jansson: HS256, RS256, ES256 (RFC 7515/7518/7519). */
+/* jwt.c - bearer JWT verification with OpenSSL and jansson: HS256, RS256, ES256 (RFC 7515/7518/7519). It never reads
+ * the request: the token is handed to it. */
 #include "gateway/jwt.h"
 
 #include <errno.h>

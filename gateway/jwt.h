@@ -1,5 +1,6 @@
 /* jwt.h - verification of the bearer JWT that jwt:CLAIM scope parts read (SPEC 9): HS256 with a secret from the
- * environment, RS256 and ES256 with the keys of a JWKS file; signature, exp (required), nbf, iss and aud. */
+ * environment, RS256 and ES256 with the keys of a JWKS file; signature, exp (required), nbf, iss and aud. It never
+ * reads the request: the token is handed to it. */
 #ifndef IDEMGATE_GW_JWT_H
 #define IDEMGATE_GW_JWT_H
 

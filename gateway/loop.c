@@ -1,6 +1,7 @@
 /* loop.c - the I/O thread: one libevent base driving its HTTP daemon
  * (front.c), upstream transfers, its share of the Postgres pool and Redis;
- * other threads hand it work through a locked queue woken with event_active. */
+ * other threads hand it work through a locked queue woken with event_active. It assembles the thread's context
+ * (gateway/ctx.h) and never runs a request itself. */
 #include <event2/event.h>
 #include <event2/thread.h>
 /* Under AddressSanitizer malloc is ASan's: glibc's malloc_trim would set up a glibc arena for the thread, and

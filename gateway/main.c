@@ -1,4 +1,5 @@
-/* main.c - idemgate's entry point: command line, start-up, signals, graceful drain. */
+/* main.c - idemgate's entry point: command line, start-up, signals, graceful drain. It never serves a request itself.
+ */
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>

@@ -1,5 +1,6 @@
 /* ordering.c - the ordering guard's request side: which requests it covers
- * (resource template) and their sequence (header or JSON Pointer). */
+ * (resource template) and their sequence (header or JSON Pointer). It never talks to the store: store/order.c holds the
+ * guard's statements. */
 #include "gateway/ordering.h"
 
 #include <stdlib.h>

@@ -1,5 +1,6 @@
 /* ordering.h - the ordering guard's request side (SPEC 6): resource template
- * matching and sequence parsing (a header, or a JSON Pointer into the body). */
+ * matching and sequence parsing (a header, or a JSON Pointer into the body). It never talks to the store (store/order.h
+ * does). */
 #ifndef IDEMGATE_GW_ORDERING_H
 #define IDEMGATE_GW_ORDERING_H
 

@@ -1,4 +1,5 @@
-/* owned.c - the keys this process holds in flight, shared by its loops (one mutex).
+/* owned.c - the keys this process holds in flight, shared by its loops (one mutex); it never asks
+ * the store: this process's memory only.
  *
  * SPEC 8: a lease lapses only when its owner is gone. When Postgres is down
  * or paused for longer than a lease, the owner cannot renew, and on its

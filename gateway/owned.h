@@ -1,6 +1,6 @@
 /* owned.h - the keys this process holds in flight (gateway/owned.c): a retry
  * reaching the owner's own process is in flight, whatever the record's lease
- * says. Any thread. */
+ * says. Any thread. It never asks the store. */
 #ifndef IDEMGATE_GATEWAY_OWNED_H
 #define IDEMGATE_GATEWAY_OWNED_H
 

@@ -1,7 +1,8 @@
 /* pipeline.c - the request pipeline on the loop thread: claim the key,
  * forward once, store the answer (fenced), then answer; or replay, 409, 422.
  * A job's state lives in struct gw_pipe, private to this file; its life cycle is one explicit state
- * (set_state checks every transition), and what an upstream result means is one table (gw_outcome_for). */
+ * (set_state checks every transition), and what an upstream result means is one table (gw_outcome_for). It works with
+ * the job's context (job->ctx) and never calls the front or the loop: the answer goes back through job->done_cb. */
 #include "gateway/pipeline.h"
 
 #include <event2/event.h>

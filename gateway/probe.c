@@ -1,4 +1,5 @@
-/* probe.c - unknown outcomes resolved by asking the upstream (on_unknown: probe): the look-up and the sweeper. */
+/* probe.c - unknown outcomes resolved by asking the upstream (on_unknown: probe): the look-up and the sweeper. It works
+ * with the thread's context and never calls the pipeline or the loop. */
 #include "gateway/probe.h"
 
 #include <event2/event.h>

@@ -1,4 +1,4 @@
-/* problem.c - RFC 9457 problem+json bodies and the JSON string escaper they use. */
+/* problem.c - RFC 9457 problem+json bodies and the JSON string escaper they use. It never sends anything. */
 #include "gateway/problem.h"
 
 #include <stdint.h>

@@ -1,4 +1,5 @@
-/* reload.c - the configuration handle (immutable, reference-counted) and the SIGHUP reload that swaps it. */
+/* reload.c - the configuration handle (immutable, reference-counted) and the SIGHUP reload that swaps it. It never
+ * reaches into the loops: the caller's swap function does. */
 #include "gateway/reload.h"
 
 #include <stdlib.h>

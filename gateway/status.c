@@ -1,5 +1,5 @@
 /* status.c - the admin listener's status page for a person (SPEC 10): one HTML page, no framework, that refreshes
- * itself from /status.json (counts only: never keys, scopes or bodies). */
+ * itself from /status.json (counts only: never keys, scopes or bodies). It never changes anything. */
 #include "gateway/status.h"
 
 #include <string.h>

@@ -1,4 +1,4 @@
-/* status.h - the admin status page (GET / on the admin listener). */
+/* status.h - the admin status page (GET / on the admin listener). Static text; it never reads or changes state. */
 #ifndef IDEMGATE_GW_STATUS_H
 #define IDEMGATE_GW_STATUS_H
 
