@@ -13,7 +13,7 @@ PKGS=(
     libmicrohttpd-dev libcurl4-openssl-dev libhiredis-dev libpq-dev libssl-dev libyaml-dev libevent-dev
     libcriterion-dev libjansson-dev
     postgresql-15 postgresql-client-15 redis-server redis-tools
-    curl ca-certificates clang clang-format libclang-rt-14-dev valgrind chromium
+    curl ca-certificates universal-ctags clang clang-format libclang-rt-14-dev valgrind chromium
     iproute2 procps util-linux haproxy
     debhelper dpkg-dev fakeroot man-db systemd python3-yaml
 )

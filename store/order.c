@@ -34,7 +34,7 @@ const char store_order_schema[] = "CREATE TABLE IF NOT EXISTS idemgate_order ("
 
 /* Conditions on the existing row o for the request ($4 seq, $5 token). A marker whose lease lapsed (its owner is
  * gone) counts as applied: its request may have been sent. Every lease is set and compared on Postgres's clock
- * (SPEC 8, one clock), never a gateway's: $7 is not used. */
+ * (SPEC 8, one clock), never a gateway's wall clock. */
 #define NOW_TS "now()"
 #define LAPSED "(o.inflight_token IS NOT NULL AND o.inflight_token <> $5 AND o.inflight_until < " NOW_TS ")"
 #define BUSY   "(o.inflight_token IS NOT NULL AND o.inflight_token <> $5 AND o.inflight_until >= " NOW_TS ")"
@@ -69,7 +69,8 @@ const char store_order_schema[] = "CREATE TABLE IF NOT EXISTS idemgate_order ("
     " inflight_key = CASE WHEN " OK " THEN $10 WHEN " LAPSED " THEN NULL ELSE o.inflight_key END,"                     \
     " inflight_token = CASE WHEN " OK " THEN $5 WHEN " LAPSED " THEN NULL ELSE o.inflight_token END"
 
-/* $1 route, $2 scope, $3 resource, $4 seq, $5 token, $6 lease ms, $7 unused, $8 on_gap (0 accept), $9 may wait,
+/* $1 route, $2 scope, $3 resource, $4 seq, $5 token, $6 lease ms, $7 Postgres's clock as this process reads it (ms
+ * since the epoch, store_clock_ms: only the Citus variant's wait hint uses it), $8 on_gap (0 accept), $9 may wait,
  * $10 the key whose claim a final refusal deletes (NULL: none). The upsert always updates, so that it works on
  * the newest row version under its lock; its RETURNING shows the state after this request's decision. */
 /* clang-format off */
@@ -91,8 +92,16 @@ static const char sql_acquire[] =
  * acquire is the upsert alone (its RETURNING computes what the CTE's SELECT does, g being the row it left) and,
  * with a key, a companion DELETE sent before the same Sync (store/pg.h then_sql): one transaction, which Citus
  * commits on both workers together. The companion reads the row the upsert left (same transaction, the row still
- * locked by it) through a subquery on its primary key, so it decides exactly as the CTE's d does. */
+ * locked by it) through a subquery on its primary key, so it decides exactly as the CTE's d does. Citus refuses a
+ * function that is not IMMUTABLE in an INSERT's DO UPDATE SET or RETURNING (now() included): there the acquire's
+ * "now" is $7, Postgres's clock as this process reads it (store_clock_ms: its monotonic clock plus the offset to
+ * Postgres's clock it measures every 10 s), so gateways whose wall clocks are minutes apart still agree; before the
+ * first reading it is the wall clock. NOW_TS and UNTIL are redefined around this statement only. */
 #define G_STALE_O STALE("o", "$10")
+#undef NOW_TS
+#undef UNTIL
+#define NOW_TS "to_timestamp($7 / 1000.0)"
+#define UNTIL  "to_timestamp(($7 + $6) / 1000.0)" /* timestamptz + interval is not IMMUTABLE */
 /* clang-format off */
 static const char sql_acquire_citus[] =
     UPSERT_ACQUIRE
@@ -104,6 +113,10 @@ static const char sql_acquire_citus_key[] =
     " AND g.resource = $3 AND g.inflight_token IS DISTINCT FROM $5"
     " AND " FINAL_REFUSAL ")";
 /* clang-format on */
+#undef NOW_TS
+#undef UNTIL
+#define NOW_TS "now()"
+#define UNTIL  "(now() + $6 * interval '1 ms')"
 
 /* Completed: applied = max(applied, seq). Unknown outcome: the same, and its key is remembered, so that a retry
  * under that key (on_unknown: retry) is not stale; a completed one is replayed or, past retention, stale. */
@@ -202,12 +215,15 @@ struct store_order {
     struct event_base *base;
     struct store_pg *pg;
     size_t stmt_base;
+    uint64_t (*pg_clock_ms)(void); /* Postgres's clock as this process reads it: the Citus acquire's wait hint */
     struct oop *ops;
 };
 
-struct store_order *store_order_create(struct event_base *base, struct store_pg *pg, size_t stmt_base)
+struct store_order *store_order_create(struct event_base *base, struct store_pg *pg, size_t stmt_base,
+                                       uint64_t (*pg_clock_ms)(void))
 {
     struct store_order *o = cm_calloc(1, sizeof *o);
+    o->pg_clock_ms = pg_clock_ms;
     o->base = base;
     o->pg = pg;
     o->stmt_base = stmt_base;
@@ -303,7 +319,8 @@ void store_order_acquire(struct store_order *o, const struct store_order_req *re
     p->seq = req->seq;
     p->acb = cb;
     p->arg = arg;
-    char seq[24], tok[24], lease[24], gap[4];
+    char seq[24], tok[24], lease[24], gap[4], pgnow[24];
+    snprintf(pgnow, sizeof pgnow, "%llu", (unsigned long long)o->pg_clock_ms());
     snprintf(seq, sizeof seq, "%lld", (long long)req->seq);
     snprintf(tok, sizeof tok, "%lld", (long long)req->token);
     snprintf(lease, sizeof lease, "%llu", (unsigned long long)req->lease_ms);
@@ -316,7 +333,7 @@ void store_order_acquire(struct store_order *o, const struct store_order_req *re
         {seq, strlen(seq), false},
         {tok, strlen(tok), false},
         {lease, strlen(lease), false},
-        {"0", 1, false},
+        {pgnow, strlen(pgnow), false},
         {gap, strlen(gap), false},
         {req->may_wait ? "t" : "f", 1, false},
         {key, key ? strlen(key) : 0, false},

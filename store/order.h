@@ -24,7 +24,10 @@ const struct store_pg_stmt *store_order_stmts(bool citus);
 extern const char store_order_schema[];
 struct store_order;
 /* stmt_base: the pool's index of store_order_stmts[0]. Never fails. */
-struct store_order *store_order_create(struct event_base *base, struct store_pg *pg, size_t stmt_base);
+/* pg_clock_ms: Postgres's clock as this process reads it (ms since the epoch), given by the caller (store.c's
+ * store_clock_ms) so that this module never calls up into the store. */
+struct store_order *store_order_create(struct event_base *base, struct store_pg *pg, size_t stmt_base,
+                                       uint64_t (*pg_clock_ms)(void));
 /* Drops pending operations without callbacks; NULL is a no-op. */
 void store_order_destroy(struct store_order *o);
 

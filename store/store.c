@@ -2062,7 +2062,7 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
     s->pg_opts.stmts = s->all_stmts;
     s->pg_opts.nstmts = S__COUNT + STORE_ORDER_NSTMTS;
     s->pg = store_pg_create(base, &s->pg_opts);
-    s->order = store_order_create(base, s->pg, S__COUNT);
+    s->order = store_order_create(base, s->pg, S__COUNT, store_clock_ms);
     store_pg_on_up(s->pg, store_pg_back, s);
     s->clean_timer = evtimer_new(base, clean_timer_cb, s);
     s->doubt_timer = evtimer_new(base, doubt_timer_cb, s);
