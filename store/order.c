@@ -326,6 +326,7 @@ void store_order_acquire(struct store_order *o, const struct store_order_req *re
     snprintf(lease, sizeof lease, "%llu", (unsigned long long)req->lease_ms);
     snprintf(gap, sizeof gap, "%d", (int)req->on_gap);
     char *key = req->key ? cm_strndup(req->key, req->key_len) : NULL;
+    /* clang-format off */
     struct store_pg_param params[10] = {
         {p->route, strlen(p->route), false},
         {p->scope, 32, true},
@@ -338,6 +339,7 @@ void store_order_acquire(struct store_order *o, const struct store_order_req *re
         {req->may_wait ? "t" : "f", 1, false},
         {key, key ? strlen(key) : 0, false},
     };
+    /* clang-format on */
     store_pg_query(o->pg, o->stmt_base + (key ? O_ACQUIRE : O_ACQUIRE_KEYLESS), params, 10, 0, acquire_cb, p);
     free(key); /* the pool copied the parameters */
 }
