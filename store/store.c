@@ -269,6 +269,14 @@ static const char sql_epoch_bump[] =
     "WITH e AS (UPDATE idemgate_epoch SET epoch = epoch + 1 WHERE id = 1 RETURNING epoch)"
     " SELECT e.epoch::text FROM e, (SELECT pg_notify('" STORE_NOTIFY_EPOCH_CHANNEL "', epoch::text) FROM e) AS n";
 
+/* Citus routes the purge (and runs the release) on the worker that holds the key's shard, and a notification sent
+ * there reaches no gateway: they listen on the coordinator. There the bump, on the coordinator's own table, tells
+ * the replay caches too ($1 route, $2 key), before the answer. (Plain Postgres: unused; the deletion notified.) */
+static const char sql_epoch_bump_citus[] =
+    "WITH e AS (UPDATE idemgate_epoch SET epoch = epoch + 1 WHERE id = 1 RETURNING epoch)"
+    " SELECT e.epoch::text FROM e, (SELECT pg_notify('" STORE_NOTIFY_EPOCH_CHANNEL "', epoch::text) FROM e) AS n,"
+    " (" SQL_NOTIFY_CACHE ") AS c";
+
 /* A TID scan over at most 1000 rows found through the expires_at index. */
 static const char sql_clean[] = "DELETE FROM idemgate_keys WHERE ctid = ANY (ARRAY(SELECT ctid FROM idemgate_keys"
                                 " WHERE expires_at < now() AND lease_until < now() AND state = 'completed' LIMIT 1000))"
@@ -347,7 +355,7 @@ static const struct store_pg_stmt stmts[S__COUNT] = {
                  NULL},
     [S_PROBE_TAKE] = {"idg_probe_take", sql_probe_take, 6, probe_take_types, 3, NULL, NULL, NULL},
     [S_PROBE_LIST] = {"idg_probe_list", sql_probe_list, 2, probe_list_types, 0, NULL, NULL, NULL},
-    [S_EPOCH_BUMP] = {"idg_epoch_bump", sql_epoch_bump, 0, NULL, 0, NULL, NULL, NULL},
+    [S_EPOCH_BUMP] = {"idg_epoch_bump", sql_epoch_bump, 2, admin_types, 0, NULL, NULL, NULL},
 };
 
 /* ---- the store */
@@ -1702,7 +1710,8 @@ static void admin_finish(struct admin_op *a, int status, char *json)
         a->bump = false;
         a->status = status;
         a->json = json;
-        store_pg_query(a->h.s->pg, S_EPOCH_BUMP, NULL, 0, 0, admin_bumped_cb, a);
+        struct store_pg_param p[2] = {{a->route, strlen(a->route), true}, {a->key, a->key_len, true}};
+        store_pg_query(a->h.s->pg, S_EPOCH_BUMP, p, 2, 0, admin_bumped_cb, a);
         return;
     }
     admin_answer(a, status, json);
@@ -2057,6 +2066,7 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
         a[S_ADMIN_RELEASE].sql = sql_admin_release_citus;
         a[S_ADMIN_RELEASE].then_sql = sql_admin_release_citus_left;
         a[S_CLEAN].sql = sql_clean_citus;
+        a[S_EPOCH_BUMP].sql = sql_epoch_bump_citus;
     }
     memcpy(s->all_stmts + S__COUNT, store_order_stmts(citus), STORE_ORDER_NSTMTS * sizeof(struct store_pg_stmt));
     s->pg_opts.stmts = s->all_stmts;
