@@ -372,6 +372,9 @@ Test(paused, the_probe_waits_for_the_original_to_be_over)
     cr_assert_eq(e2e_upstream_wait_count(up, NULL, 1, 3000), 1, "the original did not reach the upstream");
     uint64_t t0 = e2e_now_ms();
     cr_assert_eq(kill(a->proc.pid, SIGKILL), 0);
+    /* reaped here, so that the teardown knows it died on purpose (under ASan a gateway that did not exit 0 at the
+     * end fails the test) */
+    cr_assert(e2e_proc_wait(&a->proc, 5000), "the gateway survived SIGKILL");
     struct e2e_resp r;
     e2e_http_join(orig, &r);
     e2e_resp_free(&r);
