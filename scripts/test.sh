@@ -51,6 +51,7 @@ done
 TOTAL_PASS=0
 TOTAL_FAIL=0
 STAGES=()
+FAILS=()
 TMP=
 SVC=
 CITUS_SVC=
@@ -58,12 +59,17 @@ NSVC=0
 EXTRA_PID=
 
 log() { printf '\n==== %s\n' "$*"; }
-record() { # name passed failed note
-    STAGES+=("$(printf '%-22s %4s passed %4s failed  %s' "$1" "$2" "$3" "${4:-}")")
+LAST_RECORD_S=$SECONDS
+record() { # name passed failed note; each line also says the seconds since the previous record (its build included)
+    STAGES+=("$(printf '%-22s %4s passed %4s failed %5ss  %s' "$1" "$2" "$3" $((SECONDS - LAST_RECORD_S)) "${4:-}")")
+    LAST_RECORD_S=$SECONDS
     TOTAL_PASS=$((TOTAL_PASS + $2))
     TOTAL_FAIL=$((TOTAL_FAIL + $3))
 }
-record_note() { STAGES+=("$(printf '%-22s %s' "$1" "$2")"); }
+record_note() {
+    STAGES+=("$(printf '%-22s %s' "$1" "$2")")
+    LAST_RECORD_S=$SECONDS
+}
 
 services_stop() {
     if [ -n "$SVC" ]; then
@@ -134,6 +140,11 @@ meson_stage() {
         fail=$(grep -oE '"result": *"(FAIL|TIMEOUT|ERROR|UNEXPECTEDPASS)"' "$dir/meson-logs/testlog.json" | wc -l)
         skip=$(grep -oE '"result": *"SKIP"' "$dir/meson-logs/testlog.json" | wc -l)
     fi
+    if [ "$fail" != 0 ]; then
+        FAILS+=("---- $name: failed tests:")
+        while IFS= read -r line; do FAILS+=("$line"); done < <(grep -E '"result": *"(FAIL|TIMEOUT|ERROR|UNEXPECTEDPASS)"' \
+            "$dir/meson-logs/testlog.json" | grep -oE '"name": *"[^"]*"|\[FAIL\][^"\\]*' | head -n 40)
+    fi
     if [ "$rc" != 0 ] && [ "$fail" = 0 ]; then
         record "$name" "$pass" 1 "(meson test exited $rc)"
     elif [ $((pass + fail)) = 0 ]; then
@@ -176,6 +187,11 @@ extra_stage() {
     wait "$EXTRA_PID"
     rc=$?
     EXTRA_PID=
+    # A failed stage's telling lines are printed again after the results, so a log cut to its tail still shows them.
+    if [ "$rc" != 0 ]; then
+        FAILS+=("---- $name (exit $rc):")
+        while IFS= read -r line; do FAILS+=("$line"); done < <(grep -E 'FAIL|CRASH|ERROR|SUMMARY|panic|Assertion|==[0-9]+==' "$out" | tail -n 25)
+    fi
     line=$(grep -E '^([A-Za-z]+: )?[0-9]+ passed, [0-9]+ failed' "$out" | tail -n 1)
     if [ -n "$line" ]; then
         p=$(sed -E 's/^([A-Za-z]+: )?([0-9]+) passed.*/\2/' <<<"$line")
@@ -276,5 +292,9 @@ fi
 cleanup
 printf '\n==== results (%ss)\n' $((SECONDS - start_s))
 printf '%s\n' "${STAGES[@]}"
+if [ ${#FAILS[@]} -gt 0 ]; then
+    printf '\n==== what the failed stages said\n'
+    printf '%s\n' "${FAILS[@]}"
+fi
 echo "$TOTAL_PASS passed, $TOTAL_FAIL failed"
 [ "$TOTAL_FAIL" = 0 ]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang (ASan + UBSan), replays tests/fuzz/regress/<target>/, then fuzzes each
 # target for SECONDS (default 20) from tests/fuzz/corpus/<target>/. Exits non-zero when any target crashes.
+# FUZZ_KEEP=1 keeps the built targets (their directory is printed) to fuzz one longer by hand.
 # Usage: tests/fuzz/run.sh [SECONDS]   (crash inputs are kept in $FUZZ_ARTIFACTS, default /tmp/idemgate-fuzz-artifacts)
 set -u
 
@@ -16,7 +17,8 @@ FUZZ="$ROOT/tests/fuzz"
 ARTIFACTS=${FUZZ_ARTIFACTS:-/tmp/idemgate-fuzz-artifacts}
 CC=${CC_FUZZ:-clang}
 WORK=$(mktemp -d /tmp/idemgate-fuzz.XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
+[ -n "${FUZZ_KEEP:-}" ] && echo "fuzz: targets built in $WORK (kept)"
+trap '[ -n "${FUZZ_KEEP:-}" ] || rm -rf "$WORK"' EXIT
 
 CFLAGS=(-std=gnu11 -g -O1 -D_GNU_SOURCE -fno-omit-frame-pointer
     -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -I"$ROOT")
