@@ -857,3 +857,17 @@ uint64_t cm_wall_ms(void)
     clock_gettime(CLOCK_REALTIME, &ts);
     return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
 }
+
+bool cm_imf_fixdate(uint64_t unix_s, char out[CM_IMF_FIXDATE_LEN + 1])
+{
+    static const char days[7][4] = {"Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"};
+    static const char months[12][4] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
+                                       "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
+    struct tm tm;
+    time_t t = (time_t)unix_s;
+    if ((uint64_t)t != unix_s || gmtime_r(&t, &tm) == NULL || tm.tm_year + 1900 > 9999)
+        return false;
+    int n = snprintf(out, CM_IMF_FIXDATE_LEN + 1, "%s, %02d %s %04d %02d:%02d:%02d GMT", days[tm.tm_wday], tm.tm_mday,
+                     months[tm.tm_mon], tm.tm_year + 1900, tm.tm_hour, tm.tm_min, tm.tm_sec);
+    return n == CM_IMF_FIXDATE_LEN;
+}

@@ -154,5 +154,9 @@ bool cm_overdue(uint64_t since_ms, uint64_t now_ms, uint64_t limit_ms);
 /* 1 to max_digits (at most 19) ASCII decimal digits, nothing else, into *out. */
 bool cm_parse_digits(const char *s, size_t n, size_t max_digits, uint64_t *out);
 uint64_t cm_wall_ms(void); /* unix epoch */
+/* RFC 9110 5.6.7 IMF-fixdate of unix_s ("Sun, 06 Nov 1994 08:49:37 GMT", C locale names) into out. false (out
+ * undefined) for a time gmtime cannot give or past year 9999. */
+#define CM_IMF_FIXDATE_LEN 29
+bool cm_imf_fixdate(uint64_t unix_s, char out[CM_IMF_FIXDATE_LEN + 1]);
 
 #endif

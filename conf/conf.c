@@ -191,6 +191,7 @@ static void probe_free(struct conf_probe *p);
 static void idem_free(struct conf_idem *d)
 {
     free(d->header);
+    free(d->forward_token);
     parts_free(d->scope, d->scope_n);
     parts_free(d->fingerprint, d->fingerprint_n);
     free(d->release_statuses);
@@ -2052,6 +2053,24 @@ static const struct field idem_fields[] = {
              SUB(probe_fields, offsetof(struct conf_idem, probe)),
              .doc = "How the gateway asks the upstream whether a request with an unknown outcome executed. "
                     "Required with `on_unknown: probe`, refused otherwise."),
+    FIELD_FN("forward_token", struct conf_idem, forward_token, fn_key_header, false, .what = "header name",
+             .show = show_str, .allowed = "an HTTP token, not the key header",
+             .doc = "Every forwarded attempt carries its claim's fence in this request header: a decimal number "
+                    "that is higher for every later claim of the same key (a takeover after a lapsed lease), so an "
+                    "upstream can refuse a write from a stale owner. A client's own header of that name is "
+                    "never passed on.",
+             .example = "Idempotency-Fence"),
+    FIELD("advertise_expiry", F_BOOL, struct conf_idem, advertise_expiry, 0, 0, .def = "false",
+          .doc = "Answers that are stored (the first answer and every replay of it) carry `Idempotency-Expires: "
+                 "<IMF-fixdate>`, when the key stops being replayed: the completion plus `retention`, rounded "
+                 "down to the second. The header is stored with the answer, so every replay repeats it.",
+          .example = "true"),
+    FIELD("prefer_wait_max", F_DUR, struct conf_idem, prefer_wait_max_ms, 0, DURATION_MAX, .def = "0s",
+          .doc = "A client's `Prefer: wait=N` (RFC 7240) on a retry that finds the first request in flight waits "
+                 "up to the smaller of N seconds and this for its answer, then replays it (or 409 as "
+                 "`on_in_flight: conflict`), with `Preference-Applied: wait=M`; it replaces `on_in_flight` and "
+                 "`wait` for that request. `0s`: `Prefer` is ignored.",
+          .example = "10s"),
     FIELD_ENUM("mode", struct conf_idem, mode, idem_modes, .def = "enforce",
                .doc = "`enforce`: deduplicate. `shadow`: forward every request and pass every answer on "
                       "unchanged, while counting what enforce would have done "
@@ -2065,6 +2084,14 @@ static bool fn_idem(struct ctx *x, yaml_node_t *n, void *target)
     size_t line = x->key_line ? x->key_line : node_line(n);
     if (!parse_map(x, n, idem_fields, NFIELDS(idem_fields), target))
         return false;
+    if (d->forward_token &&
+        (strcasecmp(d->forward_token, d->header) == 0 || cm_is_hop_by_hop(d->forward_token) ||
+         strcasecmp(d->forward_token, "Host") == 0 || strcasecmp(d->forward_token, "Content-Length") == 0)) {
+        path_push(x, ".forward_token");
+        return fail_line(x, line,
+                         "forward_token cannot be the key header, Host, Content-Length or a hop-by-hop "
+                         "header");
+    }
     if (d->on_unknown == CONF_UNKNOWN_PROBE && !d->probe.enabled) {
         path_push(x, ".probe");
         return fail_line(x, line, "on_unknown: probe needs a probe: block (method, path, found, absent)");
@@ -2097,6 +2124,9 @@ static void idem_defaults(struct conf_idem *d)
     d->max_body = MIB;
     d->forward_key = true;
     d->max_response = 8 * MIB;
+    d->forward_token = NULL;
+    d->advertise_expiry = false;
+    d->prefer_wait_max_ms = 0;
     probe_defaults(&d->probe);
     d->mode = CONF_MODE_ENFORCE;
 }
@@ -2892,7 +2922,8 @@ static bool route_policy_same(const struct conf_route *a, const struct conf_rout
            x->retention_ms == y->retention_ms && x->lease_ms == y->lease_ms && x->on_in_flight == y->on_in_flight &&
            x->wait_ms == y->wait_ms && x->on_unknown == y->on_unknown && x->max_body == y->max_body &&
            x->forward_key == y->forward_key && x->max_response == y->max_response &&
-           x->release_statuses_n == y->release_statuses_n &&
+           str_same(x->forward_token, y->forward_token) && x->advertise_expiry == y->advertise_expiry &&
+           x->prefer_wait_max_ms == y->prefer_wait_max_ms && x->release_statuses_n == y->release_statuses_n &&
            (x->release_statuses_n == 0 ||
             memcmp(x->release_statuses, y->release_statuses, x->release_statuses_n * sizeof(int)) == 0) &&
            x->probe.enabled == y->probe.enabled && str_same(x->probe.path, y->probe.path) &&

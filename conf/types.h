@@ -116,11 +116,14 @@ struct conf_idem {
     enum conf_on_unknown on_unknown;  /* default reject */
     int *release_statuses;            /* default none */
     size_t release_statuses_n;
-    uint64_t max_body;        /* default 1MiB; applies to every request of the route */
-    bool forward_key;         /* default true */
-    uint64_t max_response;    /* default 8MiB: largest stored/replayed response */
-    struct conf_probe probe;  /* with on_unknown: probe */
-    enum conf_idem_mode mode; /* default enforce */
+    uint64_t max_body;           /* default 1MiB; applies to every request of the route */
+    bool forward_key;            /* default true */
+    uint64_t max_response;       /* default 8MiB: largest stored/replayed response */
+    struct conf_probe probe;     /* with on_unknown: probe */
+    enum conf_idem_mode mode;    /* default enforce */
+    char *forward_token;         /* header carrying the claim's fence upstream (SPEC 12); NULL: none (default) */
+    bool advertise_expiry;       /* default false: Idempotency-Expires on stored answers (SPEC 12) */
+    uint64_t prefer_wait_max_ms; /* default 0: a client's Prefer: wait is not honoured (SPEC 12) */
 };
 
 /* How the gateway's own error answers on a route are written (SPEC 9, errors:). */

@@ -23,6 +23,7 @@
 
 #include "common/uri.h"
 #include "gateway/answer.h"
+#include "gateway/hints.h"
 #include "gateway/conntrack.h"
 #include "gateway/front.h"
 #include "gateway/gateway.h"
@@ -569,6 +570,8 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     cm_hdrs_remove(fh, "Expect");
     if (job->route && !job->route->idem.forward_key && job->route->idem.header)
         cm_hdrs_remove(fh, job->route->idem.header);
+    if (job->route && job->route->idem.forward_token) /* only the gateway sets the fence (pipeline.c) */
+        cm_hdrs_remove(fh, job->route->idem.forward_token);
 
     /* the client's X-Forwarded-Proto/-Host and Forwarded are never passed on: the upstream trusts these */
     drop_forwarding_headers(fh, false); /* no peer is a trusted proxy (SPEC 11 trusted_proxies: not yet) */
@@ -892,6 +895,14 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         } else {
             job->idempotent = true;
         }
+    }
+    if (job->idempotent && !job->shadow && route->idem.prefer_wait_max_ms &&
+        gw_prefer_wait(&r->in_hdrs, &job->prefer_wait_s)) {
+        uint64_t cap = route->idem.prefer_wait_max_ms; /* SPEC 12: min(N, prefer_wait_max), in whole seconds */
+        job->prefer_wait = true;
+        job->prefer_wait_ms = job->prefer_wait_s * 1000 < cap ? job->prefer_wait_s * 1000 : cap;
+        job->prefer_wait_s = job->prefer_wait_ms / 1000;
+        job->prefer_wait_ms = job->prefer_wait_s * 1000;
     }
     if (!order_headers(r, route)) {
         if (!shadow)

@@ -38,6 +38,12 @@ struct gw_job {
     uint8_t scope[32];
     uint8_t fp[32];
     bool cache_asked; /* the front looked the record up in the replay cache (a miss): the claim does not again */
+    /* a client's Prefer: wait the route honours (prefer_wait_max; gateway/hints.h): it waits up to prefer_wait_ms
+     * for an in-flight first attempt instead of on_in_flight, and says so with Preference-Applied: wait=prefer_wait_s
+     */
+    bool prefer_wait;
+    uint64_t prefer_wait_ms;
+    uint64_t prefer_wait_s;
     /* on_unknown: probe on a scoped route: the scope's request parts its look-up carries (gw_scope_probe_headers) */
     struct cm_hdrs probe_hdrs;
     /* ordering guard (SPEC 6; gateway/ordering.h): parsed by the front */

@@ -6,6 +6,7 @@
 #include "gateway/pipeline.h"
 
 #include <event2/event.h>
+#include <inttypes.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +15,7 @@
 #include "gateway/cache.h"
 #include "gateway/gateway.h"
 #include "gateway/ctx.h"
+#include "gateway/hints.h"
 #include "gateway/owned.h"
 #include "gateway/probe.h"
 #include "gateway/problem.h"
@@ -33,7 +35,9 @@ struct gw_pipe {
     enum cm_outcome outcome; /* the answer's outcome, kept while the record or the marker is settled */
     enum gw_effect effect;   /* what the request did upstream: how the guard settles the resource */
     uint64_t token;          /* fences the key's record */
+    uint64_t fence;          /* the claim's fence, sent upstream with forward_token (store_claim_res.fence) */
     uint64_t wait_deadline_ms;
+    bool prefer_waited; /* it waited for the first attempt because the client's Prefer: wait asked (job->prefer_wait) */
     uint64_t wait_backoff_ms;
     struct event *timer;       /* wait backoff */
     struct event *renew_timer; /* lease renewal */
@@ -352,6 +356,11 @@ static void finish(struct gw_job *job, enum cm_outcome outcome)
         p->order_ticket->job = NULL;
         p->order_ticket = NULL;
     }
+    if (p->prefer_waited) { /* RFC 7240: the wait it allowed */
+        char v[32];
+        snprintf(v, sizeof v, "wait=%" PRIu64, job->prefer_wait_s);
+        cm_hdrs_add(&job->resp_hdrs, "Preference-Applied", v);
+    }
     cm_metric_request(job->route_index, outcome);
     gw_ctx_job_remove(job->ctx, &p->link);
     set_state(job, GW_PIPE_DONE);
@@ -449,6 +458,8 @@ static void settle_upstream(struct gw_job *job, const struct gw_outcome *o, stru
         p->up_resp = *resp;
         cm_hdrs_init(&resp->hdrs);
         cm_buf_init(&resp->body, 0);
+        if (im->advertise_expiry && !job->shadow) /* stored with the answer: every replay repeats it */
+            gw_expiry_advertise(&p->up_resp, cm_wall_ms(), im->retention_ms);
         p->cache_epoch = gw_cache_before_store(job);
         store_complete(st, &id, p->token, &p->up_resp, im->retention_ms, im->lease_ms, completed, job);
         return;
@@ -520,9 +531,17 @@ static void forward(struct gw_job *job, bool idempotent)
         settle_upstream(job, gw_outcome_for(idempotent, false, UP_CONNECT_FAILED, false), NULL, NULL);
 }
 
-/* The key is ours (and the resource's marker, when guarded): send it. */
+/* The key is ours (and the resource's marker, when guarded): send it, with its fence when the route forwards it
+ * (the front removed the client's own header of that name). */
 static void forward_claimed(struct gw_job *job)
 {
+    const char *fence_hdr = job->route->idem.forward_token;
+    if (fence_hdr) {
+        char v[24];
+        snprintf(v, sizeof v, "%" PRIu64, job->pipe->fence);
+        cm_hdrs_remove(&job->fwd_hdrs, fence_hdr);
+        cm_hdrs_add(&job->fwd_hdrs, fence_hdr, v);
+    }
     forward(job, true);
 }
 
@@ -595,13 +614,14 @@ static void wait_tick(evutil_socket_t fd, short what, void *arg)
 }
 
 /* The key is this request's under token: renew its lease until settled, forward once, store what comes back. */
-static void forward_owned(struct gw_job *job, uint64_t token)
+static void forward_owned(struct gw_job *job, uint64_t token, uint64_t fence)
 {
     struct gw_pipe *p = job->pipe;
     p->key_until_ms = lease_end(p->claim_sent_ms, job->route->idem.lease_ms);
     p->bounded = !job->shadow; /* shadow forwards everything: the store never stops its requests */
     send_bound_update(job);
     job->pipe->token = token;
+    job->pipe->fence = fence;
     job->pipe->renew_timer = renew_every_third(job, renew_tick);
     if (job->ordered && job->shadow)
         shadow_guard(job); /* read, never taken: shadow forwards everything */
@@ -628,7 +648,7 @@ static void shadow_claimed(void *arg, struct store_claim_res *res)
     case STORE_NEW:
         if (!job->ordered) /* a guarded one is new or stale: shadow_guarded counts it */
             cm_metric_shadow_decision(job->route_index, CM_SHADOW_NEW);
-        forward_owned(job, res->token); /* recorded, so that a later retry can be classified */
+        forward_owned(job, res->token, res->fence); /* recorded, so that a later retry can be classified */
         return;
     case STORE_REPLAY:
         d = CM_SHADOW_REPLAY;
@@ -766,11 +786,13 @@ static void in_flight(struct gw_job *job, uint64_t lease_remaining_ms)
 {
     struct gw_pipe *p = job->pipe;
     const struct conf_idem *im = &job->route->idem;
-    if (im->on_in_flight == CONF_IN_FLIGHT_WAIT) {
+    /* a client's Prefer: wait the route honours replaces on_in_flight for this request (SPEC 12) */
+    if (job->prefer_wait ? job->prefer_wait_ms > 0 : im->on_in_flight == CONF_IN_FLIGHT_WAIT) {
         uint64_t now = cm_now_ms();
         if (!p->wait_deadline_ms) {
-            p->wait_deadline_ms = now + im->wait_ms;
+            p->wait_deadline_ms = now + (job->prefer_wait ? job->prefer_wait_ms : im->wait_ms);
             p->wait_backoff_ms = WAIT_BACKOFF_FIRST_MS;
+            p->prefer_waited = job->prefer_wait;
         }
         if (now < p->wait_deadline_ms) {
             uint64_t d = backoff_next(&p->wait_backoff_ms, now, p->wait_deadline_ms, WAIT_BACKOFF_MAX_MS);
@@ -818,7 +840,7 @@ static void claimed(void *arg, struct store_claim_res *res)
     case STORE_NEW: {
         struct store_id id = job_id(job);
         p->owned = gw_owned_take(&id, job->fp) == GW_OWNED_TAKEN; /* held here until the job ends */
-        forward_owned(job, res->token);
+        forward_owned(job, res->token, res->fence);
         return;
     }
     case STORE_REPLAY: /* the replay point: the stored answer, byte for byte */

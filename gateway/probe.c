@@ -8,6 +8,7 @@
 
 #include "common/metrics.h"
 #include "gateway/ctx.h"
+#include "gateway/hints.h"
 #include "gateway/reload.h"
 #include "store/store.h"
 #include "upstream/upstream.h"
@@ -190,6 +191,8 @@ static void looked_up(void *arg, enum up_result ur, struct cm_resp *resp, const 
         /* SPEC 9: the look-up's cookies belong to the gateway's look-up session, never to a client */
         cm_hdrs_remove(&r->resp.hdrs, "Set-Cookie");
         cm_hdrs_remove(&r->resp.hdrs, "Set-Cookie2");
+        if (r->route->idem.advertise_expiry) /* a found answer is the record's answer: replays advertise its end */
+            gw_expiry_advertise(&r->resp, cm_wall_ms(), r->route->idem.retention_ms);
         store_complete(st, &id, r->token, &r->resp, r->route->idem.retention_ms, r->route->idem.lease_ms, found_stored,
                        r);
         return;

@@ -120,14 +120,15 @@ static const char sql_claim[] =
     " token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,"
     " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL"
     " WHERE " TAKEABLE("k.")
-    " RETURNING k.token)"
-    " SELECT 'new'::text, token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true FROM ins"
+    " RETURNING k.token, k.created_at)"
+    " SELECT 'new'::text, token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true, created_at"
+    " FROM ins"
     " UNION ALL"
     " SELECT state, token, fingerprint, status, response,"
     " greatest(0, ceil(extract(epoch FROM lease_until - now()) * 1000))::int8,"
     " greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::int8,"
     " " TAKEABLE("") ","
-    " lease_until >= now()"
+    " lease_until >= now(), created_at"
     " FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)";
 /* clang-format on */
 
@@ -150,16 +151,16 @@ static const char sql_claim_multi[] =
     " WHERE (k.state = 'completed' AND k.expires_at < now() AND k.lease_until < now()) OR ((SELECT u.takeover FROM u WHERE u.route = k.route"
     " AND u.scope = k.scope AND u.key = k.key) AND k.state IN ('in_flight', 'unknown') AND k.lease_until < now()"
     " AND k.fingerprint = EXCLUDED.fingerprint)"
-    " RETURNING k.route, k.scope, k.key, k.token)"
-    " SELECT u.n, 'new'::text, ins.token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true"
-    " FROM u JOIN ins ON ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key"
+    " RETURNING k.route, k.scope, k.key, k.token, k.created_at)"
+    " SELECT u.n, 'new'::text, ins.token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true,"
+    " ins.created_at FROM u JOIN ins ON ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key"
     " UNION ALL"
     " SELECT u.n, t.state, t.token, t.fingerprint, t.status, t.response,"
     " greatest(0, ceil(extract(epoch FROM t.lease_until - now()) * 1000))::int8,"
     " greatest(0, floor(extract(epoch FROM t.expires_at - now()) * 1000))::int8,"
     " (t.state = 'completed' AND t.expires_at < now() AND t.lease_until < now()) OR (u.takeover AND t.state IN ('in_flight', 'unknown')"
     " AND t.lease_until < now() AND t.fingerprint = u.fp),"
-    " t.lease_until >= now()"
+    " t.lease_until >= now(), t.created_at"
     " FROM u JOIN idemgate_keys t ON t.route = u.route AND t.scope = u.scope AND t.key = u.key"
     " WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key)";
 /* clang-format on */
@@ -189,13 +190,14 @@ static const char sql_claim_citus[] =
     " token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,"
     " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL"
     " WHERE " TAKEABLE_AT("k.", "EXCLUDED.created_at")
-    " RETURNING 'new'::text, k.token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true";
+    " RETURNING 'new'::text, k.token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true,"
+    " k.created_at";
 static const char sql_claim_citus_read[] =
     "SELECT state, token, fingerprint, status, response,"
     " greatest(0, ceil(extract(epoch FROM lease_until - now()) * 1000))::int8,"
     " greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::int8,"
     " " TAKEABLE("") ","
-    " lease_until >= now()"
+    " lease_until >= now(), created_at"
     " FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3";
 /* clang-format on */
 
@@ -933,6 +935,8 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
     if (STATE_IS("new") || (STATE_IS("in_flight") && token == c->token)) {
         res.verdict = STORE_NEW;
         res.token = token;
+        /* the claim's created_at (binary timestamptz: microseconds since 2000-01-01), set by every claim */
+        res.fence = PQnfields(pr) >= 10 ? (uint64_t)store_pg_get_i64(pr, 0, 9) : 0;
         claim_pg_settled(c, &res, NULL, 0);
         return;
     }

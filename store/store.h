@@ -97,6 +97,8 @@ const char *store_verdict_name(enum store_verdict v);
 struct store_claim_res {
     enum store_verdict verdict;
     uint64_t token;              /* STORE_NEW: the fencing token */
+    uint64_t fence;              /* STORE_NEW: the claim's time in Postgres (us since 2000): higher for every later
+                                  * claim of the key, as a lease lapses only after its claim (forward_token) */
     uint64_t lease_remaining_ms; /* STORE_IN_FLIGHT: time left on the lease */
     struct cm_resp resp;         /* STORE_REPLAY: the stored answer (callee may move it out) */
     bool from_redis;             /* answered by the Redis filter without Postgres */
