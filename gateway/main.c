@@ -18,6 +18,7 @@
 #include "gateway/admin.h"
 #include "gateway/front.h"
 #include "gateway/loop.h"
+#include "gateway/reconcile.h"
 #include "gateway/reload.h"
 #include "store/store.h"
 
@@ -32,6 +33,8 @@ static void usage(FILE *out)
                  "       idemgate --check -c FILE  validate the configuration, print what is wrong, exit 0/1\n"
                  "       idemgate --version\n"
                  "       idemgate --print-reference  every configuration key as Markdown (docs/configuration.md)\n"
+                 "       idemgate reconcile -c FILE --route R [--since 24h] [--state completed|unknown|all]\n"
+                 "                [--rate N/s] [--apply] [--json]  a route's records against its probe look-up\n"
                  "options: --accept-identity-change ROUTE  start although ROUTE's key source, scope or fingerprint\n"
                  "             changed while it has records within retention (repeat it per route)\n"
                  "environment: IDEMGATE_POSTGRES_URL, IDEMGATE_REDIS_URL (empty: no Redis), IDEMGATE_ADMIN_TOKEN,\n"
@@ -306,6 +309,8 @@ out:
 
 int main(int argc, char **argv)
 {
+    if (argc > 1 && strcmp(argv[1], "reconcile") == 0)
+        return gw_reconcile_main(argc - 1, argv + 1);
     const char *file = NULL;
     bool check = false;
     struct accept_list accept = {.n = 0};

@@ -35,6 +35,7 @@ struct probe_run {
     uint64_t take_sent_ms;     /* the take was handed to the store then (cm_now_ms) */
     uint64_t send_until_ms;    /* SPEC 8: the look-up leaves only before this (the take's lease less a quarter) */
     bool sweep;                /* started by the sweeper (no caller to answer) */
+    bool dry;                  /* gw_probe_ask: the look-up only, the record neither taken nor settled */
     struct up_transfer *transfer;
     struct cm_resp resp;
     enum gw_probe_result result;
@@ -178,6 +179,15 @@ static void looked_up(void *arg, enum up_result ur, struct cm_resp *resp, const 
     struct store_id id = run_id(r);
     r->transfer = NULL;
     cm_metric_upstream_seconds(secs);
+    if (r->dry) { /* what the look-up says, nothing stored */
+        bool found = ur == UP_OK && status_in(pc->found, pc->found_n, resp->status);
+        bool absent = ur == UP_OK && status_in(pc->absent, pc->absent_n, resp->status);
+        if (r->cb)
+            r->cb(r->arg, found ? GW_PROBE_FOUND : absent ? GW_PROBE_ABSENT : GW_PROBE_UNRESOLVED, resp);
+        r->cb = NULL;
+        run_free(r);
+        return;
+    }
     if (ur == UP_LEASE_LOST) { /* the take lapsed before the look-up could leave: given back, fenced by our token */
         cm_log(CM_WARN, "probe_unresolved", "route=%s reason=lease_lost", r->route_name);
         give_back(r, GW_PROBE_STORE);
@@ -320,7 +330,7 @@ static bool sweepable(const struct conf_route *route)
 
 /* sweep: started by the sweeper (counted in p->sweeping before anything can call back). */
 static void run_start(struct gw_probe *p, size_t route_index, const struct store_id *id,
-                      const struct cm_hdrs *scope_hdrs, bool sweep, gw_probe_cb cb, void *arg)
+                      const struct cm_hdrs *scope_hdrs, bool sweep, bool dry, gw_probe_cb cb, void *arg)
 {
     /* the configuration in force now (a reload may have added, changed or removed the route's probe: block); by
      * name, since a request's route_index is its metrics slot and after a reload its route is another struct */
@@ -354,6 +364,7 @@ static void run_start(struct gw_probe *p, size_t route_index, const struct store
     r->cb = cb;
     r->arg = arg;
     r->sweep = sweep;
+    r->dry = dry;
     if (sweep)
         p->sweeping++;
     cm_resp_init(&r->resp, 0);
@@ -364,13 +375,28 @@ static void run_start(struct gw_probe *p, size_t route_index, const struct store
     const struct conf_upstream *u = &conf->upstreams[r->route->upstream];
     r->hold_ms = u->connect_timeout_ms + u->timeout_ms + HOLD_EXTRA_MS;
     r->take_sent_ms = cm_now_ms();
+    if (dry) {
+        r->send_until_ms = UINT64_MAX; /* nothing taken: no lease bounds the look-up */
+        if (!send_lookup(r)) {
+            if (r->cb)
+                r->cb(r->arg, GW_PROBE_UNRESOLVED, NULL);
+            r->cb = NULL;
+            run_free(r);
+        }
+        return;
+    }
     store_probe_take(p->ctx->store, id, r->token, r->hold_ms, probe_wait_ms(r), taken, r);
 }
 
 void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, const struct cm_hdrs *scope_hdrs,
                   gw_probe_cb cb, void *arg)
 {
-    run_start(p, route_index, id, scope_hdrs, false, cb, arg);
+    run_start(p, route_index, id, scope_hdrs, false, false, cb, arg);
+}
+
+void gw_probe_ask(struct gw_probe *p, const struct store_id *id, gw_probe_cb cb, void *arg)
+{
+    run_start(p, 0, id, NULL, false, true, cb, arg);
 }
 
 /* ---- the sweeper: unknown outcomes no client retries */
@@ -386,7 +412,7 @@ static void listed(void *arg, bool ok, const struct store_unknown_rec *recs, siz
     struct gw_probe *p = arg;
     p->listing = false;
     for (size_t i = 0; ok && i < n; i++)
-        run_start(p, 0, &recs[i].id, NULL, true, NULL, NULL); /* a route no longer probing is skipped (logged) */
+        run_start(p, 0, &recs[i].id, NULL, true, false, NULL, NULL); /* a route no longer probing is skipped (logged) */
     sweep_schedule(p, SWEEP_EVERY_MS);
 }
 

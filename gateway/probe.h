@@ -41,4 +41,9 @@ typedef void (*gw_probe_cb)(void *arg, enum gw_probe_result r, struct cm_resp *r
 void gw_probe_run(struct gw_probe *p, size_t route_index, const struct store_id *id, const struct cm_hdrs *scope_hdrs,
                   gw_probe_cb cb, void *arg);
 
+/* The look-up alone (the reconcile command, SPEC 12): the same request as gw_probe_run's without the scope's parts,
+ * but the record is neither taken nor settled and nothing is logged or counted as resolved: cb gets FOUND (resp:
+ * the look-up's answer), ABSENT or UNRESOLVED, exactly once. */
+void gw_probe_ask(struct gw_probe *p, const struct store_id *id, gw_probe_cb cb, void *arg);
+
 #endif

@@ -31,12 +31,12 @@ RANK = {"common": 0, "conf": 1, "store": 2, "upstream": 2, "gateway": 3}
 # The intended layering inside a room, highest first: a module may reach only those after it. A room without an
 # entry is checked for circles only.
 ORDER = {
-    "store": ["store/store", "store/migrate", "store/notify", "store/order", "store/redis", "store/pg", "store/cancel"],
+    "store": ["store/store", "store/ledger", "store/migrate", "store/notify", "store/order", "store/redis", "store/pg", "store/cancel"],
     "conf": ["conf/reference", "conf/identity", "conf/conf", "conf/restart", "conf/types"],
     "upstream": ["upstream/upstream", "upstream/curl", "upstream/h1", "upstream/head", "upstream/transfer",
                  "upstream/types"],
     "gateway": [
-        "gateway/main", "gateway/admin", "gateway/front", "gateway/loop", "gateway/pipeline", "gateway/probe",
+        "gateway/main", "gateway/reconcile", "gateway/admin", "gateway/front", "gateway/loop", "gateway/pipeline", "gateway/probe",
         "gateway/cache", "gateway/ctx", "gateway/reload", "gateway/ordering", "gateway/problem", "gateway/gateway",
         "gateway/idem", "gateway/parts", "gateway/jwt", "gateway/json", "gateway/status", "gateway/conntrack",
         "gateway/answer", "gateway/owned", "gateway/hints",

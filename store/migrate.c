@@ -388,3 +388,8 @@ fail:
         PQfinish(c); /* ends the session: the advisory lock goes with it */
     return false;
 }
+
+struct pg_conn *store_sync_connect(const char *postgres_url, uint64_t timeout_ms, const char *app, char **err)
+{
+    return sync_connect(postgres_url, timeout_ms, app, err);
+}

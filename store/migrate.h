@@ -29,4 +29,10 @@ bool store_migrate(const char *postgres_url, enum conf_distributed distributed, 
 bool store_identity_check(const char *postgres_url, const struct conf *conf, const char *const *accept, size_t naccept,
                           uint64_t timeout_ms, bool *refused, char **err) CM_MUST_CHECK;
 
+/* A blocking session of its own (application_name app), every statement bounded by timeout_ms (statement_timeout),
+ * for work outside the loops (start-up, the reconcile command). NULL with *err (heap) when it cannot be had; the
+ * caller closes it with PQfinish (libpq's PGconn is struct pg_conn). */
+struct pg_conn;
+struct pg_conn *store_sync_connect(const char *postgres_url, uint64_t timeout_ms, const char *app, char **err);
+
 #endif

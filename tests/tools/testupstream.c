@@ -56,6 +56,7 @@
  *
  * Test endpoints (not counted): GET /_test/count[?key=K], POST /_test/reset, GET /_test/last-headers,
  * GET /_test/health, GET /_test/lookups[?key=K] (how many look-ups were answered, for key K),
+ * POST /_test/forget?key=K (key K's executions forgotten: its look-up answers 404, as an API that lost the write),
  * GET /_test/order-violations (writes applied with a lower X-Sequence than their path's highest applied one).
  * Look-up (an API's "find by idempotency key" endpoint, not counted as an execution; its request headers are
  * recorded for /_test/last-headers): GET /_lookup?idempotency_key=K answers 200 {"found":true,"exec":N} when key
@@ -782,6 +783,17 @@ static void tu_handle_test(struct tu_server *s, struct evhttp_request *req, cons
         s->last_hdrs = NULL;
         s->last_hdrs_len = 0;
         tu_reply_text(req, 200, "text/plain", "0");
+    } else if (strcmp(path, "/_test/forget") == 0 && cmd == EVHTTP_REQ_POST && query != NULL) {
+        /* an API that lost a write: key K's executions are forgotten, its look-up says 404 from now on */
+        struct evkeyvalq q;
+        TAILQ_INIT(&q);
+        const char *k = evhttp_parse_query_str(query, &q) == 0 ? evhttp_find_header(&q, "key") : NULL;
+        struct tu_key **slot =
+            k && s->keys_cap ? tu_key_slot(s->keys, s->keys_cap, k, strlen(k), tu_hash(k, strlen(k))) : NULL;
+        if (slot && *slot)
+            (*slot)->count = 0;
+        evhttp_clear_headers(&q);
+        tu_reply_text(req, k ? 200 : 400, "text/plain", k ? "0" : "key?\n");
     } else if (strcmp(path, "/_test/last-headers") == 0 && cmd == EVHTTP_REQ_GET) {
         tu_reply_text(req, 200, "text/plain", s->last_hdrs ? s->last_hdrs : "");
     } else {
