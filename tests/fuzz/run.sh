@@ -41,6 +41,7 @@ sources() {
     resp | hdrs) echo "common/common.c" ;;
     conf) echo "common/common.c common/uri.c conf/conf.c conf/restart.c" ;;
     path) echo "common/common.c common/uri.c" ;;
+    prefer) echo "common/common.c gateway/hints.c" ;;
     parts) echo "common/common.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;
     h1) echo "common/common.c upstream/upstream.c upstream/h1.c upstream/curl.c upstream/head.c upstream/transfer.c" ;;
     esac
@@ -54,7 +55,7 @@ extra_libs() {
     esac
 }
 
-TARGETS=(key resp hdrs fp conf path h1 parts)
+TARGETS=(key resp hdrs fp conf path h1 parts prefer)
 passed=0
 failed=0
 for t in "${TARGETS[@]}"; do
