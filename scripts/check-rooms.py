@@ -7,14 +7,18 @@ The graph is derived from the sources, not written by hand:
     the .c, function-like macros and static inline functions of the .h;
   - module A "calls" module B when an identifier of B's symbols appears in A's code (comments and strings
     stripped), so a call through a name, a macro use and taking a function's address all count;
-  - module A "includes" B when A's .c or .h has #include "B.h".
+  - module A "includes" B when A's .c or .h has #include "B.h";
+  - a room's internal.h (conf/internal.h) is no module: it holds what the room's files share. A file that uses one
+    of its macros is charged with what the macro's body names, and the names it declares count only inside its
+    room (nothing outside includes it, rule 4), so a same-named identifier elsewhere is something else.
 
 Rules checked:
   1. rooms in this order, lowest first: common, conf, {store, upstream}, gateway. A module may call or include
      only modules of its own room or a lower one (store and upstream never reach each other);
   2. inside a room, no circle: no two modules reach each other through calls, directly or around a loop;
   3. where ORDER below lists a room's modules, a module reaches only modules listed after it (the room's
-     intended layering, highest first).
+     intended layering, highest first);
+  4. a room's internal.h is included only by files of that room.
 
   scripts/check-rooms.py            check; prints every violation and exits 1 if there is one
   scripts/check-rooms.py --graph    also print the module graph (A -> B, C)
@@ -32,7 +36,8 @@ RANK = {"common": 0, "conf": 1, "store": 2, "upstream": 2, "gateway": 3}
 # entry is checked for circles only.
 ORDER = {
     "store": ["store/store", "store/ledger", "store/migrate", "store/notify", "store/order", "store/redis", "store/pg", "store/cancel"],
-    "conf": ["conf/reference", "conf/identity", "conf/conf", "conf/restart", "conf/types"],
+    "conf": ["conf/reference", "conf/identity", "conf/conf", "conf/restart", "conf/check", "conf/routes",
+             "conf/upstreams", "conf/process", "conf/idempotency", "conf/fields", "conf/types"],
     "upstream": ["upstream/upstream", "upstream/curl", "upstream/h1", "upstream/head", "upstream/transfer",
                  "upstream/types"],
     "gateway": [
@@ -86,6 +91,25 @@ def sources():
     return files
 
 
+def is_internal(path):
+    return os.path.basename(path) == "internal.h"
+
+
+def internal_headers(files):
+    """room -> (macro name -> identifiers its body names, every identifier the header names) of its internal.h."""
+    out = {}
+    for f in files:
+        if not is_internal(f):
+            continue
+        with open(os.path.join(ROOT, f), encoding="utf-8", errors="replace") as fh:
+            text = strip_code(fh.read().replace("\\\n", " "))
+        macros = {}
+        for m in re.finditer(r"^\s*#\s*define\s+(\w+)(.*)$", text, re.M):
+            macros[m.group(1)] = set(re.findall(r"\b[A-Za-z_]\w*\b", m.group(2)))
+        out[f.split("/")[0]] = (macros, set(re.findall(r"\b[A-Za-z_]\w*\b", text)))
+    return out
+
+
 def ctags_symbols(files):
     """module -> set of names other modules can use."""
     out = subprocess.run(
@@ -120,28 +144,39 @@ def main():
     graph_out = "--graph" in args
     only = args[args.index("--room") + 1] if "--room" in args and args.index("--room") + 1 < len(args) else None
     files = sources()
-    syms = ctags_symbols(files)
+    internal = internal_headers(files)
+    syms = ctags_symbols([f for f in files if not is_internal(f)])
     owner = {}
     for mod, names in syms.items():
         for s in names:
             owner.setdefault(s, set()).add(mod)
-    calls, incs = {}, {}
+    calls, incs, bad = {}, {}, []
+    room = lambda m: m.split("/")[0]
     for f in files:
+        if is_internal(f):
+            continue
         mod = module_of(f)
         with open(os.path.join(ROOT, f), encoding="utf-8", errors="replace") as fh:
             text = fh.read()
+        idents = set(re.findall(r"\b[A-Za-z_]\w*\b", strip_code(text)))
         for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.M):
-            if inc.split("/")[0] in RANK:
+            if is_internal(inc):
+                if room(inc) != room(mod):
+                    bad.append(f"{f} includes {inc}: the internal header of another room")
+                macros, seen = internal.get(room(inc), ({}, set()))[0], set()
+                while idents & set(macros) - seen:  # a macro's body may use another macro
+                    for ident in idents & set(macros) - seen:
+                        seen.add(ident)
+                        idents = idents | macros[ident]
+            elif inc.split("/")[0] in RANK:
                 t = module_of(inc)
                 if t != mod:
                     incs.setdefault(mod, set()).add(t)
-        for ident in set(re.findall(r"\b[A-Za-z_]\w*\b", strip_code(text))):
+        for ident in idents:
             for t in owner.get(ident, ()):
-                if t != mod:
+                if t != mod and (room(t) == room(mod) or ident not in internal.get(room(t), ({}, set()))[1]):
                     calls.setdefault(mod, {}).setdefault(t, set()).add(ident)
 
-    bad = []
-    room = lambda m: m.split("/")[0]
     for kind, edges in (("calls", {a: set(b) for a, b in calls.items()}), ("includes", incs)):
         for a, targets in sorted(edges.items()):
             for b in sorted(targets):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gen-reference.sh - writes docs/configuration.md from the key tables in conf/conf.c (idemgate --print-reference).
+# gen-reference.sh - writes docs/configuration.md from the key tables in conf/*.c (idemgate --print-reference).
 # Run it after adding or changing a configuration key; conf_test fails while the file and the tables differ.
 # Usage: scripts/gen-reference.sh [BUILD_DIR]   (default: build; it is built first)
 set -euo pipefail

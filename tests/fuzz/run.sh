@@ -39,7 +39,7 @@ sources() {
     case "$1" in
     key | fp) echo "common/common.c gateway/idem.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;
     resp | hdrs) echo "common/common.c" ;;
-    conf) echo "common/common.c common/uri.c conf/conf.c conf/restart.c" ;;
+    conf) echo "common/common.c common/uri.c conf/conf.c conf/fields.c conf/process.c conf/upstreams.c conf/routes.c conf/idempotency.c conf/check.c conf/restart.c" ;;
     path) echo "common/common.c common/uri.c" ;;
     prefer) echo "common/common.c gateway/hints.c" ;;
     parts) echo "common/common.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;

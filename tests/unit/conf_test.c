@@ -1375,8 +1375,7 @@ static void every_key_documented(const struct conf_key_doc *k, void *arg)
     struct ref_count *n = arg;
     n->keys++;
     n->blocks += k->block;
-    cr_expect(k->doc != NULL && strlen(k->doc) >= 20, "%s: no doc string (.doc in its conf/conf.c field table)",
-              k->path);
+    cr_expect(k->doc != NULL && strlen(k->doc) >= 20, "%s: no doc string (.doc in its field table in conf/)", k->path);
     cr_expect(k->type != NULL && k->type[0] != '\0', "%s: no type (.what for a key parsed by a function)", k->path);
     cr_expect(!k->required || k->def == NULL, "%s: required, yet documents a default '%s'", k->path, k->def);
     cr_expect(k->def == NULL || k->def[0] != '\0', "%s: an empty default text (NULL means none)", k->path);
@@ -1623,7 +1622,7 @@ static void example_loads(const struct conf_key_doc *k, void *arg)
     struct ex_run *r = arg;
     if (k->block && k->example == NULL)
         return; /* a mapping's keys have examples of their own */
-    cr_expect(k->example != NULL, "%s: no example (.example in its conf/conf.c field table)", k->path);
+    cr_expect(k->example != NULL, "%s: no example (.example in its field table in conf/)", k->path);
     if (k->example == NULL)
         return;
     const struct ex_ctx *x = NULL;

@@ -1,0 +1,508 @@
+/* routes.c - the routes: section: a route's name, match (path, path_prefix, methods), errors and ordering, and
+ * the matching of a request path to a route (conf_match_route). Its idempotency: block is idempotency.c's;
+ * never the checks across routes (check.c). */
+#include "conf/internal.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/uri.h"
+
+unsigned conf_method_bit(const char *method)
+{
+    static const struct {
+        const char *name;
+        unsigned bit;
+    } methods[] = {
+        {"GET", CONF_M_GET},         {"HEAD", CONF_M_HEAD},   {"POST", CONF_M_POST},
+        {"PUT", CONF_M_PUT},         {"PATCH", CONF_M_PATCH}, {"DELETE", CONF_M_DELETE},
+        {"OPTIONS", CONF_M_OPTIONS}, {"TRACE", CONF_M_TRACE}, {"CONNECT", CONF_M_CONNECT},
+    };
+    if (method == NULL)
+        return 0;
+    for (size_t i = 0; i < sizeof(methods) / sizeof(methods[0]); i++)
+        if (strcmp(method, methods[i].name) == 0)
+            return methods[i].bit;
+    return 0;
+}
+
+const struct conf_route *conf_match_route(const struct conf *c, const char *path)
+{
+    if (c == NULL || path == NULL)
+        return NULL;
+    size_t n = strlen(path);
+    char small[512];
+    char *k = n < sizeof small ? small : cm_malloc(n + 1);
+    cm_path_match_form(path, n, k);
+    const struct conf_route *found = NULL;
+    for (size_t i = 0; i < c->routes_n && !found; i++) {
+        const struct conf_route *r = &c->routes[i];
+        if (r->match_key != NULL && cm_path_meets(r->match_key, k, r->path == NULL))
+            found = r;
+    }
+    if (k != small)
+        free(k);
+    return found;
+}
+
+static const char *const method_names[] = {"GET",    "HEAD",    "POST",  "PUT",     "PATCH",
+                                           "DELETE", "OPTIONS", "TRACE", "CONNECT", NULL};
+
+static void method_item(const void *arr, size_t i, char *out, size_t on)
+{
+    const unsigned char *idx = arr;
+    snprintf(out, on, "%s", method_names[idx[i]]);
+}
+
+static bool show_methods(const void *base, const struct field *f, char *buf, size_t n)
+{
+    unsigned bits = *(const unsigned *)at(base, f);
+    unsigned char idx[16];
+    size_t k = 0;
+    for (unsigned char i = 0; method_names[i] != NULL && k < sizeof idx; i++)
+        if (bits & (1u << i))
+            idx[k++] = i;
+    show_list(buf, n, k, idx, method_item);
+    return true;
+}
+
+static bool show_errors(const void *base, const struct field *f, char *buf, size_t n)
+{
+    const struct conf_errors *e = at(base, f);
+    snprintf(buf, n, "%s",
+             e->kind == CONF_ERRORS_PROBLEM  ? "problem"
+             : e->kind == CONF_ERRORS_STRIPE ? "stripe"
+                                             : "{template: ...}");
+    return true;
+}
+
+/* ---- routes */
+
+static bool route_name_taken(const struct conf *c, const char *s)
+{
+    for (size_t i = 0; i < c->routes_n; i++)
+        if (c->routes[i].name != NULL && strcmp(c->routes[i].name, s) == 0)
+            return true;
+    return false;
+}
+
+static bool fn_route_name(struct ctx *x, yaml_node_t *n, void *target)
+{
+    return set_unique_name(x, n, target, "route", route_name_taken);
+}
+
+static bool check_path(struct ctx *x, yaml_node_t *n, const char *s)
+{
+    if (s[0] != '/')
+        return fail(x, n, "must start with '/'");
+    for (const char *p = s; *p; p++) {
+        if ((unsigned char)*p <= 0x20 || *p == 0x7f)
+            return fail(x, n, "must not contain spaces or control characters");
+        if (*p == '?' || *p == '#')
+            return fail(x, n, "must not contain a query or fragment ('?' or '#')");
+    }
+    return true;
+}
+
+static bool fn_path(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a path");
+    if (s == NULL || !check_path(x, n, s))
+        return false;
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static bool fn_path_prefix(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a path prefix");
+    if (s == NULL || !check_path(x, n, s))
+        return false;
+    size_t len = strlen(s);
+    while (len > 1 && s[len - 1] == '/')
+        len--;
+    free(*out);
+    *out = cm_strndup(s, len);
+    return true;
+}
+
+static bool fn_methods(struct ctx *x, yaml_node_t *n, void *target)
+{
+    unsigned *out = target;
+    unsigned bits = 0;
+    if (!expect_type(x, n, YAML_SEQUENCE_NODE))
+        return false;
+    if (n->data.sequence.items.top == n->data.sequence.items.start)
+        return fail(x, n, "must list at least one method (use idempotency.key: off to disable idempotency)");
+    for (yaml_node_item_t *it = n->data.sequence.items.start; it < n->data.sequence.items.top; it++) {
+        yaml_node_t *m = yaml_document_get_node(x->doc, *it);
+        size_t old = path_push(x, "[%zu]", (size_t)(it - n->data.sequence.items.start));
+        const char *s = scalar(x, m, "an HTTP method");
+        if (s == NULL)
+            return false;
+        unsigned bit = conf_method_bit(s);
+        if (bit == 0) {
+            char b[80], up[16];
+            size_t i = 0;
+            for (; s[i] && i < sizeof(up) - 1; i++)
+                up[i] = (char)toupper((unsigned char)s[i]);
+            up[i] = '\0';
+            if (s[i] == '\0' && conf_method_bit(up) != 0)
+                return fail(x, m, "invalid method '%s' (methods are case-sensitive: use %s)", shown(b, s), up);
+            return fail(x, m, "unknown method '%s' (use GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS, TRACE, CONNECT)",
+                        shown(b, s));
+        }
+        bits |= bit;
+        path_pop(x, old);
+    }
+    *out = bits;
+    return true;
+}
+
+static const struct field match_fields[] = {
+    FIELD_FN("path", struct conf_route, path, fn_path, false, .what = "path",
+             .allowed = "starts with `/`; no space, control byte, `?` or `#`",
+             .doc = "The route matches this path (after the gateway normalised it), compared in the match form: "
+                    "case folded, `;` (or `%3B`) segment parameters dropped, a trailing `/` and a suffix such as "
+                    "`.json` of the last segment ignored, so no spelling of the path escapes the route (security.md). "
+                    "Give `path` "
+                    "or `path_prefix`, not both. Two routes that meet only in the match form must have the "
+                    "same policy.",
+             .example = "/v1/charges"),
+    FIELD_FN("path_prefix", struct conf_route, path_prefix, fn_path_prefix, false, .what = "path",
+             .allowed = "as `path`; a trailing `/` is ignored",
+             .doc = "The route matches this path and every path below it, by whole segments: `/v1/payments` "
+                    "matches `/v1/payments` and `/v1/payments/42`, not `/v1/paymentsx` (in the match form, "
+                    "as `path`).",
+             .example = "/v1/payments"),
+    FIELD_FN("methods", struct conf_route, methods, fn_methods, false, .what = "list of methods",
+             .def = "[POST, PATCH]", .show = show_methods,
+             .allowed = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS, TRACE, CONNECT (upper case)",
+             .doc = "The methods idempotency applies to on this route. Other methods on its paths are proxied "
+                    "without a key check.",
+             .example = "[POST, PUT, PATCH]"),
+};
+
+static bool fn_match(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_route *r = target;
+    size_t line = x->key_line;
+    if (!parse_map(x, n, match_fields, NFIELDS(match_fields), r))
+        return false;
+    if (r->path != NULL && r->path_prefix != NULL)
+        return fail_line(x, line, "path and path_prefix are mutually exclusive (use one)");
+    if (r->path == NULL && r->path_prefix == NULL)
+        return fail_line(x, line, "needs exactly one of path or path_prefix");
+    const char *p = r->path ? r->path : r->path_prefix;
+    free(r->match_key);
+    r->match_key = cm_malloc(strlen(p) + 1);
+    cm_path_match_form(p, strlen(p), r->match_key);
+    return true;
+}
+
+/* ---- errors: problem | stripe | {template: '...', content_type: ...} */
+
+#define ERRORS_TEMPLATE_MAX 4096
+
+static const char *const tmpl_names[] = {"status", "name", "title", "detail"};
+
+static bool tmpl_space(char ch)
+{
+    return ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r';
+}
+
+static bool tmpl_name_char(char ch)
+{
+    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' || ch == '-' ||
+           ch == '.';
+}
+
+/* Length of what reads as a placeholder at s: '{', optional spaces, a name of letters, digits, '_', '-' or '.',
+ * optional spaces (or tabs, newlines), '}'; 0 when s does not start with one. JSON braces ('{' then '"', '}' or spaces
+ * and '"') are no placeholder, so {"a":1}, { "a": 1 } and {} stay text. */
+static size_t tmpl_ref_len(const char *s, size_t n)
+{
+    size_t i = 1;
+    if (n < 3 || s[0] != '{')
+        return 0;
+    while (i < n && tmpl_space(s[i]))
+        i++;
+    size_t name = i;
+    while (i < n && tmpl_name_char(s[i]))
+        i++;
+    if (i == name)
+        return 0;
+    while (i < n && tmpl_space(s[i]))
+        i++;
+    return (i < n && s[i] == '}') ? i + 1 : 0;
+}
+
+enum conf_tmpl_var conf_tmpl_var_at(const char *s, size_t n, size_t *len)
+{
+    size_t l = tmpl_ref_len(s, n);
+    *len = l;
+    for (size_t v = 0; l && v < NFIELDS(tmpl_names); v++)
+        if (l - 2 == strlen(tmpl_names[v]) && memcmp(s + 1, tmpl_names[v], l - 2) == 0)
+            return (enum conf_tmpl_var)v;
+    return CONF_TMPL_NONE;
+}
+
+static bool fn_errors_template(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_errors *e = target;
+    const char *s = scalar(x, n, "a template text");
+    if (s == NULL)
+        return false;
+    size_t len = strlen(s);
+    if (len > ERRORS_TEMPLATE_MAX)
+        return fail(x, n, "template too long (at most %d bytes)", ERRORS_TEMPLATE_MAX);
+    for (size_t i = 0; i < len; i++) {
+        size_t l;
+        if (s[i] == '{' && conf_tmpl_var_at(s + i, len - i, &l) == CONF_TMPL_NONE && l > 0)
+            return fail(x, n, "unknown placeholder '%.*s' (use {status}, {name}, {title}, {detail})",
+                        (int)(l > 64 ? 64 : l), s + i);
+    }
+    free(e->tmpl);
+    e->tmpl = cm_strdup(s);
+    return true;
+}
+
+/* A media type: type "/" subtype, optional parameters; no byte that could end or split a header line. */
+static bool fn_errors_content_type(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_errors *e = target;
+    const char *s = scalar(x, n, "a media type");
+    if (s == NULL)
+        return false;
+    size_t len = strlen(s), t = strcspn(s, "/"), sub = t < len ? strcspn(s + t + 1, ";") : 0;
+    char b[80];
+    if (t == len || !cm_token_ok(s, t) || !cm_token_ok(s + t + 1, sub) || !cm_field_value_ok(s, len) || len > 256)
+        return fail(x, n, "invalid media type '%s' (use type/subtype, e.g. application/json)", shown(b, s));
+    free(e->content_type);
+    e->content_type = cm_strdup(s);
+    return true;
+}
+
+static const struct field errors_fields[] = {
+    FIELD_BASE("template", fn_errors_template, true, .what = "string",
+               .allowed = "at most 4096 bytes; placeholders `{status}`, `{name}`, `{title}`, `{detail}` only",
+               .doc = "The body of every gateway error on the route. `{status}` is the number; the others are "
+                      "JSON-escaped text without quotes. `{` followed by `\"`, `}` or spaces is literal, so JSON "
+                      "needs no escaping; anything else written like a placeholder is a config error.",
+               .example = "'{\"error\":{\"code\":\"{name}\",\"message\":\"{detail}\"}}'"),
+    FIELD_BASE("content_type", fn_errors_content_type, false, .what = "media type", .def = "application/json",
+               .show = show_str, STR_AT(struct conf_errors, content_type), .allowed = "`type/subtype[; params]`",
+               .doc = "The `Content-Type` of the template's answers.", .example = "application/vnd.api+json"),
+};
+
+static bool fn_errors(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_errors *e = target;
+    if (n->type == YAML_MAPPING_NODE) {
+        e->kind = CONF_ERRORS_TEMPLATE;
+        if (!parse_map(x, n, errors_fields, NFIELDS(errors_fields), e))
+            return false;
+        if (e->content_type == NULL)
+            e->content_type = cm_strdup("application/json");
+        return true;
+    }
+    const char *s = scalar(x, n, "problem, stripe or a mapping with template:");
+    if (s == NULL)
+        return false;
+    char b[80];
+    if (strcmp(s, "problem") == 0)
+        e->kind = CONF_ERRORS_PROBLEM;
+    else if (strcmp(s, "stripe") == 0)
+        e->kind = CONF_ERRORS_STRIPE;
+    else
+        return fail(x, n, "invalid value '%s' (use problem, stripe or {template: '...', content_type: ...})",
+                    shown(b, s));
+    return true;
+}
+
+/* ---- ordering: {resource: /a/{id}/b, sequence: header:NAME | json:/pointer, on_gap, hold} (SPEC 6) */
+
+static const char *const gap_modes[] = {"accept", "reject", "hold", NULL};
+
+/* A path template: '/' then segments, each a literal (no braces) or exactly one {name}; no empty segment. */
+static const char *resource_why(const char *s, size_t len)
+{
+    if (len == 0 || s[0] != '/')
+        return "must start with '/'";
+    if (len > CONF_RESOURCE_MAX)
+        return "too long";
+    size_t i = 1;
+    while (i < len) {
+        size_t e = i;
+        while (e < len && s[e] != '/')
+            e++;
+        if (e == i)
+            return "has an empty segment ('//')";
+        if (s[i] == '{') {
+            if (e - i < 3 || s[e - 1] != '}')
+                return "a {name} must be a whole segment";
+            for (size_t k = i + 1; k + 1 < e; k++)
+                if (!((s[k] >= 'a' && s[k] <= 'z') || (s[k] >= 'A' && s[k] <= 'Z') || (s[k] >= '0' && s[k] <= '9') ||
+                      s[k] == '_'))
+                    return "a {name} is letters, digits and '_'";
+        } else {
+            for (size_t k = i; k < e; k++)
+                if (s[k] == '{' || s[k] == '}' || s[k] == '?' || s[k] == '#' || (unsigned char)s[k] <= 0x20 ||
+                    (unsigned char)s[k] >= 0x7f)
+                    return "a literal segment holds no braces, '?', '#', spaces or control bytes";
+        }
+        i = e + 1;
+    }
+    return NULL;
+}
+
+static bool fn_ord_resource(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_ordering *o = target;
+    const char *s = scalar(x, n, "a path template such as /v1/accounts/{id}/address");
+    if (s == NULL)
+        return false;
+    size_t len = strlen(s);
+    while (len > 1 && s[len - 1] == '/')
+        len--;
+    const char *why = resource_why(s, len);
+    char b[80];
+    if (why)
+        return fail(x, n, "invalid resource template '%s': %s", shown(b, s), why);
+    free(o->resource);
+    o->resource = cm_strndup(s, len);
+    return true;
+}
+
+/* A JSON Pointer (RFC 6901): "" or '/'-separated tokens where '~' is only ~0 or ~1. */
+static bool pointer_ok(const char *p, size_t len)
+{
+    if (len > 0 && p[0] != '/')
+        return false;
+    for (size_t i = 0; i < len; i++)
+        if (p[i] == '~' && (i + 1 == len || (p[i + 1] != '0' && p[i + 1] != '1')))
+            return false;
+    return len <= 1024;
+}
+
+static bool fn_ord_sequence(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_ordering *o = target;
+    const char *s = scalar(x, n, "header:NAME or json:/pointer");
+    if (s == NULL)
+        return false;
+    char b[80];
+    if (strncmp(s, "header:", 7) == 0 && cm_token_ok(s + 7, strlen(s + 7)) && strlen(s + 7) <= 256) {
+        o->source = CONF_SEQ_HEADER;
+    } else if (strncmp(s, "json:", 5) == 0 && pointer_ok(s + 5, strlen(s + 5))) {
+        o->source = CONF_SEQ_JSON;
+    } else {
+        return fail(x, n, "invalid sequence '%s' (use header:NAME or json:/pointer, a JSON Pointer)", shown(b, s));
+    }
+    free(o->seq_name);
+    o->seq_name = cm_strdup(s + (o->source == CONF_SEQ_HEADER ? 7 : 5));
+    return true;
+}
+
+static const struct field ordering_fields[] = {
+    FIELD_BASE("resource", fn_ord_resource, true, .what = "path template",
+               .allowed = "starts with `/`; each segment a literal or one whole `{name}` (letters, digits, `_`)",
+               .doc = "Which requests of the route are guarded and what one resource is: a request whose whole "
+                      "normalised path matches (`/v1/accounts/{id}/address`, `{name}` one non-empty segment) is "
+                      "guarded, and its path is the resource. Other requests of the route are not guarded.",
+               .example = "/v1/accounts/{id}/address"),
+    FIELD_BASE("sequence", fn_ord_sequence, true, .what = "string",
+               .allowed = "`header:NAME` or `json:/pointer` (an RFC 6901 JSON Pointer into the body)",
+               .doc = "Where the request's sequence is: a decimal integer 1 to 2^63-1 (no sign, no leading zero) "
+                      "in one header, or a JSON integer at the pointer of a JSON body. Missing or malformed: 400 "
+                      "`sequence-invalid`.",
+               .example = "json:/version"),
+    FIELD_ENUM("on_gap", struct conf_ordering, on_gap, gap_modes, .def = "accept",
+               .doc = "A sequence above the applied one + 1: `accept` forwards it; `reject` answers 409 "
+                      "`sequence-gap`; `hold` waits up to `hold` for the missing ones, then forwards or answers "
+                      "409 `sequence-gap`.",
+               .example = "hold"),
+    FIELD("hold", F_DUR, struct conf_ordering, hold_ms, 1, DURATION_MAX, .def = "2s",
+          .doc = "How long a request waits for another request of its resource still in flight (then 409 "
+                 "`sequence-in-use`), and for missing sequences with `on_gap: hold`.",
+          .example = "5s"),
+};
+_Static_assert(sizeof(enum conf_on_gap) == sizeof(int), "enum stored through int");
+
+static bool fn_ordering(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_ordering *o = target;
+    o->enabled = true;
+    o->on_gap = CONF_GAP_ACCEPT;
+    o->hold_ms = 2 * SEC;
+    return parse_map(x, n, ordering_fields, NFIELDS(ordering_fields), o);
+}
+
+void ordering_free(struct conf_ordering *o)
+{
+    free(o->resource);
+    free(o->seq_name);
+}
+
+const struct field route_fields[] = {
+    FIELD_FN("name", struct conf_route, name, fn_route_name, true, .what = "string",
+             .allowed = "1 to 128 of `A-Z a-z 0-9 _ . -`, unique",
+             .doc = "The route's name: in metrics, logs, the admin key API, and part of every key's identity "
+                    "(renaming a route starts an empty key space).",
+             .example = "payments"),
+    FIELD_BASE("match", fn_match, true, .what = "mapping", SUB(match_fields, 0),
+               .doc = "Which requests the route takes. Routes are tried in order; the first match wins."),
+    FIELD_FN("upstream", struct conf_route, upstream, fn_route_upstream, false, .what = "upstream name",
+             .allowed = "a name from `upstreams`",
+             .doc = "Where the route's requests go. Required unless `default_upstream` is set (then that one).",
+             .example = "api"),
+    FIELD_FN("idempotency", struct conf_route, idem, fn_idem, false, .what = "mapping",
+             SUB(idem_fields, offsetof(struct conf_route, idem)),
+             .doc = "How keys are handled on the route. Without this block every key below has its default "
+                    "(`key: optional`: a request with a key is deduplicated)."),
+    FIELD_FN("errors", struct conf_route, errors, fn_errors, false, .what = "problem, stripe or mapping",
+             .def = "problem", .show = show_errors, SUB(errors_fields, offsetof(struct conf_route, errors)),
+             .allowed = "`problem`, `stripe`, or `{template: '...', content_type: ...}`",
+             .doc = "How the gateway's own error answers on the route are written (upstream answers are never "
+                    "touched): `problem` is RFC 9457 `application/problem+json`; `stripe` is "
+                    "`{\"error\":{\"type\":...,\"code\":NAME,\"message\":...}}`, which Stripe's SDKs raise "
+                    "as an error; a mapping gives your own template. See http.md.",
+             .example = "stripe"),
+    FIELD_FN("ordering", struct conf_route, ordering, fn_ordering, false, .what = "mapping",
+             SUB(ordering_fields, offsetof(struct conf_route, ordering)),
+             .doc = "The ordering guard: a per-resource increasing sequence kept in Postgres, so that an older "
+                    "write never overwrites a newer one (409 `stale-sequence`). Without it the route is not "
+                    "guarded."),
+};
+
+bool fn_routes(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf *c = target;
+    if (!expect_type(x, n, YAML_SEQUENCE_NODE))
+        return false;
+    size_t cnt = (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
+    c->routes = cnt ? cm_calloc(cnt, sizeof(*c->routes)) : NULL;
+    for (size_t i = 0; i < cnt; i++) {
+        yaml_node_t *item = yaml_document_get_node(x->doc, n->data.sequence.items.start[i]);
+        struct conf_route *r = &c->routes[i];
+        r->methods = CONF_M_POST | CONF_M_PATCH;
+        idem_defaults(&r->idem);
+        c->routes_n = i + 1; /* the names parsed so far are checked for duplicates; this one is still NULL */
+        size_t old = path_push(x, "[%zu]", i);
+        x->key_line = 0;
+        size_t refs_before = x->refs_n;
+        if (item == NULL || !parse_map(x, item, route_fields, NFIELDS(route_fields), r))
+            return false;
+        if (x->refs_n == refs_before) {
+            path_push(x, ".upstream");
+            add_ref(x, 0, node_line(item), &r->upstream, NULL);
+        }
+        path_pop(x, old);
+    }
+    return true;
+}
