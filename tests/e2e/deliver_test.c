@@ -244,3 +244,31 @@ Test(deliver, prefer_wait_is_ignored_without_prefer_wait_max)
     e2e_http_join(a, &first);
     e2e_resp_free(&first);
 }
+
+Test(deliver, prefer_wait_replaces_the_routes_own_wait)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_pay_conf c = {.idem = "key: required\non_in_flight: wait\nwait: 10s\nprefer_wait_max: 5s\n"};
+    struct e2e_gw *gw = e2e_gw_start_pay(up, &c, NULL);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "preferwait");
+    struct e2e_async *a = slow_first(gw->port, key, "X-Test-Delay-Ms: 4000");
+    cr_assert_eq(e2e_upstream_wait_count(up, key, 1, 5000), 1);
+    /* the client asks for 1 s: the route's own 10 s wait is not imposed on it */
+    static const char *const w1[] = {"Prefer: wait=1", NULL};
+    struct e2e_resp b, first;
+    e2e_http_key(gw->port, "POST", "/v1/pay/slow", key, w1, "{\"s\":1}", 0, &b);
+    e2e_expect_problem(&b, 409, "idempotency-key-in-use", "the client's shorter wait is over");
+    cr_expect(b.seconds >= 0.9 && b.seconds < 2.5, "409 after about 1 s: %.2fs", b.seconds);
+    const char *pa = e2e_resp_header(&b, "Preference-Applied");
+    cr_expect(pa && strcmp(pa, "wait=1") == 0, "Preference-Applied '%s'", pa ? pa : "(none)");
+    e2e_resp_free(&b);
+    /* without a preference the route's wait applies: it waits for the first answer and replays it */
+    e2e_http_key(gw->port, "POST", "/v1/pay/slow", key, NULL, "{\"s\":1}", 0, &b);
+    cr_expect(e2e_resp_is_replay(&b), "the route's wait replays: %ld", b.status);
+    cr_expect_eq(e2e_resp_header_count(&b, "Preference-Applied"), 0);
+    e2e_resp_free(&b);
+    e2e_http_join(a, &first);
+    e2e_resp_free(&first);
+    cr_expect_eq(e2e_upstream_count(up, key), 1);
+}
