@@ -21,7 +21,8 @@ WORK=$(mktemp -d /tmp/idemgate-fuzz.XXXXXX)
 trap '[ -n "${FUZZ_KEEP:-}" ] || rm -rf "$WORK"' EXIT
 
 CFLAGS=(-std=gnu11 -g -O1 -D_GNU_SOURCE -fno-omit-frame-pointer
-    -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -I"$ROOT")
+    -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -I"$ROOT"
+    -DFUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION)
 # shellcheck disable=SC2207
 LIBS=($(pkg-config --libs libcrypto yaml-0.1)) || {
     echo "pkg-config: libcrypto or yaml-0.1 missing" >&2
