@@ -35,7 +35,8 @@ RANK = {"common": 0, "conf": 1, "store": 2, "upstream": 2, "gateway": 3}
 # The intended layering inside a room, highest first: a module may reach only those after it. A room without an
 # entry is checked for circles only.
 ORDER = {
-    "store": ["store/store", "store/ledger", "store/migrate", "store/notify", "store/order", "store/redis", "store/pg", "store/cancel"],
+    "store": ["store/store", "store/admin", "store/cleaner", "store/sweeper", "store/owner", "store/claim", "store/ops",
+              "store/ledger", "store/migrate", "store/notify", "store/order", "store/redis", "store/pg", "store/cancel"],
     "conf": ["conf/reference", "conf/identity", "conf/conf", "conf/restart", "conf/check", "conf/routes",
              "conf/upstreams", "conf/process", "conf/idempotency", "conf/fields", "conf/types"],
     "upstream": ["upstream/upstream", "upstream/curl", "upstream/h1", "upstream/head", "upstream/transfer",

@@ -1,0 +1,85 @@
+/* sweeper.c - the queries of the unknown-outcome sweeper and of a retry's probe (gateway/probe.c): take a record
+ * to look it up, list the records to look up. Never the look-up itself (gateway/probe.c). */
+#include "store/internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- unknown outcomes resolved by probing (gateway/probe.c) */
+
+static void probe_take_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct owner_op *w = arg;
+    if (st != STORE_PG_OK) {
+        if (st != STORE_PG_UNAVAILABLE && st != STORE_PG_OVERLOAD)
+            log_pg_failure(owner_op_name(w), st, msg);
+        owner_finish(w, false, 0);
+        return;
+    }
+    owner_finish(w, true, cmd_rows(pr));
+}
+
+void store_probe_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, uint64_t wait_ms,
+                      store_done_cb cb, void *arg)
+{
+    struct owner_op *w = owner_new(s, OP_PROBE_TAKE, id, token, cb, arg);
+    w->arg_ms = hold_ms ? hold_ms : 1;
+    w->arg2_ms = wait_ms;
+    owner_send(w, S_PROBE_TAKE, probe_take_cb);
+}
+
+struct probe_list_op {
+    struct op h;
+    store_unknown_cb cb;
+    void *arg;
+};
+
+static void probe_list_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct probe_list_op *o = arg;
+    op_unlink(&o->h);
+    if (st != STORE_PG_OK) {
+        if (st != STORE_PG_UNAVAILABLE && st != STORE_PG_OVERLOAD)
+            log_pg_failure("probe_list", st, msg);
+        o->cb(o->arg, false, NULL, 0);
+        op_free(&o->h);
+        return;
+    }
+    int n = PQntuples(pr);
+    struct store_unknown_rec *v = n > 0 ? cm_calloc((size_t)n, sizeof *v) : NULL;
+    size_t got = 0;
+    for (int i = 0; i < n && PQnfields(pr) >= 3; i++) {
+        size_t klen = (size_t)PQgetlength(pr, i, 2);
+        if (PQgetlength(pr, i, 1) != 32 || klen == 0 || klen > 255)
+            continue;
+        struct store_unknown_rec *r = &v[got++];
+        r->id.route = cm_strndup(PQgetvalue(pr, i, 0), (size_t)PQgetlength(pr, i, 0));
+        memcpy(r->id.scope, PQgetvalue(pr, i, 1), 32);
+        r->id.key = cm_strndup(PQgetvalue(pr, i, 2), klen);
+        r->id.key_len = klen;
+    }
+    o->cb(o->arg, true, v, got);
+    for (size_t i = 0; i < got; i++) {
+        free((char *)v[i].id.route);
+        free((char *)v[i].id.key);
+    }
+    free(v);
+    op_free(&o->h);
+}
+
+void store_probe_list(struct store *s, const char *routes_nl, size_t max, store_unknown_cb cb, void *arg)
+{
+    struct probe_list_op *o = cm_calloc(1, sizeof *o);
+    op_link(s, &o->h, OP_PROBE_LIST);
+    o->cb = cb;
+    o->arg = arg;
+    uint8_t lim[8];
+    be64(lim, (uint64_t)max);
+    struct store_pg_param p[2] = {
+        {routes_nl, strlen(routes_nl), true},
+        {lim, 8, true},
+    };
+    store_pg_query(s->pg, S_PROBE_LIST, p, 2, 1, probe_list_cb, o);
+}
+
+/* ---- end of probe */
