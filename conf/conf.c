@@ -58,6 +58,11 @@ static const struct field top_fields[] = {
           .doc = "On SIGTERM or SIGINT, how long requests in flight may take to finish. Past it their clients "
                  "get 503 `shutting-down` and their records stay in flight, then unknown.",
           .example = "30s"),
+    FIELD("shutdown_delay", F_DUR, struct conf, shutdown_delay_ms, 0, DURATION_MAX, .def = "0s",
+          .doc = "On SIGTERM or SIGINT, how long the listeners keep accepting and serving new connections while "
+                 "`/readyz` already answers 503, so that a load balancer stops sending before the port closes; "
+                 "then `shutdown_grace` applies. A second signal ends the delay early.",
+          .example = "5s"),
     FIELD_BASE("store", fn_store, false, .what = "mapping", SUB(store_fields, 0),
                .doc = "Postgres (the authority) and Redis (the optional fast filter)."),
     FIELD_BASE("upstreams", fn_upstreams, true, .what = "list of mappings",

@@ -181,6 +181,7 @@ struct conf {
     struct conf_addr admin_listen; /* default 127.0.0.1:9090 */
     bool admin_enabled;            /* false when admin.listen is "off" */
     uint64_t shutdown_grace_ms;    /* default 10s */
+    uint64_t shutdown_delay_ms;    /* default 0s: listeners close at SIGTERM */
 
     char *postgres_url;                /* required (after env override) */
     uint32_t pool;                     /* default 8, 1..256 */

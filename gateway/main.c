@@ -165,6 +165,25 @@ static bool swap_loops(void *arg, struct gw_conf *c, uint64_t timeout_ms)
     return gw_loops_swap(arg, c, timeout_ms);
 }
 
+/* SPEC 11 drain: /readyz is already 503; the listeners keep accepting and serving for delay_ms, so that a load
+ * balancer stops sending before the port closes. A second SIGTERM or SIGINT ends it early; a SIGHUP is ignored. */
+static void drain(uint64_t delay_ms, sigset_t set)
+{
+    if (delay_ms == 0)
+        return;
+    cm_log(CM_INFO, "draining", "delay_ms=%llu", (unsigned long long)delay_ms);
+    uint64_t end = cm_now_ms() + delay_ms;
+    for (uint64_t now = cm_now_ms(); now < end; now = cm_now_ms()) {
+        uint64_t left = end - now;
+        struct timespec ts = {(time_t)(left / 1000), (long)(left % 1000) * 1000000L};
+        int sig = sigtimedwait(&set, NULL, &ts);
+        if (sig == SIGTERM || sig == SIGINT) {
+            cm_log(CM_INFO, "drain_cut", "signal=%s", sig == SIGINT ? "SIGINT" : "SIGTERM");
+            return;
+        }
+    }
+}
+
 static int run(const char *file, struct gw_conf *gc, const struct accept_list *accept)
 {
     const struct conf *conf = gc->conf;
@@ -268,6 +287,7 @@ static int run(const char *file, struct gw_conf *gc, const struct accept_list *a
            (unsigned long long)grace_ms, gw_loops_jobs(loops));
 
     gw_admin_draining(admin);
+    drain(cur->conf->shutdown_delay_ms, set);
     gw_front_quiesce(front);
     struct running r = {loops, front, admin};
     if (!wait_until(jobs_busy, &r, cm_now_ms() + grace_ms)) {
