@@ -141,12 +141,7 @@ bool gw_owned_held(const struct store_id *id)
 /* A marker is recorded as a store_id whose key is the resource: the marker flag keeps it apart from a key. */
 static struct store_id marker_id(const struct store_order_id *id)
 {
-    struct store_id k;
-    k.route = id->route;
-    memcpy(k.scope, id->scope, sizeof k.scope);
-    k.key = id->resource;
-    k.key_len = id->resource_len;
-    return k;
+    return store_id_of(id->route, id->scope, id->resource, id->resource_len);
 }
 
 enum gw_owned gw_owned_marker_take(const struct store_order_id *id)

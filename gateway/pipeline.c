@@ -270,12 +270,7 @@ static uint64_t backoff_next(uint64_t *cur, uint64_t now, uint64_t deadline, uin
 
 static struct store_id job_id(const struct gw_job *job)
 {
-    struct store_id id;
-    id.route = job->route->name;
-    memcpy(id.scope, job->scope, sizeof id.scope);
-    id.key = job->key;
-    id.key_len = job->key_len;
-    return id;
+    return store_id_of(job->route->name, job->scope, job->key, job->key_len);
 }
 
 /* This process's table of keys in flight (gateway/owned.c): left once the key's claim is not ours or the job ends. */

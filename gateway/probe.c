@@ -70,12 +70,7 @@ const char *gw_probe_result_name(enum gw_probe_result r)
 
 static struct store_id run_id(const struct probe_run *r)
 {
-    struct store_id id;
-    id.route = r->route_name;
-    memcpy(id.scope, r->scope, sizeof id.scope);
-    id.key = r->key;
-    id.key_len = r->key_len;
-    return id;
+    return store_id_of(r->route_name, r->scope, r->key, r->key_len);
 }
 
 static void run_free(struct probe_run *r)

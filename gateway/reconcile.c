@@ -233,11 +233,7 @@ static void tick(evutil_socket_t fd, short what, void *arg)
     it->rec = rec;
     rc->records++;
     rc->running++;
-    struct store_id id;
-    id.route = rc->o.route;
-    memcpy(id.scope, rec.scope, sizeof id.scope);
-    id.key = it->rec.key;
-    id.key_len = it->rec.key_len;
+    struct store_id id = store_id_of(rc->o.route, rec.scope, it->rec.key, it->rec.key_len);
     if (rc->o.apply && !rec.completed)
         gw_probe_run(rc->ctx.probe, 0, &id, NULL, applied, it);
     else

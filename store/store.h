@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "common/common.h"
 #include "conf/conf.h"
@@ -74,6 +75,17 @@ struct store_id {
     const char *key;
     size_t key_len;
 };
+
+/* A record's identity from its parts: route and key are borrowed (they must outlive the id), the scope copied. */
+static inline struct store_id store_id_of(const char *route, const uint8_t scope[32], const char *key, size_t key_len)
+{
+    struct store_id id;
+    id.route = route;
+    memcpy(id.scope, scope, sizeof id.scope);
+    id.key = key;
+    id.key_len = key_len;
+    return id;
+}
 
 struct store_claim_req {
     struct store_id id;
