@@ -1,6 +1,6 @@
 /* admin.c - the admin listener: health, readiness, Prometheus metrics and the
- * key endpoints (inspect, purge, release) behind a bearer token. It never runs a request through the pipeline: the key
- * endpoints ask the store and the cache directly. */
+ * key endpoints (inspect, list, purge, release, settle) behind a bearer token. It never runs a request through the
+ * pipeline: the key endpoints ask the store and the cache directly. */
 #include <microhttpd.h>
 #include <stdatomic.h>
 #include <netdb.h>
@@ -13,12 +13,14 @@
 #include "common/metrics.h"
 #include "common/uri.h"
 #include "gateway/admin.h"
+#include "gateway/adminkeys.h"
 #include "gateway/conntrack.h"
 #include "gateway/idem.h"
 #include "gateway/front.h"
 #include "gateway/loop.h"
 #include "gateway/cache.h"
 #include "gateway/problem.h"
+#include "gateway/reload.h"
 #include "gateway/status.h"
 #include "store/store.h"
 
@@ -32,7 +34,12 @@ struct gw_admin {
     struct gw_conntrack *conns; /* the request-read and answer-write deadlines, as the front's */
 };
 
-enum admin_op { OP_LIST, OP_PURGE, OP_RELEASE };
+#define PAGE_DEFAULT    100
+#define PAGE_MAX        1000
+#define SETTLE_BODY_MAX ((size_t)12 << 20) /* base64 of an 8 MiB answer, and its headers */
+
+enum admin_op { OP_LIST, OP_PURGE, OP_RELEASE, OP_PAGE, OP_SETTLE };
+static const char *const op_names[] = {"list", "purge", "release", "list", "settle"};
 
 /* One admin request, from the URI log callback to its completion. */
 struct admin_job {
@@ -44,6 +51,16 @@ struct admin_job {
     char *route;
     char key[GW_KEY_MAX + 1];
     size_t key_len;
+    /* OP_PAGE */
+    char state[16]; /* "" any */
+    uint64_t older_than_ms;
+    unsigned limit;
+    char *cursor;
+    /* OP_SETTLE: the body as it arrives, then the scope */
+    bool reading;
+    bool too_large;
+    struct cm_buf body;
+    uint8_t scope[32];
     int status;
     char *json;
     atomic_bool done;
@@ -103,8 +120,12 @@ static enum MHD_Result text(struct MHD_Connection *c, unsigned status, const cha
 static void admin_done(void *arg, int status, char *json)
 {
     struct admin_job *j = arg;
-    if (j->op != OP_LIST) /* whatever the answer: a purge whose commit was not seen may still have committed */
+    if (j->op == OP_PURGE || j->op == OP_RELEASE) /* whatever the answer: its commit may not have been seen */
         gw_cache_drop(gw_loop_cache(j->a->loop), j->route, j->key, j->key_len);
+    char qr[256], qk[GW_KEY_MAX * 4 + 8]; /* every admin action: which, on what, its answer (never a scope) */
+    cm_log(j->op == OP_LIST || j->op == OP_PAGE ? CM_DEBUG : CM_INFO, "admin_action",
+           "action=%s route=%s%s%s status=%d", op_names[j->op], cm_log_quote(qr, sizeof qr, j->route),
+           j->op == OP_PAGE ? "" : " key=", j->op == OP_PAGE ? "" : cm_log_quote(qk, sizeof qk, j->key), status);
     j->status = status;
     j->json = json;
     atomic_store(&j->done, true);
@@ -122,10 +143,41 @@ static void admin_run(void *arg)
                                    "the idempotency store is not ready yet; nothing was done", &len));
         return;
     }
+    const struct conf_route *route = NULL;
+    const struct conf *cur = gw_loop_current(j->a->loop)->conf;
+    for (size_t i = 0; i < cur->routes_n && !route; i++)
+        if (strcmp(cur->routes[i].name, j->route) == 0)
+            route = &cur->routes[i];
+    if (!route && (j->op == OP_PAGE || j->op == OP_SETTLE)) {
+        size_t len;
+        admin_done(j, 404, gw_problem_json(404, "not-found", "Not found", "no route of this name", &len));
+        return;
+    }
     switch (j->op) {
     case OP_LIST:
         store_admin_list(st, j->route, j->key, j->key_len, admin_done, j);
         break;
+    case OP_PAGE: {
+        struct store_page_req q = {j->route, j->state[0] ? j->state : NULL, j->older_than_ms, j->limit, j->cursor};
+        store_admin_page(st, &q, admin_done, j);
+        break;
+    }
+    case OP_SETTLE: {
+        struct cm_resp resp;
+        const char *why =
+            gw_settle_parse(j->body.data ? j->body.data : "", j->body.len, route->idem.max_response, &resp);
+        if (why) {
+            cm_resp_free(&resp);
+            size_t len;
+            admin_done(j, 400, gw_problem_json(400, "bad-request", "Bad request", why, &len));
+            return;
+        }
+        struct store_id id = {.route = j->route, .key = j->key, .key_len = j->key_len};
+        memcpy(id.scope, j->scope, 32);
+        gw_settle_run(st, &id, &resp, route->idem.retention_ms, route->idem.lease_ms, admin_done, j);
+        cm_resp_free(&resp);
+        break;
+    }
     case OP_PURGE:
         store_admin_purge(st, j->route, j->key, j->key_len, admin_done, j);
         break;
@@ -181,6 +233,75 @@ static bool query_value(const char *q, const char *name, char **out)
     return ok;
 }
 
+/* Hands j to the loop and suspends its connection until the store answered. */
+static enum MHD_Result submit(struct gw_admin *a, struct MHD_Connection *c, struct admin_job *j)
+{
+    j->submitted = true;
+    atomic_fetch_add(&a->jobs, 1);
+    struct gw_conn *t = conn_of(c);
+    if (t) /* the store has it: no deadline (the store's own timeouts bound it) */
+        gw_conn_waiting(t);
+    MHD_suspend_connection(c);
+    gw_loop_submit(a->loop, admin_run, j);
+    return MHD_YES;
+}
+
+/* The listing's parameters (state, older_than, limit, cursor) into j; NULL or what is wrong. */
+static const char *page_params(struct admin_job *j)
+{
+    char *state = NULL, *older = NULL, *limit = NULL;
+    const char *why = NULL;
+    if (!query_value(j->query, "state", &state) || !query_value(j->query, "older_than", &older) ||
+        !query_value(j->query, "limit", &limit) || !query_value(j->query, "cursor", &j->cursor)) {
+        why = "a query parameter is repeated, holds a NUL, or is not valid percent-encoding";
+        goto out;
+    }
+    if (state && strcmp(state, "in_flight") != 0 && strcmp(state, "unknown") != 0 && strcmp(state, "completed") != 0)
+        why = "state is one of in_flight, unknown, completed";
+    else if (older && !conf_parse_duration(older, &j->older_than_ms))
+        why = "older_than is a duration (30s, 5m, 24h)";
+    else if (j->cursor && !*j->cursor)
+        why = "cursor is empty";
+    if (why)
+        goto out;
+    snprintf(j->state, sizeof j->state, "%s", state ? state : "");
+    j->limit = PAGE_DEFAULT;
+    if (limit) {
+        char *end = NULL;
+        unsigned long n = limit[0] >= '0' && limit[0] <= '9' && strlen(limit) <= 4 ? strtoul(limit, &end, 10) : 0;
+        if (!end || *end || n < 1 || n > PAGE_MAX)
+            why = "limit is a number from 1 to 1000";
+        j->limit = (unsigned)n;
+    }
+out:
+    free(state);
+    free(older);
+    free(limit);
+    return why;
+}
+
+/* 64 hex digits into out. */
+static bool scope_hex(const char *s, uint8_t out[32])
+{
+    if (strlen(s) != 64)
+        return false;
+    for (int i = 0; i < 32; i++) {
+        unsigned v = 0;
+        for (int k = 0; k < 2; k++) {
+            char ch = s[2 * i + k];
+            int d = ch >= '0' && ch <= '9'   ? ch - '0'
+                    : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10
+                    : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10
+                                             : -1;
+            if (d < 0)
+                return false;
+            v = v << 4 | (unsigned)d;
+        }
+        out[i] = (uint8_t)v;
+    }
+    return true;
+}
+
 static enum MHD_Result keys_endpoint(struct gw_admin *a, struct MHD_Connection *c, const char *url, const char *method,
                                      struct admin_job *j)
 {
@@ -190,45 +311,60 @@ static enum MHD_Result keys_endpoint(struct gw_admin *a, struct MHD_Connection *
     if (!authorized(a, c))
         return problem(c, 401, "unauthorized", "Unauthorized", "a valid bearer token is required");
     enum admin_op op;
-    if (strcmp(url, "/admin/keys") == 0 && strcmp(method, "GET") == 0)
+    bool keys = strcmp(url, "/admin/keys") == 0, release = strcmp(url, "/admin/keys/release") == 0,
+         settle = strcmp(url, "/admin/keys/settle") == 0;
+    if (keys && strcmp(method, "GET") == 0)
         op = OP_LIST;
-    else if (strcmp(url, "/admin/keys") == 0 && strcmp(method, "DELETE") == 0)
+    else if (keys && strcmp(method, "DELETE") == 0)
         op = OP_PURGE;
-    else if (strcmp(url, "/admin/keys/release") == 0 && strcmp(method, "POST") == 0)
+    else if (release && strcmp(method, "POST") == 0)
         op = OP_RELEASE;
-    else if (strcmp(url, "/admin/keys") == 0 || strcmp(url, "/admin/keys/release") == 0)
+    else if (settle && strcmp(method, "POST") == 0)
+        op = OP_SETTLE;
+    else if (keys || release || settle)
         return problem(c, 405, "method-not-allowed", "Method not allowed", "see the admin API in the README");
     else
         return problem(c, 404, "not-found", "Not found", "no such admin endpoint");
-    char *route = NULL, *key = NULL;
-    if (!query_value(j->query, "route", &route) || !query_value(j->query, "key", &key)) {
+    char *route = NULL, *key = NULL, *scope = NULL;
+    if (!query_value(j->query, "route", &route) || !query_value(j->query, "key", &key) ||
+        !query_value(j->query, "scope", &scope)) {
         free(route);
+        free(key);
         return problem(c, 400, "bad-request", "Bad request",
                        "a query parameter is repeated, holds a NUL, or is not valid percent-encoding");
     }
-    if (!route || !*route || !key) {
-        free(route);
+    j->route = route;
+    if (op == OP_LIST && !key && route && *route) { /* a page of the route's records */
+        free(scope);
+        const char *why = page_params(j);
+        if (why)
+            return problem(c, 400, "bad-request", "Bad request", why);
+        j->a = a;
+        j->conn = c;
+        j->op = OP_PAGE;
+        return submit(a, c, j);
+    }
+    bool scope_ok = op != OP_SETTLE || (scope && scope_hex(scope, j->scope));
+    free(scope);
+    if (!route || !*route || !key || !scope_ok) {
         free(key);
-        return problem(c, 400, "bad-request", "Bad request", "route and key query parameters are required");
+        return problem(c, 400, "bad-request", "Bad request",
+                       op == OP_SETTLE ? "route, key and scope (64 hex digits, as listed) query parameters are required"
+                                       : "route and key query parameters are required");
     }
     bool key_ok = gw_key_parse(key, strlen(key), j->key, &j->key_len);
     free(key);
-    if (!key_ok) {
-        free(route);
+    if (!key_ok)
         return problem(c, 400, "idempotency-key-invalid", "Idempotency key invalid", "the key is not a valid key");
-    }
     j->a = a;
     j->conn = c;
     j->op = op;
-    j->route = route;
-    j->submitted = true;
-    atomic_fetch_add(&a->jobs, 1);
-    struct gw_conn *t = conn_of(c);
-    if (t) /* the store has it: no deadline (the store's own timeouts bound it) */
-        gw_conn_waiting(t);
-    MHD_suspend_connection(c);
-    gw_loop_submit(a->loop, admin_run, j);
-    return MHD_YES;
+    if (op == OP_SETTLE) { /* the body comes next (handler) */
+        j->reading = true;
+        cm_buf_init(&j->body, SETTLE_BODY_MAX);
+        return MHD_YES;
+    }
+    return submit(a, c, j);
 }
 
 /* The status page's data: the metrics registry's counts and the store states /readyz reports. */
@@ -269,6 +405,18 @@ static enum MHD_Result handler(void *cls, struct MHD_Connection *c, const char *
         bool is_problem = j->status >= 400 && strstr(json, "\"type\"") != NULL;
         return answer(c, (unsigned)j->status, is_problem ? GW_PROBLEM_CONTENT_TYPE : "application/json", json,
                       strlen(json));
+    }
+    if (j->reading) { /* a settle's body */
+        if (*upload_data_size) {
+            if (!j->too_large && !cm_buf_append(&j->body, upload_data, *upload_data_size))
+                j->too_large = true;
+            *upload_data_size = 0;
+            return MHD_YES;
+        }
+        j->reading = false;
+        if (j->too_large)
+            return problem(c, 413, "payload-too-large", "Payload too large", "a settle's body is at most 12 MiB");
+        return submit(a, c, j);
     }
     if (strncmp(url, "/admin/", 7) == 0)
         return keys_endpoint(a, c, url, method, j);
@@ -328,6 +476,8 @@ static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum 
         atomic_fetch_sub(&a->jobs, 1);
     free(j->query);
     free(j->route);
+    free(j->cursor);
+    cm_buf_free(&j->body);
     free(j->json);
     free(j);
 }

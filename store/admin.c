@@ -1,5 +1,5 @@
-/* admin.c - the admin key API's queries (list, purge, release: gateway/admin.c) and their JSON answers, with the
- * purge epoch moved on before a purge or release answers. Never a claim or an owner's operation. */
+/* admin.c - the admin key API's queries (list, page through a route, purge, release: gateway/admin.c) and their JSON
+ * answers, with the purge epoch moved on before a purge or release answers. Never a claim or an owner's operation. */
 #include "store/internal.h"
 
 #include <stdlib.h>
@@ -125,31 +125,37 @@ static void admin_del_then_finish(struct admin_op *a, const PGresult *pr, int co
     admin_finish(a, status, json);
 }
 
-static char *admin_list_json(const PGresult *pr)
+/* Rows 0..n-1 of a listing (the columns of sql_admin_list) as JSON objects, comma-separated, into b. */
+static bool admin_rows_json(struct cm_buf *b, const PGresult *pr, int n)
 {
-    struct cm_buf b;
-    cm_buf_init(&b, ADMIN_JSON_MAX);
-    bool ok = cm_buf_append(&b, "[", 1);
+    bool ok = true;
     static const char *const names[] = {"route", "key",        "scope",      "state",
                                         "token", "created_at", "expires_at", "lease_until"};
-    for (int i = 0; i < PQntuples(pr) && ok; i++) {
-        ok = cm_buf_append(&b, i ? ",{" : "{", i ? 2 : 1);
+    for (int i = 0; i < n && ok; i++) {
+        ok = cm_buf_append(b, i ? ",{" : "{", i ? 2 : 1);
         for (int col = 0; col < 8 && ok; col++) {
-            ok = cm_buf_appendf(&b, "%s\"%s\":", col ? "," : "", names[col]);
-            json_str(&b, PQgetvalue(pr, i, col), (size_t)PQgetlength(pr, i, col));
+            ok = cm_buf_appendf(b, "%s\"%s\":", col ? "," : "", names[col]);
+            json_str(b, PQgetvalue(pr, i, col), (size_t)PQgetlength(pr, i, col));
         }
         if (ok && !PQgetisnull(pr, i, 8)) {
             char *end = NULL;
             long st = strtol(PQgetvalue(pr, i, 8), &end, 10);
-            ok = cm_buf_appendf(&b, ",\"status\":%ld", st);
+            ok = cm_buf_appendf(b, ",\"status\":%ld", st);
         }
         if (ok && !PQgetisnull(pr, i, 9)) {
-            ok = cm_buf_append(&b, ",\"completed_at\":", 16);
-            json_str(&b, PQgetvalue(pr, i, 9), (size_t)PQgetlength(pr, i, 9));
+            ok = cm_buf_append(b, ",\"completed_at\":", 16);
+            json_str(b, PQgetvalue(pr, i, 9), (size_t)PQgetlength(pr, i, 9));
         }
-        ok = ok && cm_buf_append(&b, "}", 1);
+        ok = ok && cm_buf_append(b, "}", 1);
     }
-    ok = ok && cm_buf_append(&b, "]", 1);
+    return ok;
+}
+
+static char *admin_list_json(const PGresult *pr)
+{
+    struct cm_buf b;
+    cm_buf_init(&b, ADMIN_JSON_MAX);
+    bool ok = cm_buf_append(&b, "[", 1) && admin_rows_json(&b, pr, PQntuples(pr)) && cm_buf_append(&b, "]", 1);
     if (!ok) {
         cm_buf_free(&b);
         return NULL;
@@ -158,6 +164,121 @@ static char *admin_list_json(const PGresult *pr)
     char *s = cm_buf_take(&b, &n);
     cm_buf_free(&b);
     return s;
+}
+
+/* ---- the listing's cursor: base64url (no padding) of "TIME|SCOPEHEX|KEY" (TIME the created_at of the page's last
+ * record, "YYYY-MM-DD HH:MM:SS.UUUUUU" UTC), opaque to its users */
+
+static const char b64url[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+
+static bool cursor_append(struct cm_buf *b, const char *p, size_t n)
+{
+    bool ok = true;
+    for (size_t i = 0; i < n && ok; i += 3) {
+        uint32_t v = (uint32_t)(unsigned char)p[i] << 16;
+        size_t k = n - i >= 3 ? 3 : n - i;
+        if (k > 1)
+            v |= (uint32_t)(unsigned char)p[i + 1] << 8;
+        if (k > 2)
+            v |= (unsigned char)p[i + 2];
+        char out[4] = {b64url[v >> 18 & 63], b64url[v >> 12 & 63], b64url[v >> 6 & 63], b64url[v & 63]};
+        ok = cm_buf_append(b, out, k + 1);
+    }
+    return ok;
+}
+
+/* Decodes cursor c into out (size n, NUL-terminated); false when it is not base64url or too long. */
+static bool cursor_b64_decode(const char *c, char *out, size_t n, size_t *len)
+{
+    size_t cl = strlen(c), o = 0;
+    if (cl % 4 == 1 || cl / 4 * 3 + 3 > n)
+        return false;
+    uint32_t acc = 0;
+    int bits = 0;
+    for (size_t i = 0; i < cl; i++) {
+        const char *q = memchr(b64url, c[i], 64);
+        if (!q || !c[i])
+            return false;
+        acc = acc << 6 | (uint32_t)(q - b64url);
+        bits += 6;
+        if (bits >= 8) {
+            bits -= 8;
+            out[o++] = (char)(acc >> bits & 0xff);
+        }
+    }
+    if (acc & ((1u << bits) - 1)) /* the spare bits of the last character are zero in a cursor we made */
+        return false;
+    out[o] = '\0';
+    *len = o;
+    return true;
+}
+
+/* The parts of a cursor made by the listing: time (26 bytes), scope hex (even, at most 64), key (1 to 1,024
+ * visible bytes); false for anything else. */
+struct page_cursor {
+    char time[32];
+    char scope[65];
+    char key[1025];
+};
+static bool cursor_decode(const char *c, struct page_cursor *pc)
+{
+    char raw[1200];
+    size_t n;
+    if (!cursor_b64_decode(c, raw, sizeof raw, &n) || strlen(raw) != n)
+        return false;
+    const char *bar1 = memchr(raw, '|', n), *bar2 = bar1 ? memchr(bar1 + 1, '|', n - (size_t)(bar1 + 1 - raw)) : NULL;
+    if (!bar2 || bar1 - raw != 26)
+        return false;
+    static const char shape[] = "dddd-dd-dd dd:dd:dd.dddddd";
+    for (int i = 0; i < 26; i++)
+        if (shape[i] == 'd' ? !(raw[i] >= '0' && raw[i] <= '9') : raw[i] != shape[i])
+            return false;
+    size_t sl = (size_t)(bar2 - bar1 - 1), kl = n - (size_t)(bar2 + 1 - raw);
+    if (sl % 2 || sl > 64 || kl < 1 || kl > 1024)
+        return false;
+    for (size_t i = 0; i < sl; i++)
+        if (!strchr("0123456789abcdef", bar1[1 + i]) || !bar1[1 + i])
+            return false;
+    for (size_t i = 0; i < kl; i++)
+        if ((unsigned char)bar2[1 + i] <= 0x20 || bar2[1 + i] == 0x7f)
+            return false;
+    memcpy(pc->time, raw, 26);
+    memcpy(pc->time + 26, "+00", 4);
+    memcpy(pc->scope, bar1 + 1, sl);
+    pc->scope[sl] = '\0';
+    memcpy(pc->key, bar2 + 1, kl);
+    pc->key[kl] = '\0';
+    return true;
+}
+
+/* {"records":[...],"next_cursor":...}: the first limit rows; a next cursor (after the last of them) when the
+ * statement found one more. NULL when too large. */
+static char *admin_page_json(const PGresult *pr, int limit)
+{
+    int n = PQntuples(pr);
+    bool more = n > limit;
+    if (more)
+        n = limit;
+    struct cm_buf b;
+    cm_buf_init(&b, ADMIN_JSON_MAX);
+    bool ok = cm_buf_append(&b, "{\"records\":[", 12) && admin_rows_json(&b, pr, n) &&
+              cm_buf_append(&b, "],\"next_cursor\":", 16);
+    if (ok && more) {
+        char *raw =
+            cm_asprintf("%s|%s|%s", PQgetvalue(pr, n - 1, 10), PQgetvalue(pr, n - 1, 2), PQgetvalue(pr, n - 1, 1));
+        ok = cm_buf_append(&b, "\"", 1) && cursor_append(&b, raw, strlen(raw)) && cm_buf_append(&b, "\"}", 2);
+        free(raw);
+    } else {
+        ok = ok && cm_buf_append(&b, "null}", 5);
+    }
+    if (!ok) {
+        cm_buf_free(&b);
+        return NULL;
+    }
+    size_t len;
+    char *out = cm_buf_take(&b, &len);
+    cm_buf_free(&b);
+    return out;
 }
 
 static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
@@ -172,6 +293,15 @@ static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
     switch (a->stmt) {
     case S_ADMIN_LIST: {
         char *json = admin_list_json(pr);
+        if (!json) {
+            admin_finish(a, 500, problem_json(500, "internal-error", "Internal error", "listing too large"));
+            return;
+        }
+        admin_finish(a, 200, json);
+        return;
+    }
+    case S_ADMIN_PAGE: {
+        char *json = admin_page_json(pr, a->limit);
         if (!json) {
             admin_finish(a, 500, problem_json(500, "internal-error", "Internal error", "listing too large"));
             return;
@@ -241,4 +371,30 @@ void store_admin_release(struct store *s, const char *route, const char *key, si
                          void *arg)
 {
     admin_run(s, S_ADMIN_RELEASE, 1, route, key, key_len, cb, arg);
+}
+
+void store_admin_page(struct store *s, const struct store_page_req *q, store_admin_cb cb, void *arg)
+{
+    struct page_cursor pc = {"infinity", "", ""};
+    if (q->cursor && !cursor_decode(q->cursor, &pc)) {
+        cb(arg, 400, problem_json(400, "bad-request", "Bad request", "cursor is not one a listing gave"));
+        return;
+    }
+    struct admin_op *a = cm_calloc(1, sizeof *a);
+    op_link(s, &a->h, OP_ADMIN);
+    a->stmt = S_ADMIN_PAGE;
+    a->route = cm_strdup(q->route);
+    a->limit = (int)q->limit;
+    a->cb = cb;
+    a->arg = arg;
+    char older[24], rows[24];
+    snprintf(older, sizeof older, "%llu", (unsigned long long)q->older_than_ms);
+    snprintf(rows, sizeof rows, "%d", a->limit + 1);
+    const char *state = q->state ? q->state : "";
+    struct store_pg_param p[7] = {
+        {a->route, strlen(a->route), false}, {state, strlen(state), false},   {older, strlen(older), false},
+        {pc.time, strlen(pc.time), false},   {pc.key, strlen(pc.key), false}, {pc.scope, strlen(pc.scope), false},
+        {rows, strlen(rows), false},
+    };
+    store_pg_query(s->pg, S_ADMIN_PAGE, p, 7, 0, admin_pg_cb, a);
 }

@@ -58,6 +58,7 @@
 #define OID_INT8        20
 #define OID_INT4        23
 #define OID_TEXT        25
+#define OID_TIMESTAMPTZ 1184
 #define OID_BOOL_ARRAY  1000
 #define OID_BYTEA_ARRAY 1001
 #define OID_INT4_ARRAY  1007
@@ -84,6 +85,8 @@ enum stmt_id {
     S_PROBE_TAKE,
     S_PROBE_LIST,
     S_EPOCH_BUMP,
+    S_ADMIN_PAGE,
+    S_SETTLE_TAKE,
     S__COUNT
 };
 
@@ -224,6 +227,7 @@ struct admin_op {
     int status; /* the answer, while the Redis markers are being removed */
     char *json;
     bool bump; /* a purge or release: the purge epoch moves on before the answer */
+    int limit; /* page: the records asked for */
 };
 
 /* A replay answered by Redis may be kept by the gateway's replay cache until the record's expiry written beside

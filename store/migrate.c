@@ -13,7 +13,7 @@
 #include "store/pg.h"
 
 #define MIGRATE_LOCK_ID "7251983046512"
-#define SCHEMA_VERSION  3
+#define SCHEMA_VERSION  4
 
 static const char schema_v1[] =
     "CREATE TABLE IF NOT EXISTS idemgate_keys ("
@@ -53,6 +53,12 @@ static const char schema_v3[] =
     "CREATE TABLE IF NOT EXISTS idemgate_routes (route text PRIMARY KEY, identity text NOT NULL,"
     " updated_at timestamptz NOT NULL DEFAULT now());"
     "INSERT INTO idemgate_schema_version (version) VALUES (3) ON CONFLICT DO NOTHING;";
+
+/* v4: the admin listing of a route's records, newest first (GET /admin/keys without key=), pages through this
+ * index. On Citus it is created on every shard (before distribution: create_distributed_table copies it). */
+static const char schema_v4[] =
+    "CREATE INDEX IF NOT EXISTS idemgate_keys_route_created_at ON idemgate_keys (route, created_at);"
+    "INSERT INTO idemgate_schema_version (version) VALUES (4) ON CONFLICT DO NOTHING;";
 
 /* ---- migration (blocking, at start) */
 
@@ -367,7 +373,8 @@ bool store_migrate(const char *postgres_url, enum conf_distributed distributed, 
         /* One simple query each: its statements run in one implicit transaction. */
         bool citus = distributed == CONF_DIST_CITUS;
         if ((version < 1 && !exec_script(c, schema_v1, citus, err)) ||
-            (version < 2 && !exec_script(c, schema_v2, citus, err)) || !exec_script(c, schema_v3, citus, err))
+            (version < 2 && !exec_script(c, schema_v2, citus, err)) ||
+            (version < 3 && !exec_script(c, schema_v3, citus, err)) || !exec_script(c, schema_v4, citus, err))
             goto fail;
         cm_log(CM_INFO, "schema_migrated", "from=%ld to=%d", version, SCHEMA_VERSION);
     } else {

@@ -472,6 +472,8 @@ static const char *dry_literal(Oid oid)
     case 20: /* int8 */
     case 23: /* int4 */
         return "0";
+    case 1184: /* timestamptz */
+        return "'-infinity'";
     case 1000: /* bool[] */
     case 1001: /* bytea[] */
     case 1007: /* int4[] */

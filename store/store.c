@@ -162,6 +162,35 @@ static const char sql_admin_list[] =
     " ORDER BY created_at, scope LIMIT 1000";
 /* clang-format on */
 
+/* The state a listing shows: a claim in flight whose lease lapsed is an unknown outcome (SPEC 4). */
+#define SHOWN_STATE "CASE WHEN state = 'in_flight' AND lease_until < now() THEN 'unknown' ELSE state END"
+
+/* A route's records, newest first (GET /admin/keys without key=): keyset paging on (created_at, key, scope) below
+ * the cursor ($4, $5, decode($6, 'hex'); the first page starts below 'infinity'), through the (route, created_at)
+ * index, never an offset: records added meanwhile are newer than any cursor and never shift a page. $2: the state
+ * as shown ('' any), $3: older than this many ms, $7: rows (one more than the page: is there a next one). The last
+ * column is the row's cursor time (microseconds, UTC). On Citus every shard answers its newest $7 and the
+ * coordinator merges them. */
+/* clang-format off */
+static const char sql_admin_page[] =
+    "SELECT route, key, encode(scope, 'hex'), " SHOWN_STATE ", token::text,"
+    " " TS("created_at") ", " TS("expires_at") ", " TS("lease_until") ", status, " TS("completed_at") ","
+    " to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')"
+    " FROM idemgate_keys WHERE route = $1 AND created_at <= $4 AND (created_at, key, scope) < ($4, $5, decode($6, 'hex'))"
+    " AND created_at <= now() - $3 * interval '1 ms' AND ($2 = '' OR " SHOWN_STATE " = $2)"
+    " ORDER BY created_at DESC, key DESC, scope DESC LIMIT $7";
+/* clang-format on */
+static const Oid admin_page_types[] = {OID_TEXT, OID_TEXT, OID_INT8, OID_TIMESTAMPTZ, OID_TEXT, OID_TEXT, OID_INT8};
+
+/* An operator's settle (POST /admin/keys/settle) takes an unknown outcome (or a claim in flight whose lease lapsed)
+ * under a token of its own, as the probe's take does, but whatever its lease: the operator confirmed the business
+ * fact. The completion that follows (S_COMPLETE) is fenced by that token, and a prober or owner holding the old
+ * one is fenced out. The companion reads the record's state (no row: absent; 404 or 409). */
+static const char sql_settle_take[] = "UPDATE idemgate_keys SET token = $4, lease_until = now() + $5 * interval '1 ms'"
+                                      " WHERE route = $1 AND scope = $2 AND key = $3"
+                                      " AND (state = 'unknown' OR (state = 'in_flight' AND lease_until < now()))";
+static const char sql_settle_state[] = "SELECT state FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3";
+
 /* The replay caches of every gateway (gateway/cache.c) hear of a purge or a release through a notification sent
  * in the statement's own transaction (store/notify.h): delivered when, and only when, it commits. The payload is
  * "ROUTE\nKEY" (route names never hold a newline); one too long for NOTIFY is sent empty, which empties the
@@ -282,6 +311,8 @@ static const struct store_pg_stmt stmts[S__COUNT] = {
     [S_PROBE_TAKE] = {"idg_probe_take", sql_probe_take, 6, probe_take_types, 3, NULL, NULL, NULL},
     [S_PROBE_LIST] = {"idg_probe_list", sql_probe_list, 2, probe_list_types, 0, NULL, NULL, NULL},
     [S_EPOCH_BUMP] = {"idg_epoch_bump", sql_epoch_bump, 2, admin_types, 0, NULL, NULL, NULL},
+    [S_ADMIN_PAGE] = {"idg_admin_page", sql_admin_page, 7, admin_page_types, 0, NULL, NULL, NULL},
+    [S_SETTLE_TAKE] = {"idg_settle_take", sql_settle_take, 5, fenced_types, 0, NULL, NULL, sql_settle_state},
 };
 
 const char *store_verdict_name(enum store_verdict v)

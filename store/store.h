@@ -175,6 +175,12 @@ void store_mark_unknown(struct store *s, const struct store_id *id, uint64_t tok
 void store_probe_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, uint64_t wait_ms,
                       store_done_cb cb, void *arg);
 
+/* An operator's settle (POST /admin/keys/settle): takes an unknown outcome (or a claim in flight whose lease
+ * lapsed), whatever its lease, under token for hold_ms; store_complete with that token then writes the answer.
+ * rows=1: taken; 0: the record is not an unknown outcome; -1: no such record. ok=false: Postgres failed. */
+void store_settle_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, store_done_cb cb,
+                       void *arg);
+
 /* One record the sweeper may probe: valid during the callback only (the store frees it). */
 struct store_unknown_rec {
     struct store_id id;
@@ -200,5 +206,17 @@ void store_admin_purge(struct store *s, const char *route, const char *key, size
                        void *arg);
 void store_admin_release(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb,
                          void *arg);
+
+/* A page of a route's records, newest first (GET /admin/keys without key=): 200 {"records":[...] (as list's),
+ * "next_cursor":"..."|null}; 400 (a problem, cb called before this returns) when cursor is not one a page gave;
+ * 503 as above. Paging by cursor is stable while records are added. */
+struct store_page_req {
+    const char *route;
+    const char *state; /* "in_flight", "unknown" (as listed: a lapsed claim in flight too), "completed"; NULL: any */
+    uint64_t older_than_ms; /* created at least this long ago; 0: any */
+    unsigned limit;         /* 1..1000 */
+    const char *cursor;     /* NULL: the first page */
+};
+void store_admin_page(struct store *s, const struct store_page_req *q, store_admin_cb cb, void *arg);
 
 #endif

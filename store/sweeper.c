@@ -1,5 +1,6 @@
 /* sweeper.c - the queries of the unknown-outcome sweeper and of a retry's probe (gateway/probe.c): take a record
- * to look it up, list the records to look up. Never the look-up itself (gateway/probe.c). */
+ * to look it up, list the records to look up; an operator's settle takes one the same way. Never the look-up itself
+ * (gateway/probe.c). */
 #include "store/internal.h"
 
 #include <stdlib.h>
@@ -26,6 +27,27 @@ void store_probe_take(struct store *s, const struct store_id *id, uint64_t token
     w->arg_ms = hold_ms ? hold_ms : 1;
     w->arg2_ms = wait_ms;
     owner_send(w, S_PROBE_TAKE, probe_take_cb);
+}
+
+static void settle_take_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+{
+    struct owner_op *w = arg;
+    if (st != STORE_PG_OK) {
+        log_pg_failure("settle_take", st, msg);
+        owner_finish(w, false, 0);
+        return;
+    }
+    const PGresult *state = store_pg_cb_then(w->h.s->pg);
+    long rows = cmd_rows(pr);
+    owner_finish(w, true, rows > 0 ? 1 : state && PQntuples(state) > 0 ? 0 : -1);
+}
+
+void store_settle_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, store_done_cb cb,
+                       void *arg)
+{
+    struct owner_op *w = owner_new(s, OP_PROBE_TAKE, id, token, cb, arg);
+    w->arg_ms = hold_ms ? hold_ms : 1;
+    owner_send(w, S_SETTLE_TAKE, settle_take_cb);
 }
 
 struct probe_list_op {
