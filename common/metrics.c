@@ -66,6 +66,7 @@ static _Atomic int postgres_up;
 static _Atomic int redis_up;
 static _Atomic int64_t connections;
 static _Atomic int64_t claims_in_doubt;
+static _Atomic uint64_t trace_dropped;
 static _Atomic int64_t cache_entries;
 static _Atomic int64_t cache_bytes;
 static _Atomic uint64_t cache_hits;
@@ -153,6 +154,7 @@ static void zero_globals(void)
     atomic_store_explicit(&redis_up, 0, memory_order_relaxed);
     atomic_store_explicit(&connections, 0, memory_order_relaxed);
     atomic_store_explicit(&claims_in_doubt, 0, memory_order_relaxed);
+    atomic_store_explicit(&trace_dropped, 0, memory_order_relaxed);
     atomic_store_explicit(&cache_entries, 0, memory_order_relaxed);
     atomic_store_explicit(&cache_bytes, 0, memory_order_relaxed);
     atomic_store_explicit(&cache_hits, 0, memory_order_relaxed);
@@ -392,6 +394,11 @@ void cm_metric_shed(enum cm_shed_reason r)
         atomic_fetch_add_explicit(&shed[r], 1, memory_order_relaxed);
 }
 
+void cm_metric_trace_dropped(uint64_t n)
+{
+    atomic_fetch_add_explicit(&trace_dropped, n, memory_order_relaxed);
+}
+
 void cm_metric_claims_in_doubt(int64_t delta)
 {
     atomic_fetch_add_explicit(&claims_in_doubt, delta, memory_order_relaxed);
@@ -587,6 +594,11 @@ bool cm_metrics_render(struct cm_buf *out)
     for (size_t i = 0; i < CM_SHED__COUNT; i++)
         if (!put_labelled(out, "idemgate_shed_total", "reason", shed_names[i], ctr_get(&shed[i])))
             return false;
+    if (!put_family(out, "idemgate_trace_spans_dropped_total", "counter",
+                    "Spans not exported: the queue was full or the collector did not take them.") ||
+        !cm_buf_appendf(out, "idemgate_trace_spans_dropped_total %llu\n",
+                        (unsigned long long)atomic_load_explicit(&trace_dropped, memory_order_relaxed)))
+        return false;
     if (!put_gauge(out, "idemgate_buffers_bytes", "Bytes of request bodies and answers held (limits.buffers).",
                    (long long)cm_buffers_used()))
         return false;

@@ -79,6 +79,8 @@ void cm_metric_replay_cache_online(bool online);
 /* idemgate_shed_total{reason}: requests answered 503 overloaded before anything was claimed or forwarded. */
 enum cm_shed_reason { CM_SHED_BUFFERS, CM_SHED__COUNT };
 void cm_metric_shed(enum cm_shed_reason r);
+/* idemgate_trace_spans_dropped_total: spans not exported (the queue was full, or the collector failed). */
+void cm_metric_trace_dropped(uint64_t n);
 
 /* ---- unknown outcomes resolved by probing (SPEC 9) and shadow mode (SPEC 10) */
 

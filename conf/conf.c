@@ -42,6 +42,7 @@ void conf_destroy(struct conf *c)
     free(c->jwt.secret_env);
     free(c->jwt.issuer);
     free(c->jwt.audience);
+    free(c->tracing_otlp);
     free(c);
 }
 
@@ -113,6 +114,9 @@ static const struct field top_fields[] = {
                       "Used only while its Postgres listener (purges reach every instance through it) is "
                       "connected. `off` disables it.",
                .example = "off"),
+    FIELD_BASE("tracing", fn_tracing, false, .what = "mapping", SUB(tracing_fields, 0), .restart = true,
+               .doc = "OpenTelemetry traces: spans `request`, `claim`, `upstream` and `complete` exported over "
+                      "OTLP/HTTP (see operations.md). Absent: no tracing."),
 };
 
 /* ---------------------------------------------------------------- the reference (idemgate --print-reference) */
@@ -262,6 +266,7 @@ static void conf_defaults(struct conf *c)
     c->replay_cache_max_bytes = 2 * MIB;
     c->replay_cache_max_entries = 4096;
     c->limits_buffers = 512 * MIB;
+    c->tracing_sample = 0.05;
 }
 
 static char *syntax_error(const char *name, const yaml_parser_t *p, const char *yaml, size_t len)

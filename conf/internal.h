@@ -173,6 +173,8 @@ extern const struct field replay_cache_fields[2];
 extern const struct field limits_fields[1];
 bool fn_limits(struct ctx *x, yaml_node_t *n, void *target);
 bool fn_replay_cache(struct ctx *x, yaml_node_t *n, void *target);
+extern const struct field tracing_fields[2];
+bool fn_tracing(struct ctx *x, yaml_node_t *n, void *target);
 bool apply_env(struct ctx *x, yaml_node_t *root);
 
 /* upstreams.c */

@@ -1,5 +1,5 @@
 /* process.c - the sections that set the whole process: listen and admin (the listen address look-up), store
- * (postgres, redis, distributed) and its environment overrides, jwt, limits and replay_cache. Never a route
+ * (postgres, redis, distributed) and its environment overrides, jwt, limits, replay_cache and tracing. Never a route
  * or an upstream, never the field machinery (fields.c). */
 #include "conf/internal.h"
 
@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -500,6 +501,68 @@ bool fn_replay_cache(struct ctx *x, yaml_node_t *n, void *target)
     if (n->type != YAML_MAPPING_NODE)
         return fail(x, n, "must be a mapping {max_bytes: SIZE, max_entries: N} or off");
     return parse_map(x, n, replay_cache_fields, NFIELDS(replay_cache_fields), c);
+}
+
+/* ---- tracing: {otlp: URL, sample: P} (SPEC 11); absent: off */
+
+static bool fn_tracing_otlp(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "an http:// URL");
+    if (s == NULL)
+        return false;
+    size_t skip = strncasecmp(s, "http://", 7) == 0 ? 7 : strncasecmp(s, "https://", 8) == 0 ? 8 : 0;
+    if (skip == 0)
+        return fail(x, n, "must start with http:// or https://");
+    for (const char *p = s; *p; p++)
+        if ((unsigned char)*p <= 0x20 || *p == 0x7f)
+            return fail(x, n, "must not contain spaces or control characters");
+    if (strpbrk(s, "?#@") != NULL || s[skip] == '\0' || s[skip] == '/' || strlen(s) > 512)
+        return fail(x, n, "must be http(s)://HOST[:PORT][/PATH] (at most 512 bytes, no user info, query or fragment)");
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static bool fn_tracing_sample(struct ctx *x, yaml_node_t *n, void *target)
+{
+    double *out = target;
+    const char *s = scalar(x, n, "a number from 0 to 1");
+    if (s == NULL)
+        return false;
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno != 0 || end == s || *end != '\0' || !(v >= 0 && v <= 1))
+        return fail(x, n, "must be a number from 0 to 1 (the share of new traces sampled)");
+    *out = v;
+    return true;
+}
+
+static bool show_tracing_sample(const void *base, const struct field *f, char *buf, size_t n)
+{
+    snprintf(buf, n, "%g", *(const double *)(const void *)((const char *)base + f->off));
+    return true;
+}
+
+const struct field tracing_fields[] = {
+    FIELD_FN("otlp", struct conf, tracing_otlp, fn_tracing_otlp, true, .what = "URL", .restart = true,
+             .allowed = "`http://` or `https://` and a host, optional port and path",
+             .doc = "The OpenTelemetry collector's OTLP/HTTP endpoint: spans are POSTed as JSON to this URL + "
+                    "`/v1/traces`.",
+             .example = "http://127.0.0.1:4318"),
+    FIELD_FN("sample", struct conf, tracing_sample, fn_tracing_sample, false, .what = "number", .def = "0.05",
+             .restart = true, .show = show_tracing_sample, .allowed = "0 to 1",
+             .doc = "The share of requests traced when the request carries no valid `traceparent`; with one, its "
+                    "sampled flag decides.",
+             .example = "0.25"),
+};
+
+bool fn_tracing(struct ctx *x, yaml_node_t *n, void *target)
+{
+    if (n->type != YAML_MAPPING_NODE)
+        return fail(x, n, "must be a mapping {otlp: URL, sample: P}");
+    return parse_map(x, n, tracing_fields, NFIELDS(tracing_fields), target);
 }
 
 bool apply_env(struct ctx *x, yaml_node_t *root)

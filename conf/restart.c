@@ -38,6 +38,7 @@ size_t conf_restart_keys(const struct conf *old, const struct conf *neu, const c
         {"client_timeout", old->client_timeout_ms == neu->client_timeout_ms},
         {"max_header_bytes", old->max_header_bytes == neu->max_header_bytes},
         {"max_response_header_bytes", old->max_response_header_bytes == neu->max_response_header_bytes},
+        {"tracing", str_eq(old->tracing_otlp, neu->tracing_otlp) && old->tracing_sample == neu->tracing_sample},
     };
     size_t n = 0;
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {

@@ -39,7 +39,7 @@ ORDER = {
               "store/ledger", "store/migrate", "store/notify", "store/order", "store/redis", "store/pg", "store/cancel"],
     "conf": ["conf/reference", "conf/identity", "conf/conf", "conf/restart", "conf/check", "conf/routes",
              "conf/upstreams", "conf/process", "conf/idempotency", "conf/fields", "conf/types"],
-    "upstream": ["upstream/upstream", "upstream/curl", "upstream/h1", "upstream/head", "upstream/transfer",
+    "upstream": ["upstream/upstream", "upstream/curl", "upstream/h1", "upstream/head", "upstream/transfer", "upstream/trace",
                  "upstream/types"],
     "gateway": [
         "gateway/main", "gateway/reconcile", "gateway/admin", "gateway/adminkeys", "gateway/front", "gateway/loop", "gateway/pipeline", "gateway/probe",

@@ -1476,6 +1476,7 @@ static const char *const restart_keys[] = {
     "max_header_bytes",
     "max_response_header_bytes",
     "limits.buffers",
+    "tracing",
 };
 
 static void restart_flag_matches(const struct conf_key_doc *k, void *arg)
@@ -1566,6 +1567,7 @@ static const struct ex_ctx {
     {"jwt.", BASE "jwt:\n  @secret_env secret_env: X\n  %s\n"},
     {"replay_cache.", BASE "replay_cache:\n  %s\n"},
     {"limits.", BASE "limits:\n  %s\n"},
+    {"tracing.", BASE "tracing:\n  @otlp otlp: http://127.0.0.1:4318\n  %s\n"},
 };
 
 /* The context's text for key (its last path part) with "KEY: VALUE" in place: a line "@name ..." is kept (without
