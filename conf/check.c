@@ -71,7 +71,8 @@ static bool parts_same(const struct conf_part *a, size_t an, const struct conf_p
         return false;
     for (size_t i = 0; i < an; i++)
         if (a[i].kind != b[i].kind || (a[i].header == NULL) != (b[i].header == NULL) ||
-            (a[i].header && strcasecmp(a[i].header, b[i].header) != 0))
+            (a[i].header && (a[i].kind == CONF_PART_HEADER ? strcasecmp(a[i].header, b[i].header)
+                                                           : strcmp(a[i].header, b[i].header)) != 0))
             return false;
     return true;
 }
@@ -88,7 +89,7 @@ static bool route_policy_same(const struct conf_route *a, const struct conf_rout
     const struct conf_ordering *o = &a->ordering, *p = &b->ordering;
     return a->upstream == b->upstream && a->methods == b->methods && x->key == y->key && x->mode == y->mode &&
            (x->header == y->header || (x->header && y->header && strcasecmp(x->header, y->header) == 0)) &&
-           parts_same(x->scope, x->scope_n, y->scope, y->scope_n) &&
+           parts_same(x->scope, x->scope_n, y->scope, y->scope_n) && parts_same(&x->key_from, 1, &y->key_from, 1) &&
            parts_same(x->fingerprint, x->fingerprint_n, y->fingerprint, y->fingerprint_n) &&
            x->retention_ms == y->retention_ms && x->lease_ms == y->lease_ms && x->on_in_flight == y->on_in_flight &&
            x->wait_ms == y->wait_ms && x->on_unknown == y->on_unknown && x->max_body == y->max_body &&
@@ -100,8 +101,8 @@ static bool route_policy_same(const struct conf_route *a, const struct conf_rout
            x->probe.enabled == y->probe.enabled && str_same(x->probe.path, y->probe.path) &&
            str_same(x->probe.method, y->probe.method) && a->errors.kind == b->errors.kind &&
            str_same(a->errors.tmpl, b->errors.tmpl) && o->enabled == p->enabled && str_same(o->resource, p->resource) &&
-           o->source == p->source && str_same(o->seq_name, p->seq_name) && o->on_gap == p->on_gap &&
-           o->hold_ms == p->hold_ms;
+           o->resource_json == p->resource_json && o->source == p->source && str_same(o->seq_name, p->seq_name) &&
+           o->on_gap == p->on_gap && o->hold_ms == p->hold_ms;
 }
 
 /* Route a meets route b's path as written, by the byte-exact rule routes had before SPEC 7's spelling rule. */

@@ -238,6 +238,16 @@ bool expect_type(struct ctx *x, const yaml_node_t *n, yaml_node_type_t t)
 
 /* ---------------------------------------------------------------- value checks */
 
+bool json_pointer_ok(const char *p, size_t len)
+{
+    if (len > 0 && p[0] != '/')
+        return false;
+    for (size_t i = 0; i < len; i++)
+        if (p[i] == '~' && (i + 1 == len || (p[i + 1] != '0' && p[i + 1] != '1')))
+            return false;
+    return len <= 1024;
+}
+
 bool is_token(const char *s)
 {
     return cm_token_ok(s, strlen(s));

@@ -22,15 +22,23 @@ void idem_free(struct conf_idem *d)
     free(d->forward_token);
     parts_free(d->scope, d->scope_n);
     parts_free(d->fingerprint, d->fingerprint_n);
+    free(d->key_from.header);
     free(d->release_statuses);
     probe_free(&d->probe);
 }
 
+/* A part's kind as written (with the ':' of a named one). */
+static const char *part_name(enum conf_part_kind k)
+{
+    static const char *const names[] = {
+        "method", "path", "query", "body", "header:", "jwt:", "json:", "form:", "query:"};
+    return (unsigned)k < NFIELDS(names) ? names[k] : "?";
+}
+
 static void part_item(const void *arr, size_t i, char *out, size_t on)
 {
-    static const char *const kinds[] = {"method", "path", "query", "body", "header:", "jwt:"};
     const struct conf_part *p = &((const struct conf_part *)arr)[i];
-    snprintf(out, on, "%s%s", kinds[p->kind], p->header ? p->header : "");
+    snprintf(out, on, "%s%s", part_name(p->kind), p->header ? p->header : "");
 }
 
 static bool show_parts(const void *base, const struct field *f, char *buf, size_t n)
@@ -43,7 +51,77 @@ static bool show_parts(const void *base, const struct field *f, char *buf, size_
 
 /* ---- idempotency */
 
-static bool parse_parts(struct ctx *x, yaml_node_t *n, struct conf_part **out, size_t *out_n, bool allow_jwt)
+/* Which request parts a list (or key_from) takes. */
+enum {
+    PART_WHOLE = 1,  /* method, path, query, body */
+    PART_JWT = 2,    /* jwt:CLAIM */
+    PART_SOURCE = 4, /* json:/POINTER, form:NAME, query:NAME (SPEC 12) */
+};
+
+/* One part, s as written, into *p (its name not yet copied: s + *off). false: the error is reported at m. */
+static bool parse_part(struct ctx *x, yaml_node_t *m, const char *s, unsigned allow, struct conf_part *p, size_t *off)
+{
+    static const struct {
+        const char *prefix;
+        enum conf_part_kind kind;
+    } named[] = {{"header:", CONF_PART_HEADER},
+                 {"jwt:", CONF_PART_JWT},
+                 {"json:", CONF_PART_JSON},
+                 {"form:", CONF_PART_FORM},
+                 {"query:", CONF_PART_QPARAM}};
+    static const char *const whole[] = {"method", "path", "query", "body"};
+    char b[80];
+    *p = (struct conf_part){0};
+    *off = 0;
+    for (size_t i = 0; (allow & PART_WHOLE) && i < NFIELDS(whole); i++)
+        if (strcmp(s, whole[i]) == 0) {
+            p->kind = (enum conf_part_kind)(CONF_PART_METHOD + (int)i);
+            return true;
+        }
+    for (size_t i = 0; i < NFIELDS(named); i++) {
+        size_t pl = strlen(named[i].prefix);
+        if (strncmp(s, named[i].prefix, pl) != 0)
+            continue;
+        enum conf_part_kind k = named[i].kind;
+        const char *v = s + pl;
+        if ((k == CONF_PART_JWT && !(allow & PART_JWT)) ||
+            ((k == CONF_PART_JSON || k == CONF_PART_FORM || k == CONF_PART_QPARAM) && !(allow & PART_SOURCE)))
+            break;
+        p->kind = k;
+        *off = pl;
+        if (k == CONF_PART_HEADER && v[0] == '\0')
+            return fail(x, m, "'header:' needs a header name (e.g. header:Authorization)");
+        if (k == CONF_PART_HEADER && !is_token(v))
+            return fail(x, m, "invalid header name '%s'", shown(b, v));
+        if (k == CONF_PART_JWT && (v[0] == '\0' || strlen(v) > 128 || !cm_field_value_ok(v, strlen(v))))
+            return fail(x, m, "'jwt:' needs a claim name (e.g. jwt:sub)");
+        if (k == CONF_PART_JSON && !json_pointer_ok(v, strlen(v)))
+            return fail(x, m,
+                        "invalid JSON Pointer '%s' in '%s': it is empty (the whole body) or starts with '/', writes "
+                        "'~' only as ~0 ('~') or ~1 ('/'), and has at most 1024 bytes",
+                        shown(b, v), s);
+        if ((k == CONF_PART_FORM || k == CONF_PART_QPARAM) &&
+            (v[0] == '\0' || strlen(v) > 256 || !cm_field_value_ok(v, strlen(v))))
+            return fail(x, m, "'%s' needs a field name of 1 to 256 visible bytes (e.g. %sevent_id)", named[i].prefix,
+                        named[i].prefix);
+        return true;
+    }
+    return fail(x, m, "invalid part '%s' (use %s%s%s)", shown(b, s),
+                allow & PART_WHOLE ? "method, path, query, body, " : "", allow & PART_JWT ? "jwt:CLAIM, " : "",
+                allow & PART_SOURCE ? "json:/POINTER, form:NAME, query:NAME or header:NAME" : "header:NAME");
+}
+
+/* Two parts of one list that name the same thing: header names are case-insensitive, the others are not. */
+static bool part_same(const struct conf_part *a, enum conf_part_kind kind, const char *name)
+{
+    if (a->kind != kind)
+        return false;
+    if (!a->header || !name)
+        return true;
+    return (kind == CONF_PART_HEADER ? strcasecmp(a->header, name) : strcmp(a->header, name)) == 0;
+}
+
+static bool parse_parts(struct ctx *x, yaml_node_t *n, struct conf_part **out, size_t *out_n, unsigned allow)
 {
     if (!expect_type(x, n, YAML_SEQUENCE_NODE))
         return false;
@@ -54,55 +132,26 @@ static bool parse_parts(struct ctx *x, yaml_node_t *n, struct conf_part **out, s
         yaml_node_t *m = yaml_document_get_node(x->doc, n->data.sequence.items.start[i]);
         size_t old = path_push(x, "[%zu]", i);
         const char *s = scalar(x, m,
-                               allow_jwt ? "method, path, query, body, header:NAME or jwt:CLAIM"
-                                         : "method, path, query, body or header:NAME");
-        if (s == NULL)
+                               allow & PART_JWT ? "method, path, query, body, header:NAME, jwt:CLAIM, json:/POINTER, "
+                                                  "form:NAME or query:NAME"
+                                                : "method, path, query, body, header:NAME, json:/POINTER, form:NAME "
+                                                  "or query:NAME");
+        struct conf_part p;
+        size_t off;
+        if (s == NULL || !parse_part(x, m, s, allow, &p, &off))
             goto fail;
-        struct conf_part p = {0};
-        char b[80];
-        if (strcmp(s, "method") == 0) {
-            p.kind = CONF_PART_METHOD;
-        } else if (strcmp(s, "path") == 0) {
-            p.kind = CONF_PART_PATH;
-        } else if (strcmp(s, "query") == 0) {
-            p.kind = CONF_PART_QUERY;
-        } else if (strcmp(s, "body") == 0) {
-            p.kind = CONF_PART_BODY;
-        } else if (strncmp(s, "header:", 7) == 0) {
-            if (s[7] == '\0') {
-                fail(x, m, "'header:' needs a header name (e.g. header:Authorization)");
-                goto fail;
-            }
-            if (!is_token(s + 7)) {
-                fail(x, m, "invalid header name '%s'", shown(b, s + 7));
-                goto fail;
-            }
-            p.kind = CONF_PART_HEADER;
-        } else if (allow_jwt && strncmp(s, "jwt:", 4) == 0) {
-            if (s[4] == '\0' || strlen(s + 4) > 128 || !cm_field_value_ok(s + 4, strlen(s + 4))) {
-                fail(x, m, "'jwt:' needs a claim name (e.g. jwt:sub)");
-                goto fail;
-            }
-            p.kind = CONF_PART_JWT;
-            if (x->jwt_part_line == 0) {
-                x->jwt_part_line = node_line(m);
-                snprintf(x->jwt_part_path, sizeof x->jwt_part_path, "%s", x->path);
-            }
-        } else {
-            fail(x, m, "invalid part '%s' (use method, path, query, body%s or header:NAME)", shown(b, s),
-                 allow_jwt ? ", jwt:CLAIM" : "");
-            goto fail;
+        if (p.kind == CONF_PART_JWT && x->jwt_part_line == 0) {
+            x->jwt_part_line = node_line(m);
+            snprintf(x->jwt_part_path, sizeof x->jwt_part_path, "%s", x->path);
         }
-        size_t off = p.kind == CONF_PART_JWT ? 4 : 7;
+        char b[80];
         for (size_t j = 0; j < got; j++) {
-            if (parts[j].kind == p.kind && ((p.kind != CONF_PART_HEADER && p.kind != CONF_PART_JWT) ||
-                                            (p.kind == CONF_PART_HEADER ? strcasecmp(parts[j].header, s + off)
-                                                                        : strcmp(parts[j].header, s + off)) == 0)) {
+            if (part_same(&parts[j], p.kind, off ? s + off : NULL)) {
                 fail(x, m, "duplicate part '%s'", shown(b, s));
                 goto fail;
             }
         }
-        if (p.kind == CONF_PART_HEADER || p.kind == CONF_PART_JWT)
+        if (off)
             p.header = cm_strdup(s + off);
         parts[got++] = p;
         path_pop(x, old);
@@ -119,13 +168,45 @@ fail:
 static bool fn_scope(struct ctx *x, yaml_node_t *n, void *target)
 {
     struct conf_idem *d = target;
-    return parse_parts(x, n, &d->scope, &d->scope_n, true);
+    return parse_parts(x, n, &d->scope, &d->scope_n, PART_WHOLE | PART_JWT | PART_SOURCE);
 }
 
 static bool fn_fingerprint(struct ctx *x, yaml_node_t *n, void *target)
 {
     struct conf_idem *d = target;
-    return parse_parts(x, n, &d->fingerprint, &d->fingerprint_n, false);
+    return parse_parts(x, n, &d->fingerprint, &d->fingerprint_n, PART_WHOLE | PART_SOURCE);
+}
+
+/* key_from: header:NAME (then the key header is NAME), json:/POINTER, form:NAME or query:NAME (SPEC 12). */
+static bool fn_key_from(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_idem *d = target;
+    const char *s = scalar(x, n, "json:/POINTER, form:NAME, query:NAME or header:NAME");
+    struct conf_part p;
+    size_t off;
+    if (s == NULL || !parse_part(x, n, s, PART_SOURCE, &p, &off))
+        return false;
+    free(d->key_from.header);
+    p.header = cm_strdup(s + off);
+    d->key_from = p;
+    if (p.kind == CONF_PART_HEADER) {
+        free(d->header);
+        d->header = cm_strdup(p.header);
+    }
+    return true;
+}
+
+/* Whether any part of the route reads the body (conf_route.reads_body). */
+bool route_reads_body(const struct conf_route *r)
+{
+    const struct conf_idem *d = &r->idem;
+    bool reads = (d->key_from.header && conf_part_reads_body(d->key_from.kind)) ||
+                 (r->ordering.enabled && (r->ordering.resource_json || r->ordering.source == CONF_SEQ_JSON));
+    for (size_t i = 0; i < d->scope_n; i++)
+        reads = reads || conf_part_reads_body(d->scope[i].kind);
+    for (size_t i = 0; i < d->fingerprint_n; i++)
+        reads = reads || conf_part_reads_body(d->fingerprint[i].kind);
+    return reads;
 }
 
 static bool fn_key_header(struct ctx *x, yaml_node_t *n, void *target)
@@ -407,12 +488,6 @@ static const char *const key_modes[] = {"optional", "required", "off", NULL};
 static const char *const in_flight_modes[] = {"conflict", "wait", NULL};
 static const char *const unknown_modes[] = {"reject", "retry", "probe", NULL};
 
-static const char *part_name(enum conf_part_kind k)
-{
-    static const char *const names[] = {"method", "path", "query", "body", "header:", "jwt:"};
-    return (unsigned)k < NFIELDS(names) ? names[k] : "?";
-}
-
 /* SPEC 9: the look-up asks the upstream about this key (the path or a header carries {key}; the upstream knows the
  * key only when it is forwarded) and, on a scoped route, as this tenant: it carries the scope's header: parts and
  * the verified Authorization of jwt: parts, nothing else, so another part is refused unless the upstream's look-up
@@ -458,9 +533,19 @@ const struct field idem_fields[] = {
              .doc = "The request header that carries the key. A key is 1 to 255 bytes of visible ASCII (or an "
                     "RFC 8941 quoted string of them); two such headers are 400 `idempotency-key-invalid`.",
              .example = "X-Request-Id"),
+    FIELD_BASE("key_from", fn_key_from, false, .what = "request part",
+               .allowed = "`json:/POINTER`, `form:NAME`, `query:NAME`, `header:NAME`",
+               .doc = "Where the key is read instead of the key header: the JSON string or integer at a JSON Pointer "
+                      "into a JSON body, a field of an `application/x-www-form-urlencoded` body, a query parameter, "
+                      "or a header (`header:NAME` is `header: NAME`). A string key is 1 to 255 bytes of UTF-8 "
+                      "without control characters; an integer (no fraction, no exponent) is its decimal text; "
+                      "another JSON value is 400 `idempotency-key-invalid`. The key header is then not read for the "
+                      "key. `/admin/keys?key=` takes the same text.",
+               .example = "json:/order_no"),
     FIELD_BASE("scope", fn_scope, false, .what = "list of request parts", .def = "[]", .show = show_parts,
                LIST_AT(struct conf_idem, scope, scope_n),
-               .allowed = "`method`, `path`, `query`, `body`, `header:NAME`, `jwt:CLAIM`",
+               .allowed = "`method`, `path`, `query`, `body`, `header:NAME`, `jwt:CLAIM`, `json:/POINTER`, "
+                          "`form:NAME`, `query:NAME`",
                .doc = "The parts whose hash separates key spaces, so one tenant is never replayed another "
                       "tenant's answer (e.g. `[header:Authorization]`, or `[jwt:sub]` with a top-level `jwt:` "
                       "block, which survives a token refresh). Only the hash is stored. `--check` warns about an "
@@ -469,9 +554,12 @@ const struct field idem_fields[] = {
     FIELD_BASE("fingerprint", fn_fingerprint, false, .what = "list of request parts",
                .def = "[method, path, query, body]", .show = show_parts,
                LIST_AT(struct conf_idem, fingerprint, fingerprint_n),
-               .allowed = "`method`, `path`, `query`, `body`, `header:NAME`",
+               .allowed = "`method`, `path`, `query`, `body`, `header:NAME`, `json:/POINTER`, `form:NAME`, "
+                          "`query:NAME`",
                .doc = "The parts a retry must repeat byte for byte to be replayed; a request with the same key "
-                      "and another fingerprint is 422 `idempotency-key-mismatch`.",
+                      "and another fingerprint is 422 `idempotency-key-mismatch`. A `json:/POINTER` part is the "
+                      "RFC 8785 canonical form of the value there (absent is a value of its own), so member order, "
+                      "whitespace and escapes do not count, nor do members elsewhere in the body.",
                .example = "[method, path, body, header:Content-Type]"),
     FIELD("retention", F_DUR, struct conf_idem, retention_ms, 1, DURATION_MAX, .def = "24h",
           .doc = "How long a completed answer is replayed. Afterwards the key is new again. Unknown outcomes do "

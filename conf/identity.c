@@ -25,6 +25,12 @@ static bool part_append(struct cm_buf *b, const struct conf_part *p)
         return cm_buf_appendf(b, "body");
     case CONF_PART_JWT:
         return cm_buf_appendf(b, "jwt:%s", p->header);
+    case CONF_PART_JSON:
+        return cm_buf_appendf(b, "json:%s", p->header);
+    case CONF_PART_FORM:
+        return cm_buf_appendf(b, "form:%s", p->header);
+    case CONF_PART_QPARAM:
+        return cm_buf_appendf(b, "query:%s", p->header);
     case CONF_PART_HEADER: {
         if (!cm_buf_appendf(b, "header:"))
             return false;
@@ -56,6 +62,8 @@ char *conf_route_identity(const struct conf_route *r)
     struct cm_buf b;
     cm_buf_init(&b, IDENTITY_MAX);
     struct conf_part key = {.kind = CONF_PART_HEADER, .header = r->idem.header ? r->idem.header : "Idempotency-Key"};
+    if (r->idem.key_from.header) /* key_from: header:NAME set header to NAME: the same identity as header: NAME */
+        key = r->idem.key_from;
     bool ok = cm_buf_appendf(&b, "key=") && part_append(&b, &key) &&
               parts_append(&b, "scope", r->idem.scope, r->idem.scope_n) &&
               parts_append(&b, "fingerprint", r->idem.fingerprint, r->idem.fingerprint_n);

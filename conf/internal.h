@@ -142,6 +142,8 @@ bool is_null(const yaml_node_t *n);
 const char *scalar(struct ctx *x, const yaml_node_t *n, const char *what);
 bool expect_type(struct ctx *x, const yaml_node_t *n, yaml_node_type_t t);
 bool is_token(const char *s);
+/* A JSON Pointer (RFC 6901) of at most 1024 bytes: "" or '/'-separated tokens where '~' is only ~0 or ~1. */
+bool json_pointer_ok(const char *p, size_t len);
 bool parse_port(const char *s, size_t n, bool allow_zero, uint16_t *port);
 const char *split_hostport(const char *s, size_t n, const char **host, size_t *hostn, const char **port_s,
                            size_t *port_n);
@@ -192,9 +194,11 @@ bool fn_routes(struct ctx *x, yaml_node_t *n, void *target);
 
 /* idempotency.c */
 void idem_free(struct conf_idem *d);
-extern const struct field idem_fields[18];
+extern const struct field idem_fields[19];
 bool fn_idem(struct ctx *x, yaml_node_t *n, void *target);
 void idem_defaults(struct conf_idem *d);
+/* Whether any part of route r reads the body (conf_route.reads_body): a json: or form: part anywhere. */
+bool route_reads_body(const struct conf_route *r);
 
 /* check.c */
 bool check_addresses(struct ctx *x, yaml_node_t *root);

@@ -364,30 +364,31 @@ static const char *resource_why(const char *s, size_t len)
 static bool fn_ord_resource(struct ctx *x, yaml_node_t *n, void *target)
 {
     struct conf_ordering *o = target;
-    const char *s = scalar(x, n, "a path template such as /v1/accounts/{id}/address");
+    const char *s = scalar(x, n, "a path template such as /v1/accounts/{id}/address, or json:/POINTER");
     if (s == NULL)
         return false;
+    char b[80];
+    if (strncmp(s, "json:", 5) == 0) { /* SPEC 12: the resource instance is a body value */
+        if (!json_pointer_ok(s + 5, strlen(s + 5)))
+            return fail(x, n,
+                        "invalid JSON Pointer '%s' in '%s': it is empty (the whole body) or starts with '/', writes "
+                        "'~' only as ~0 ('~') or ~1 ('/'), and has at most 1024 bytes",
+                        shown(b, s + 5), s);
+        free(o->resource);
+        o->resource = cm_strdup(s + 5);
+        o->resource_json = true;
+        return true;
+    }
     size_t len = strlen(s);
     while (len > 1 && s[len - 1] == '/')
         len--;
     const char *why = resource_why(s, len);
-    char b[80];
     if (why)
         return fail(x, n, "invalid resource template '%s': %s", shown(b, s), why);
     free(o->resource);
     o->resource = cm_strndup(s, len);
+    o->resource_json = false;
     return true;
-}
-
-/* A JSON Pointer (RFC 6901): "" or '/'-separated tokens where '~' is only ~0 or ~1. */
-static bool pointer_ok(const char *p, size_t len)
-{
-    if (len > 0 && p[0] != '/')
-        return false;
-    for (size_t i = 0; i < len; i++)
-        if (p[i] == '~' && (i + 1 == len || (p[i + 1] != '0' && p[i + 1] != '1')))
-            return false;
-    return len <= 1024;
 }
 
 static bool fn_ord_sequence(struct ctx *x, yaml_node_t *n, void *target)
@@ -399,7 +400,7 @@ static bool fn_ord_sequence(struct ctx *x, yaml_node_t *n, void *target)
     char b[80];
     if (strncmp(s, "header:", 7) == 0 && cm_token_ok(s + 7, strlen(s + 7)) && strlen(s + 7) <= 256) {
         o->source = CONF_SEQ_HEADER;
-    } else if (strncmp(s, "json:", 5) == 0 && pointer_ok(s + 5, strlen(s + 5))) {
+    } else if (strncmp(s, "json:", 5) == 0 && json_pointer_ok(s + 5, strlen(s + 5))) {
         o->source = CONF_SEQ_JSON;
     } else {
         return fail(x, n, "invalid sequence '%s' (use header:NAME or json:/pointer, a JSON Pointer)", shown(b, s));
@@ -410,11 +411,15 @@ static bool fn_ord_sequence(struct ctx *x, yaml_node_t *n, void *target)
 }
 
 static const struct field ordering_fields[] = {
-    FIELD_BASE("resource", fn_ord_resource, true, .what = "path template",
-               .allowed = "starts with `/`; each segment a literal or one whole `{name}` (letters, digits, `_`)",
+    FIELD_BASE("resource", fn_ord_resource, true, .what = "path template or json:/POINTER",
+               .allowed = "starts with `/`; each segment a literal or one whole `{name}` (letters, digits, `_`); "
+                          "or `json:/POINTER`",
                .doc = "Which requests of the route are guarded and what one resource is: a request whose whole "
                       "normalised path matches (`/v1/accounts/{id}/address`, `{name}` one non-empty segment) is "
-                      "guarded, and its path is the resource. Other requests of the route are not guarded.",
+                      "guarded, and its path is the resource. Other requests of the route are not guarded. With "
+                      "`json:/POINTER` every request of the route's methods is guarded and the resource is the JSON "
+                      "string or integer at the pointer of its JSON body (missing or another type: 400 "
+                      "`sequence-invalid`).",
                .example = "/v1/accounts/{id}/address"),
     FIELD_BASE("sequence", fn_ord_sequence, true, .what = "string",
                .allowed = "`header:NAME` or `json:/pointer` (an RFC 6901 JSON Pointer into the body)",
@@ -498,6 +503,7 @@ bool fn_routes(struct ctx *x, yaml_node_t *n, void *target)
         size_t refs_before = x->refs_n;
         if (item == NULL || !parse_map(x, item, route_fields, NFIELDS(route_fields), r))
             return false;
+        r->reads_body = route_reads_body(r);
         if (x->refs_n == refs_before) {
             path_push(x, ".upstream");
             add_ref(x, 0, node_line(item), &r->upstream, NULL);

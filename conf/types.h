@@ -63,13 +63,24 @@ enum conf_part_kind {
     CONF_PART_QUERY,
     CONF_PART_BODY,
     CONF_PART_HEADER,
-    CONF_PART_JWT, /* a claim of the verified bearer JWT (scope only) */
+    CONF_PART_JWT,    /* a claim of the verified bearer JWT (scope only) */
+    CONF_PART_JSON,   /* json:/POINTER: the value at an RFC 6901 JSON Pointer into a JSON body */
+    CONF_PART_FORM,   /* form:NAME: a field of an application/x-www-form-urlencoded body */
+    CONF_PART_QPARAM, /* query:NAME: a parameter of the query */
 };
 
 struct conf_part {
     enum conf_part_kind kind;
-    char *header; /* CONF_PART_HEADER: the header name; CONF_PART_JWT: the claim name */
+    /* CONF_PART_HEADER: the header name; CONF_PART_JWT: the claim name; CONF_PART_JSON: the pointer ("" is the
+     * whole body); CONF_PART_FORM, CONF_PART_QPARAM: the field's name */
+    char *header;
 };
+
+/* Does a part of this kind read the request body (parsing it)? */
+static inline bool conf_part_reads_body(enum conf_part_kind k)
+{
+    return k == CONF_PART_JSON || k == CONF_PART_FORM;
+}
 
 /* ---- probe and shadow mode (SPEC 9, 10) */
 
@@ -103,8 +114,11 @@ struct conf_probe {
 enum conf_idem_mode { CONF_MODE_ENFORCE = 0, CONF_MODE_SHADOW };
 
 struct conf_idem {
-    enum conf_key_mode key;  /* default optional */
-    char *header;            /* default "Idempotency-Key" */
+    enum conf_key_mode key; /* default optional */
+    char *header;           /* default "Idempotency-Key" */
+    /* key_from (SPEC 12): where the key is read (header:, json:, form: or query:); header NULL when not given, the
+     * key is then the header above. key_from: header:NAME also sets header to NAME. */
+    struct conf_part key_from;
     struct conf_part *scope; /* default none */
     size_t scope_n;
     struct conf_part *fingerprint; /* default method, path, query, body */
@@ -141,6 +155,7 @@ enum conf_on_gap { CONF_GAP_ACCEPT = 0, CONF_GAP_REJECT, CONF_GAP_HOLD };
 struct conf_ordering {
     bool enabled;                /* an ordering: block was given */
     char *resource;              /* path template, "/v1/accounts/{id}/address" (trailing '/' removed) */
+    bool resource_json;          /* resource is a JSON Pointer into the body (json:/POINTER), not a template */
     enum conf_seq_source source; /* header:NAME or json:/pointer */
     char *seq_name;              /* the header name, or the JSON Pointer ("" is the whole body) */
     enum conf_on_gap on_gap;     /* default accept */
@@ -157,6 +172,7 @@ struct conf_route {
     struct conf_idem idem;
     struct conf_errors errors;
     struct conf_ordering ordering;
+    bool reads_body; /* a json: or form: part (key_from, scope, fingerprint, ordering): the body is parsed */
 };
 
 /* Top-level jwt: how jwt:CLAIM scope parts verify the bearer token (SPEC 9). */

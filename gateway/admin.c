@@ -198,6 +198,23 @@ static bool authorized(const struct gw_admin *a, struct MHD_Connection *c)
     return cm_consttime_eq(h, strlen(h), a->conf->admin_token, strlen(a->conf->admin_token));
 }
 
+/* SPEC 12: /admin/keys?key= takes the key as the route reads it: a key_from key from a body or the query is its text
+ * (gw_key_text), a header's key is parsed as the header is (gw_key_parse). A route this configuration does not
+ * know (removed by a reload) takes either. */
+static bool admin_key(const struct conf *conf, const char *route, const char *key, char out[GW_KEY_MAX + 1],
+                      size_t *len)
+{
+    for (size_t i = 0; i < conf->routes_n; i++) {
+        const struct conf_route *r = &conf->routes[i];
+        if (strcmp(r->name, route) != 0)
+            continue;
+        if (r->idem.key_from.header && r->idem.key_from.kind != CONF_PART_HEADER)
+            return gw_key_text(key, strlen(key), out, len);
+        return gw_key_parse(key, strlen(key), out, len);
+    }
+    return gw_key_parse(key, strlen(key), out, len) || gw_key_text(key, strlen(key), out, len);
+}
+
 /* The value of query parameter name, decoded (heap, caller frees), in *out (NULL when absent). Returns false
  * when any parameter of the query is not valid percent-encoding or decodes to a NUL, or name appears twice:
  * libmicrohttpd's own lookup decodes leniently and stops at a NUL ("abc%00X" would be "abc"). */
@@ -352,7 +369,7 @@ static enum MHD_Result keys_endpoint(struct gw_admin *a, struct MHD_Connection *
                        op == OP_SETTLE ? "route, key and scope (64 hex digits, as listed) query parameters are required"
                                        : "route and key query parameters are required");
     }
-    bool key_ok = gw_key_parse(key, strlen(key), j->key, &j->key_len);
+    bool key_ok = admin_key(a->conf, route, key, j->key, &j->key_len);
     free(key);
     if (!key_ok)
         return problem(c, 400, "idempotency-key-invalid", "Idempotency key invalid", "the key is not a valid key");

@@ -88,6 +88,7 @@ struct req {
     const char *target_why;
     struct gw_jwt_claims *jwt; /* the verified bearer token of a jwt:CLAIM scope, NULL otherwise */
     struct gw_reqparts parts;  /* what the key, scope, fingerprint and ordering guard read (parts_of) */
+    bool key_in_body;          /* key_from json: or form: (SPEC 12): the key is read in submit */
     struct gw_conf *cref;      /* the configuration this request is served under (one reference) */
 };
 
@@ -428,6 +429,23 @@ static enum MHD_Result reject(struct req *r, struct MHD_Connection *c, int statu
     return queue_answer(r, c);
 }
 
+/* SPEC 12: is a key_from key refused (invalid, or absent on a key: required route)? */
+static bool key_refused(enum gw_key_res kr, const struct conf_route *route)
+{
+    return kr == GW_KEY_INVALID || (kr == GW_KEY_ABSENT && route->idem.key == CONF_KEY_REQUIRED);
+}
+
+static enum MHD_Result refuse_key(struct req *r, struct MHD_Connection *c, enum gw_key_res kr)
+{
+    if (kr == GW_KEY_ABSENT)
+        return reject(r, c, 400, "idempotency-key-missing", "Idempotency key missing",
+                      "this route requires an idempotency key where key_from names it", CM_OUT_KEY_MISSING);
+    return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
+                  "the key must be given once, as 1 to 255 bytes of UTF-8 without control characters (a JSON string) "
+                  "or a JSON integer",
+                  CM_OUT_KEY_INVALID);
+}
+
 /* SPEC 7: limits.buffers would be passed: 503 overloaded with Retry-After, before anything is claimed or forwarded. */
 static enum MHD_Result shed_buffers(struct req *r, struct MHD_Connection *c)
 {
@@ -746,8 +764,13 @@ static void order_match(struct req *r, const struct conf_route *route, const cha
 {
     struct gw_job *job = &r->job;
     char *res;
-    if (!route || !route->ordering.enabled || !(route->methods & conf_method_bit(method)) ||
-        !gw_order_resource(parts_of(r), route->ordering.resource, &res))
+    if (!route || !route->ordering.enabled || !(route->methods & conf_method_bit(method)))
+        return;
+    if (route->ordering.resource_json) { /* SPEC 12: every request of the methods; its resource is read in submit */
+        job->ordered = true;
+        return;
+    }
+    if (!gw_order_resource(parts_of(r), route->ordering.resource, &res))
         return;
     job->ordered = true;
     job->resource = res; /* in the template's spelling (SPEC 7: policy never depends on how a path is spelled) */
@@ -879,7 +902,16 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
             return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
                           "the request carries more than one idempotency key header", CM_OUT_KEY_INVALID);
     }
-    if (keyed && shadow) {
+    const struct conf_part *key_from = keyed && route->idem.key_from.header ? &route->idem.key_from : NULL;
+    if (key_from && conf_part_reads_body(key_from->kind)) {
+        r->key_in_body = true; /* read in submit, once the body is in */
+    } else if (key_from && key_from->kind == CONF_PART_QPARAM) {
+        enum gw_key_res kr = gw_key_from(key_from, parts, job->key, &job->key_len);
+        if (!shadow && key_refused(kr, route))
+            return refuse_key(r, c, kr);
+        job->idempotent = kr == GW_KEY_OK;
+        job->shadow = job->idempotent && shadow;
+    } else if (keyed && shadow) {
         job->idempotent = job->shadow = gw_parts_count(parts, GW_PART_HEADER, route->idem.header) == 1 &&
                                         gw_parts_value(parts, GW_PART_HEADER, route->idem.header, 0, &kv) &&
                                         gw_key_parse(kv.p, kv.n, job->key, &job->key_len);
@@ -1029,6 +1061,54 @@ static enum MHD_Result trailer_check(void *cls, enum MHD_ValueKind kind, const c
     return *why ? MHD_NO : MHD_YES;
 }
 
+/* SPEC 12, on a route with a json: or form: part, for a request its rules apply to: a body declared JSON must be
+ * JSON (400 bad-request), a key_from key in the body is read (400 as on_headers), and a json: resource is read (400
+ * sequence-invalid). false with *res when refused; mode: shadow refuses nothing (the request then goes unjudged). */
+static bool body_parts(struct req *r, struct MHD_Connection *c, struct gw_reqparts *parts, enum MHD_Result *res)
+{
+    struct gw_job *job = &r->job;
+    const struct conf_route *route = job->route;
+    bool shadow = route->idem.mode == CONF_MODE_SHADOW;
+    if (gw_parts_declares_json(parts) && !gw_parts_body_is_json(parts)) {
+        if (shadow) {
+            job->idempotent = job->shadow = job->ordered = r->key_in_body = false;
+            return true;
+        }
+        gw_reqparts_free(parts);
+        *res = reject(r, c, 400, "bad-request", "Bad request",
+                      "the body is not valid JSON (RFC 8259, no duplicate member names) as its Content-Type says",
+                      CM_OUT_ERROR);
+        return false;
+    }
+    if (r->key_in_body) {
+        enum gw_key_res kr = gw_key_from(&route->idem.key_from, parts, job->key, &job->key_len);
+        if (!shadow && key_refused(kr, route)) {
+            gw_reqparts_free(parts);
+            *res = refuse_key(r, c, kr);
+            return false;
+        }
+        job->idempotent = kr == GW_KEY_OK;
+        job->shadow = job->idempotent && shadow;
+    }
+    if (job->ordered && route->ordering.resource_json) {
+        struct conf_part src = {.kind = CONF_PART_JSON, .header = route->ordering.resource};
+        char res_text[GW_KEY_MAX + 1];
+        if (gw_key_from(&src, parts, res_text, &job->resource_len) == GW_KEY_OK) {
+            job->resource = cm_strndup(res_text, job->resource_len);
+        } else if (shadow) {
+            job->ordered = false;
+        } else {
+            gw_reqparts_free(parts);
+            *res = reject(r, c, 400, "sequence-invalid", "Sequence invalid",
+                          "the body must be JSON with a string (1 to 255 bytes) or an integer at the ordering "
+                          "resource's JSON Pointer",
+                          CM_OUT_ERROR);
+            return false;
+        }
+    }
+    return true;
+}
+
 /* Final call: the body is in; hash it and hand the job to the loop. */
 static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
 {
@@ -1045,6 +1125,11 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     if (r->body_over_budget)
         return shed_buffers(r, c);
     struct gw_reqparts *parts = parts_of(r); /* the body is in */
+    if (job->route && job->route->reads_body && (r->key_in_body || job->idempotent || job->ordered)) {
+        enum MHD_Result res;
+        if (!body_parts(r, c, parts, &res))
+            return res;
+    }
     if (job->ordered && job->route->ordering.source == CONF_SEQ_JSON &&
         !gw_seq_from_parts(parts, CONF_SEQ_JSON, job->route->ordering.seq_name, &job->seq)) {
         gw_reqparts_free(parts); /* the body's index does not wait for the answer to be read */

@@ -23,9 +23,24 @@
  * anything else ("" included). "abc" and abc give the same key. */
 bool gw_key_parse(const char *raw, size_t len, char out[GW_KEY_MAX + 1], size_t *out_len) CM_MUST_CHECK;
 
+/* A key read from a body, the query or (key_from: header:) the key text itself (SPEC 12): 1 to 255 bytes of UTF-8
+ * without control characters (C0, DEL, C1). true: copied to out (NUL-terminated) with *out_len. Also what
+ * /admin/keys?key= takes for such keys. */
+bool gw_key_text(const char *p, size_t n, char out[GW_KEY_MAX + 1], size_t *out_len) CM_MUST_CHECK;
+
+enum gw_key_res { GW_KEY_OK, GW_KEY_ABSENT, GW_KEY_INVALID };
+
+/* The key from src (a key_from part: header:, json:, form: or query:) of r: GW_KEY_OK with out and *out_len;
+ * GW_KEY_ABSENT when the part is not there (or the body is not of its type); GW_KEY_INVALID for two values, a header
+ * gw_key_parse refuses, text gw_key_text refuses, or a JSON value that is neither a string nor an integer (no
+ * fraction, no exponent: its decimal text, -0 as 0). Reads the body once (through r). */
+enum gw_key_res gw_key_from(const struct conf_part *src, struct gw_reqparts *r, char out[GW_KEY_MAX + 1],
+                            size_t *out_len) CM_MUST_CHECK;
+
 /* SHA-256 over the parts in order: each part is tagged (kind byte) and
  * length-prefixed; a header part covers every value of that header (case-
- * insensitive name) in order, and "absent" hashes differently from "empty".
+ * insensitive name) in order, and "absent" hashes differently from "empty"; form: and query: parts likewise; a
+ * json: part covers the SHA-256 of its value's RFC 8785 canonical form (absent is a value of its own).
  * With n == 0 the result is the hash of nothing (a fixed value). Every value is read through r (gateway/parts.h);
  * stored records hold these hashes, so the bytes hashed for a part never change (tests pin them). */
 void gw_hash_parts(const struct conf_part *parts, size_t n, struct gw_reqparts *r, uint8_t out[32]);

@@ -1,7 +1,9 @@
 /* json.c - one iterative validating pass indexing every value, and JSON Pointer look-ups; never copies the body. */
 #include "gateway/json.h"
 
+#include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -80,6 +82,31 @@ static size_t utf8_len(const unsigned char *s, size_t avail)
     return n;
 }
 
+/* The UTF-8 form of code point cp (a lone surrogate in its 3-byte form) into b: its length. */
+static unsigned utf8_encode(uint32_t cp, unsigned char b[4])
+{
+    if (cp < 0x80) {
+        b[0] = (unsigned char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        b[0] = (unsigned char)(0xC0 | cp >> 6);
+        b[1] = (unsigned char)(0x80 | (cp & 0x3F));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        b[0] = (unsigned char)(0xE0 | cp >> 12);
+        b[1] = (unsigned char)(0x80 | (cp >> 6 & 0x3F));
+        b[2] = (unsigned char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    b[0] = (unsigned char)(0xF0 | cp >> 18);
+    b[1] = (unsigned char)(0x80 | (cp >> 12 & 0x3F));
+    b[2] = (unsigned char)(0x80 | (cp >> 6 & 0x3F));
+    b[3] = (unsigned char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
 /* The decoded bytes of a validated string's content: escapes resolved, a surrogate pair as one code point, a lone
  * surrogate as its 3-byte form (so that each content decodes to exactly one byte string). */
 struct jstr {
@@ -124,25 +151,7 @@ static int jstr_next(struct jstr *d)
             d->p += 6;
         }
     }
-    if (cp < 0x80) {
-        d->buf[0] = (unsigned char)cp;
-        d->n = 1;
-    } else if (cp < 0x800) {
-        d->buf[0] = (unsigned char)(0xC0 | cp >> 6);
-        d->buf[1] = (unsigned char)(0x80 | (cp & 0x3F));
-        d->n = 2;
-    } else if (cp < 0x10000) {
-        d->buf[0] = (unsigned char)(0xE0 | cp >> 12);
-        d->buf[1] = (unsigned char)(0x80 | (cp >> 6 & 0x3F));
-        d->buf[2] = (unsigned char)(0x80 | (cp & 0x3F));
-        d->n = 3;
-    } else {
-        d->buf[0] = (unsigned char)(0xF0 | cp >> 18);
-        d->buf[1] = (unsigned char)(0x80 | (cp >> 12 & 0x3F));
-        d->buf[2] = (unsigned char)(0x80 | (cp >> 6 & 0x3F));
-        d->buf[3] = (unsigned char)(0x80 | (cp & 0x3F));
-        d->n = 4;
-    }
+    d->n = utf8_encode(cp, d->buf);
     d->i = 1;
     return d->buf[0];
 }
@@ -496,6 +505,330 @@ bool gw_json_pointer(const struct gw_json *j, const char *ptr, const char **p, s
     }
     *p = (const char *)j->s + j->toks[cur].start;
     *n = j->toks[cur].end - j->toks[cur].start;
+    return true;
+}
+
+/* ---- RFC 8785 (JCS) canonical form */
+
+/* The next code point of a validated string's content [*p, e), -1 at the end: an escape decoded, a surrogate pair
+ * joined, a lone surrogate returned as itself (0xD800 .. 0xDFFF), raw UTF-8 decoded. */
+static int32_t jcp_next(const unsigned char **pp, const unsigned char *e)
+{
+    const unsigned char *p = *pp;
+    if (p >= e)
+        return -1;
+    uint32_t c = *p;
+    if (c == '\\') {
+        unsigned char x = p[1];
+        static const char from[] = "bfnrt\"\\/", to[] = "\b\f\n\r\t\"\\/";
+        const char *f = x != 'u' ? strchr(from, x) : NULL;
+        if (f) {
+            *pp = p + 2;
+            return (unsigned char)to[f - from];
+        }
+        c = hex4(p + 2);
+        p += 6;
+        if (c >= 0xD800 && c <= 0xDBFF && e - p >= 6 && p[0] == '\\' && p[1] == 'u') {
+            uint32_t lo = hex4(p + 2);
+            if (lo >= 0xDC00 && lo <= 0xDFFF) {
+                c = 0x10000 + ((c - 0xD800) << 10) + (lo - 0xDC00);
+                p += 6;
+            }
+        }
+        *pp = p;
+        return (int32_t)c;
+    }
+    size_t n = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4; /* validated by the parse */
+    if (n > 1) {
+        c &= n == 2 ? 0x1F : n == 3 ? 0x0F : 0x07;
+        for (size_t i = 1; i < n; i++)
+            c = c << 6 | (p[i] & 0x3F);
+    }
+    *pp = p + n;
+    return (int32_t)c;
+}
+
+/* UTF-16 code units of a string's content, one at a time (JCS sorts member names by them). */
+struct u16it {
+    const unsigned char *p, *e;
+    int32_t low; /* the pending low surrogate of a pair, or -1 */
+};
+
+static int32_t u16_next(struct u16it *it)
+{
+    if (it->low >= 0) {
+        int32_t l = it->low;
+        it->low = -1;
+        return l;
+    }
+    int32_t c = jcp_next(&it->p, it->e);
+    if (c >= 0x10000) {
+        it->low = 0xDC00 + ((c - 0x10000) & 0x3FF);
+        return 0xD800 + ((c - 0x10000) >> 10);
+    }
+    return c;
+}
+
+struct jcs_member {
+    const unsigned char *s; /* the document */
+    const struct jtok *t;
+};
+
+static int jcs_member_cmp(const void *a, const void *b)
+{
+    const struct jcs_member *x = a, *y = b;
+    struct u16it i = {x->s + x->t->key, x->s + x->t->key + x->t->keylen, -1};
+    struct u16it k = {y->s + y->t->key, y->s + y->t->key + y->t->keylen, -1};
+    for (;;) {
+        int32_t cx = u16_next(&i), cy = u16_next(&k);
+        if (cx != cy)
+            return cx < cy ? -1 : 1; /* -1, the end, sorts first: a prefix comes before */
+        if (cx < 0)
+            return 0;
+    }
+}
+
+struct jcs_out {
+    void (*put)(void *arg, const void *p, size_t n);
+    void *arg;
+};
+
+static void out_utf8(const struct jcs_out *o, uint32_t cp)
+{
+    unsigned char b[4];
+    o->put(o->arg, b, utf8_encode(cp, b));
+}
+
+/* A string's content (between its quotes) in JCS form, with its quotes: runs without escapes are copied as they are
+ * (the parse let no control byte and no lone surrogate through there). false on an escaped lone surrogate. */
+static bool jcs_string(const struct jcs_out *o, const unsigned char *p, size_t n)
+{
+    const unsigned char *e = p + n;
+    o->put(o->arg, "\"", 1);
+    while (p < e) {
+        const unsigned char *bs = memchr(p, '\\', (size_t)(e - p));
+        if (!bs)
+            bs = e;
+        if (bs > p)
+            o->put(o->arg, p, (size_t)(bs - p));
+        p = bs;
+        if (p == e)
+            break;
+        int32_t c = jcp_next(&p, e);
+        static const char shortform[] = "\b\f\n\r\t", letters[] = "bfnrt";
+        const char *sf = c > 0 && c < 0x20 ? memchr(shortform, c, 5) : NULL;
+        char esc[8];
+        if (c >= 0xD800 && c <= 0xDFFF)
+            return false;
+        if (c == '"' || c == '\\') {
+            esc[0] = '\\';
+            esc[1] = (char)c;
+            o->put(o->arg, esc, 2);
+        } else if (sf) {
+            esc[0] = '\\';
+            esc[1] = letters[sf - shortform];
+            o->put(o->arg, esc, 2);
+        } else if (c < 0x20) {
+            snprintf(esc, sizeof esc, "\\u%04x", (unsigned)c);
+            o->put(o->arg, esc, 6);
+        } else {
+            out_utf8(o, (uint32_t)c);
+        }
+    }
+    o->put(o->arg, "\"", 1);
+    return true;
+}
+
+size_t gw_json_number_es(double v, char out[GW_JSON_NUM_MAX])
+{
+    if (v == 0 || !isfinite(v)) { /* -0 prints as 0; a caller never passes a non-finite value */
+        memcpy(out, "0", 2);
+        return 1;
+    }
+    /* the shortest significand that reads back as v: %.*e rounds correctly, so the first precision that round-trips
+     * gives the digits closest to v among the shortest (ECMAScript's choice) */
+    char e[40];
+    for (int prec = 1; prec <= 17; prec++) {
+        snprintf(e, sizeof e, "%.*e", prec - 1, fabs(v));
+        if (strtod(e, NULL) == fabs(v))
+            break;
+    }
+    char digits[20];
+    size_t k = 0;
+    const char *q = e;
+    for (; *q && *q != 'e'; q++)
+        if (*q >= '0' && *q <= '9')
+            digits[k++] = *q;
+    while (k > 1 && digits[k - 1] == '0')
+        k--;
+    long x = strtol(q + 1, NULL, 10);
+    long n = x + 1; /* v = 0.digits * 10^n */
+    size_t o = 0;
+    if (v < 0)
+        out[o++] = '-';
+    if ((long)k <= n && n <= 21) { /* digits, then n - k zeros */
+        memcpy(out + o, digits, k);
+        o += k;
+        for (long i = 0; i < n - (long)k; i++)
+            out[o++] = '0';
+    } else if (0 < n && n <= 21) { /* the point inside the digits */
+        memcpy(out + o, digits, (size_t)n);
+        o += (size_t)n;
+        out[o++] = '.';
+        memcpy(out + o, digits + n, k - (size_t)n);
+        o += k - (size_t)n;
+    } else if (-6 < n && n <= 0) { /* 0.000ddd */
+        out[o++] = '0';
+        out[o++] = '.';
+        for (long i = 0; i < -n; i++)
+            out[o++] = '0';
+        memcpy(out + o, digits, k);
+        o += k;
+    } else { /* d[.ddd]e+-(n-1) */
+        out[o++] = digits[0];
+        if (k > 1) {
+            out[o++] = '.';
+            memcpy(out + o, digits + 1, k - 1);
+            o += k - 1;
+        }
+        o += (size_t)snprintf(out + o, GW_JSON_NUM_MAX - o, "e%c%ld", n - 1 < 0 ? '-' : '+', labs(n - 1));
+    }
+    out[o] = '\0';
+    return o;
+}
+
+/* A number token's text in ECMAScript form. false when it is beyond a double (RFC 8785 needs IEEE 754). */
+static bool jcs_number(const struct jcs_out *o, const unsigned char *p, size_t n)
+{
+    char small[64], *t = n < sizeof small ? small : cm_malloc(n + 1);
+    memcpy(t, p, n);
+    t[n] = '\0';
+    double v = strtod(t, NULL); /* correctly rounded; an underflow is the nearest denormal or 0 */
+    if (t != small)
+        free(t);
+    if (!isfinite(v))
+        return false;
+    char b[GW_JSON_NUM_MAX];
+    o->put(o->arg, b, gw_json_number_es(v, b));
+    return true;
+}
+
+/* A scalar token in JCS form. */
+static bool jcs_scalar(const struct gw_json *j, const struct jcs_out *o, const struct jtok *t)
+{
+    const unsigned char *p = j->s + t->start;
+    size_t n = t->end - t->start;
+    if (p[0] == '"')
+        return jcs_string(o, p + 1, n - 2);
+    if (p[0] == '-' || (p[0] >= '0' && p[0] <= '9'))
+        return jcs_number(o, p, n);
+    o->put(o->arg, p, n); /* true, false, null */
+    return true;
+}
+
+/* An open container: its children in output order. */
+struct jcs_frame {
+    struct jcs_member *kids;
+    size_t n, pos;
+    bool object;
+};
+
+/* Opens container token t on the stack (its children listed, an object's sorted). */
+static void jcs_open(const struct gw_json *j, const struct jcs_out *o, size_t t, struct jcs_frame *f)
+{
+    const struct jtok *ct = &j->toks[t];
+    f->object = j->s[ct->start] == '{';
+    f->n = f->pos = 0;
+    for (size_t k = t + 1; k < ct->next; k = j->toks[k].next)
+        f->n++;
+    f->kids = f->n ? cm_malloc(f->n * sizeof *f->kids) : NULL;
+    size_t i = 0;
+    for (size_t k = t + 1; k < ct->next; k = j->toks[k].next)
+        f->kids[i++] = (struct jcs_member){j->s, &j->toks[k]};
+    if (f->object && f->n > 1)
+        qsort(f->kids, f->n, sizeof *f->kids, jcs_member_cmp);
+    o->put(o->arg, f->object ? "{" : "[", 1);
+}
+
+enum gw_jcs gw_json_canonical(const struct gw_json *j, const char *ptr, void (*put)(void *arg, const void *p, size_t n),
+                              void *arg)
+{
+    const char *vp;
+    size_t vn;
+    if (!gw_json_pointer(j, ptr, &vp, &vn))
+        return GW_JCS_ABSENT;
+    const struct jcs_out o = {put, arg};
+    size_t root = 0;
+    while (j->s + j->toks[root].start != (const unsigned char *)vp) /* the token gw_json_pointer found */
+        root++;
+    unsigned char c = j->s[j->toks[root].start];
+    if (c != '{' && c != '[')
+        return jcs_scalar(j, &o, &j->toks[root]) ? GW_JCS_OK : GW_JCS_NOT_IJSON;
+    size_t depth = 0, cap = 16;
+    struct jcs_frame *st = cm_malloc(cap * sizeof *st);
+    jcs_open(j, &o, root, &st[depth++]);
+    bool ok = true;
+    while (depth > 0 && ok) {
+        struct jcs_frame *f = &st[depth - 1];
+        if (f->pos == f->n) {
+            o.put(o.arg, f->object ? "}" : "]", 1);
+            free(f->kids);
+            depth--;
+            continue;
+        }
+        const struct jtok *t = f->kids[f->pos].t;
+        if (f->pos++ > 0)
+            o.put(o.arg, ",", 1);
+        if (f->object) {
+            ok = jcs_string(&o, j->s + t->key, t->keylen);
+            o.put(o.arg, ":", 1);
+        }
+        c = j->s[t->start];
+        if (c == '{' || c == '[') {
+            if (depth == cap) {
+                cap *= 2;
+                st = cm_realloc(st, cap * sizeof *st);
+            }
+            jcs_open(j, &o, (size_t)(t - j->toks), &st[depth++]);
+        } else {
+            ok = ok && jcs_scalar(j, &o, t);
+        }
+    }
+    while (depth > 0)
+        free(st[--depth].kids);
+    free(st);
+    return ok ? GW_JCS_OK : GW_JCS_NOT_IJSON;
+}
+
+bool gw_json_string_utf8(const char *s, size_t n, char *out, size_t cap, size_t *len)
+{
+    if (n < 2 || s[0] != '"')
+        return false;
+    const unsigned char *p = (const unsigned char *)s + 1, *e = (const unsigned char *)s + n - 1;
+    size_t o = 0;
+    for (int32_t c; (c = jcp_next(&p, e)) >= 0;) {
+        if (c >= 0xD800 && c <= 0xDFFF)
+            return false;
+        unsigned char b[4];
+        unsigned k = utf8_encode((uint32_t)c, b);
+        if (cap - o < k)
+            return false;
+        memcpy(out + o, b, k);
+        o += k;
+    }
+    *len = o;
+    return true;
+}
+
+bool gw_utf8_valid(const char *s, size_t n)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    for (size_t i = 0; i < n;) {
+        size_t u = p[i] < 0x80 ? 1 : utf8_len(p + i, n - i);
+        if (u == 0)
+            return false;
+        i += u;
+    }
     return true;
 }
 

@@ -109,21 +109,45 @@ static bool header_is(const struct cm_hdr *h, const char *name)
     return h->name && strcasecmp(h->name, name) == 0;
 }
 
-/* Is the body application/x-www-form-urlencoded (the first Content-Type's media type, parameters ignored)? */
-static bool body_is_form(const struct gw_reqparts *r)
+/* The first Content-Type's media type (parameters and surrounding blanks cut): [*b, *b + *n), or false when none. */
+static bool media_type(const struct gw_reqparts *r, const char **b, size_t *n)
 {
-    static const char form[] = "application/x-www-form-urlencoded";
     const char *ct = r->hdrs ? cm_hdrs_get(r->hdrs, "Content-Type") : NULL;
     if (!ct)
         return false;
     while (*ct == ' ' || *ct == '\t')
         ct++;
-    if (strncasecmp(ct, form, sizeof form - 1) != 0)
+    size_t len = strcspn(ct, ";");
+    while (len && (ct[len - 1] == ' ' || ct[len - 1] == '\t'))
+        len--;
+    *b = ct;
+    *n = len;
+    return true;
+}
+
+static bool media_is(const char *b, size_t n, const char *type)
+{
+    return strlen(type) == n && strncasecmp(b, type, n) == 0;
+}
+
+/* Is the body application/x-www-form-urlencoded (the first Content-Type's media type, parameters ignored)? */
+static bool body_is_form(const struct gw_reqparts *r)
+{
+    const char *b;
+    size_t n;
+    return media_type(r, &b, &n) && media_is(b, n, "application/x-www-form-urlencoded");
+}
+
+bool gw_parts_declares_json(const struct gw_reqparts *r)
+{
+    const char *b;
+    size_t n;
+    if (!media_type(r, &b, &n))
         return false;
-    ct += sizeof form - 1;
-    while (*ct == ' ' || *ct == '\t')
-        ct++;
-    return *ct == '\0' || *ct == ';';
+    if (media_is(b, n, "application/json"))
+        return true;
+    /* application/SUBTYPE+json (RFC 6839) */
+    return n > 17 && strncasecmp(b, "application/", 12) == 0 && strncasecmp(b + n - 5, "+json", 5) == 0;
 }
 
 bool gw_parts_body_is_json(struct gw_reqparts *r)
@@ -213,6 +237,14 @@ bool gw_parts_value(struct gw_reqparts *r, enum gw_part kind, const char *name, 
         return r->query && gw_form_value(r->query, strlen(r->query), name, i, v);
     }
     return false;
+}
+
+enum gw_jcs gw_parts_json_canonical(struct gw_reqparts *r, const char *ptr,
+                                    void (*put)(void *arg, const void *p, size_t n), void *arg)
+{
+    if (!ptr || !gw_parts_body_is_json(r))
+        return GW_JCS_ABSENT;
+    return gw_json_canonical(r->json, ptr, put, arg);
 }
 
 void gw_value_release(struct gw_value *v)

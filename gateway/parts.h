@@ -6,9 +6,9 @@
 #include <stddef.h>
 
 #include "common/common.h"
+#include "gateway/json.h"
 
 struct gw_jwt_claims;
-struct gw_json;
 
 /* What a part names. A new kind of request part is added here and in parts.c; consumers ask through
  * gw_parts_count / gw_parts_value and need no change. */
@@ -67,6 +67,15 @@ bool gw_parts_value(struct gw_reqparts *r, enum gw_part kind, const char *name, 
 
 /* Whether the body is one valid JSON document (gateway/json.h's rules); reads it once, and only the first time. */
 bool gw_parts_body_is_json(struct gw_reqparts *r);
+
+/* Whether the request declares a JSON body: its first Content-Type is application/json or application/SUBTYPE+json
+ * (RFC 6839), parameters ignored. Reads no body. */
+bool gw_parts_declares_json(const struct gw_reqparts *r);
+
+/* The RFC 8785 canonical form of the JSON value at ptr, written through put (gateway/json.h, gw_json_canonical);
+ * GW_JCS_ABSENT also when the body is not JSON. Reads the body once, as gw_parts_value. */
+enum gw_jcs gw_parts_json_canonical(struct gw_reqparts *r, const char *ptr,
+                                    void (*put)(void *arg, const void *p, size_t n), void *arg);
 
 void gw_value_release(struct gw_value *v);    /* frees v->own; v may be zeroed */
 void gw_reqparts_free(struct gw_reqparts *r); /* frees what the reader built (the caller's fields untouched) */

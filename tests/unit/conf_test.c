@@ -816,8 +816,29 @@ static const struct bad_case bad_cases[] = {
      "t.yaml:11: routes[0].idempotency.fingerprint[1]: invalid header name 'X Y'"},
     {"unknown fingerprint part",
      BASE ROUTE("    idempotency:\n      fingerprint:\n        - method\n        - bodyy\n"),
-     "t.yaml:13: routes[0].idempotency.fingerprint[1]: invalid part 'bodyy' (use method, path, query, body or "
+     "t.yaml:13: routes[0].idempotency.fingerprint[1]: invalid part 'bodyy' (use method, path, query, body, "
+     "json:/POINTER, form:NAME, query:NAME or header:NAME)"},
+    /* SPEC 12: key_from and the json:/form:/query: parts */
+    {"key_from pointer without '/'", BASE ROUTE("    idempotency:\n      key_from: json:order_no\n"),
+     "t.yaml:11: routes[0].idempotency.key_from: invalid JSON Pointer 'order_no' in 'json:order_no': it is empty (the "
+     "whole body) or starts with '/'"},
+    {"key_from bad ~ escape", BASE ROUTE("    idempotency:\n      key_from: json:/a~2b\n"),
+     "t.yaml:11: routes[0].idempotency.key_from: invalid JSON Pointer '/a~2b'"},
+    {"key_from trailing ~", BASE ROUTE("    idempotency:\n      key_from: json:/a~\n"),
+     "t.yaml:11: routes[0].idempotency.key_from: invalid JSON Pointer '/a~'"},
+    {"key_from a whole part", BASE ROUTE("    idempotency:\n      key_from: body\n"),
+     "t.yaml:11: routes[0].idempotency.key_from: invalid part 'body' (use json:/POINTER, form:NAME, query:NAME or "
      "header:NAME)"},
+    {"key_from jwt", BASE ROUTE("    idempotency:\n      key_from: jwt:sub\n"),
+     "t.yaml:11: routes[0].idempotency.key_from: invalid part 'jwt:sub'"},
+    {"form: without a name", BASE ROUTE("    idempotency:\n      scope: [\"form:\"]\n"),
+     "t.yaml:11: routes[0].idempotency.scope[0]: 'form:' needs a field name"},
+    {"fingerprint pointer", BASE ROUTE("    idempotency:\n      fingerprint: [json:data]\n"),
+     "t.yaml:11: routes[0].idempotency.fingerprint[0]: invalid JSON Pointer 'data'"},
+    {"duplicate json part", BASE ROUTE("    idempotency:\n      fingerprint: [json:/a, json:/a]\n"),
+     "t.yaml:11: routes[0].idempotency.fingerprint[1]: duplicate part 'json:/a'"},
+    {"ordering resource pointer", BASE ROUTE("    ordering:\n      resource: json:id\n      sequence: json:/v\n"),
+     "t.yaml:11: routes[0].ordering.resource: invalid JSON Pointer 'id' in 'json:id'"},
     {"YAML syntax error", BASE "routes:\n  - name: p\n    match: {path: /a\n    upstream: api\n",
      "t.yaml:9: YAML syntax error: "},
     {"YAML tab indentation", BASE "listen:\n\t127.0.0.1:1\n", "t.yaml:7: YAML syntax error: "},
