@@ -16,6 +16,7 @@
 #include "conf/conf.h"
 #include "conf/reference.h"
 #include "gateway/admin.h"
+#include "gateway/cli_keys.h"
 #include "gateway/front.h"
 #include "gateway/loop.h"
 #include "gateway/reconcile.h"
@@ -35,6 +36,8 @@ static void usage(FILE *out)
                  "       idemgate --print-reference  every configuration key as Markdown (docs/configuration.md)\n"
                  "       idemgate reconcile -c FILE --route R [--since 24h] [--state completed|unknown|all]\n"
                  "                [--rate N/s] [--apply] [--json]  a route's records against its probe look-up\n"
+                 "       idemgate keys list|show|release|purge|settle [--admin URL] ...  the admin key API\n"
+                 "                (idemgate keys --help)\n"
                  "options: --accept-identity-change ROUTE  start although ROUTE's key source, scope or fingerprint\n"
                  "             changed while it has records within retention (repeat it per route)\n"
                  "environment: IDEMGATE_POSTGRES_URL, IDEMGATE_REDIS_URL (empty: no Redis), IDEMGATE_ADMIN_TOKEN,\n"
@@ -331,6 +334,8 @@ int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "reconcile") == 0)
         return gw_reconcile_main(argc - 1, argv + 1);
+    if (argc > 1 && strcmp(argv[1], "keys") == 0)
+        return gw_cli_keys_main(argc - 1, argv + 1);
     const char *file = NULL;
     bool check = false;
     struct accept_list accept = {.n = 0};

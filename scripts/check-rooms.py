@@ -42,7 +42,7 @@ ORDER = {
     "upstream": ["upstream/upstream", "upstream/curl", "upstream/h1", "upstream/head", "upstream/transfer", "upstream/trace",
                  "upstream/types"],
     "gateway": [
-        "gateway/main", "gateway/reconcile", "gateway/admin", "gateway/adminkeys", "gateway/front", "gateway/loop", "gateway/pipeline", "gateway/probe",
+        "gateway/main", "gateway/cli_keys", "gateway/reconcile", "gateway/admin", "gateway/adminkeys", "gateway/front", "gateway/loop", "gateway/pipeline", "gateway/probe",
         "gateway/cache", "gateway/ctx", "gateway/reload", "gateway/ordering", "gateway/problem", "gateway/gateway",
         "gateway/idem", "gateway/parts", "gateway/jwt", "gateway/json", "gateway/status", "gateway/conntrack",
         "gateway/answer", "gateway/owned", "gateway/hints",

@@ -313,3 +313,138 @@ Test(keys, settle_turns_an_unknown_outcome_into_the_answer_retries_replay)
     cr_expect_eq(status_of(gw, "POST", path, settle), 409, "settle of a completed record");
     e2e_gw_stop(gw, 5000);
 }
+
+/* idemgate keys ARGS... against g's admin listener (the token in the environment unless no_token): exit code. */
+static int cli(const struct e2e_gw *g, bool no_token, char **out, char **err, const char *const *args)
+{
+    char admin_url[64];
+    snprintf(admin_url, sizeof admin_url, "--admin=http://127.0.0.1:%u/", (unsigned)g->admin_port);
+    const char *argv[32] = {e2e_env("IDEMGATE_BIN"), "keys"};
+    int n = 2;
+    for (; args[n - 2] && n < 30; n++)
+        argv[n] = args[n - 2];
+    if (n > 2 && strcmp(argv[2], "--help") != 0)
+        argv[n++] = admin_url;
+    argv[n] = NULL;
+    static const char *const env[] = {"IDEMGATE_ADMIN_TOKEN=" ADMIN_TOKEN, NULL};
+    static const char *const noenv[] = {"IDEMGATE_ADMIN_TOKEN=", NULL};
+    return e2e_run(argv, no_token ? noenv : env, 20000, out, err);
+}
+
+Test(keys, the_cli_lists_shows_settles_and_purges_with_exit_codes)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start_route(up, "keyscli");
+    free(e2e_psql("DELETE FROM idemgate_keys WHERE route = 'keyscli'"));
+    insert_records("keyscli", "old", 4, 600, "completed", -1);
+    char key[64];
+    e2e_mkkey(key, sizeof key, "cli");
+    struct e2e_resp r;
+    e2e_http_key(gw->port, "POST", "/v1/pay", key, slow, "{\"amount\":7}", 0, &r);
+    e2e_expect_problem(&r, 504, "upstream-timeout", "first attempt");
+    e2e_resp_free(&r);
+
+    char *out = NULL, *err = NULL;
+    /* a table for people: the unknown outcome first (newest), then the four others */
+    cr_expect_eq(cli(gw, false, &out, &err, (const char *const[]){"list", "--route", "keyscli", NULL}), 0, "list: %s",
+                 err);
+    cr_expect(strncmp(out, "KEY ", 4) == 0, "a table with a header: %s", out);
+    const char *line2 = strchr(out, '\n');
+    cr_expect(line2 && strncmp(line2 + 1, key, strlen(key)) == 0 && strstr(line2, "unknown"), "newest first: %s", out);
+    cr_expect(strstr(out, "old-004") && strstr(out, "completed"), "%s", out);
+    free(out);
+    free(err);
+
+    /* --json, paged one record at a time with --all: one page a line, five records in all */
+    cr_expect_eq(cli(gw, false, &out, &err,
+                     (const char *const[]){"list", "--route", "keyscli", "--limit", "1", "--all", "--json", NULL}),
+                 0, "list --all: %s", err);
+    size_t records = 0, pages = 0;
+    for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n"), pages++) {
+        json_t *j = json_loads(line, 0, NULL);
+        cr_assert(json_is_object(j), "a page a line: %s", line);
+        records += json_array_size(json_object_get(j, "records"));
+        json_decref(j);
+    }
+    cr_expect_eq(records, 5, "every record once: %zu", records);
+    cr_expect_eq(pages, 5, "pages of one: %zu", pages);
+    free(out);
+    free(err);
+
+    cr_expect_eq(cli(gw, false, &out, &err,
+                     (const char *const[]){"list", "--route", "keyscli", "--state", "unknown", "--json", NULL}),
+                 0);
+    json_t *j = json_loads(out, 0, NULL);
+    cr_expect_eq(json_array_size(json_object_get(j, "records")), 1, "the unknown outcome alone: %s", out);
+    json_decref(j);
+    free(out);
+    free(err);
+
+    cr_expect_eq(
+        cli(gw, false, &out, &err, (const char *const[]){"show", "--route", "keyscli", "--key", key, "--json", NULL}),
+        0);
+    j = json_loads(out, 0, NULL);
+    cr_expect(json_is_array(j) && json_array_size(j) == 1, "show --json: the key's records: %s", out);
+    json_decref(j);
+    free(out);
+    free(err);
+
+    /* settle without --scope: the key's only record */
+    cr_expect_eq(cli(gw, false, &out, &err,
+                     (const char *const[]){"settle", "--route", "keyscli", "--key", key, "--status", "201", "--header",
+                                           "Content-Type: application/json", "--body", "{\"id\":7}", NULL}),
+                 0, "settle: %s", err);
+    cr_expect(strstr(out, "settled") != NULL, "%s", out);
+    free(out);
+    free(err);
+    e2e_http_key(gw->port, "POST", "/v1/pay", key, NULL, "{\"amount\":7}", 0, &r);
+    cr_expect_eq(r.status, 201, "the retry replays the settled answer: %ld", r.status);
+    cr_expect(e2e_resp_is_replay(&r));
+    cr_expect(r.body && strcmp((const char *)r.body, "{\"id\":7}") == 0, "%s", r.body);
+    e2e_resp_free(&r);
+
+    /* error answers: exit 1 with the problem on stderr */
+    cr_expect_eq(cli(gw, false, &out, &err,
+                     (const char *const[]){"settle", "--route", "keyscli", "--key", key, "--status", "201", NULL}),
+                 1, "settle again");
+    cr_expect(strstr(err, "409") != NULL, "the 409 is told: %s", err);
+    free(out);
+    free(err);
+    cr_expect_eq(
+        cli(gw, false, &out, &err, (const char *const[]){"release", "--route", "keyscli", "--key", "nosuch", NULL}), 1,
+        "release of an absent key");
+    cr_expect(strstr(err, "404") != NULL, "%s", err);
+    free(out);
+    free(err);
+    cr_expect_eq(cli(gw, false, NULL, &err, (const char *const[]){"list", "--route", "no-such-route", NULL}), 1,
+                 "an unknown route");
+    free(err);
+    cr_expect_eq(
+        cli(gw, false, &out, &err, (const char *const[]){"purge", "--route", "keyscli", "--key", key, "--json", NULL}),
+        0, "purge: %s", err);
+    cr_expect(strstr(out, "\"deleted\":1") != NULL, "%s", out);
+    free(out);
+    free(err);
+
+    /* usage errors: exit 2, and what is wrong */
+    const char *const *usage[] = {
+        (const char *const[]){NULL},
+        (const char *const[]){"bogus", "--route", "keyscli", NULL},
+        (const char *const[]){"list", NULL},
+        (const char *const[]){"show", "--route", "keyscli", NULL},
+        (const char *const[]){"list", "--route", "keyscli", "--key", "k", NULL},
+        (const char *const[]){"settle", "--route", "keyscli", "--key", "k", NULL},
+        (const char *const[]){"settle", "--route", "keyscli", "--key", "k", "--status", "99", NULL},
+        (const char *const[]){"list", "--route", "keyscli", "--frobnicate", NULL},
+        (const char *const[]){"list", "--route", NULL},
+    };
+    for (size_t i = 0; i < sizeof usage / sizeof usage[0]; i++) {
+        cr_expect_eq(cli(gw, false, NULL, &err, usage[i]), 2, "usage error %zu", i);
+        cr_expect(strstr(err, "usage:") != NULL, "usage %zu: %s", i, err);
+        free(err);
+    }
+    cr_expect_eq(cli(gw, true, NULL, &err, (const char *const[]){"list", "--route", "keyscli", NULL}), 2, "no token");
+    cr_expect(strstr(err, "IDEMGATE_ADMIN_TOKEN") != NULL, "%s", err);
+    free(err);
+    e2e_gw_stop(gw, 5000);
+}
