@@ -1,6 +1,6 @@
 /* chaos.h - the chaos checker's shared run state, records and small helpers (util.c); each room's API is in its
  * own header: gate.h (upstream kill switch), gateways.h (processes), faults.h (injector), traffic.h (clients),
- * checks.h (history checks). */
+ * checks.h (history checks), reconcile.h (the closing reconciliation). */
 #ifndef CHAOS_CHAOS_H
 #define CHAOS_CHAOS_H
 
@@ -147,9 +147,10 @@ struct opts {
     bool keep;
     bool pg_async; /* leave synchronous_commit as the cluster has it (shows lost commits) */
     bool no_faults;
-    unsigned fault_mask; /* 1 << enum fkind: the kinds to inject (--faults) */
-    bool faults_given;   /* --faults was given (a kind it names that cannot run is an error) */
-    long clock_skew_ms;  /* instance 1's wall clock is this far off (tests/tools/clockshift.c; 0: none) */
+    unsigned fault_mask;       /* 1 << enum fkind: the kinds to inject (--faults) */
+    bool faults_given;         /* --faults was given (a kind it names that cannot run is an error) */
+    bool reconcile_forget_one; /* test-only: one answered key forgotten upstream before the reconciliation */
+    long clock_skew_ms;        /* instance 1's wall clock is this far off (tests/tools/clockshift.c; 0: none) */
 };
 
 struct ch_state {

@@ -9,6 +9,7 @@
 
 #include "checks.h"
 #include "faults.h"
+#include "reconcile.h"
 #include "traffic.h"
 
 #define CH_REPLAY_THREADS 8
@@ -16,7 +17,7 @@
 #define CH_LOG_LINES_MAX  24
 #define CH_LIVENESS_TRIES 6 /* final retries of a never-executed key (503 store-unavailable is retried) */
 
-enum chk { K_RUN, K_AT_MOST_ONCE, K_SAME_ANSWER, K_TENANT, K_SETTLED, K_ORDER, K_PURGE, K_LIVENESS, K__N };
+enum chk { K_RUN, K_AT_MOST_ONCE, K_SAME_ANSWER, K_TENANT, K_SETTLED, K_ORDER, K_PURGE, K_LIVENESS, K_RECONCILE, K__N };
 
 struct tally {
     size_t requests, attempts, keys;
@@ -48,6 +49,7 @@ struct ctx {
     long order_violations; /* from the upstream (check_order) */
     bool ok[K__N];
     unsigned reported[K__N];
+    struct ch_rc rc; /* the closing reconciliation (reconcile.c) */
 };
 
 static int cmp_user(const void *a, const void *b)
@@ -769,13 +771,27 @@ static void check_purge(struct ctx *x)
     }
 }
 
+/* Every record of the run checked against the upstream's look-up by `idemgate reconcile` (last: the final replays and
+ * retries are done). A completed record the upstream never executed is `missing`. */
+static void check_reconciled(struct ctx *x)
+{
+    if (ch.o.reconcile_forget_one && !ch_reconcile_forget_one())
+        ch_out("chaos: --reconcile-forget-one: no answered key of route %s to forget\n", ch_route_name[RT_RETRY]);
+    size_t problems = ch_reconcile_run(&x->rc);
+    if (problems > 0) {
+        x->ok[K_RECONCILE] = false;
+        x->reported[K_RECONCILE] = (unsigned)problems;
+    }
+}
+
 struct check {
     const char *name;
     void (*run)(struct ctx *x);
     const char *meaning; /* printed when it fails */
 };
 
-/* Run in this order (liveness last: its final retries may execute); reported in this order. */
+/* Run in this order (liveness next to last: its final retries may execute; the reconciliation after them); reported
+ * in this order. */
 static const struct check checks[K__N] = {
     [K_RUN] = {"run", check_run,
                "the run itself went wrong (too little traffic, a fault kind never injected, a "
@@ -796,6 +812,9 @@ static const struct check checks[K__N] = {
     [K_LIVENESS] = {"liveness", check_liveness,
                     "keys that never executed stay blocked (409) after every lease lapsed: a claim nobody acted on "
                     "was never released"},
+    [K_RECONCILE] = {"reconciled", check_reconciled,
+                     "idemgate reconcile found records completed here that the upstream's look-up says never executed "
+                     "(missing), or could not reconcile a route"},
 };
 
 static void print_figures(const struct ctx *x)
@@ -838,6 +857,7 @@ static void print_figures(const struct ctx *x)
            "upstream outage %zu, retried %zu, stuck %zu, not retried in time %zu)\n",
            t->never_executed_unsettled, t->liveness_excused, t->liveness_retried, t->liveness_stuck,
            t->liveness_not_retried);
+    ch_reconcile_print(&x->rc);
 }
 
 bool ch_run_checks(unsigned *passed_out, unsigned *failed_out)

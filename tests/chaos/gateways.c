@@ -39,12 +39,19 @@ bool ch_start_testupstream(void)
     return false;
 }
 
-bool ch_write_gw_conf(struct inst *g)
+/* A config for the run's store and routes: a gateway's (upstreams through the gate at up_port), or with reconcile
+ * the one `idemgate reconcile` reads (upstreams straight at testupstream, every route on_unknown: probe with a look-up
+ * by key; no ordering guard, which the look-up does not need). */
+static bool write_conf(const char *path, const struct inst *g, uint16_t up_port, bool reconcile)
 {
-    snprintf(g->conf, sizeof g->conf, "%s/gw%d.yaml", ch.dir, g->idx);
-    FILE *f = fopen(g->conf, "w");
+    FILE *f = fopen(path, "w");
     if (f == NULL)
         return false;
+    static const char probe[] = "probe\n"
+                                "      probe:\n"
+                                "        path: /_lookup?idempotency_key={key}\n"
+                                "        keys_unique_upstream: true\n"
+                                "        grace: 0s\n";
     fprintf(f,
             "# written by tests/chaos/chaos.c\n"
             "listen: 127.0.0.1:%u\n"
@@ -67,8 +74,8 @@ bool ch_write_gw_conf(struct inst *g)
             "    timeout: %ums\n"
             "    max_connections: 1\n"
             "routes:\n",
-            (unsigned)g->port, (unsigned)g->admin_port, ch.pg_url, ch.redis_url, (unsigned)ch.gate_port,
-            ch.o.up_timeout_ms, (unsigned)ch.gate_port, ch.o.up_timeout_ms);
+            (unsigned)g->port, (unsigned)g->admin_port, ch.pg_url, ch.redis_url, (unsigned)up_port, ch.o.up_timeout_ms,
+            (unsigned)up_port, ch.o.up_timeout_ms);
     for (int rt = 0; rt < 2; rt++)
         fprintf(f,
                 "  - name: %s\n"
@@ -83,11 +90,14 @@ bool ch_write_gw_conf(struct inst *g)
                 "      retention: 24h\n"
                 "      lease: %ums\n"
                 "      on_in_flight: conflict\n"
-                "      on_unknown: %s\n"
                 "      release_statuses: [503]\n"
                 "      max_body: 64KiB\n"
-                "      forward_key: true\n",
-                ch_route_name[rt], ch_route_name[rt], ch.o.lease_ms, rt == RT_RETRY ? "retry" : "reject");
+                "      forward_key: true\n"
+                "      on_unknown: %s",
+                ch_route_name[rt], ch_route_name[rt], ch.o.lease_ms,
+                reconcile        ? probe
+                : rt == RT_RETRY ? "retry\n"
+                                 : "reject\n");
     /* the ordering guard's route (traffic.c's ordered writers; checked: sequences applied in order), on an upstream
      * of its own (the same gate) with one connection: its requests often wait for it */
     fprintf(f,
@@ -99,14 +109,26 @@ bool ch_write_gw_conf(struct inst *g)
             "    idempotency:\n"
             "      key: required\n"
             "      lease: %ums\n"
-            "      on_unknown: reject\n"
-            "    ordering:\n"
-            "      resource: /v1/ord/{id}\n"
-            "      sequence: header:X-Sequence\n"
-            "      on_gap: accept\n"
-            "      hold: 1s\n",
-            ch.o.lease_ms);
+            "      on_unknown: %s",
+            ch.o.lease_ms, reconcile ? probe : "reject\n");
+    if (!reconcile)
+        fprintf(f, "    ordering:\n"
+                   "      resource: /v1/ord/{id}\n"
+                   "      sequence: header:X-Sequence\n"
+                   "      on_gap: accept\n"
+                   "      hold: 1s\n");
     return fclose(f) == 0;
+}
+
+bool ch_write_gw_conf(struct inst *g)
+{
+    snprintf(g->conf, sizeof g->conf, "%s/gw%d.yaml", ch.dir, g->idx);
+    return write_conf(g->conf, g, ch.gate_port, false);
+}
+
+bool ch_write_reconcile_conf(const char *path)
+{
+    return write_conf(path, &ch.inst[0], ch.tu_port, true);
 }
 
 /* Starts instance g on its ports without waiting. Returns the pid or -1. */

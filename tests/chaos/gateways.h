@@ -12,6 +12,9 @@
 bool ch_start_testupstream(void);
 /* Writes g's config (g->conf) for its ports and the run's store URLs; false when the file cannot be written. */
 bool ch_write_gw_conf(struct inst *g);
+/* Writes the config `idemgate reconcile` reads at path: the same store and route names, the upstreams straight at
+ * testupstream, each route with a look-up by key (probe: /_lookup?idempotency_key={key}). */
+bool ch_write_reconcile_conf(const char *path);
 /* Starts instance g without waiting; the pid or -1. */
 pid_t ch_gw_spawn(struct inst *g);
 /* Waits for /healthz of p started for g: true with g->pid = p, else p is stopped and false. */

@@ -129,7 +129,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: chaos --build DIR --services-dir DIR [--duration SECONDS] [--workers N] [--instances 1|2]\n"
                "             [--seed S] [--services-sh PATH] [--lease-ms N] [--upstream-timeout-ms N] [--keep]\n"
-               "             [--no-faults] [--faults LIST] [--pg-async] [--clock-skew-ms N]\n"
+               "             [--no-faults] [--faults LIST] [--pg-async] [--clock-skew-ms N] [--reconcile-forget-one]\n"
                "  --faults: comma-separated fault kinds, or all (the default; failover only when the services have a\n"
                "            standby): gateway_kill,postgres_restart,redis_restart,redis_flush,upstream_down,\n"
                "            postgres_pause,commit_errors,serializable_default,failover,citus_worker_restart,\n"
@@ -140,7 +140,9 @@ static void usage(FILE *f)
                "  --keep: keep the run directory (configs, gateway logs) even when every check passes\n"
                "  --pg-async: keep the cluster's synchronous_commit=off (demonstrates lost commits on a crash)\n"
                "  --clock-skew-ms: instance 1's wall clock runs this far ahead (default 120000; 0: none), through\n"
-               "                   BUILD/tests/tools/libclockshift.so\n");
+               "                   BUILD/tests/tools/libclockshift.so\n"
+               "  --reconcile-forget-one: test-only: the upstream forgets one answered key of route pay before the\n"
+               "                          closing reconciliation, which must then fail with missing=1\n");
 }
 
 static bool parse_args(int argc, char **argv)
@@ -165,6 +167,10 @@ static bool parse_args(int argc, char **argv)
         }
         if (strcmp(a, "--pg-async") == 0) {
             o->pg_async = true;
+            continue;
+        }
+        if (strcmp(a, "--reconcile-forget-one") == 0) {
+            o->reconcile_forget_one = true;
             continue;
         }
         if (strcmp(a, "--no-faults") == 0) {
