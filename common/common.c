@@ -748,6 +748,32 @@ void cm_sha256(const void *p, size_t n, uint8_t out[32])
     cm_sha256_final(&h, out);
 }
 
+int cm_hexval(unsigned char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+int cm_b64val(unsigned char c, bool url)
+{
+    if (c >= 'A' && c <= 'Z')
+        return c - 'A';
+    if (c >= 'a' && c <= 'z')
+        return c - 'a' + 26;
+    if (c >= '0' && c <= '9')
+        return c - '0' + 52;
+    if (c == (url ? '-' : '+'))
+        return 62;
+    if (c == (url ? '_' : '/'))
+        return 63;
+    return -1;
+}
+
 void cm_hex(const uint8_t *in, size_t n, char *out)
 {
     static const char hex[] = "0123456789abcdef";

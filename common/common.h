@@ -133,6 +133,10 @@ void cm_sha256_final(struct cm_sha256 *h, uint8_t out[32]);
 void cm_sha256(const void *p, size_t n, uint8_t out[32]);
 /* Lower-case hex of n bytes into out (2n+1 bytes). */
 void cm_hex(const uint8_t *in, size_t n, char *out);
+/* The value of hex digit c (either case), or -1. */
+int cm_hexval(unsigned char c);
+/* The value of base64 character c (RFC 4648 4; url: the URL alphabet of 5, '-' and '_'), or -1 ('=' too). */
+int cm_b64val(unsigned char c, bool url);
 /* Constant-time comparison of two byte strings (length leaks only). */
 bool cm_consttime_eq(const void *a, size_t alen, const void *b, size_t blen);
 /* 63-bit random token from the OS CSPRNG (never 0). */

@@ -35,6 +35,7 @@ struct route_ctr {
     _Atomic uint64_t unknown_resolved[CM_RESOLVED__COUNT];
     _Atomic uint64_t shadow_decisions[CM_SHADOW__COUNT];
     _Atomic uint64_t shadow_store_errors;
+    _Atomic uint64_t signature_failures; /* verify: 401 signature-invalid (or, in shadow mode, forwarded) */
 };
 
 /* Route names get a slot each, in the order they were first seen (the routes at start, then the new names of each
@@ -132,6 +133,7 @@ static void zero_route(struct route_ctr *r)
     for (size_t i = 0; i < CM_SHADOW__COUNT; i++)
         atomic_store_explicit(&r->shadow_decisions[i], 0, memory_order_relaxed);
     atomic_store_explicit(&r->shadow_store_errors, 0, memory_order_relaxed);
+    atomic_store_explicit(&r->signature_failures, 0, memory_order_relaxed);
 }
 
 static void zero_hist(struct hist *h)
@@ -281,6 +283,11 @@ void cm_metric_stale_rejection(size_t route)
 void cm_metric_sequence_gap(size_t route)
 {
     ctr_add(&route_of(route)->sequence_gaps, 1);
+}
+
+void cm_metric_signature_failure(size_t route)
+{
+    ctr_add(&route_of(route)->signature_failures, 1);
 }
 
 void cm_metric_completion_failure(size_t route)
@@ -536,7 +543,10 @@ bool cm_metrics_render(struct cm_buf *out)
                           offsetof(struct route_ctr, stale_rejections), false) ||
         !put_route_family(out, "idemgate_sequence_gaps_total",
                           "Requests whose sequence skipped past applied + 1 (ordering guard).",
-                          offsetof(struct route_ctr, sequence_gaps), false))
+                          offsetof(struct route_ctr, sequence_gaps), false) ||
+        !put_route_family(out, "idemgate_signature_failures_total",
+                          "Deliveries whose signature did not verify (401 signature-invalid; nothing claimed).",
+                          offsetof(struct route_ctr, signature_failures), false))
         return false;
     if (!put_route_label_family(
             out, "idemgate_unknown_resolved_total", "Unknown outcomes resolved by asking the upstream (probe).",

@@ -61,6 +61,7 @@ void cm_metric_in_flight_conflict(size_t route);
 void cm_metric_completion_failure(size_t route);
 void cm_metric_stale_rejection(size_t route);                  /* idemgate_stale_version_rejections_total */
 void cm_metric_sequence_gap(size_t route);                     /* idemgate_sequence_gaps_total */
+void cm_metric_signature_failure(size_t route);                /* idemgate_signature_failures_total */
 void cm_metric_stuck_processing_set(size_t route, uint64_t n); /* gauge */
 void cm_metric_upstream_seconds(double s);
 void cm_metric_store_seconds(enum cm_store_label st, double s);

@@ -9,17 +9,6 @@
 
 #include "common/uri.h"
 
-static int hexval(unsigned char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
 /* RFC 3986 2.3 */
 static bool unreserved(unsigned char c)
 {
@@ -39,7 +28,7 @@ static int escape_at(const char *s, size_t n, size_t i)
 {
     if (i + 2 >= n)
         return -1;
-    int hi = hexval((unsigned char)s[i + 1]), lo = hexval((unsigned char)s[i + 2]);
+    int hi = cm_hexval((unsigned char)s[i + 1]), lo = cm_hexval((unsigned char)s[i + 2]);
     return hi < 0 || lo < 0 ? -1 : hi * 16 + lo;
 }
 

@@ -33,6 +33,7 @@ void conf_destroy(struct conf *c)
         free(c->routes[i].match_key);
         idem_free(&c->routes[i].idem);
         ordering_free(&c->routes[i].ordering);
+        verify_free(&c->routes[i].verify);
         free(c->routes[i].errors.tmpl);
         free(c->routes[i].errors.content_type);
     }

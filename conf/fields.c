@@ -647,3 +647,19 @@ size_t find_line(struct ctx *x, yaml_node_t *map, const char *key, yaml_node_t *
     }
     return 0;
 }
+
+char *env_name(struct ctx *x, yaml_node_t *n)
+{
+    const char *s = scalar(x, n, "an environment variable name");
+    if (s == NULL)
+        return NULL;
+    bool ok = (*s >= 'A' && *s <= 'Z') || (*s >= 'a' && *s <= 'z') || *s == '_';
+    for (const char *p = s; ok && *p; p++)
+        ok = (*p >= 'A' && *p <= 'Z') || (*p >= 'a' && *p <= 'z') || (*p >= '0' && *p <= '9') || *p == '_';
+    char b[80];
+    if (!ok || strlen(s) > 128) {
+        fail(x, n, "invalid environment variable name '%s' (A-Z a-z 0-9 _, not starting with a digit)", shown(b, s));
+        return NULL;
+    }
+    return cm_strdup(s);
+}

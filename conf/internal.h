@@ -161,6 +161,8 @@ bool show_statuses(const void *base, const struct field *f, char *buf, size_t n)
 bool set_unique_name(struct ctx *x, yaml_node_t *n, char **out, const char *what,
                      bool (*taken)(const struct conf *, const char *));
 size_t find_line(struct ctx *x, yaml_node_t *map, const char *key, yaml_node_t **value);
+/* An environment variable's name (jwt.secret_env, verify.secrets_env): the heap copy, or NULL (error recorded). */
+char *env_name(struct ctx *x, yaml_node_t *n);
 
 /* process.c */
 bool show_addr(const void *base, const struct field *f, char *buf, size_t n);
@@ -189,7 +191,8 @@ bool resolve_refs(struct ctx *x);
 
 /* routes.c */
 void ordering_free(struct conf_ordering *o);
-extern const struct field route_fields[6];
+void verify_free(struct conf_verify *v);
+extern const struct field route_fields[7];
 bool fn_routes(struct ctx *x, yaml_node_t *n, void *target);
 
 /* idempotency.c */

@@ -412,18 +412,11 @@ static bool fn_jwt_audience(struct ctx *x, yaml_node_t *n, void *target)
 static bool fn_jwt_secret_env(struct ctx *x, yaml_node_t *n, void *target)
 {
     char **out = target;
-    const char *s = scalar(x, n, "an environment variable name");
-    if (s == NULL)
+    char *name = env_name(x, n);
+    if (name == NULL)
         return false;
-    bool ok = (*s >= 'A' && *s <= 'Z') || (*s >= 'a' && *s <= 'z') || *s == '_';
-    for (const char *p = s; ok && *p; p++)
-        ok = (*p >= 'A' && *p <= 'Z') || (*p >= 'a' && *p <= 'z') || (*p >= '0' && *p <= '9') || *p == '_';
-    char b[80];
-    if (!ok || strlen(s) > 128)
-        return fail(x, n, "invalid environment variable name '%s' (A-Z a-z 0-9 _, not starting with a digit)",
-                    shown(b, s));
     free(*out);
-    *out = cm_strdup(s);
+    *out = name;
     return true;
 }
 

@@ -454,6 +454,121 @@ void ordering_free(struct conf_ordering *o)
     free(o->seq_name);
 }
 
+/* ---- verify: the sender's signature (SPEC 12); the secrets are read from the environment by gateway/verify.c */
+
+static const char *const verify_schemes[] = {"stripe", "standard-webhooks", "github", "hmac", NULL};
+static const char *const verify_encodings[] = {"hex", "base64", NULL};
+_Static_assert(sizeof(enum conf_verify_scheme) == sizeof(int), "enum stored through int");
+_Static_assert(sizeof(enum conf_verify_encoding) == sizeof(int), "enum stored through int");
+
+static bool fn_verify_secrets_env(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_verify *v = target;
+    if (!expect_type(x, n, YAML_SEQUENCE_NODE))
+        return false;
+    size_t cnt = (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
+    if (cnt == 0 || cnt > CONF_VERIFY_SECRETS_MAX)
+        return fail(x, n, "must list 1 to %d environment variable names", CONF_VERIFY_SECRETS_MAX);
+    v->secrets_env = cm_calloc(cnt, sizeof *v->secrets_env);
+    for (size_t i = 0; i < cnt; i++) {
+        yaml_node_t *item = yaml_document_get_node(x->doc, n->data.sequence.items.start[i]);
+        if (item == NULL || !(v->secrets_env[i] = env_name(x, item)))
+            return false;
+        v->secrets_env_n = i + 1;
+    }
+    v->secrets_line = x->key_line;
+    return true;
+}
+
+static bool fn_verify_header(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a header name");
+    char b[80];
+    if (s == NULL)
+        return false;
+    if (!cm_token_ok(s, strlen(s)) || strlen(s) > 256)
+        return fail(x, n, "invalid header name '%s'", shown(b, s));
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static bool fn_verify_prefix(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "the text before the signature");
+    if (s == NULL)
+        return false;
+    if (strlen(s) > 64 || !cm_field_value_ok(s, strlen(s)))
+        return fail(x, n, "must be at most 64 bytes without control characters");
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static const struct field verify_fields[] = {
+    FIELD_ENUM("scheme", struct conf_verify, scheme, verify_schemes, .required = true,
+               .doc = "How the sender signs: `stripe` (`Stripe-Signature: t=...,v1=HEX`, HMAC-SHA256 of "
+                      "`t.body` keyed with the whole `whsec_...` secret), `standard-webhooks` (`webhook-id`, "
+                      "`webhook-timestamp`, `webhook-signature: v1,BASE64 ...`, HMAC-SHA256 of "
+                      "`id.timestamp.body` keyed with the base64-decoded secret after `whsec_`), `github` "
+                      "(`X-Hub-Signature-256: sha256=HEX` of the body), `hmac` (HMAC-SHA256 of the body in the "
+                      "header `header`, `encoding` hex or base64, after an optional `prefix`).",
+               .example = "hmac"),
+    FIELD_BASE("secrets_env", fn_verify_secrets_env, true, .what = "list of environment variable names",
+               .allowed = "1 to 8 names (`A-Z a-z 0-9 _`, not starting with a digit)",
+               .doc = "The environment variables holding the signing secrets. A delivery signed with any of them is "
+                      "accepted: list the new secret and the old one while the sender rotates. Each is read at "
+                      "start, by `--check` and on reload; one unset or empty (or, for `standard-webhooks`, not "
+                      "base64 after `whsec_`) is a config error.",
+               .example = "[STRIPE_WHSEC, STRIPE_WHSEC_OLD]"),
+    FIELD("tolerance", F_DUR, struct conf_verify, tolerance_ms, 1, DURATION_MAX, .def = "5m",
+          .doc = "`stripe` and `standard-webhooks`: a signed timestamp older or newer than the gateway's clock by "
+                 "more than this is refused (a captured delivery cannot be replayed later). Not used by `github` "
+                 "and `hmac`, which sign no timestamp.",
+          .example = "10m"),
+    FIELD_FN("header", struct conf_verify, header, fn_verify_header, false, .what = "header name",
+             .doc = "`hmac` only (required there): the header carrying the signature.", .example = "X-Signature"),
+    FIELD_ENUM("encoding", struct conf_verify, encoding, verify_encodings, .def = "hex",
+               .doc = "`hmac` only: how the signature is written (base64: the standard alphabet, padding optional).",
+               .example = "base64"),
+    FIELD_FN("prefix", struct conf_verify, prefix, fn_verify_prefix, false, .what = "string",
+             .doc = "`hmac` only: text the header value starts with before the signature.", .example = "sha256="),
+};
+
+static bool fn_verify(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_verify *v = target;
+    size_t line = x->key_line ? x->key_line : node_line(n);
+    v->tolerance_ms = 5 * MIN;
+    v->encoding = CONF_VERIFY_HEX;
+    if (!parse_map(x, n, verify_fields, NFIELDS(verify_fields), v))
+        return false;
+    bool hmac = v->scheme == CONF_VERIFY_HMAC;
+    if (hmac && !v->header)
+        return fail_line(x, line, "scheme hmac needs header (the header carrying the signature)");
+    static const char *const hmac_only[] = {"header", "encoding", "prefix"};
+    for (size_t i = 0; !hmac && i < sizeof hmac_only / sizeof hmac_only[0]; i++) {
+        size_t at = find_line(x, n, hmac_only[i], NULL);
+        if (at)
+            return fail_line(x, at, "%s is for scheme hmac only (%s fixes its header)", hmac_only[i],
+                             verify_schemes[v->scheme]);
+    }
+    v->file = x->c->file;
+    v->enabled = true;
+    return true;
+}
+
+void verify_free(struct conf_verify *v)
+{
+    for (size_t i = 0; i < v->secrets_env_n; i++)
+        free(v->secrets_env[i]);
+    free(v->secrets_env);
+    free(v->header);
+    free(v->prefix);
+}
+
 const struct field route_fields[] = {
     FIELD_FN("name", struct conf_route, name, fn_route_name, true, .what = "string",
              .allowed = "1 to 128 of `A-Z a-z 0-9 _ . -`, unique",
@@ -483,6 +598,12 @@ const struct field route_fields[] = {
              .doc = "The ordering guard: a per-resource increasing sequence kept in Postgres, so that an older "
                     "write never overwrites a newer one (409 `stale-sequence`). Without it the route is not "
                     "guarded."),
+    FIELD_FN("verify", struct conf_route, verify, fn_verify, false, .what = "mapping",
+             SUB(verify_fields, offsetof(struct conf_route, verify)),
+             .doc = "Verified deliveries (webhooks): every request of the route must carry the sender's valid "
+                    "signature of its raw body, checked before its key is read, anything is claimed or "
+                    "replayed, or anything is forwarded; otherwise 401 `signature-invalid` "
+                    "(`idemgate_signature_failures_total`). A forged delivery can never claim a key."),
 };
 
 bool fn_routes(struct ctx *x, yaml_node_t *n, void *target)

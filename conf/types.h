@@ -162,6 +162,25 @@ struct conf_ordering {
     uint64_t hold_ms;            /* default 2s: bounds the gap hold and the in-flight wait */
 };
 
+/* ---- verified deliveries (SPEC 12): the sender's signature, checked on the raw body before anything else */
+enum conf_verify_scheme { CONF_VERIFY_STRIPE = 0, CONF_VERIFY_STANDARD, CONF_VERIFY_GITHUB, CONF_VERIFY_HMAC };
+enum conf_verify_encoding { CONF_VERIFY_HEX = 0, CONF_VERIFY_BASE64 };
+#define CONF_VERIFY_SECRETS_MAX 8 /* secrets_env entries: the current one and those being rotated out */
+struct conf_verify {
+    bool enabled;                   /* a verify: block was given */
+    enum conf_verify_scheme scheme; /* required */
+    char **secrets_env;             /* names of the environment variables holding the secrets, 1..8 */
+    size_t secrets_env_n;
+    uint64_t tolerance_ms;              /* stripe, standard-webhooks: default 5m */
+    char *header;                       /* hmac: the signature's header (required) */
+    enum conf_verify_encoding encoding; /* hmac: default hex */
+    char *prefix;                       /* hmac: text before the signature ("sha256="), or NULL */
+    /* for the secret loader's errors ("FILE:LINE: routes[i].verify.secrets_env: ..."): the config file (conf.file,
+     * not owned) and the line of the secrets_env entry */
+    const char *file;
+    size_t secrets_line;
+};
+
 struct conf_route {
     char *name;
     char *path;        /* exact path, or NULL */
@@ -173,6 +192,7 @@ struct conf_route {
     struct conf_errors errors;
     struct conf_ordering ordering;
     bool reads_body; /* a json: or form: part (key_from, scope, fingerprint, ordering): the body is parsed */
+    struct conf_verify verify;
 };
 
 /* Top-level jwt: how jwt:CLAIM scope parts verify the bearer token (SPEC 9). */

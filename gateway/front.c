@@ -31,6 +31,7 @@
 #include "gateway/pipeline.h"
 #include "gateway/reload.h"
 #include "gateway/jwt.h"
+#include "gateway/verify.h"
 #include "gateway/ordering.h"
 #include "gateway/problem.h"
 
@@ -744,6 +745,36 @@ static const char *jwt_check(struct req *r, const struct conf_route *route)
     return NULL;
 }
 
+/* gw_verify_header_fn over the request's headers: a header sent twice is as good as none. */
+static const char *verify_header(void *arg, const char *name)
+{
+    struct req *r = arg;
+    return header_count(&r->in_hdrs, name) == 1 ? cm_hdrs_get(&r->in_hdrs, name) : NULL;
+}
+
+/* SPEC 12: on a verify: route the sender's signature of the raw body, before the key is read or anything is claimed,
+ * replayed or forwarded. false: refused (counted and logged, reason only: no signature or secret byte). In shadow
+ * mode nothing is refused: the request is forwarded as if key: off, the guard not consulted. */
+static bool signature_ok(struct req *r)
+{
+    struct gw_job *job = &r->job;
+    const struct gw_verify *v = job->route ? r->cref->verify[job->route - job->conf->routes] : NULL;
+    if (!v)
+        return true;
+    enum gw_verify_result vr =
+        gw_verify_check(v, verify_header, r, job->body.data, job->body.len, (int64_t)(cm_wall_ms() / 1000));
+    if (vr == GW_VERIFY_OK)
+        return true;
+    cm_metric_signature_failure(job->route_index);
+    cm_log(CM_INFO, "signature_refused", "route=%s reason=%s", job->route->name, gw_verify_result_name(vr));
+    if (job->route->idem.mode == CONF_MODE_SHADOW) {
+        job->idempotent = job->shadow = false;
+        job->ordered = false;
+        return true;
+    }
+    return false;
+}
+
 /* The request's part reader (gateway/parts.h) over what has been read so far. The body only grows until submit,
  * and nothing asks about it before. */
 static struct gw_reqparts *parts_of(struct req *r)
@@ -1124,6 +1155,15 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
         return reject(r, c, 400, "bad-request", "Bad request", r->chunk_why, CM_OUT_ERROR);
     if (r->body_over_budget)
         return shed_buffers(r, c);
+    if (!signature_ok(r)) {
+        gw_job_problem(job, 401, "signature-invalid", "Signature invalid",
+                       "the delivery's signature does not verify with the route's secrets, or its timestamp is "
+                       "outside the tolerance");
+        cm_hdrs_add(&job->resp_hdrs, "WWW-Authenticate",
+                    gw_verify_challenge(r->cref->verify[job->route - job->conf->routes]));
+        cm_metric_request(job->route_index, CM_OUT_UNAUTHORIZED);
+        return queue_answer(r, c);
+    }
     struct gw_reqparts *parts = parts_of(r); /* the body is in */
     if (job->route && job->route->reads_body && (r->key_in_body || job->idempotent || job->ordered)) {
         enum MHD_Result res;

@@ -75,21 +75,6 @@ const char *gw_jwt_result_name(enum gw_jwt_result r)
 
 /* ---- base64url without padding (RFC 7515 2): strict, no '=', no white space */
 
-static int b64url_val(unsigned char c)
-{
-    if (c >= 'A' && c <= 'Z')
-        return c - 'A';
-    if (c >= 'a' && c <= 'z')
-        return c - 'a' + 26;
-    if (c >= '0' && c <= '9')
-        return c - '0' + 52;
-    if (c == '-')
-        return 62;
-    if (c == '_')
-        return 63;
-    return -1;
-}
-
 /* Decodes s[0..n) into a fresh heap buffer (*out, *outlen; NUL-terminated beyond outlen). false: not base64url. */
 static bool b64url_decode(const char *s, size_t n, unsigned char **out, size_t *outlen)
 {
@@ -100,7 +85,7 @@ static bool b64url_decode(const char *s, size_t n, unsigned char **out, size_t *
     uint32_t acc = 0;
     int bits = 0;
     for (size_t i = 0; i < n; i++) {
-        int v = b64url_val((unsigned char)s[i]);
+        int v = cm_b64val((unsigned char)s[i], true);
         if (v < 0) {
             free(b);
             return false;

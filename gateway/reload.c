@@ -2,12 +2,14 @@
  * reaches into the loops: the caller's swap function does. */
 #include "gateway/reload.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/metrics.h"
 #include "conf/identity.h"
 #include "gateway/jwt.h"
+#include "gateway/verify.h"
 
 #define SWAP_TIMEOUT_MS 10000
 #define NAMES_MAX       1024 /* the names listed in event=reloaded */
@@ -19,13 +21,20 @@ struct gw_conf *gw_conf_load(const char *file, char **err)
         return NULL;
     struct gw_conf *c = cm_calloc(1, sizeof *c);
     c->conf = conf;
-    if (conf->jwt.enabled && !(c->jwt = gw_jwt_create(&conf->jwt, err))) {
-        conf_destroy(conf);
-        free(c);
-        return NULL;
-    }
     atomic_store(&c->refs, 1);
+    if (conf->jwt.enabled && !(c->jwt = gw_jwt_create(&conf->jwt, err)))
+        goto fail;
+    c->verify = cm_calloc(conf->routes_n + 1, sizeof *c->verify);
+    for (size_t i = 0; i < conf->routes_n; i++) {
+        char what[64];
+        snprintf(what, sizeof what, "routes[%zu].verify.secrets_env", i);
+        if (conf->routes[i].verify.enabled && !(c->verify[i] = gw_verify_create(&conf->routes[i].verify, what, err)))
+            goto fail;
+    }
     return c;
+fail:
+    gw_conf_unref(c);
+    return NULL;
 }
 
 void gw_conf_label(struct gw_conf *c)
@@ -48,6 +57,9 @@ void gw_conf_unref(struct gw_conf *c)
     if (!c || atomic_fetch_sub(&c->refs, 1) != 1)
         return;
     gw_jwt_destroy(c->jwt);
+    for (size_t i = 0; c->verify && i < c->conf->routes_n; i++)
+        gw_verify_destroy(c->verify[i]);
+    free(c->verify);
     free(c->route_slot);
     conf_destroy(c->conf);
     free(c);

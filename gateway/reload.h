@@ -12,18 +12,20 @@
 #include "conf/conf.h"
 
 struct gw_jwt;
+struct gw_verify;
 
 /* ---- the configuration in force: immutable and reference-counted. Each loop holds the one it serves new requests
  * with; each request takes a reference when the front accepts its head and drops it when the request is freed, so
  * a request finishes under the configuration it started with and the old one goes with its last request. */
 struct gw_conf {
-    struct conf *conf;  /* owned */
-    struct gw_jwt *jwt; /* the verifier of jwt:CLAIM scopes, NULL without a jwt: block; owned */
-    size_t *route_slot; /* metrics slot of each route (cm_metrics_route of its name), conf->routes_n entries */
+    struct conf *conf;         /* owned */
+    struct gw_jwt *jwt;        /* the verifier of jwt:CLAIM scopes, NULL without a jwt: block; owned */
+    struct gw_verify **verify; /* per route (conf->routes_n): its signature verifier, NULL without verify:; owned */
+    size_t *route_slot;        /* metrics slot of each route (cm_metrics_route of its name), conf->routes_n entries */
     atomic_long refs;
 };
-/* Loads and validates file completely (conf_load, then its JWT keys). Returns the handle with one reference, or
- * NULL + *err "FILE:LINE: KEY: ..." or the key loader's message (heap, caller frees). */
+/* Loads and validates file completely (conf_load, then its JWT keys and its routes' signing secrets). Returns the
+ * handle with one reference, or NULL + *err "FILE:LINE: KEY: ..." or the key loader's message (heap, caller frees). */
 struct gw_conf *gw_conf_load(const char *file, char **err);
 /* Gives each route its metrics slot (by name; cm_metrics_route). Call once the configuration is going to serve,
  * before any loop has it. */

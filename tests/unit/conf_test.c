@@ -1425,6 +1425,7 @@ Test(conf, every_key_has_a_doc_string)
           "    ordering:\n"                                                                                            \
           "      resource: /x/{id}\n"                                                                                  \
           "      sequence: header:X-Seq\n"                                                                             \
+          "    verify: {scheme: stripe, secrets_env: [IDEMGATE_TEST_UNUSED_SECRET]}\n"                                 \
           "admin: {}\n"                                                                                                \
           "replay_cache: {}\n"                                                                                         \
           "jwt:\n"                                                                                                     \
@@ -1585,6 +1586,9 @@ static const struct ex_ctx {
     {"routes[].ordering.", BASE "routes:\n  - name: r\n    match: {path_prefix: /v1}\n    upstream: api\n"
                                 "    ordering:\n      @resource resource: /v1/{id}\n"
                                 "      @sequence sequence: header:X-Seq\n      %s\n"},
+    {"routes[].verify.", BASE "routes:\n  - name: r\n    match: {path: /x}\n    upstream: api\n    verify:\n"
+                              "      @scheme scheme: hmac\n      @secrets_env secrets_env: [S]\n"
+                              "      @header header: X-Sig\n      %s\n"},
     {"jwt.", BASE "jwt:\n  @secret_env secret_env: X\n  %s\n"},
     {"replay_cache.", BASE "replay_cache:\n  %s\n"},
     {"limits.", BASE "limits:\n  %s\n"},

@@ -495,6 +495,8 @@ Test(metrics, unknown_resolved_and_shadow_decisions, .init = setup, .fini = tear
     cr_assert_str_eq(family_type(&p, "idemgate_unknown_resolved_total"), "counter");
     cr_assert_str_eq(family_type(&p, "idemgate_shadow_decisions_total"), "counter");
     cr_assert_str_eq(family_type(&p, "idemgate_shadow_store_errors_total"), "counter");
+    cr_assert_str_eq(family_type(&p, "idemgate_signature_failures_total"), "counter");
+    cr_assert_eq(get(&p, "idemgate_signature_failures_total", "route", "payments", NULL), 0);
     cr_assert_eq(get(&p, "idemgate_unknown_resolved_total", "route", "payments", "how", "absent", NULL), 0);
     cr_assert_eq(get(&p, "idemgate_shadow_decisions_total", "route", "payments", "decision", "stale", NULL), 0);
     free(p.s);
@@ -509,6 +511,8 @@ Test(metrics, unknown_resolved_and_shadow_decisions, .init = setup, .fini = tear
     cm_metric_shadow_decision(0, CM_SHADOW_MISMATCH);
     cm_metric_shadow_decision(CM_ROUTE_DEFAULT, CM_SHADOW_NEW);
     cm_metric_shadow_store_error(1);
+    cm_metric_signature_failure(1);
+    cm_metric_signature_failure(1);
     text = render();
     parse_text(text, &p);
     cr_expect_eq(get(&p, "idemgate_unknown_resolved_total", "route", "payments", "how", "found", NULL), 2);
@@ -519,6 +523,8 @@ Test(metrics, unknown_resolved_and_shadow_decisions, .init = setup, .fini = tear
     cr_expect_eq(get(&p, "idemgate_shadow_decisions_total", "route", "payments", "decision", "in_flight", NULL), 0);
     cr_expect_eq(get(&p, "idemgate_shadow_decisions_total", "route", "_default", "decision", "new", NULL), 1);
     cr_expect_eq(get(&p, "idemgate_shadow_store_errors_total", "route", ROUTES[1], NULL), 1);
+    cr_expect_eq(get(&p, "idemgate_signature_failures_total", "route", ROUTES[1], NULL), 2);
+    cr_expect_eq(get(&p, "idemgate_signature_failures_total", "route", "payments", NULL), 0);
     cr_expect_str_eq(cm_shadow_name(CM_SHADOW_IN_FLIGHT), "in_flight");
     free(p.s);
     free(text);
