@@ -42,6 +42,7 @@ sources() {
     resp | hdrs) echo "common/common.c" ;;
     conf) echo "common/common.c common/uri.c conf/conf.c conf/fields.c conf/process.c conf/upstreams.c conf/routes.c conf/idempotency.c conf/check.c conf/restart.c" ;;
     path) echo "common/common.c common/uri.c" ;;
+    verify) echo "common/common.c gateway/verify.c" ;;
     prefer) echo "common/common.c gateway/hints.c" ;;
     parts) echo "common/common.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;
     h1) echo "common/common.c upstream/upstream.c upstream/h1.c upstream/curl.c upstream/head.c upstream/transfer.c" ;;
@@ -56,7 +57,7 @@ extra_libs() {
     esac
 }
 
-TARGETS=(key resp hdrs fp conf path h1 parts prefer)
+TARGETS=(key resp hdrs fp conf path h1 parts prefer verify)
 passed=0
 failed=0
 for t in "${TARGETS[@]}"; do
