@@ -451,11 +451,16 @@ static char *read_source_file(const char *rel)
 }
 
 /* Every example configuration passes --check and logs config_ok and nothing else (no warning: each example scopes
- * its idempotent routes); the secrets payments.yaml names come from the environment, as there. */
+ * its idempotent routes); the secrets payments.yaml and signed-webhooks.yaml name come from the environment, as
+ * there. */
 Test(cli, every_example_configuration_passes_check_without_a_warning)
 {
     static const char *const env[] = {"IDEMGATE_JWT_SECRET=an-example-secret-of-at-least-32-bytes",
-                                      "PAYMENTS_LOOKUP_KEY=lookup-key", NULL};
+                                      "PAYMENTS_LOOKUP_KEY=lookup-key",
+                                      "STRIPE_WHSEC=whsec_example",
+                                      "STRIPE_WHSEC_OLD=whsec_example_old",
+                                      "SVIX_WHSEC=whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+                                      NULL};
     char *dir = NULL;
     cr_assert(asprintf(&dir, "%s/conf/examples", e2e_env("IDEMGATE_SRC_DIR")) > 0);
     DIR *d = opendir(dir);
