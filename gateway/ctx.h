@@ -16,6 +16,7 @@ struct store;
 struct gw_cache;
 struct gw_probe;
 struct gw_conf;
+struct up_tracer;
 
 /* The list of running jobs, through a link the pipeline embeds in its own state (the context never looks past
  * it). */
@@ -31,6 +32,7 @@ struct gw_ctx {
     struct gw_cache *cache;     /* the process's replay cache (shared by the loops), NULL when off */
     struct gw_probe *probe;     /* on_unknown: probe look-ups and their sweeper (gateway/probe.c) */
     struct gw_conf *cur;        /* what new requests are served with (loop thread; one reference, swapped on reload) */
+    struct up_tracer *tracer;   /* span export (upstream/trace.h), shared by the loops; NULL: no tracing */
     atomic_bool schema_ready;   /* set once the schema exists; idempotent requests get 503 until then */
     atomic_bool closing;        /* after this, new jobs are answered 503 at once (shutdown past the grace) */
     struct gw_job_link *active; /* running jobs (loop thread only) */

@@ -25,11 +25,13 @@
 #include "gateway/answer.h"
 #include "gateway/hints.h"
 #include "gateway/conntrack.h"
+#include "gateway/ctx.h"
 #include "gateway/front.h"
 #include "gateway/gateway.h"
 #include "gateway/loop.h"
 #include "gateway/pipeline.h"
 #include "gateway/reload.h"
+#include "gateway/spans.h"
 #include "gateway/jwt.h"
 #include "gateway/verify.h"
 #include "gateway/ordering.h"
@@ -418,6 +420,7 @@ static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)job->status, resp);
     MHD_destroy_response(resp);
     r->stage = STAGE_ANSWERED;
+    gw_trace_end(job, gw_loop_ctx(r->shard->loop)->tracer);
     return ret;
 }
 
@@ -427,6 +430,7 @@ static enum MHD_Result reject(struct req *r, struct MHD_Connection *c, int statu
 {
     gw_job_problem(&r->job, status, name, title, detail);
     cm_metric_request(r->job.route_index, outcome);
+    gw_trace_outcome(&r->job, outcome);
     return queue_answer(r, c);
 }
 
@@ -456,6 +460,7 @@ static enum MHD_Result shed_buffers(struct req *r, struct MHD_Connection *c)
                    "the gateway holds as many request bodies and answers as limits.buffers allows; retry later");
     gw_job_retry_after(&r->job, 1000);
     cm_metric_request(r->job.route_index, CM_OUT_ERROR);
+    gw_trace_outcome(&r->job, CM_OUT_ERROR);
     return queue_answer(r, c);
 }
 
@@ -576,6 +581,12 @@ static void append_to_list_header(struct cm_hdrs *fh, const struct cm_hdrs *in, 
 
 /* The headers sent upstream: hop-by-hop removed, Host set to the upstream's,
  * X-Forwarded-For/-Proto/-Host and Via added, the key header per forward_key. */
+static bool all_zero8(const uint8_t b[8])
+{
+    static const uint8_t zero[8];
+    return memcmp(b, zero, 8) == 0;
+}
+
 static void build_forward_headers(struct req *r, struct MHD_Connection *c)
 {
     struct gw_job *job = &r->job;
@@ -608,6 +619,13 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     append_to_list_header(fh, &r->in_hdrs, "X-Forwarded-For", ip);
     cm_hdrs_add(fh, "X-Forwarded-Proto", "http");                  /* the front listens on plain HTTP only */
     append_to_list_header(fh, &r->in_hdrs, "Via", "1.1 idemgate"); /* RFC 9110 7.6.3 */
+    char tp[UP_TRACEPARENT_LEN + 1];
+    if (gw_trace_forward_value(job, tp)) { /* W3C: the upstream's parent is our upstream span */
+        cm_hdrs_remove(fh, "traceparent");
+        if (all_zero8(job->trace.parent_id)) /* no valid incoming traceparent: its tracestate means nothing */
+            cm_hdrs_remove(fh, "tracestate");
+        cm_hdrs_add(fh, "traceparent", tp);
+    }
 }
 
 /* RFC 9110 field names are tokens; values carry no control byte but HTAB.
@@ -840,6 +858,9 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         job->route_index = CM_ROUTE_DEFAULT;
         job->upstream = &conf->upstreams[conf->default_upstream];
     } /* else CM_ROUTE_NONE, as set at the request line */
+    /* a traceparent sent twice is not one to continue */
+    gw_trace_begin(job, gw_loop_ctx(r->shard->loop)->tracer,
+                   header_count(&r->in_hdrs, "traceparent") == 1 ? cm_hdrs_get(&r->in_hdrs, "traceparent") : NULL);
 
     struct gw_conn *t = track_of(c);
     if (t && t->over_limit)
@@ -878,6 +899,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
             gw_job_problem(job, 401, "invalid-credentials", "Invalid credentials", why);
             cm_hdrs_add(&job->resp_hdrs, "WWW-Authenticate", "Bearer error=\"invalid_token\"");
             cm_metric_request(job->route_index, CM_OUT_UNAUTHORIZED);
+            gw_trace_outcome(job, CM_OUT_UNAUTHORIZED);
             return queue_answer(r, c);
         }
     }
@@ -1198,6 +1220,7 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     case GW_CACHED_QUEUED: {
         answer_deadline(c);
         r->stage = STAGE_ANSWERED;
+        gw_trace_end(job, job->ctx->tracer);
         return queued ? MHD_YES : MHD_NO;
     }
     case GW_CACHED_ANSWER:

@@ -10,8 +10,10 @@
 #include <stdint.h>
 
 #include "common/common.h"
+#include "common/metrics.h"
 #include "conf/conf.h"
 #include "gateway/idem.h"
+#include "upstream/trace.h"
 
 struct gw_loop;
 struct gw_ctx;
@@ -67,6 +69,20 @@ struct gw_job {
      * the answer is ready (it resumes the connection). The pipeline never calls the front otherwise. */
     void (*done_cb)(struct gw_job *job);
 
+    /* tracing (gateway/spans.h): set by the front when the request's head is in; the pipeline adds the steps */
+    struct gw_job_trace {
+        bool forward;            /* tracing is configured: the upstream gets our traceparent */
+        bool on;                 /* sampled: the request's spans are exported */
+        uint8_t trace_id[16];    /* the incoming traceparent's, or a new one */
+        uint8_t parent_id[8];    /* the incoming traceparent's parent id; zero: none */
+        uint8_t span_id[8];      /* the request span's */
+        uint8_t up_span_id[8];   /* the upstream span's: the parent the upstream is told */
+        uint64_t start_ns;       /* the request span's start */
+        uint64_t step_ns;        /* the claim, upstream or complete step in progress started then */
+        uint64_t token;          /* the fencing token, once claimed */
+        enum cm_outcome outcome; /* the answer's outcome */
+        bool outcome_set;
+    } trace;
     /* the pipeline's own state (gateway/pipeline.c; NULL until gw_pipeline_run, freed by gw_pipeline_free) */
     struct gw_pipe *pipe;
 };

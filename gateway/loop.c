@@ -445,6 +445,12 @@ size_t gw_loops_jobs(struct gw_loops *ls)
     return n;
 }
 
+void gw_loops_set_tracer(struct gw_loops *ls, struct up_tracer *t)
+{
+    for (size_t i = 0; i < ls->n; i++)
+        ls->v[i]->ctx.tracer = t;
+}
+
 void gw_loops_set_schema_ready(struct gw_loops *ls, bool ready)
 {
     for (size_t i = 0; i < ls->n; i++)

@@ -14,6 +14,7 @@
 struct event_base;
 struct store;
 struct gw_loop;
+struct up_tracer;
 struct gw_conf;
 
 /* Creates the loop (event base, upstream client, store). NULL + *err (heap, caller frees) on failure. */
@@ -58,6 +59,8 @@ struct gw_loops *gw_loops_create(const struct conf *conf, size_t n, char **err);
 /* Before gw_loops_start: every loop serves new requests with c (each takes a reference). */
 void gw_loops_install(struct gw_loops *ls, struct gw_conf *c);
 bool gw_loops_start(struct gw_loops *ls) CM_MUST_CHECK;
+/* Before gw_loops_start: every loop's jobs export their spans through t (not owned; NULL: none). */
+void gw_loops_set_tracer(struct gw_loops *ls, struct up_tracer *t);
 /* Running loops: each swaps to c on its own thread, between two events (each takes a reference and drops its old
  * one); waits up to timeout_ms for all of them. Returns false when a loop did not swap in time (it still will). */
 bool gw_loops_swap(struct gw_loops *ls, struct gw_conf *c, uint64_t timeout_ms) CM_MUST_CHECK;

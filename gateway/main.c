@@ -22,6 +22,7 @@
 #include "gateway/reconcile.h"
 #include "gateway/reload.h"
 #include "store/store.h"
+#include "upstream/trace.h"
 
 #define MIGRATE_TIMEOUT_MS 5000
 #define MIGRATE_RETRY_MS   2000
@@ -197,6 +198,7 @@ static int run(const char *file, struct gw_conf *gc, const struct accept_list *a
     struct gw_loops *loops = NULL;
     struct gw_front *front = NULL;
     struct gw_admin *admin = NULL;
+    struct up_tracer *tracer = NULL;
     struct migrator mig = {.conf = conf, .accept = accept};
     atomic_init(&mig.refused, false);
     bool mig_started = false;
@@ -229,6 +231,10 @@ static int run(const char *file, struct gw_conf *gc, const struct accept_list *a
         goto out;
     }
     gw_loops_install(loops, gc);
+    if (conf->tracing_otlp != NULL) {
+        tracer = up_tracer_create(&(struct up_tracer_opts){.url = conf->tracing_otlp, .sample = conf->tracing_sample});
+        gw_loops_set_tracer(loops, tracer); /* NULL (it could not start, logged): no tracing */
+    }
     if (!gw_loops_start(loops)) {
         cm_log(CM_ERROR, "start_failed", "error=\"cannot start the I/O thread\"");
         goto out;
@@ -322,6 +328,7 @@ out:
     gw_admin_stop(admin);
     gw_front_stop(front);
     gw_loops_destroy(loops);
+    up_tracer_destroy(tracer); /* after the loops: no job submits a span any more */
     gw_conf_unref(cur);
     pthread_mutex_destroy(&mig.mu);
     pthread_cond_destroy(&mig.cv);

@@ -19,6 +19,7 @@
 #include "gateway/owned.h"
 #include "gateway/probe.h"
 #include "gateway/problem.h"
+#include "gateway/spans.h"
 #include "store/order.h"
 #include "store/store.h"
 
@@ -357,6 +358,7 @@ static void finish(struct gw_job *job, enum cm_outcome outcome)
         cm_hdrs_add(&job->resp_hdrs, "Preference-Applied", v);
     }
     cm_metric_request(job->route_index, outcome);
+    gw_trace_outcome(job, outcome);
     gw_ctx_job_remove(job->ctx, &p->link);
     set_state(job, GW_PIPE_DONE);
     job->done_cb(job); /* the front's callback: control goes back up without the pipeline knowing the front */
@@ -404,6 +406,7 @@ static bool is_release_status(const struct gw_job *job, int status)
 static void answer_after_store(void *arg, bool ok, long rows)
 {
     struct gw_job *job = arg;
+    gw_span_end(job, job->ctx->tracer, "complete", 0, !ok);
     finish(job, job->pipe->outcome);
 }
 
@@ -411,6 +414,7 @@ static void answer_after_store(void *arg, bool ok, long rows)
 static void completed(void *arg, bool ok, long rows)
 {
     struct gw_job *job = arg;
+    gw_span_end(job, job->ctx->tracer, "complete", 0, !ok || rows == 0);
     if (!ok || rows == 0) {
         cm_metric_completion_failure(job->route_index);
         cm_log(CM_ERROR, "completion_failed", "route=%s reason=%s", job->route->name,
@@ -448,6 +452,7 @@ static void settle_upstream(struct gw_job *job, const struct gw_outcome *o, stru
     const struct conf_idem *im = &job->route->idem;
     p->outcome = o->outcome;
     set_state(job, GW_PIPE_RECORDING);
+    gw_span_begin(job); /* the record's settling: the complete span */
     switch (o->record) {
     case GW_RECORD_COMPLETE:
         p->up_resp = *resp;
@@ -473,6 +478,7 @@ static void upstream_done(struct gw_job *job, bool idempotent, enum up_result r,
 {
     job->pipe->transfer = NULL;
     cm_metric_upstream_seconds(secs);
+    gw_span_end(job, job->ctx->tracer, "upstream", r == UP_OK ? resp->status : 0, r != UP_OK);
     settle_upstream(job, gw_outcome_for(idempotent, true, r, r == UP_OK && is_release_status(job, resp->status)), resp,
                     errmsg);
 }
@@ -518,6 +524,7 @@ static void forward(struct gw_job *job, bool idempotent)
                 .keepalive_ms = u->keepalive_timeout_ms,
                 .send_until_ms = p->bounded ? &p->send_until_ms : NULL,
             };
+            gw_span_begin(job);
             p->transfer = up_send(job->ctx->up, &req, idempotent ? idem_forward_done : passthrough_done, job);
         }
         cm_buf_free(&target);
@@ -831,6 +838,9 @@ static void claimed(void *arg, struct store_claim_res *res)
     struct gw_job *job = arg;
     struct gw_pipe *p = job->pipe;
     const struct conf_idem *im = &job->route->idem;
+    if (res->verdict == STORE_NEW)
+        job->trace.token = res->token;
+    gw_span_end(job, job->ctx->tracer, "claim", 0, res->verdict == STORE_UNAVAILABLE);
     switch (res->verdict) {
     case STORE_NEW: {
         struct store_id id = job_id(job);
@@ -882,6 +892,7 @@ static void claim(struct gw_job *job)
     req.retention_ms = im->retention_ms;
     req.takeover_unknown = im->on_unknown == CONF_UNKNOWN_RETRY;
     set_state(job, GW_PIPE_CLAIMING);
+    gw_span_begin(job);
     /* A key this process holds in flight is in flight, whatever its lease in Postgres says: its owner is alive
      * (SPEC 8), and asking Postgres could take it over from the owner after an outage longer than the lease. */
     enum gw_held held = job->shadow ? GW_HELD_NO : gw_owned_held_fp(&req.id, job->fp);
@@ -927,11 +938,15 @@ enum gw_cached gw_pipeline_answer_cached(struct gw_job *job, struct MHD_Connecti
     case GW_CACHE_QUEUED:
         cm_metric_dedup_hit(job->route_index);
         cm_metric_request(job->route_index, CM_OUT_REPLAYED);
+        gw_trace_outcome(job, CM_OUT_REPLAYED);
         return GW_CACHED_QUEUED;
-    default:
-        cm_metric_request(job->route_index, answer_record(job, &cached));
+    default: {
+        enum cm_outcome o = answer_record(job, &cached);
+        cm_metric_request(job->route_index, o);
+        gw_trace_outcome(job, o);
         cm_resp_free(&cached.resp);
         return GW_CACHED_ANSWER;
+    }
     }
 }
 
