@@ -38,7 +38,7 @@ unset IDEMGATE_POSTGRES_URL IDEMGATE_REDIS_URL IDEMGATE_ADMIN_TOKEN
 
 sources() {
     case "$1" in
-    key | fp) echo "common/common.c gateway/idem.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;
+    key | fp | jcs) echo "common/common.c gateway/idem.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;
     resp | hdrs) echo "common/common.c" ;;
     conf) echo "common/common.c common/uri.c conf/conf.c conf/fields.c conf/process.c conf/upstreams.c conf/routes.c conf/idempotency.c conf/check.c conf/restart.c" ;;
     path) echo "common/common.c common/uri.c" ;;
@@ -53,11 +53,11 @@ sources() {
 extra_libs() {
     case "$1" in
     h1) pkg-config --libs libcurl libevent ;;
-    key | fp | parts) pkg-config --libs jansson ;;
+    key | fp | parts | jcs) pkg-config --libs jansson ;;
     esac
 }
 
-TARGETS=(key resp hdrs fp conf path h1 parts prefer verify)
+TARGETS=(key resp hdrs fp conf path h1 parts prefer verify jcs)
 passed=0
 failed=0
 for t in "${TARGETS[@]}"; do
