@@ -785,9 +785,8 @@ static bool signature_ok(struct req *r)
         return true;
     cm_metric_signature_failure(job->route_index);
     cm_log(CM_INFO, "signature_refused", "route=%s reason=%s", job->route->name, gw_verify_result_name(vr));
-    if (job->route->idem.mode == CONF_MODE_SHADOW) {
-        job->idempotent = job->shadow = false;
-        job->ordered = false;
+    if (job->route->idem.mode == CONF_MODE_SHADOW) { /* the key in the body is not read either: nothing claimed */
+        job->idempotent = job->shadow = job->ordered = r->key_in_body = false;
         return true;
     }
     return false;

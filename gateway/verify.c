@@ -220,10 +220,10 @@ static bool compute(const struct gw_verify *v, const struct piece *pieces, size_
     EVP_MAC_CTX *ctx = EVP_MAC_CTX_new(v->mac);
     OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, (char *)"SHA256", 0),
                            OSSL_PARAM_construct_end()};
-    bool ok = ctx != NULL;
+    bool ok = ctx != NULL && EVP_MAC_CTX_set_params(ctx, params) == 1; /* the digest once, then a key each */
     for (size_t i = 0; ok && i < v->n; i++) {
         size_t outl = 0;
-        ok = EVP_MAC_init(ctx, v->secrets[i].key, v->secrets[i].len, params) == 1;
+        ok = EVP_MAC_init(ctx, v->secrets[i].key, v->secrets[i].len, NULL) == 1;
         for (size_t k = 0; ok && k < np; k++)
             ok = pieces[k].n == 0 || EVP_MAC_update(ctx, pieces[k].p, pieces[k].n) == 1;
         ok = ok && EVP_MAC_final(ctx, macs[i], &outl, MAC_LEN) == 1 && outl == MAC_LEN;

@@ -320,3 +320,54 @@ Test(webhooks, a_missing_secret_is_a_config_error_at_check)
     free(out);
     free(err);
 }
+
+/* mode: shadow refuses nothing: a forged delivery is forwarded, counted as a signature failure, and claims nothing
+ * (no shadow decision is recorded for it, not even when its key is in the body). */
+Test(webhooks, shadow_mode_forwards_a_forged_delivery_and_claims_nothing)
+{
+    /* clang-format off */
+    static const char *const tmpl =
+        E2E_CONF_HEAD
+        "upstreams:\n"
+        E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "5s")
+        "routes:\n"
+        "  - name: stripe\n"
+        "    match: {path: /webhooks/stripe}\n"
+        "    upstream: api\n"
+        "    verify: {scheme: stripe, secrets_env: [E2E_STRIPE_WHSEC]}\n"
+        "    idempotency:\n"
+        "      key: required\n"
+        "      key_from: json:/id\n"
+        "      mode: shadow\n";
+    /* clang-format on */
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    static const char *const env[] = {"E2E_STRIPE_WHSEC=" STRIPE_SECRET, NULL};
+    struct e2e_gw_opts o = {.up = up, .env = env, .wait_ready = true};
+    struct e2e_gw *gw = e2e_gw_start(tmpl, &o);
+    char id[96], body[512], sig[256];
+    e2e_mkkey(id, sizeof id, "evt");
+    event_body(body, sizeof body, id);
+    for (int i = 0; i < 2; i++) {
+        stripe_header(sig, sizeof sig, "whsec_forged", now_s(), body);
+        struct e2e_resp r;
+        post_stripe(gw, sig, body, &r);
+        cr_expect_eq(r.status, 200, "forged #%d in shadow mode: forwarded, %ld", i, r.status);
+        e2e_resp_free(&r);
+    }
+    cr_expect_eq(e2e_upstream_count(up, NULL), 2, "both forwarded");
+    cr_expect_eq(failures(gw, "stripe"), 2);
+    struct e2e_resp m;
+    e2e_get(gw->admin_port, "/metrics", &m);
+    const char *const any[] = {"route=\"stripe\"", NULL};
+    double decisions = 0;
+    static const char *const names[] = {"new", "replay", "mismatch", "in_flight", "stale"};
+    for (size_t i = 0; i < 5; i++) {
+        char d[64];
+        snprintf(d, sizeof d, "decision=\"%s\"", names[i]);
+        const char *const labels[] = {any[0], d, NULL};
+        double v = e2e_metric_value((const char *)m.body, "idemgate_shadow_decisions_total", labels);
+        decisions += v > 0 ? v : 0;
+    }
+    e2e_resp_free(&m);
+    cr_expect_eq(decisions, 0, "a forged delivery records no shadow decision (it claimed nothing)");
+}
