@@ -3,11 +3,16 @@
 #include "common/metrics.h"
 #include "common/version.h"
 
+#include <dirent.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
 
 /* Upper bounds (seconds) of the finite histogram buckets; +Inf is implied. */
 static const double bucket_le[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
@@ -23,6 +28,18 @@ struct hist {
     _Atomic uint64_t sum_us;
 };
 
+/* One route's upstream requests to one upstream: idemgate_upstream_seconds{route,upstream} and
+ * idemgate_upstream_responses_total{route,upstream,class}. */
+#define ROUTE_UPSTREAMS 4 /* upstreams one route's series keep apart (a reload may move it); more share the last */
+#define UPSTREAM_NAMES  256
+enum { CLASS_2XX, CLASS_3XX, CLASS_4XX, CLASS_5XX, CLASS_NONE, CLASS__COUNT };
+static const char *const class_names[CLASS__COUNT] = {"2xx", "3xx", "4xx", "5xx", "none"};
+struct up_series {
+    _Atomic size_t up; /* upstream name index + 1; 0: unused */
+    struct hist h;
+    _Atomic uint64_t cls[CLASS__COUNT];
+};
+
 struct route_ctr {
     _Atomic uint64_t requests[CM_OUT__COUNT];
     _Atomic uint64_t dedup_hits;
@@ -36,6 +53,7 @@ struct route_ctr {
     _Atomic uint64_t shadow_decisions[CM_SHADOW__COUNT];
     _Atomic uint64_t shadow_store_errors;
     _Atomic uint64_t signature_failures; /* verify: 401 signature-invalid (or, in shadow mode, forwarded) */
+    struct up_series ups[ROUTE_UPSTREAMS];
 };
 
 /* Route names get a slot each, in the order they were first seen (the routes at start, then the new names of each
@@ -60,7 +78,26 @@ struct registry {
 static struct route_ctr fallback_rc[2]; /* "_default", "_none" */
 static struct registry reg = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
-static struct hist upstream_hist;
+/* Every route's upstream durations for the status page, by minute: the page shows the last five minutes, not the
+ * process's life. A slot is taken over by the first observation of a new minute (its compare-and-swap wins), which
+ * zeroes it: an observation racing that zeroing may be lost, never counted twice. */
+#define WIN_SLOTS   8
+#define WIN_MINUTES 5 /* the window: this many whole minutes before the current one, and the current one */
+struct win_slot {
+    _Atomic uint64_t minute; /* minute number + 1 of what the slot holds; 0: nothing */
+    struct hist h;
+};
+static struct win_slot win[WIN_SLOTS];
+static uint64_t win_clock_default(void)
+{
+    return cm_now_ms() / 1000;
+}
+static uint64_t (*win_clock)(void) = win_clock_default;
+/* Upstream names get an index each (as routes a slot), never freed before cm_metrics_reset; readers load n_up
+ * (acquire) and read names below it. Inserts under reg.mu. */
+static char *up_names[UPSTREAM_NAMES];
+static _Atomic size_t n_up;
+static uint64_t start_wall_s; /* process_start_time_seconds, read once */
 static struct hist store_hist[CM_STORE__COUNT];
 static _Atomic uint64_t store_errors[CM_STORE__COUNT];
 static _Atomic int postgres_up;
@@ -117,6 +154,13 @@ static uint64_t ctr_get(_Atomic uint64_t *c)
     return atomic_load_explicit(c, memory_order_relaxed);
 }
 
+static void zero_hist(struct hist *h)
+{
+    for (size_t i = 0; i < NBUCKETS; i++)
+        atomic_store_explicit(&h->bucket[i], 0, memory_order_relaxed);
+    atomic_store_explicit(&h->sum_us, 0, memory_order_relaxed);
+}
+
 static void zero_route(struct route_ctr *r)
 {
     for (size_t i = 0; i < CM_OUT__COUNT; i++)
@@ -134,20 +178,22 @@ static void zero_route(struct route_ctr *r)
         atomic_store_explicit(&r->shadow_decisions[i], 0, memory_order_relaxed);
     atomic_store_explicit(&r->shadow_store_errors, 0, memory_order_relaxed);
     atomic_store_explicit(&r->signature_failures, 0, memory_order_relaxed);
-}
-
-static void zero_hist(struct hist *h)
-{
-    for (size_t i = 0; i < NBUCKETS; i++)
-        atomic_store_explicit(&h->bucket[i], 0, memory_order_relaxed);
-    atomic_store_explicit(&h->sum_us, 0, memory_order_relaxed);
+    for (size_t k = 0; k < ROUTE_UPSTREAMS; k++) {
+        atomic_store_explicit(&r->ups[k].up, 0, memory_order_relaxed);
+        zero_hist(&r->ups[k].h);
+        for (size_t c = 0; c < CLASS__COUNT; c++)
+            atomic_store_explicit(&r->ups[k].cls[c], 0, memory_order_relaxed);
+    }
 }
 
 static void zero_globals(void)
 {
     zero_route(&fallback_rc[0]);
     zero_route(&fallback_rc[1]);
-    zero_hist(&upstream_hist);
+    for (size_t i = 0; i < WIN_SLOTS; i++) {
+        atomic_store_explicit(&win[i].minute, 0, memory_order_relaxed);
+        zero_hist(&win[i].h);
+    }
     for (size_t i = 0; i < CM_STORE__COUNT; i++) {
         zero_hist(&store_hist[i]);
         atomic_store_explicit(&store_errors[i], 0, memory_order_relaxed);
@@ -176,6 +222,12 @@ void cm_metrics_reset(void)
         atomic_store(&reg.chunk[k], NULL);
     }
     atomic_store(&reg.nroutes, 0);
+    size_t nu = atomic_load(&n_up);
+    for (size_t i = 0; i < nu; i++) {
+        free(up_names[i]);
+        up_names[i] = NULL;
+    }
+    atomic_store(&n_up, 0);
     zero_globals();
 }
 
@@ -313,9 +365,81 @@ static void hist_observe(struct hist *h, double s)
     ctr_add(&h->sum_us, (uint64_t)llround(us));
 }
 
-void cm_metric_upstream_seconds(double s)
+/* The index of upstream name name (a new one when unseen; the last one when the table is full). */
+static size_t upstream_index(const char *name)
 {
-    hist_observe(&upstream_hist, s);
+    size_t n = atomic_load_explicit(&n_up, memory_order_acquire);
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(up_names[i], name) == 0)
+            return i;
+    pthread_mutex_lock(&reg.mu);
+    n = atomic_load(&n_up);
+    size_t found = UPSTREAM_NAMES;
+    for (size_t i = 0; i < n && found == UPSTREAM_NAMES; i++)
+        if (strcmp(up_names[i], name) == 0)
+            found = i;
+    if (found == UPSTREAM_NAMES && n < UPSTREAM_NAMES) {
+        up_names[n] = cm_strdup(name);
+        atomic_store_explicit(&n_up, n + 1, memory_order_release);
+        found = n;
+    }
+    pthread_mutex_unlock(&reg.mu);
+    return found < UPSTREAM_NAMES ? found : UPSTREAM_NAMES - 1;
+}
+
+/* The route's series for upstream index u: the one it has, else a free one taken (CAS), else the last. */
+static struct up_series *series_of(struct route_ctr *rc, size_t u)
+{
+    for (size_t k = 0; k < ROUTE_UPSTREAMS; k++) {
+        size_t v = atomic_load_explicit(&rc->ups[k].up, memory_order_acquire);
+        if (v == u + 1)
+            return &rc->ups[k];
+        if (v == 0) {
+            size_t zero = 0;
+            if (atomic_compare_exchange_strong(&rc->ups[k].up, &zero, u + 1) || zero == u + 1)
+                return &rc->ups[k];
+        }
+    }
+    return &rc->ups[ROUTE_UPSTREAMS - 1];
+}
+
+void cm_metrics_set_clock(uint64_t (*now_s)(void))
+{
+    win_clock = now_s ? now_s : win_clock_default;
+}
+
+static void win_observe(double s)
+{
+    uint64_t m = win_clock() / 60 + 1;
+    struct win_slot *w = &win[m % WIN_SLOTS];
+    uint64_t had = atomic_load_explicit(&w->minute, memory_order_acquire);
+    if (had != m && had < m && atomic_compare_exchange_strong(&w->minute, &had, m))
+        zero_hist(&w->h);
+    if (atomic_load_explicit(&w->minute, memory_order_acquire) == m)
+        hist_observe(&w->h, s);
+}
+
+/* The window's durations merged into out. */
+static void win_merge(struct hist *out)
+{
+    zero_hist(out);
+    uint64_t m = win_clock() / 60 + 1;
+    for (size_t i = 0; i < WIN_SLOTS; i++) {
+        uint64_t sm = atomic_load_explicit(&win[i].minute, memory_order_acquire);
+        if (sm == 0 || sm > m || sm + WIN_MINUTES < m)
+            continue;
+        for (size_t b = 0; b < NBUCKETS; b++)
+            ctr_add(&out->bucket[b], ctr_get(&win[i].h.bucket[b]));
+        ctr_add(&out->sum_us, ctr_get(&win[i].h.sum_us));
+    }
+}
+
+void cm_metric_upstream(size_t route, const char *upstream, int status, double s)
+{
+    win_observe(s);
+    struct up_series *se = series_of(route_of(route), upstream_index(upstream ? upstream : "_none"));
+    hist_observe(&se->h, s);
+    ctr_add(&se->cls[status >= 200 && status <= 599 ? status / 100 - 2 : CLASS_NONE], 1);
 }
 
 void cm_metric_store_seconds(enum cm_store_label st, double s)
@@ -476,6 +600,22 @@ static bool put_route_label_family(struct cm_buf *out, const char *name, const c
     return true;
 }
 
+/* Renders one histogram series with labels lab (lab_len bytes, already escaped: `a="x",b="y"`). */
+static bool put_hist_labels(struct cm_buf *out, const char *name, const char *lab, size_t lab_len, struct hist *h)
+{
+    uint64_t cum = 0;
+    for (size_t b = 0; b < NBUCKETS; b++) {
+        cum += ctr_get(&h->bucket[b]);
+        if (!cm_buf_appendf(out, "%s_bucket{%.*s,le=\"%s\"} %llu\n", name, (int)lab_len, lab,
+                            b < NBUCKETS_FINITE ? bucket_le_text[b] : "+Inf", (unsigned long long)cum))
+            return false;
+    }
+    uint64_t us = ctr_get(&h->sum_us);
+    return cm_buf_appendf(out, "%s_sum{%.*s} %llu.%06llu\n%s_count{%.*s} %llu\n", name, (int)lab_len, lab,
+                          (unsigned long long)(us / 1000000), (unsigned long long)(us % 1000000), name, (int)lab_len,
+                          lab, (unsigned long long)cum);
+}
+
 /* Renders one histogram series; label may be NULL (no labels). */
 static bool put_hist(struct cm_buf *out, const char *name, const char *label, const char *value, struct hist *h)
 {
@@ -506,6 +646,107 @@ static bool put_hist(struct cm_buf *out, const char *name, const char *label, co
             return false;
     }
     return true;
+}
+
+/* idemgate_upstream_seconds{route,upstream} and idemgate_upstream_responses_total{route,upstream,class}: the series
+ * each route has used. */
+static bool put_upstream_families(struct cm_buf *out)
+{
+    size_t nr = atomic_load_explicit(&reg.nroutes, memory_order_acquire);
+    size_t nu = atomic_load_explicit(&n_up, memory_order_acquire);
+    if (!put_family(out, "idemgate_upstream_seconds", "histogram",
+                    "Upstream request duration in seconds, by route and upstream."))
+        return false;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1 && !put_family(out, "idemgate_upstream_responses_total", "counter",
+                                     "Upstream requests by route, upstream and answer class (none: no answer)."))
+            return false;
+        for (size_t i = 0; i < nr + 2; i++) {
+            for (size_t k = 0; k < ROUTE_UPSTREAMS; k++) {
+                struct up_series *se = &rc_at(nr, i)->ups[k];
+                size_t v = atomic_load_explicit(&se->up, memory_order_acquire);
+                if (v == 0 || v > nu)
+                    continue;
+                struct cm_buf lab; /* route="R",upstream="U" */
+                cm_buf_init(&lab, 4096);
+                bool ok = cm_buf_append(&lab, "route=\"", 7) && put_label_value(&lab, route_name(nr, i)) &&
+                          cm_buf_append(&lab, "\",upstream=\"", 12) && put_label_value(&lab, up_names[v - 1]) &&
+                          cm_buf_append(&lab, "\"", 1);
+                if (ok && pass == 0)
+                    ok = put_hist_labels(out, "idemgate_upstream_seconds", lab.data, lab.len, &se->h);
+                for (size_t c = 0; ok && pass == 1 && c < CLASS__COUNT; c++)
+                    ok =
+                        cm_buf_appendf(out, "idemgate_upstream_responses_total{%.*s,class=\"%s\"} %llu\n", (int)lab.len,
+                                       lab.data, class_names[c], (unsigned long long)ctr_get(&se->cls[c]));
+                cm_buf_free(&lab);
+                if (!ok)
+                    return false;
+            }
+        }
+    }
+    return true;
+}
+
+/* The standard process family (Prometheus' client conventions), read from /proc/self at scrape time; a value that
+ * cannot be read is left out. */
+static bool put_process_family(struct cm_buf *out)
+{
+    long tick = sysconf(_SC_CLK_TCK), page = sysconf(_SC_PAGESIZE);
+    FILE *f = fopen("/proc/self/stat", "r");
+    char buf[1024];
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f)
+        fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* the command name may hold spaces: fields counted after its ')' */
+    unsigned long long utime = 0, stime = 0, start = 0, rss = 0;
+    bool stat_ok = false;
+    if (p && tick > 0 && page > 0) {
+        /* fields 3.. : state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime(14) stime(15)
+         * cutime cstime priority nice threads itrealvalue starttime(22) vsize rss(24) */
+        stat_ok =
+            sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu %*d %*d %*d %*d %*d %*d %llu %*u %llu",
+                   &utime, &stime, &start, &rss) == 4;
+    }
+    if (stat_ok) {
+        if (!put_family(out, "process_cpu_seconds_total", "counter",
+                        "Total user and system CPU time spent in seconds.") ||
+            !cm_buf_appendf(out, "process_cpu_seconds_total %.2f\n", (double)(utime + stime) / (double)tick) ||
+            !put_family(out, "process_resident_memory_bytes", "gauge", "Resident memory size in bytes.") ||
+            !cm_buf_appendf(out, "process_resident_memory_bytes %llu\n", rss * (unsigned long long)page))
+            return false;
+    }
+    size_t fds = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (d) {
+        for (struct dirent *e = readdir(d); e; e = readdir(d))
+            fds += e->d_name[0] != '.';
+        closedir(d);
+        if (!put_family(out, "process_open_fds", "gauge", "Number of open file descriptors.") ||
+            !cm_buf_appendf(out, "process_open_fds %zu\n", fds > 0 ? fds - 1 : 0)) /* less the directory's own */
+            return false;
+    }
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 &&
+        (!put_family(out, "process_max_fds", "gauge", "Maximum number of open file descriptors.") ||
+         !cm_buf_appendf(out, "process_max_fds %llu\n", (unsigned long long)rl.rlim_cur)))
+        return false;
+    if (!start_wall_s && stat_ok) { /* boot time + start ticks: once, it never changes */
+        FILE *sf = fopen("/proc/stat", "r");
+        char line[256];
+        unsigned long long btime = 0;
+        while (sf && fgets(line, sizeof line, sf))
+            if (sscanf(line, "btime %llu", &btime) == 1)
+                break;
+        if (sf)
+            fclose(sf);
+        if (btime)
+            start_wall_s = btime + start / (unsigned long long)tick;
+    }
+    return !start_wall_s ||
+           (put_family(out, "process_start_time_seconds", "gauge",
+                       "Start time of the process since unix epoch in seconds.") &&
+            cm_buf_appendf(out, "process_start_time_seconds %llu\n", (unsigned long long)start_wall_s));
 }
 
 static bool put_gauge(struct cm_buf *out, const char *name, const char *help, long long v)
@@ -560,8 +801,7 @@ bool cm_metrics_render(struct cm_buf *out)
                           offsetof(struct route_ctr, shadow_store_errors), false))
         return false;
 
-    if (!put_family(out, "idemgate_upstream_seconds", "histogram", "Upstream request duration in seconds.") ||
-        !put_hist(out, "idemgate_upstream_seconds", NULL, NULL, &upstream_hist))
+    if (!put_upstream_families(out))
         return false;
     if (!put_family(out, "idemgate_store_seconds", "histogram", "Store operation duration in seconds."))
         return false;
@@ -612,7 +852,7 @@ bool cm_metrics_render(struct cm_buf *out)
     if (!put_gauge(out, "idemgate_buffers_bytes", "Bytes of request bodies and answers held (limits.buffers).",
                    (long long)cm_buffers_used()))
         return false;
-    return put_family(out, "idemgate_build_info", "gauge", "Build information.") &&
+    return put_process_family(out) && put_family(out, "idemgate_build_info", "gauge", "Build information.") &&
            put_labelled(out, "idemgate_build_info", "version", IDEMGATE_VERSION, 1);
 }
 
@@ -670,14 +910,16 @@ bool cm_metrics_status_json(struct cm_buf *out, const char *postgres_state, cons
                             (unsigned long long)ctr_get(&rc->stuck_processing)))
             return false;
     }
+    struct hist upstream_hist; /* the last five minutes */
+    win_merge(&upstream_hist);
     uint64_t n = 0;
     for (size_t b = 0; b < NBUCKETS; b++)
         n += ctr_get(&upstream_hist.bucket[b]);
     return cm_buf_appendf(out,
-                          "],\"upstream\":{\"count\":%llu,\"sum_seconds\":%.6f,\"p50_seconds\":%.6f,"
-                          "\"p99_seconds\":%.6f},\"store\":{\"postgres\":\"%s\",\"redis\":\"%s\"},"
-                          "\"connections\":%lld}\n",
-                          (unsigned long long)n, (double)ctr_get(&upstream_hist.sum_us) / 1e6,
+                          "],\"upstream\":{\"window_seconds\":%d,\"count\":%llu,\"sum_seconds\":%.6f,"
+                          "\"p50_seconds\":%.6f,\"p99_seconds\":%.6f},\"store\":{\"postgres\":\"%s\","
+                          "\"redis\":\"%s\"},\"connections\":%lld}\n",
+                          WIN_MINUTES * 60, (unsigned long long)n, (double)ctr_get(&upstream_hist.sum_us) / 1e6,
                           hist_quantile(&upstream_hist, 0.5), hist_quantile(&upstream_hist, 0.99), postgres_state,
                           redis_state, (long long)atomic_load_explicit(&connections, memory_order_relaxed));
 }

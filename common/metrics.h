@@ -63,7 +63,11 @@ void cm_metric_stale_rejection(size_t route);                  /* idemgate_stale
 void cm_metric_sequence_gap(size_t route);                     /* idemgate_sequence_gaps_total */
 void cm_metric_signature_failure(size_t route);                /* idemgate_signature_failures_total */
 void cm_metric_stuck_processing_set(size_t route, uint64_t n); /* gauge */
-void cm_metric_upstream_seconds(double s);
+/* One upstream request of route to the upstream named upstream (NULL: "_none"): its duration in seconds, and its
+ * answer's status (0 or outside 200-599: no answer, class "none"): idemgate_upstream_seconds{route,upstream},
+ * idemgate_upstream_responses_total{route,upstream,class}. Lock-free (an upstream name seen for the first time
+ * takes the registry's lock once). */
+void cm_metric_upstream(size_t route, const char *upstream, int status, double s);
 void cm_metric_store_seconds(enum cm_store_label st, double s);
 void cm_metric_store_error(enum cm_store_label st);
 void cm_metric_postgres_up(bool up);
@@ -104,13 +108,17 @@ void cm_metric_shadow_decision(size_t route, enum cm_shadow d);
  * forwarded anyway). */
 void cm_metric_shadow_store_error(size_t route);
 
+/* Tests: the clock (seconds) the status page's five-minute window is measured with; NULL: the monotonic clock. */
+void cm_metrics_set_clock(uint64_t (*now_s)(void));
+
 /* Appends the whole registry in Prometheus text format (0.0.4) to out.
  * Returns false when out's cap was exceeded. */
 bool cm_metrics_render(struct cm_buf *out) CM_MUST_CHECK;
 
 /* Appends the status page's JSON to out (SPEC 10: per route requests by outcome, replays, conflicts, stuck records;
- * upstream latency p50/p99 estimated from the histogram; the store states as given): counts only, never keys,
- * scopes or bodies. Returns false when out's cap was exceeded. */
+ * upstream latency p50/p99 estimated from the histogram of the last five minutes (the current minute and the five
+ * before it), window_seconds 300; the store states as given): counts only, never keys, scopes or bodies. Returns
+ * false when out's cap was exceeded. */
 bool cm_metrics_status_json(struct cm_buf *out, const char *postgres_state, const char *redis_state) CM_MUST_CHECK;
 
 #endif

@@ -477,7 +477,8 @@ static void upstream_done(struct gw_job *job, bool idempotent, enum up_result r,
                           const char *errmsg, double secs)
 {
     job->pipe->transfer = NULL;
-    cm_metric_upstream_seconds(secs);
+    cm_metric_upstream(job->route_index, job->upstream ? job->upstream->name : NULL, r == UP_OK ? resp->status : 0,
+                       secs);
     gw_span_end(job, job->ctx->tracer, "upstream", r == UP_OK ? resp->status : 0, r != UP_OK);
     settle_upstream(job, gw_outcome_for(idempotent, true, r, r == UP_OK && is_release_status(job, resp->status)), resp,
                     errmsg);

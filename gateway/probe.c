@@ -173,7 +173,8 @@ static void looked_up(void *arg, enum up_result ur, struct cm_resp *resp, const 
     struct store *st = r->p->ctx->store;
     struct store_id id = run_id(r);
     r->transfer = NULL;
-    cm_metric_upstream_seconds(secs);
+    cm_metric_upstream(r->route_index, r->cref->conf->upstreams[r->route->upstream].name,
+                       ur == UP_OK ? resp->status : 0, secs);
     if (r->dry) { /* what the look-up says, nothing stored */
         bool found = ur == UP_OK && status_in(pc->found, pc->found_n, resp->status);
         bool absent = ur == UP_OK && status_in(pc->absent, pc->absent_n, resp->status);

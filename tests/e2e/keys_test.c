@@ -250,6 +250,17 @@ Test(keys, settle_turns_an_unknown_outcome_into_the_answer_retries_replay)
     e2e_expect_problem(&r, 504, "upstream-timeout", "first attempt");
     e2e_resp_free(&r);
     cr_expect_eq(e2e_upstream_wait_count(up, key, 1, 3000), 1, "the first attempt reached the upstream");
+    /* the timeout is an upstream request without an answer: class none, on its route and upstream */
+    e2e_get(gw->admin_port, "/metrics", &r);
+    const char *none[] = {"route=\"keyssettle\"", "upstream=\"api\"", "class=\"none\"", NULL};
+    const char *series[] = {"route=\"keyssettle\"", "upstream=\"api\"", NULL};
+    const char *nolabel[] = {NULL};
+    cr_expect_eq(e2e_metric_value((const char *)r.body, "idemgate_upstream_responses_total", none), 1, "class none");
+    cr_expect_eq(e2e_metric_value((const char *)r.body, "idemgate_upstream_seconds_count", series), 1);
+    cr_expect_gt(e2e_metric_value((const char *)r.body, "process_open_fds", nolabel), 5);
+    cr_expect_gt(e2e_metric_value((const char *)r.body, "process_resident_memory_bytes", nolabel), 1 << 20);
+    cr_expect_gt(e2e_metric_value((const char *)r.body, "process_start_time_seconds", nolabel), 1.7e9);
+    e2e_resp_free(&r);
     char scope[80];
     unknown_scope(gw, "keyssettle", key, scope, sizeof scope);
     cr_assert_eq(strlen(scope), 64, "the unknown outcome is listed with its scope");

@@ -1,6 +1,8 @@
 /* status_test.c - the admin status page (SPEC 10) in a real headless Chromium: the rendered DOM under traffic and
  * after it, checked against /metrics; no key, scope or body on the page or in status.json; a screenshot. Skips with
  * a clear message only when Chromium is not installed (scripts/deps.sh installs it). */
+#include <ctype.h>
+
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -263,6 +265,15 @@ static void collect_exprs(json_t *v, char ***out, size_t *n)
     }
 }
 
+/* The next metric name in s (idemgate_* or process_*, at the start of a word), or NULL. */
+static const char *next_metric(const char *s)
+{
+    const char *a = strstr(s, "idemgate_"), *b = strstr(s, "process_");
+    while (b && b > s && (isalnum((unsigned char)b[-1]) || b[-1] == '_'))
+        b = strstr(b + 1, "process_");
+    return !a ? b : !b ? a : a < b ? a : b;
+}
+
 Test(status, grafana_dashboard_names_only_real_metrics)
 {
     char path[1024];
@@ -273,10 +284,24 @@ Test(status, grafana_dashboard_names_only_real_metrics)
     cr_assert_not_null(d, "%s:%d: %s", path, je.line, je.text);
     cr_assert(json_is_array(json_object_get(d, "panels")) && json_array_size(json_object_get(d, "panels")) >= 8,
               "the dashboard has its panels");
+    /* the instance and job variables, and every query filtered by them */
+    bool has_instance = false, has_job = false;
+    size_t vi;
+    json_t *var;
+    json_array_foreach(json_object_get(json_object_get(d, "templating"), "list"), vi, var)
+    {
+        const char *vn = json_string_value(json_object_get(var, "name"));
+        has_instance = has_instance || (vn && strcmp(vn, "instance") == 0);
+        has_job = has_job || (vn && strcmp(vn, "job") == 0);
+    }
+    cr_expect(has_instance && has_job, "the dashboard has instance and job variables");
     char **exprs = NULL;
     size_t n = 0;
     collect_exprs(d, &exprs, &n);
     json_decref(d);
+    for (size_t i = 0; i < n; i++)
+        cr_expect(strstr(exprs[i], "instance=~\"$instance\"") && strstr(exprs[i], "job=~\"$job\""),
+                  "a query not filtered by $instance and $job: %s", exprs[i]);
     cr_assert_geq(n, 10, "queries found: %zu", n);
 
     struct e2e_upstream *up;
@@ -292,10 +317,22 @@ Test(status, grafana_dashboard_names_only_real_metrics)
                                        "idemgate_stuck_processing",
                                        "idemgate_store_seconds",
                                        "idemgate_upstream_seconds",
-                                       "idemgate_store_errors_total"};
+                                       "idemgate_store_errors_total",
+                                       "idemgate_upstream_responses_total",
+                                       "idemgate_stale_version_rejections_total",
+                                       "idemgate_sequence_gaps_total",
+                                       "idemgate_unknown_resolved_total",
+                                       "idemgate_shadow_decisions_total",
+                                       "idemgate_replay_cache_hits_total",
+                                       "idemgate_replay_cache_entries",
+                                       "idemgate_postgres_up",
+                                       "idemgate_shed_total",
+                                       "process_resident_memory_bytes",
+                                       "process_cpu_seconds_total",
+                                       "process_open_fds"};
     bool seen[sizeof need / sizeof need[0]] = {false};
     for (size_t i = 0; i < n; i++) {
-        for (const char *p = strstr(exprs[i], "idemgate_"); p; p = strstr(p + 1, "idemgate_")) {
+        for (const char *p = next_metric(exprs[i]); p; p = next_metric(p + 1)) {
             size_t len = strspn(p, "abcdefghijklmnopqrstuvwxyz_0123456789");
             char name[128];
             snprintf(name, sizeof name, "%.*s", (int)len, p);

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/metrics.h"
 #include "common/version.h"
@@ -221,7 +222,7 @@ static void *bump(void *arg)
         cm_metric_in_flight_conflict(CM_ROUTE_NONE);
         cm_metric_completion_failure(0);
         cm_metric_connections(+1);
-        cm_metric_upstream_seconds(0.002);
+        cm_metric_upstream(0, "api", 201, 0.002);
         cm_metric_store_seconds(CM_STORE_REDIS, 0.0001);
         if (i % 2 == 0)
             cm_metric_store_error(CM_STORE_POSTGRES);
@@ -268,11 +269,14 @@ Test(metrics, concurrent_exact, .init = setup, .fini = teardown)
     cr_assert_eq(get(&p, "idemgate_connections", NULL), N / 4);
 
     /* upstream: every observation 0.002 s -> bucket 0.0025 */
-    cr_assert_eq(get(&p, "idemgate_upstream_seconds_bucket", "le", "0.001", NULL), 0);
-    cr_assert_eq(get(&p, "idemgate_upstream_seconds_bucket", "le", "0.0025", NULL), N);
-    cr_assert_eq(get(&p, "idemgate_upstream_seconds_bucket", "le", "+Inf", NULL), N);
-    cr_assert_eq(get(&p, "idemgate_upstream_seconds_count", NULL), N);
-    cr_assert_float_eq(get(&p, "idemgate_upstream_seconds_sum", NULL), N * 0.002, 1e-6);
+#define UP "route", "payments", "upstream", "api"
+    cr_assert_eq(get(&p, "idemgate_upstream_seconds_bucket", UP, "le", "0.001", NULL), 0);
+    cr_assert_eq(get(&p, "idemgate_upstream_seconds_bucket", UP, "le", "0.0025", NULL), N);
+    cr_assert_eq(get(&p, "idemgate_upstream_seconds_bucket", UP, "le", "+Inf", NULL), N);
+    cr_assert_eq(get(&p, "idemgate_upstream_seconds_count", UP, NULL), N);
+    cr_assert_float_eq(get(&p, "idemgate_upstream_seconds_sum", UP, NULL), N * 0.002, 1e-6);
+    cr_assert_eq(get(&p, "idemgate_upstream_responses_total", UP, "class", "2xx", NULL), N);
+    cr_assert_eq(get(&p, "idemgate_upstream_responses_total", UP, "class", "none", NULL), 0);
     cr_assert_eq(get(&p, "idemgate_store_seconds_bucket", "store", "redis", "le", "0.001", NULL), N);
     cr_assert_eq(get(&p, "idemgate_store_seconds_count", "store", "redis", NULL), N);
     cr_assert_eq(get(&p, "idemgate_store_seconds_count", "store", "postgres", NULL), 0);
@@ -297,7 +301,7 @@ Test(metrics, histogram_buckets_cumulative, .init = setup, .fini = teardown)
     size_t nobs = sizeof(obs) / sizeof(obs[0]);
     double sum = 0;
     for (size_t i = 0; i < nobs; i++) {
-        cm_metric_upstream_seconds(obs[i].v);
+        cm_metric_upstream(0, "api", 200, obs[i].v);
         cm_metric_store_seconds(CM_STORE_POSTGRES, obs[i].v);
         double v = obs[i].v > 0 ? obs[i].v : 0;
         sum += v > 1e6 ? 1e6 : v;
@@ -313,18 +317,18 @@ Test(metrics, histogram_buckets_cumulative, .init = setup, .fini = teardown)
         for (size_t i = 0; i < nobs; i++)
             if (obs[i].bucket <= b)
                 want++;
-        double got = get(&p, "idemgate_upstream_seconds_bucket", "le", le[b], NULL);
+        double got = get(&p, "idemgate_upstream_seconds_bucket", UP, "le", le[b], NULL);
         cr_assert_eq(got, want, "le=%s got %f want %f", le[b], got, want);
         cr_assert_geq(got, prev, "cumulative");
         prev = got;
         cr_assert_eq(get(&p, "idemgate_store_seconds_bucket", "store", "postgres", "le", le[b], NULL), want);
         cr_assert_eq(get(&p, "idemgate_store_seconds_bucket", "store", "redis", "le", le[b], NULL), 0);
     }
-    cr_assert_eq(get(&p, "idemgate_upstream_seconds_count", NULL), (double)nobs);
-    cr_assert_float_eq(get(&p, "idemgate_upstream_seconds_sum", NULL), sum, 1e-3);
+    cr_assert_eq(get(&p, "idemgate_upstream_seconds_count", UP, NULL), (double)nobs);
+    cr_assert_float_eq(get(&p, "idemgate_upstream_seconds_sum", UP, NULL), sum, 1e-3);
     /* buckets render in increasing le order */
-    const char *a = strstr(text, "idemgate_upstream_seconds_bucket{le=\"0.001\"}");
-    const char *z = strstr(text, "idemgate_upstream_seconds_bucket{le=\"+Inf\"}");
+    const char *a = strstr(text, "idemgate_upstream_seconds_bucket{route=\"payments\",upstream=\"api\",le=\"0.001\"}");
+    const char *z = strstr(text, "idemgate_upstream_seconds_bucket{route=\"payments\",upstream=\"api\",le=\"+Inf\"}");
     cr_assert(a && z && a < z);
     free(p.s);
     free(text);
@@ -370,6 +374,12 @@ Test(metrics, gauges_and_families, .init = setup, .fini = teardown)
         {"idemgate_completion_failures_total", "counter"},
         {"idemgate_stuck_processing", "gauge"},
         {"idemgate_upstream_seconds", "histogram"},
+        {"idemgate_upstream_responses_total", "counter"},
+        {"process_cpu_seconds_total", "counter"},
+        {"process_resident_memory_bytes", "gauge"},
+        {"process_open_fds", "gauge"},
+        {"process_max_fds", "gauge"},
+        {"process_start_time_seconds", "gauge"},
         {"idemgate_store_seconds", "histogram"},
         {"idemgate_store_errors_total", "counter"},
         {"idemgate_postgres_up", "gauge"},
@@ -436,9 +446,9 @@ Test(metrics, status_json, .init = setup, .fini = teardown)
     cm_metric_parameter_conflict(0);
     cm_metric_stuck_processing_set(1, 3);
     for (int i = 0; i < 98; i++)
-        cm_metric_upstream_seconds(0.003); /* the 0.0025..0.005 bucket */
-    cm_metric_upstream_seconds(0.7);       /* 0.5..1 */
-    cm_metric_upstream_seconds(0.8);
+        cm_metric_upstream(0, "api", 200, 0.003); /* the 0.0025..0.005 bucket */
+    cm_metric_upstream(1, "api", 200, 0.7);       /* 0.5..1 */
+    cm_metric_upstream(CM_ROUTE_DEFAULT, "other", 0, 0.8);
     struct cm_buf b;
     cm_buf_init(&b, 64 * 1024);
     cr_assert(cm_metrics_status_json(&b, "up", "disabled"));
@@ -449,7 +459,7 @@ Test(metrics, status_json, .init = setup, .fini = teardown)
     cr_expect_not_null(strstr(b.data, "\"stuck\":3}"), "%s", b.data);
     cr_expect_null(strstr(b.data, "\"_default\""), "_default only once it saw a request: %s", b.data);
     cr_expect_not_null(strstr(b.data, "\"store\":{\"postgres\":\"up\",\"redis\":\"disabled\"}"), "%s", b.data);
-    cr_expect_not_null(strstr(b.data, "\"upstream\":{\"count\":100,"), "%s", b.data);
+    cr_expect_not_null(strstr(b.data, "\"upstream\":{\"window_seconds\":300,\"count\":100,"), "%s", b.data);
     const char *p50 = strstr(b.data, "\"p50_seconds\":"), *p99 = strstr(b.data, "\"p99_seconds\":");
     cr_assert(p50 && p99);
     double v50 = strtod(p50 + 14, NULL), v99 = strtod(p99 + 14, NULL);
@@ -528,4 +538,86 @@ Test(metrics, unknown_resolved_and_shadow_decisions, .init = setup, .fini = tear
     cr_expect_str_eq(cm_shadow_name(CM_SHADOW_IN_FLIGHT), "in_flight");
     free(p.s);
     free(text);
+}
+
+/* idemgate_upstream_seconds and _responses_total per route and upstream, the answer's class (none: no answer); the
+ * process family read from /proc/self. */
+Test(metrics, upstream_series_by_route_and_upstream_and_the_process_family, .init = setup, .fini = teardown)
+{
+    cm_metric_upstream(0, "api", 201, 0.01);
+    cm_metric_upstream(0, "api", 302, 0.01);
+    cm_metric_upstream(0, "api", 404, 0.01);
+    cm_metric_upstream(0, "api", 503, 0.01);
+    cm_metric_upstream(0, "api", 0, 2.0); /* a timeout: no answer */
+    cm_metric_upstream(0, "billing", 200, 0.2);
+    cm_metric_upstream(1, "api", 200, 0.02);
+    cm_metric_upstream(CM_ROUTE_DEFAULT, "legacy", 200, 0.02);
+    char *text = render();
+    struct parsed p;
+    parse_text(text, &p);
+    static const char *const cls[] = {"2xx", "3xx", "4xx", "5xx", "none"};
+    for (size_t c = 0; c < 5; c++)
+        cr_expect_eq(
+            get(&p, "idemgate_upstream_responses_total", "route", "payments", "upstream", "api", "class", cls[c], NULL),
+            1, "class %s", cls[c]);
+    cr_expect_eq(get(&p, "idemgate_upstream_seconds_count", "route", "payments", "upstream", "api", NULL), 5);
+    cr_expect_eq(get(&p, "idemgate_upstream_seconds_count", "route", "payments", "upstream", "billing", NULL), 1);
+    cr_expect_eq(get(&p, "idemgate_upstream_seconds_count", "route", ROUTES[1], "upstream", "api", NULL), 1);
+    cr_expect_eq(get(&p, "idemgate_upstream_seconds_count", "route", "_default", "upstream", "legacy", NULL), 1);
+    cr_expect_eq(
+        get(&p, "idemgate_upstream_responses_total", "route", "payments", "upstream", "billing", "class", "2xx", NULL),
+        1);
+    cr_expect(strstr(text, "upstream=\"billing\",le=\"0.25\"} 1") != NULL, "%s", text);
+    cr_expect_gt(get(&p, "process_open_fds", NULL), 2);
+    cr_expect_geq(get(&p, "process_max_fds", NULL), get(&p, "process_open_fds", NULL));
+    cr_expect_gt(get(&p, "process_resident_memory_bytes", NULL), 1 << 20);
+    cr_expect_geq(get(&p, "process_cpu_seconds_total", NULL), 0);
+    double start = get(&p, "process_start_time_seconds", NULL), now = (double)time(NULL);
+    cr_expect(start > now - 3600 && start <= now + 1, "started %f, now %f", start, now);
+    free(p.s);
+    free(text);
+}
+
+static uint64_t fake_now_s;
+static uint64_t fake_clock(void)
+{
+    return fake_now_s;
+}
+
+static uint64_t status_count(void)
+{
+    struct cm_buf b;
+    cm_buf_init(&b, 64 * 1024);
+    cr_assert(cm_metrics_status_json(&b, "up", "up"));
+    const char *c = strstr(b.data, "\"upstream\":{\"window_seconds\":300,\"count\":");
+    cr_assert_not_null(c, "%s", b.data);
+    uint64_t n = strtoull(c + 41, NULL, 10);
+    cm_buf_free(&b);
+    return n;
+}
+
+/* The status page's upstream figures cover the last five minutes (to the minute), not the process's life; the
+ * Prometheus histogram keeps counting. */
+Test(metrics, status_latency_is_windowed_to_five_minutes, .init = setup, .fini = teardown)
+{
+    cm_metrics_set_clock(fake_clock);
+    fake_now_s = 1000 * 60;
+    for (int i = 0; i < 10; i++)
+        cm_metric_upstream(0, "api", 200, 0.003);
+    cr_expect_eq(status_count(), 10);
+    fake_now_s += 200; /* 3 minutes on */
+    cm_metric_upstream(0, "api", 200, 0.7);
+    cm_metric_upstream(0, "api", 200, 0.8);
+    cr_expect_eq(status_count(), 12);
+    fake_now_s += 200; /* 6 minutes after the first ten: gone from the window */
+    cr_expect_eq(status_count(), 2);
+    fake_now_s += 8 * 60 * 60; /* hours later, and the ring wrapped many times */
+    cr_expect_eq(status_count(), 0);
+    cm_metric_upstream(0, "api", 200, 0.01);
+    cr_expect_eq(status_count(), 1);
+    char *text = render();
+    cr_expect_not_null(strstr(text, "idemgate_upstream_seconds_count{route=\"payments\",upstream=\"api\"} 13\n"), "%s",
+                       text);
+    free(text);
+    cm_metrics_set_clock(NULL);
 }
