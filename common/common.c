@@ -897,3 +897,24 @@ bool cm_imf_fixdate(uint64_t unix_s, char out[CM_IMF_FIXDATE_LEN + 1])
                      months[tm.tm_mon], tm.tm_year + 1900, tm.tm_hour, tm.tm_min, tm.tm_sec);
     return n == CM_IMF_FIXDATE_LEN;
 }
+
+char *cm_read_file(const char *path, size_t max, size_t *len, char **err)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        *err = cm_asprintf("%s: cannot open: %s", path, strerror(errno));
+        return NULL;
+    }
+    char *buf = cm_malloc(max + 1);
+    size_t n = fread(buf, 1, max + 1, f);
+    bool bad = ferror(f);
+    fclose(f);
+    if (bad || n > max) {
+        *err = bad ? cm_asprintf("%s: read error", path) : cm_asprintf("%s: larger than %zu bytes", path, max);
+        free(buf);
+        return NULL;
+    }
+    buf[n] = '\0';
+    *len = n;
+    return buf;
+}

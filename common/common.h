@@ -21,6 +21,9 @@ char *cm_strdup(const char *s);
 char *cm_strndup(const char *s, size_t n);
 /* printf into a fresh heap string (caller frees). */
 char *cm_asprintf(const char *fmt, ...) CM_PRINTF(1, 2);
+/* The whole file at path, at most max bytes (heap, NUL-terminated beyond *len; caller frees). NULL + *err (heap,
+ * "PATH: cannot open: ...", "PATH: read error", "PATH: larger than MAX bytes") on failure. */
+char *cm_read_file(const char *path, size_t max, size_t *len, char **err);
 
 /* ---- capped byte buffer (curl's dynbuf idea): the cap is set at init and
  * going over it is an error, not a realloc. Always NUL-terminated when

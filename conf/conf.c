@@ -14,8 +14,8 @@ void conf_destroy(struct conf *c)
     if (c == NULL)
         return;
     free(c->file);
-    free(c->listen.host);
-    free(c->admin_listen.host);
+    conf_addr_free(&c->listen);
+    conf_addr_free(&c->admin_listen);
     free(c->postgres_url);
     free(c->redis_url);
     conf_redis_free(&c->redis);
@@ -48,11 +48,17 @@ void conf_destroy(struct conf *c)
 }
 
 static const struct field top_fields[] = {
-    FIELD_FN("listen", struct conf, listen, fn_listen, false, .what = "host:port", .def = "127.0.0.1:8080",
+    FIELD_FN("listen", struct conf, listen, fn_listen, false, .what = "host:port or mapping", .def = "127.0.0.1:8080",
              .show = show_addr, .restart = true,
-             .allowed = "`host:port` or `[v6]:port`; port 0 picks a free port (logged as `event=listening`)",
+             .allowed = "`host:port` or `[v6]:port` (port 0 picks a free port, logged as `event=listening`), or "
+                        "`{address: host:port, tls: {cert: FILE, key: FILE}}`",
              .doc = "Where clients connect. An IPv6 address takes IPv6 clients only. The host is resolved when "
-                    "the file is checked, so an address that can never work is a config error.",
+                    "the file is checked, so an address that can never work is a config error. With `tls` the "
+                    "listener serves HTTPS only (TLS 1.2 and 1.3): `cert` is the PEM certificate chain (the "
+                    "server's first), `key` its PEM private key (unencrypted). Both are read and checked at start, "
+                    "by `--check` and on every SIGHUP: new certificate files take effect for new connections, a "
+                    "broken one is refused like any bad file (the old certificate stays). Turning TLS on or off "
+                    "needs a restart.",
              .example = "0.0.0.0:8080"),
     FIELD_BASE("admin", fn_admin, false, .what = "mapping", SUB(admin_fields, 0),
                .doc = "The admin listener (see operations.md)."),

@@ -29,6 +29,8 @@ struct conf *conf_load(const char *file, char **err);
 struct conf *conf_load_string(const char *name, const char *yaml, size_t len, char **err);
 void conf_destroy(struct conf *c); /* NULL is a no-op */
 
+/* Frees what a listener address holds and zeroes it (conf_destroy does it for listen and admin.listen). */
+void conf_addr_free(struct conf_addr *a);
 /* "host:port" into buf, an IPv6 host in brackets ("[::1]:8080"), truncated to n; returns buf. */
 const char *conf_addr_fmt(char *buf, size_t n, const char *host, unsigned port);
 

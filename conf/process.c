@@ -177,9 +177,70 @@ static bool parse_listen(struct ctx *x, yaml_node_t *n, struct conf_addr *out)
     return true;
 }
 
-bool fn_listen(struct ctx *x, yaml_node_t *n, void *target)
+void conf_addr_free(struct conf_addr *a)
+{
+    free(a->host);
+    free(a->tls.cert);
+    free(a->tls.key);
+    memset(a, 0, sizeof *a);
+}
+
+static bool fn_pem_path(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a PEM file path");
+    if (s == NULL)
+        return false;
+    if (!*s || strlen(s) > 1024 || !cm_field_value_ok(s, strlen(s)))
+        return fail(x, n, "must be a file path of at most 1024 bytes without control characters");
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static const struct field listen_tls_fields[] = {
+    FIELD_FN("cert", struct conf_listen_tls, cert, fn_pem_path, true, .what = "path",
+             .doc = "The PEM certificate chain, the server's certificate first."),
+    FIELD_FN("key", struct conf_listen_tls, key, fn_pem_path, true, .what = "path",
+             .doc = "The PEM private key of the first certificate (unencrypted)."),
+};
+
+static bool fn_listen_tls(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_listen_tls *t = target;
+    if (n->type != YAML_MAPPING_NODE)
+        return fail(x, n, "must be a mapping {cert: FILE, key: FILE}");
+    t->cert_line = find_line(x, n, "cert", NULL);
+    t->key_line = find_line(x, n, "key", NULL);
+    return parse_map(x, n, listen_tls_fields, NFIELDS(listen_tls_fields), t);
+}
+
+static bool fn_listen_address(struct ctx *x, yaml_node_t *n, void *target)
 {
     return parse_listen(x, n, target);
+}
+
+/* listen's long form: {address: HOST:PORT, tls: {cert: FILE, key: FILE}} */
+static const struct field listen_long_fields[] = {
+    FIELD_BASE("address", fn_listen_address, true, .what = "host:port", .doc = "Where the listener listens."),
+    FIELD_FN("tls", struct conf_addr, tls, fn_listen_tls, false, .what = "mapping",
+             .doc = "HTTPS on this listener: {cert: FILE, key: FILE}."),
+};
+
+/* A listener: HOST:PORT, or the long form. */
+static bool parse_listener(struct ctx *x, yaml_node_t *n, struct conf_addr *out)
+{
+    if (n->type != YAML_MAPPING_NODE)
+        return parse_listen(x, n, out);
+    free(out->tls.cert);
+    free(out->tls.key);
+    memset(&out->tls, 0, sizeof out->tls);
+    return parse_map(x, n, listen_long_fields, NFIELDS(listen_long_fields), out);
+}
+
+bool fn_listen(struct ctx *x, yaml_node_t *n, void *target)
+{
+    return parse_listener(x, n, target);
 }
 
 static bool fn_admin_listen(struct ctx *x, yaml_node_t *n, void *target)
@@ -190,16 +251,17 @@ static bool fn_admin_listen(struct ctx *x, yaml_node_t *n, void *target)
         return true;
     }
     c->admin_enabled = true;
-    return parse_listen(x, n, &c->admin_listen);
+    return parse_listener(x, n, &c->admin_listen);
 }
 
 const struct field admin_fields[] = {
-    FIELD_BASE("listen", fn_admin_listen, false, .what = "host:port or off", .def = "127.0.0.1:9090",
+    FIELD_BASE("listen", fn_admin_listen, false, .what = "host:port, mapping or off", .def = "127.0.0.1:9090",
                .show = show_admin_listen, .restart = true,
-               .allowed = "`host:port`, `[v6]:port` (port 0: a free port), or `off`",
+               .allowed = "`host:port`, `[v6]:port` (port 0: a free port), `{address: host:port, tls: {cert: FILE, "
+                          "key: FILE}}`, or `off`",
                .doc = "Where the admin listener (health, readiness, metrics, the status page, the key API) listens. "
                       "`off` disables it. It must differ from `listen`. Keep it on a private address: only the key "
-                      "API asks for a token.",
+                      "API asks for a token. Its `tls` is its own, as `listen`'s (reloaded on SIGHUP too).",
                .example = "off"),
 };
 

@@ -13,7 +13,8 @@ static bool str_eq(const char *a, const char *b)
 
 static bool addr_eq(const struct conf_addr *a, const struct conf_addr *b)
 {
-    return a->port == b->port && str_eq(a->host, b->host);
+    /* the certificate files may change (SIGHUP reloads them), TLS on or off may not: the daemon is built for one */
+    return a->port == b->port && str_eq(a->host, b->host) && (a->tls.cert != NULL) == (b->tls.cert != NULL);
 }
 
 size_t conf_restart_keys(const struct conf *old, const struct conf *neu, const char **keys, size_t max)

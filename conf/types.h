@@ -22,9 +22,18 @@ enum {
     CONF_M_CONNECT = 1 << 8,
 };
 
+/* A listener's TLS (the long form of listen: {address, tls: {cert, key}}): the PEM files as written. gateway/tls.c
+ * reads and checks them whenever the configuration loads (start, --check, SIGHUP), so a broken file fails the load. */
+struct conf_listen_tls {
+    char *cert; /* NULL: plain HTTP */
+    char *key;
+    size_t cert_line, key_line; /* lines of the keys in the file, for errors */
+};
+
 struct conf_addr {
     char *host; /* "127.0.0.1", "::1", "0.0.0.0", "localhost" */
     uint16_t port;
+    struct conf_listen_tls tls;
 };
 
 /* An upstream, its URL parsed once here into the parts the runtime uses as they are (never parsed again). */

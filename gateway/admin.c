@@ -22,6 +22,7 @@
 #include "gateway/problem.h"
 #include "gateway/reload.h"
 #include "gateway/status.h"
+#include "gateway/tls.h"
 #include "store/store.h"
 
 struct gw_admin {
@@ -30,6 +31,7 @@ struct gw_admin {
     struct MHD_Daemon *d;
     uint16_t port;
     atomic_size_t jobs;
+    struct gw_tls *tls;         /* admin.listen.tls; NULL: plain HTTP */
     atomic_bool draining;       /* SIGTERM: /readyz is 503 while in-flight requests finish */
     struct gw_conntrack *conns; /* the request-read and answer-write deadlines, as the front's */
 };
@@ -508,7 +510,7 @@ static void *admin_uri_log(void *cls, const char *uri, struct MHD_Connection *c)
     return j;
 }
 
-struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_loop *loop, char **err)
+struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_tls_creds *tls, struct gw_loop *loop, char **err)
 {
     struct gw_admin *a = cm_calloc(1, sizeof *a);
     a->conf = conf;
@@ -538,24 +540,35 @@ struct gw_admin *gw_admin_start(const struct conf *conf, struct gw_loop *loop, c
         return NULL;
     }
     unsigned timeout_s = (unsigned)((conf->client_timeout_ms + 999) / 1000);
-    a->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME |
-                                MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0),
-                            0, NULL, NULL, handler, a, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "admin",
-                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned)conf->max_connections, MHD_OPTION_CONNECTION_TIMEOUT, timeout_s,
-                            MHD_OPTION_NOTIFY_COMPLETED, completed, a, MHD_OPTION_NOTIFY_CONNECTION, conn_notify, a,
-                            MHD_OPTION_URI_LOG_CALLBACK, admin_uri_log, a, MHD_OPTION_END);
+    a->tls = tls ? gw_tls_create(tls) : NULL;
+    a->d = MHD_start_daemon(
+        MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG |
+            (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0) | (tls ? MHD_USE_TLS : 0),
+        0, NULL, NULL, handler, a, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "admin", MHD_OPTION_ARRAY,
+        gw_tls_mhd_options(tls != NULL), MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT,
+        (unsigned)conf->max_connections, MHD_OPTION_CONNECTION_TIMEOUT, timeout_s, MHD_OPTION_NOTIFY_COMPLETED,
+        completed, a, MHD_OPTION_NOTIFY_CONNECTION, conn_notify, a, MHD_OPTION_URI_LOG_CALLBACK, admin_uri_log, a,
+        MHD_OPTION_END);
     if (!a->d) {
         gw_conntrack_stop(a->conns);
+        gw_tls_destroy(a->tls);
         char addr[320];
         *err = cm_asprintf("cannot listen on admin address %s",
                            conf_addr_fmt(addr, sizeof addr, conf->admin_listen.host, conf->admin_listen.port));
         free(a);
         return NULL;
     }
+    if (a->tls) /* a handshake in the moment before fails: no client waits for a listener that just started */
+        gw_tls_bind(a->tls, a->d);
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(a->d, MHD_DAEMON_INFO_BIND_PORT);
     a->port = di ? di->port : conf->admin_listen.port;
     return a;
+}
+
+void gw_admin_tls_set(struct gw_admin *a, struct gw_tls_creds *tls)
+{
+    if (a && a->tls && tls)
+        gw_tls_set(a->tls, tls);
 }
 
 uint16_t gw_admin_port(const struct gw_admin *a)
@@ -579,6 +592,8 @@ void gw_admin_stop(struct gw_admin *a)
     if (!a)
         return;
     MHD_stop_daemon(a->d);
+    gw_tls_unbind(a->d);
+    gw_tls_destroy(a->tls);
     gw_conntrack_stop(a->conns); /* after the daemon: it told it of every close */
     free(a);
 }

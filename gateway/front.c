@@ -30,6 +30,7 @@
 #include "gateway/gateway.h"
 #include "gateway/loop.h"
 #include "gateway/pipeline.h"
+#include "gateway/tls.h"
 #include "gateway/reload.h"
 #include "gateway/spans.h"
 #include "gateway/jwt.h"
@@ -65,6 +66,7 @@ struct gw_front {
     atomic_long connections;
     atomic_long suspended; /* requests handed to the loop and not answered yet */
     atomic_bool shutting_down;
+    struct gw_tls *tls; /* listen.tls: the credentials new handshakes get; NULL: plain HTTP */
 };
 
 /* Front-side state of one request; the job is what travels to the loop. */
@@ -617,8 +619,8 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     cm_hdrs_add(fh, "Host", uh);
 
     append_to_list_header(fh, &r->in_hdrs, "X-Forwarded-For", ip);
-    cm_hdrs_add(fh, "X-Forwarded-Proto", "http");                  /* the front listens on plain HTTP only */
-    append_to_list_header(fh, &r->in_hdrs, "Via", "1.1 idemgate"); /* RFC 9110 7.6.3 */
+    cm_hdrs_add(fh, "X-Forwarded-Proto", r->shard->f->tls ? "https" : "http"); /* the whole listener is one */
+    append_to_list_header(fh, &r->in_hdrs, "Via", "1.1 idemgate");             /* RFC 9110 7.6.3 */
     char tp[UP_TRACEPARENT_LEN + 1];
     if (gw_trace_forward_value(job, tp)) { /* W3C: the upstream's parent is our upstream span */
         cm_hdrs_remove(fh, "traceparent");
@@ -1591,12 +1593,13 @@ static struct MHD_Daemon *start_daemon(struct shard *sh, size_t mem, unsigned ti
     const struct conf *conf = sh->f->conf;
     unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG | MHD_USE_TURBO |
                      MHD_USE_NO_LISTEN_SOCKET; /* the front accepts (accept_cb) */
-    return MHD_start_daemon(flags, 0, NULL, NULL, handler, sh, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, "front",
-                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)(conf->max_connections + 64),
-                            MHD_OPTION_CONNECTION_TIMEOUT, timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT, mem,
-                            MHD_OPTION_URI_LOG_CALLBACK, uri_log, sh, MHD_OPTION_NOTIFY_COMPLETED, completed, sh,
-                            MHD_OPTION_NOTIFY_CONNECTION, conn_notify, sh, MHD_OPTION_UNESCAPE_CALLBACK, no_unescape,
-                            sh, MHD_OPTION_END);
+    bool tls = sh->f->tls != NULL;
+    return MHD_start_daemon(flags | (tls ? MHD_USE_TLS : 0), 0, NULL, NULL, handler, sh, MHD_OPTION_EXTERNAL_LOGGER,
+                            gw_mhd_log, "front", MHD_OPTION_ARRAY, gw_tls_mhd_options(tls), MHD_OPTION_CONNECTION_LIMIT,
+                            (unsigned)(conf->max_connections + 64), MHD_OPTION_CONNECTION_TIMEOUT, timeout_s,
+                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, mem, MHD_OPTION_URI_LOG_CALLBACK, uri_log, sh,
+                            MHD_OPTION_NOTIFY_COMPLETED, completed, sh, MHD_OPTION_NOTIFY_CONNECTION, conn_notify, sh,
+                            MHD_OPTION_UNESCAPE_CALLBACK, no_unescape, sh, MHD_OPTION_END);
 }
 
 /* Main thread, with no loop running a daemon any more (each detached, or never attached); the socket is closed
@@ -1604,10 +1607,13 @@ static struct MHD_Daemon *start_daemon(struct shard *sh, size_t mem, unsigned ti
 static void front_free(struct gw_front *f)
 {
     for (size_t i = 0; i < f->nshards; i++) {
-        if (f->shards[i].d)
+        if (f->shards[i].d) {
             MHD_stop_daemon(f->shards[i].d);
+            gw_tls_unbind(f->shards[i].d);
+        }
         f->shards[i].d = NULL;
     }
+    gw_tls_destroy(f->tls);
     if (f->lsock != MHD_INVALID_SOCKET && !f->lsock_closed)
         close(f->lsock);
     free(f->shards);
@@ -1615,7 +1621,7 @@ static void front_free(struct gw_front *f)
     free(f);
 }
 
-struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops, char **err)
+struct gw_front *gw_front_start(const struct conf *conf, struct gw_tls_creds *tls, struct gw_loops *loops, char **err)
 {
     struct gw_front *f = cm_calloc(1, sizeof *f);
     f->conf = conf;
@@ -1647,6 +1653,7 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
                "another layout every request is refused with 400\"",
                mhd_version ? mhd_version : "unknown");
     unsigned timeout_s = (unsigned)((conf->client_timeout_ms + 999) / 1000);
+    f->tls = tls ? gw_tls_create(tls) : NULL; /* front_free destroys it from here on */
     f->lsock = listen_socket(&ss, &f->port);
     if (f->lsock < 0) {
         f->lsock = MHD_INVALID_SOCKET;
@@ -1663,6 +1670,8 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
         sh->loop = loops->v[i];
         sh->d = start_daemon(sh, mem, timeout_s);
         f->nshards = i + 1;
+        if (sh->d && f->tls)
+            gw_tls_bind(f->tls, sh->d); /* before attach: no connection comes before it */
         if (!sh->d) {
             *err = cm_asprintf("cannot start the HTTP daemon of loop %zu", i);
             front_free(f);
@@ -1676,6 +1685,12 @@ struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops,
         }
     }
     return f;
+}
+
+void gw_front_tls_set(struct gw_front *f, struct gw_tls_creds *tls)
+{
+    if (f->tls && tls)
+        gw_tls_set(f->tls, tls);
 }
 
 uint16_t gw_front_port(const struct gw_front *f)

@@ -12,9 +12,14 @@
 
 struct gw_front;
 struct gw_loops;
+struct gw_tls_creds;
 
-/* Starts listening per conf (port 0: any free port). NULL + *err (heap, caller frees) on failure. */
-struct gw_front *gw_front_start(const struct conf *conf, struct gw_loops *loops, char **err);
+/* Starts listening per conf (port 0: any free port), with HTTPS when tls (listen.tls's credentials, borrowed: the
+ * front takes its own reference) is not NULL. NULL + *err (heap, caller frees) on failure. */
+struct gw_front *gw_front_start(const struct conf *conf, struct gw_tls_creds *tls, struct gw_loops *loops, char **err);
+/* SIGHUP: new handshakes get tls (a reloaded configuration's listen.tls; borrowed); open connections keep theirs.
+ * A no-op on a plain front or with NULL. */
+void gw_front_tls_set(struct gw_front *f, struct gw_tls_creds *tls);
 uint16_t gw_front_port(const struct gw_front *f);
 /* Requests handed to the loop whose answer has not been queued yet. */
 long gw_front_suspended(struct gw_front *f);

@@ -262,27 +262,6 @@ static bool load_jwks(struct gw_jwt *j, const char *file, const char *text, size
     return true;
 }
 
-static char *read_file(const char *path, size_t max, size_t *len, char **err)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        *err = cm_asprintf("%s: cannot open: %s", path, strerror(errno));
-        return NULL;
-    }
-    char *buf = cm_malloc(max + 1);
-    size_t n = fread(buf, 1, max + 1, f);
-    bool bad = ferror(f);
-    fclose(f);
-    if (bad || n > max) {
-        *err = bad ? cm_asprintf("%s: read error", path) : cm_asprintf("%s: larger than %zu bytes", path, max);
-        free(buf);
-        return NULL;
-    }
-    buf[n] = '\0';
-    *len = n;
-    return buf;
-}
-
 /* The key loader's message msg as a config error, "FILE:LINE: jwt.KEY: msg" (SPEC 2: file, line and key) with the
  * config file and line conf recorded, "jwt.KEY: msg" without them. Takes msg; returns a heap string. */
 static char *config_error(const struct conf_jwt *c, const char *key, size_t line, char *msg)
@@ -317,7 +296,7 @@ struct gw_jwt *gw_jwt_create(const struct conf_jwt *c, char **err)
     }
     if (c->keys_file) {
         size_t len;
-        char *text = read_file(c->keys_file, JWKS_MAX_BYTES, &len, err);
+        char *text = cm_read_file(c->keys_file, JWKS_MAX_BYTES, &len, err);
         bool ok = text && load_jwks(j, c->keys_file, text, len, err);
         free(text);
         if (!ok) {

@@ -251,7 +251,7 @@ static int run(const char *file, struct gw_conf *gc, const struct accept_list *a
         mig_started = true;
     }
 
-    front = gw_front_start(conf, loops, &err);
+    front = gw_front_start(conf, gc->listen_tls, loops, &err);
     if (!front) {
         cm_log(CM_ERROR, "start_failed", "error=%s", cm_log_quote(q, sizeof q, err ? err : "?"));
         goto out;
@@ -259,7 +259,7 @@ static int run(const char *file, struct gw_conf *gc, const struct accept_list *a
     char addr[320];
     cm_log(CM_INFO, "listening", "addr=%s", conf_addr_fmt(addr, sizeof addr, conf->listen.host, gw_front_port(front)));
     if (conf->admin_enabled) {
-        admin = gw_admin_start(conf, loops->v[0], &err);
+        admin = gw_admin_start(conf, gc->admin_tls, loops->v[0], &err);
         if (!admin) {
             cm_log(CM_ERROR, "start_failed", "error=%s", cm_log_quote(q, sizeof q, err ? err : "?"));
             goto out;
@@ -287,6 +287,8 @@ static int run(const char *file, struct gw_conf *gc, const struct accept_list *a
             break;
         struct gw_conf *neu = gw_reload(file, cur, swap_loops, loops);
         if (neu) {
+            gw_front_tls_set(front, neu->listen_tls); /* new handshakes; open connections keep theirs */
+            gw_admin_tls_set(admin, neu->admin_tls);
             gw_conf_unref(cur);
             cur = neu;
         }

@@ -10,6 +10,7 @@
 #include "conf/identity.h"
 #include "gateway/jwt.h"
 #include "gateway/verify.h"
+#include "gateway/tls.h"
 
 #define SWAP_TIMEOUT_MS 10000
 #define NAMES_MAX       1024 /* the names listed in event=reloaded */
@@ -31,6 +32,11 @@ struct gw_conf *gw_conf_load(const char *file, char **err)
         if (conf->routes[i].verify.enabled && !(c->verify[i] = gw_verify_create(&conf->routes[i].verify, what, err)))
             goto fail;
     }
+    if (conf->listen.tls.cert && !(c->listen_tls = gw_tls_creds_load(conf->file, &conf->listen.tls, "listen", err)))
+        goto fail;
+    if (conf->admin_enabled && conf->admin_listen.tls.cert &&
+        !(c->admin_tls = gw_tls_creds_load(conf->file, &conf->admin_listen.tls, "admin.listen", err)))
+        goto fail;
     return c;
 fail:
     gw_conf_unref(c);
@@ -60,6 +66,8 @@ void gw_conf_unref(struct gw_conf *c)
     for (size_t i = 0; c->verify && i < c->conf->routes_n; i++)
         gw_verify_destroy(c->verify[i]);
     free(c->verify);
+    gw_tls_creds_unref(c->listen_tls);
+    gw_tls_creds_unref(c->admin_tls);
     free(c->route_slot);
     conf_destroy(c->conf);
     free(c);

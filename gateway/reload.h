@@ -13,6 +13,7 @@
 
 struct gw_jwt;
 struct gw_verify;
+struct gw_tls_creds;
 
 /* ---- the configuration in force: immutable and reference-counted. Each loop holds the one it serves new requests
  * with; each request takes a reference when the front accepts its head and drops it when the request is freed, so
@@ -22,10 +23,13 @@ struct gw_conf {
     struct gw_jwt *jwt;        /* the verifier of jwt:CLAIM scopes, NULL without a jwt: block; owned */
     struct gw_verify **verify; /* per route (conf->routes_n): its signature verifier, NULL without verify:; owned */
     size_t *route_slot;        /* metrics slot of each route (cm_metrics_route of its name), conf->routes_n entries */
+    struct gw_tls_creds *listen_tls; /* listen.tls's certificate and key, read at load; NULL: plain; owned */
+    struct gw_tls_creds *admin_tls;  /* admin.listen.tls's, the same */
     atomic_long refs;
 };
-/* Loads and validates file completely (conf_load, then its JWT keys and its routes' signing secrets). Returns the
- * handle with one reference, or NULL + *err "FILE:LINE: KEY: ..." or the key loader's message (heap, caller frees). */
+/* Loads and validates file completely (conf_load, then its JWT keys and its routes' signing secrets and its listeners'
+ * certificates). Returns the handle with one reference, or NULL + *err "FILE:LINE: KEY: ..." or the key loader's
+ * message (heap, caller frees). */
 struct gw_conf *gw_conf_load(const char *file, char **err);
 /* Gives each route its metrics slot (by name; cm_metrics_route). Call once the configuration is going to serve,
  * before any loop has it. */

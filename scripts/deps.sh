@@ -10,7 +10,7 @@ set -euo pipefail
 
 PKGS=(
     build-essential meson ninja-build pkg-config
-    libmicrohttpd-dev libcurl4-openssl-dev libhiredis-dev libpq-dev libssl-dev libyaml-dev libevent-dev
+    libmicrohttpd-dev libgnutls28-dev libcurl4-openssl-dev libhiredis-dev libpq-dev libssl-dev libyaml-dev libevent-dev
     libcriterion-dev libjansson-dev
     postgresql-15 postgresql-client-15 redis-server redis-tools
     curl ca-certificates universal-ctags clang clang-format libclang-rt-14-dev valgrind chromium
