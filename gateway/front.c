@@ -583,12 +583,6 @@ static void append_to_list_header(struct cm_hdrs *fh, const struct cm_hdrs *in, 
 
 /* The headers sent upstream: hop-by-hop removed, Host set to the upstream's,
  * X-Forwarded-For/-Proto/-Host and Via added, the key header per forward_key. */
-static bool all_zero8(const uint8_t b[8])
-{
-    static const uint8_t zero[8];
-    return memcmp(b, zero, 8) == 0;
-}
-
 static void build_forward_headers(struct req *r, struct MHD_Connection *c)
 {
     struct gw_job *job = &r->job;
@@ -624,7 +618,7 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     char tp[UP_TRACEPARENT_LEN + 1];
     if (gw_trace_forward_value(job, tp)) { /* W3C: the upstream's parent is our upstream span */
         cm_hdrs_remove(fh, "traceparent");
-        if (all_zero8(job->trace.parent_id)) /* no valid incoming traceparent: its tracestate means nothing */
+        if (!job->trace.incoming) /* no valid incoming traceparent: its tracestate means nothing */
             cm_hdrs_remove(fh, "tracestate");
         cm_hdrs_add(fh, "traceparent", tp);
     }

@@ -75,6 +75,7 @@ struct gw_job {
         bool on;                 /* sampled: the request's spans are exported */
         uint8_t trace_id[16];    /* the incoming traceparent's, or a new one */
         uint8_t parent_id[8];    /* the incoming traceparent's parent id; zero: none */
+        bool incoming;           /* a valid traceparent came in (read with or without tracing): trace_id is its */
         uint8_t span_id[8];      /* the request span's */
         uint8_t up_span_id[8];   /* the upstream span's: the parent the upstream is told */
         uint64_t start_ns;       /* the request span's start */

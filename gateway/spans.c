@@ -9,18 +9,18 @@ void gw_trace_begin(struct gw_job *job, struct up_tracer *t, const char *tracepa
 {
     struct gw_job_trace *tr = &job->trace;
     memset(tr, 0, sizeof *tr);
-    if (t == NULL)
-        return;
     struct up_traceparent in;
-    bool valid = traceparent != NULL && up_traceparent_parse(traceparent, strlen(traceparent), &in);
-    tr->forward = true;
-    tr->on = up_tracer_sampled(t, valid ? &in : NULL);
-    if (valid) {
+    tr->incoming = traceparent != NULL && up_traceparent_parse(traceparent, strlen(traceparent), &in);
+    if (tr->incoming) { /* the access log's trace_id, traced or not */
         memcpy(tr->trace_id, in.trace_id, sizeof tr->trace_id);
         memcpy(tr->parent_id, in.parent_id, sizeof tr->parent_id);
-    } else {
-        up_trace_new_id(tr->trace_id, sizeof tr->trace_id);
     }
+    if (t == NULL)
+        return;
+    tr->forward = true;
+    tr->on = up_tracer_sampled(t, tr->incoming ? &in : NULL);
+    if (!tr->incoming)
+        up_trace_new_id(tr->trace_id, sizeof tr->trace_id);
     up_trace_new_id(tr->span_id, sizeof tr->span_id);
     up_trace_new_id(tr->up_span_id, sizeof tr->up_span_id);
     tr->start_ns = up_trace_now_ns();

@@ -7,9 +7,10 @@
 
 struct up_tracer;
 
-/* The front, once the head is in: t NULL (no tracing) leaves the job untraced. traceparent is the request's
- * header value or NULL; a valid one is continued (its trace id, its parent, its sampled flag), anything else starts
- * a new trace sampled at the configured rate. */
+/* The front, once the head is in. traceparent is the request's header value or NULL: a valid one sets
+ * job->trace.incoming and its trace id (also with t NULL, for the logs); t NULL (no tracing) leaves the job untraced;
+ * otherwise a valid one is continued (its trace id, its parent, its sampled flag), anything else starts a new trace
+ * sampled at the configured rate. */
 void gw_trace_begin(struct gw_job *job, struct up_tracer *t, const char *traceparent);
 
 /* The traceparent the upstream gets (the upstream span as its parent) into out; false when tracing is off. */

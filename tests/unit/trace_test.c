@@ -6,6 +6,7 @@
 
 #include "common/common.h"
 #include "common/metrics.h"
+#include "gateway/spans.h"
 #include "tests/tools/otlp_sink.h"
 #include "upstream/trace.h"
 
@@ -247,4 +248,24 @@ Test(trace, a_collector_that_is_down_only_drops_spans)
 Test(trace, a_collector_that_never_answers_only_drops_spans)
 {
     never_blocks(true);
+}
+
+/* The gateway's side (gateway/spans.c): the incoming trace id is read with tracing off too (the access log's
+ * trace_id), only from a valid traceparent, and nothing is traced without a tracer. */
+Test(trace, the_incoming_trace_id_is_read_without_tracing)
+{
+    struct gw_job job;
+    memset(&job, 0, sizeof job);
+    gw_trace_begin(&job, NULL, valid_tp);
+    cr_expect(job.trace.incoming);
+    char hex[33];
+    up_trace_hex(hex, job.trace.trace_id, 16);
+    cr_expect_str_eq(hex, "4bf92f3577b34da6a3ce929d0e0e4736");
+    cr_expect(!job.trace.on && !job.trace.forward, "no tracer: not traced, nothing forwarded");
+    char tp[UP_TRACEPARENT_LEN + 1];
+    cr_expect(!gw_trace_forward_value(&job, tp));
+    gw_trace_begin(&job, NULL, "00-00000000000000000000000000000000-00f067aa0ba902b7-01");
+    cr_expect(!job.trace.incoming);
+    gw_trace_begin(&job, NULL, NULL);
+    cr_expect(!job.trace.incoming);
 }
