@@ -220,6 +220,47 @@ Test(consumer, a_stale_version_is_refused_and_a_gap_is_held_then_applied_in_orde
     free(m14);
 }
 
+/* The story's numbers: 11 applied, 13 arrives before 12: held; 12 comes and is applied, then 13 (the upstream's
+ * last execution is 13's). */
+Test(consumer, thirteen_before_twelve_is_held_then_applied_in_order)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = start(up);
+    char agg[96], o[3][96];
+    e2e_mkkey(agg, sizeof agg, "agg");
+    for (int i = 0; i < 3; i++)
+        e2e_mkkey(o[i], sizeof o[i], "ord");
+    char *m11 = message(o[0], agg, 11, "{\"v\":11}", 1), *m12 = message(o[1], agg, 12, "{\"v\":12}", 1),
+         *m13 = message(o[2], agg, 13, "{\"v\":13}", 1);
+    struct e2e_resp r;
+    push(gw->port, m11, "X-Version: 11", &r);
+    cr_expect_eq(r.status, 200, "v11: %ld", r.status);
+    e2e_resp_free(&r);
+    const char *h[] = {"Content-Type: application/json", "X-Version: 13", NULL};
+    struct e2e_async *a = e2e_http_async(gw->port, &(struct e2e_req){.method = "POST",
+                                                                     .path = "/v1/messages",
+                                                                     .headers = h,
+                                                                     .body = m13,
+                                                                     .body_len = strlen(m13),
+                                                                     .timeout_ms = 10000});
+    e2e_sleep_ms(500);
+    cr_expect_eq(e2e_upstream_count(up, NULL), 1, "v13 is held while 12 is missing");
+    push(gw->port, m12, "X-Version: 12", &r);
+    cr_expect_eq(r.status, 200, "v12: %ld", r.status);
+    e2e_resp_free(&r);
+    struct e2e_resp r13;
+    e2e_http_join(a, &r13);
+    cr_expect_eq(r13.status, 200, "v13 after v12: %ld %s", r13.status, r13.body ? (const char *)r13.body : "");
+    e2e_resp_free(&r13);
+    cr_expect_eq(e2e_upstream_count(up, NULL), 3, "11, 12, 13 executed");
+    char *last = e2e_upstream_last_headers(up);
+    cr_expect(last && strstr(last, "X-Version: 13"), "13 executed last: %s", last ? last : "");
+    free(last);
+    free(m11);
+    free(m12);
+    free(m13);
+}
+
 Test(consumer, bodies_and_keys_that_are_refused_execute_nothing)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
