@@ -798,21 +798,43 @@ bool cm_consttime_eq(const void *a, size_t alen, const void *b, size_t blen)
  * call (and its locks) per block rather than per claim. The process never forks after drawing one, so no two
  * processes share a block. */
 #define RANDOM_BLOCK 64
-uint64_t cm_random_token(void)
+/* 64 random bits from this thread's block of CSPRNG output (refilled with one RAND_bytes call). */
+static uint64_t random_u64(void)
 {
     static _Thread_local uint64_t block[RANDOM_BLOCK];
     static _Thread_local unsigned left;
-    uint64_t v = 0;
-    while (v == 0) {
-        if (left == 0) {
-            if (RAND_bytes((unsigned char *)block, sizeof block) != 1)
-                abort();
-            left = RANDOM_BLOCK;
-        }
-        v = block[--left] & INT64_MAX;
-        block[left] = 0; /* drawn once */
+    if (left == 0) {
+        if (RAND_bytes((unsigned char *)block, sizeof block) != 1)
+            abort();
+        left = RANDOM_BLOCK;
     }
+    uint64_t v = block[--left];
+    block[left] = 0; /* drawn once */
     return v;
+}
+
+uint64_t cm_random_token(void)
+{
+    uint64_t v = 0;
+    while (v == 0)
+        v = random_u64() & INT64_MAX;
+    return v;
+}
+
+void cm_request_id_new(char out[CM_REQUEST_ID_NEW_LEN + 1])
+{
+    uint64_t v[2] = {random_u64(), random_u64()};
+    cm_hex((const uint8_t *)v, sizeof v, out);
+}
+
+bool cm_request_id_ok(const char *s, size_t n)
+{
+    if (n == 0 || n > CM_REQUEST_ID_MAX)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)s[i] <= 0x20 || (unsigned char)s[i] >= 0x7f)
+            return false;
+    return true;
 }
 
 /* ---- time */

@@ -144,6 +144,12 @@ int cm_b64val(unsigned char c, bool url);
 bool cm_consttime_eq(const void *a, size_t alen, const void *b, size_t blen);
 /* 63-bit random token from the OS CSPRNG (never 0). */
 uint64_t cm_random_token(void);
+/* Request ids (SPEC 11): a new one is 128 random bits (the same CSPRNG blocks) as 32 lower-case hex digits into out
+ * (terminated); one taken from a trusted proxy is 1 to CM_REQUEST_ID_MAX visible ASCII bytes (cm_request_id_ok). */
+#define CM_REQUEST_ID_MAX     128
+#define CM_REQUEST_ID_NEW_LEN 32
+void cm_request_id_new(char out[CM_REQUEST_ID_NEW_LEN + 1]);
+bool cm_request_id_ok(const char *s, size_t n);
 
 /* ---- HTTP syntax, one rule set for every room (RFC 9110 5.1, 5.5) */
 /* tchar: ALPHA / DIGIT / one of !#$%&'*+-.^_`|~ */

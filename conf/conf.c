@@ -39,6 +39,7 @@ void conf_destroy(struct conf *c)
     }
     free(c->routes);
     free(c->admin_token);
+    free(c->request_id_header);
     free(c->jwt.keys_file);
     free(c->jwt.secret_env);
     free(c->jwt.issuer);
@@ -124,6 +125,13 @@ static const struct field top_fields[] = {
     FIELD_BASE("tracing", fn_tracing, false, .what = "mapping", SUB(tracing_fields, 0), .restart = true,
                .doc = "OpenTelemetry traces: spans `request`, `claim`, `upstream` and `complete` exported over "
                       "OTLP/HTTP (see operations.md). Absent: no tracing."),
+    FIELD_FN("request_id_header", struct conf, request_id_header, fn_key_header, false, .what = "header name",
+             .def = "X-Request-Id", .show = show_str, .allowed = "an HTTP token",
+             .doc = "Where a request's id travels: kept from a peer in `trusted_proxies` when it is 1 to 128 visible "
+                    "ASCII bytes, else a new random 128-bit id (hex). It is sent upstream, set on every answer (a "
+                    "replay's stored value is replaced), written in every problem body as `request_id` and in "
+                    "every log line about the request.",
+             .example = "X-Correlation-Id"),
 };
 
 /* ---------------------------------------------------------------- the reference (idemgate --print-reference) */
@@ -274,6 +282,7 @@ static void conf_defaults(struct conf *c)
     c->replay_cache_max_entries = 4096;
     c->limits_buffers = 512 * MIB;
     c->tracing_sample = 0.05;
+    c->request_id_header = cm_strdup("X-Request-Id");
 }
 
 static char *syntax_error(const char *name, const yaml_parser_t *p, const char *yaml, size_t len)

@@ -209,7 +209,7 @@ bool route_reads_body(const struct conf_route *r)
     return reads;
 }
 
-static bool fn_key_header(struct ctx *x, yaml_node_t *n, void *target)
+bool fn_key_header(struct ctx *x, yaml_node_t *n, void *target)
 {
     char **out = target;
     const char *s = scalar(x, n, "a header name");

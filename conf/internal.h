@@ -202,6 +202,9 @@ bool fn_idem(struct ctx *x, yaml_node_t *n, void *target);
 void idem_defaults(struct conf_idem *d);
 /* Whether any part of route r reads the body (conf_route.reads_body): a json: or form: part anywhere. */
 bool route_reads_body(const struct conf_route *r);
+/* A header name (an HTTP token) into the char * at target (replaced): the key header, forward_token, the top-level
+ * request_id_header. */
+bool fn_key_header(struct ctx *x, yaml_node_t *n, void *target);
 
 /* check.c */
 bool check_addresses(struct ctx *x, yaml_node_t *root);

@@ -263,6 +263,7 @@ struct conf {
     uint32_t replay_cache_max_entries;
     char *tracing_otlp;    /* tracing.otlp: the collector's URL; NULL: no tracing */
     double tracing_sample; /* tracing.sample, 0..1, default 0.05 */
+    char *request_id_header; /* SPEC 11: default X-Request-Id */
 };
 
 #endif

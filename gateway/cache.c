@@ -152,7 +152,7 @@ static struct MHD_Response *prepared(struct gw_cache *c, struct entry *e)
             p = MHD_create_response_from_buffer_with_free_callback_cls(
                 r.body.len, r.body.len ? e->blob + e->blob_len - r.body.len : "", prep_free, e);
         if (p) {
-            gw_answer_headers(p, &r.hdrs, true); /* as gateway/front.c answers the same record */
+            gw_answer_headers(p, &r.hdrs, true, NULL, NULL); /* as gateway/front.c answers the same record */
             e->prep_status = (unsigned)r.status;
             atomic_store(&e->prep, p);
         } else {

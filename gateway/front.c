@@ -118,6 +118,7 @@ static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
     r->cref = gw_conf_ref(gw_loop_current(sh->loop));
     r->job.conf = r->cref->conf;
     r->job.route_index = CM_ROUTE_NONE;
+    cm_request_id_new(r->job.request_id); /* SPEC 11; a trusted proxy's replaces it once the headers are in */
     /* Validated and normalised once, here: what is routed, fingerprinted and forwarded is this form. */
     struct cm_target t;
     r->target = uri;
@@ -415,7 +416,7 @@ static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
             free(body);
         return MHD_NO;
     }
-    gw_answer_headers(resp, &job->resp_hdrs, job->replayed);
+    gw_answer_headers(resp, &job->resp_hdrs, job->replayed, job->conf->request_id_header, job->request_id);
     if (atomic_load(&r->shard->f->shutting_down) || job->status == 431 || job->status == 413 || job->status == 400)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     answer_deadline(c);
@@ -622,6 +623,8 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
             cm_hdrs_remove(fh, "tracestate");
         cm_hdrs_add(fh, "traceparent", tp);
     }
+    cm_hdrs_remove(fh, job->conf->request_id_header); /* SPEC 11: the upstream gets the request's id, one value */
+    cm_hdrs_add(fh, job->conf->request_id_header, job->request_id);
 }
 
 /* RFC 9110 field names are tokens; values carry no control byte but HTAB.
@@ -729,7 +732,8 @@ static const char *jwt_check(struct req *r, const struct conf_route *route)
     enum gw_jwt_result jr =
         gw_jwt_verify(jwt, cm_hdrs_get(&r->in_hdrs, "Authorization"), (int64_t)(cm_wall_ms() / 1000), &r->jwt);
     if (jr != GW_JWT_OK) {
-        cm_log(CM_INFO, "jwt_refused", "route=%s reason=%s", route->name, gw_jwt_result_name(jr));
+        cm_log(CM_INFO, "jwt_refused", "request_id=%s route=%s reason=%s", r->job.request_id, route->name,
+               gw_jwt_result_name(jr));
         switch (jr) {
         case GW_JWT_MISSING:
             return "this route needs a bearer token (Authorization: Bearer <JWT>)";
@@ -752,7 +756,8 @@ static const char *jwt_check(struct req *r, const struct conf_route *route)
     for (size_t i = 0; i < route->idem.scope_n; i++) {
         const struct conf_part *part = &route->idem.scope[i];
         if (part->kind == CONF_PART_JWT && !gw_jwt_has_claim(r->jwt, part->header)) {
-            cm_log(CM_INFO, "jwt_refused", "route=%s reason=missing_claim claim=%.64s", route->name, part->header);
+            cm_log(CM_INFO, "jwt_refused", "request_id=%s route=%s reason=missing_claim claim=%.64s", r->job.request_id,
+                   route->name, part->header);
             return "the bearer token lacks a claim this route's scope needs";
         }
     }
@@ -1207,9 +1212,10 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     gw_reqparts_free(parts); /* nothing reads the request's parts past here: the body's index goes now */
     job->loop = r->shard->loop;
     job->ctx = gw_loop_ctx(job->loop);
-    /* A replay the cache holds is answered now: no suspend, no hand-over, and no forwarding headers built; when
-     * the answer can be shared, the cache's prepared one, queued as it is. */
-    bool share = strcmp(job->method, "HEAD") != 0 && !atomic_load(&r->shard->f->shutting_down);
+    /* A replay the cache holds is answered now: no suspend, no hand-over, and no forwarding headers built. The
+     * cache's prepared answer is never shared any more: every answer carries its own request id (SPEC 11), which an
+     * MHD response shared between connections cannot. */
+    bool share = false;
     bool queued = false;
     switch (gw_pipeline_answer_cached(job, share ? c : NULL, &queued)) {
     case GW_CACHED_QUEUED: {

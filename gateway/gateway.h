@@ -59,6 +59,10 @@ struct gw_job {
     struct cm_hdrs resp_hdrs;
     struct cm_buf resp_body;
     bool replayed;
+    /* SPEC 11: this request's id (set by the front before anything is answered or logged), and on a replay or a 409
+     * the id of the request that executed the record ("" when not known) */
+    char request_id[CM_REQUEST_ID_MAX + 1];
+    char orig_request_id[CM_REQUEST_ID_MAX + 1];
 
     /* front bookkeeping */
     void *conn; /* struct MHD_Connection * */

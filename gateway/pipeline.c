@@ -417,7 +417,7 @@ static void completed(void *arg, bool ok, long rows)
     gw_span_end(job, job->ctx->tracer, "complete", 0, !ok || rows == 0);
     if (!ok || rows == 0) {
         cm_metric_completion_failure(job->route_index);
-        cm_log(CM_ERROR, "completion_failed", "route=%s reason=%s", job->route->name,
+        cm_log(CM_ERROR, "completion_failed", "request_id=%s route=%s reason=%s", job->request_id, job->route->name,
                ok ? "fenced_out" : "store_unavailable");
     } else {
         gw_cache_completed(job, &job->pipe->up_resp, job->pipe->started_ms, job->pipe->cache_epoch);
@@ -434,8 +434,8 @@ static void settle_upstream(struct gw_job *job, const struct gw_outcome *o, stru
     struct store *st = job->ctx->store;
     p->effect = o->effect;
     if (o->log_event)
-        cm_log(CM_WARN, o->log_event, "route=%s result=%s detail=\"%s\"", job->route ? job->route->name : "-",
-               up_result_name(o->result), errmsg ? errmsg : "");
+        cm_log(CM_WARN, o->log_event, "request_id=%s route=%s result=%s detail=\"%s\"", job->request_id,
+               job->route ? job->route->name : "-", up_result_name(o->result), errmsg ? errmsg : "");
     if (o->status)
         gw_job_problem(job, o->status, o->problem, o->title, o->detail);
     else if (o->record != GW_RECORD_COMPLETE)
@@ -455,6 +455,9 @@ static void settle_upstream(struct gw_job *job, const struct gw_outcome *o, stru
     gw_span_begin(job); /* the record's settling: the complete span */
     switch (o->record) {
     case GW_RECORD_COMPLETE:
+        /* SPEC 11: the record keeps the id of the request that executed, as its answer's request id header */
+        cm_hdrs_remove(&resp->hdrs, job->conf->request_id_header);
+        cm_hdrs_add(&resp->hdrs, job->conf->request_id_header, job->request_id);
         p->up_resp = *resp;
         cm_hdrs_init(&resp->hdrs);
         cm_buf_init(&resp->body, 0);
@@ -560,7 +563,7 @@ static void lease_renewed(struct gw_job *job, uint64_t *until, uint64_t sent_ms,
 {
     if (ok && rows == 0) {
         if (*until != 0)
-            cm_log(CM_WARN, "lease_lost", "route=%s of=%s", job->route->name, what);
+            cm_log(CM_WARN, "lease_lost", "request_id=%s route=%s of=%s", job->request_id, job->route->name, what);
         *until = 0;
     } else if (ok && *until != 0 && lease_end(sent_ms, job->route->idem.lease_ms) > *until) {
         *until = lease_end(sent_ms, job->route->idem.lease_ms);
@@ -640,7 +643,8 @@ static void forward_owned(struct gw_job *job, uint64_t token, uint64_t fence)
 static void shadow_decided(struct gw_job *job, enum cm_shadow d)
 {
     cm_metric_shadow_decision(job->route_index, d);
-    cm_log(CM_INFO, "shadow_decision", "decision=%s route=%s", cm_shadow_name(d), job->route->name);
+    cm_log(CM_INFO, "shadow_decision", "request_id=%s decision=%s route=%s", job->request_id, cm_shadow_name(d),
+           job->route->name);
 }
 
 static void shadow_claimed(void *arg, struct store_claim_res *res)
@@ -667,7 +671,8 @@ static void shadow_claimed(void *arg, struct store_claim_res *res)
     default:
         /* the store never fails a shadow request: forwarded, no decision */
         cm_metric_shadow_store_error(job->route_index);
-        cm_log(CM_WARN, "shadow_store_error", "route=%s detail=\"%s\"", job->route->name, res->err ? res->err : "");
+        cm_log(CM_WARN, "shadow_store_error", "request_id=%s route=%s detail=\"%s\"", job->request_id, job->route->name,
+               res->err ? res->err : "");
         forward_passthrough(job);
         return;
     }
@@ -684,7 +689,8 @@ static void shadow_guarded(void *arg, const struct store_order_peek_res *res)
     struct gw_pipe *p = job->pipe;
     if (!res->ok) {
         cm_metric_shadow_store_error(job->route_index);
-        cm_log(CM_WARN, "shadow_store_error", "route=%s detail=\"the ordering guard's row could not be read\"",
+        cm_log(CM_WARN, "shadow_store_error",
+               "request_id=%s route=%s detail=\"the ordering guard's row could not be read\"", job->request_id,
                job->route->name);
     } else if (res->stale) {
         /* enforce would have answered 409 stale-sequence and kept no record: the claim goes after the answer */
@@ -830,6 +836,9 @@ static enum cm_outcome answer_record(struct gw_job *job, struct store_claim_res 
     }
     take_resp(job, &res->resp);
     job->replayed = true;
+    const char *orig = cm_hdrs_get(&job->resp_hdrs, job->conf->request_id_header);
+    if (orig)
+        snprintf(job->orig_request_id, sizeof job->orig_request_id, "%s", orig);
     cm_metric_dedup_hit(job->route_index);
     return CM_OUT_REPLAYED;
 }
@@ -842,6 +851,8 @@ static void claimed(void *arg, struct store_claim_res *res)
     if (res->verdict == STORE_NEW)
         job->trace.token = res->token;
     gw_span_end(job, job->ctx->tracer, "claim", 0, res->verdict == STORE_UNAVAILABLE);
+    if (res->request_id[0] && res->verdict != STORE_NEW) /* SPEC 11: the request that holds or executed the record */
+        snprintf(job->orig_request_id, sizeof job->orig_request_id, "%s", res->request_id);
     switch (res->verdict) {
     case STORE_NEW: {
         struct store_id id = job_id(job);
@@ -874,7 +885,8 @@ static void claimed(void *arg, struct store_claim_res *res)
         return;
     case STORE_UNAVAILABLE:
     default:
-        cm_log(CM_WARN, "store_unavailable", "route=%s detail=\"%s\"", job->route->name, res->err ? res->err : "");
+        cm_log(CM_WARN, "store_unavailable", "request_id=%s route=%s detail=\"%s\"", job->request_id, job->route->name,
+               res->err ? res->err : "");
         answer_store_unavailable(job, "the idempotency store cannot be reached; nothing was forwarded");
         finish(job, CM_OUT_STORE_UNAVAILABLE);
         return;
@@ -892,6 +904,7 @@ static void claim(struct gw_job *job)
     req.lease_ms = im->lease_ms;
     req.retention_ms = im->retention_ms;
     req.takeover_unknown = im->on_unknown == CONF_UNKNOWN_RETRY;
+    req.request_id = job->request_id;
     set_state(job, GW_PIPE_CLAIMING);
     gw_span_begin(job);
     /* A key this process holds in flight is in flight, whatever its lease in Postgres says: its owner is alive

@@ -194,10 +194,16 @@ char *gw_problem_json(int status, const char *name, const char *title, const cha
 void gw_job_problem_ext(struct gw_job *job, int status, const char *name, const char *title, const char *detail,
                         const char *extra)
 {
-    struct gw_problem p = {status, name, title, detail, extra};
+    /* SPEC 11: every problem body names the request (its id may hold any visible ASCII from a trusted proxy) */
+    struct cm_buf ext;
+    cm_buf_init(&ext, SIZE_MAX / 4);
+    bool ok = (!extra || cm_buf_appendf(&ext, "%s,", extra)) && cm_buf_append(&ext, "\"request_id\":\"", 14) &&
+              gw_json_escape(&ext, job->request_id, strlen(job->request_id)) && cm_buf_append(&ext, "\"", 1);
+    struct gw_problem p = {status, name, title, detail, ok ? ext.data : extra};
     const char *ctype;
     size_t len;
     char *body = gw_problem_render(job->route ? &job->route->errors : NULL, &p, &len, &ctype);
+    cm_buf_free(&ext);
     cm_hdrs_free(&job->resp_hdrs);
     cm_buf_free(&job->resp_body);
     cm_buf_init(&job->resp_body, len + 1);

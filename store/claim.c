@@ -139,13 +139,15 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         claim_fail(c, "claim contention");
         return;
     }
-    if (PQnfields(pr) < 9) {
+    if (PQnfields(pr) < 11) {
         claim_fail(c, "unexpected claim result");
         return;
     }
     struct store_claim_res res;
     memset(&res, 0, sizeof res);
     cm_resp_init(&res.resp, 0);
+    if (!PQgetisnull(pr, 0, 10)) /* the id of the request that claimed the record (SPEC 11) */
+        snprintf(res.request_id, sizeof res.request_id, "%.*s", PQgetlength(pr, 0, 10), PQgetvalue(pr, 0, 10));
     const char *state = PQgetvalue(pr, 0, 0);
     int state_len = PQgetlength(pr, 0, 0);
 #define STATE_IS(lit) (state_len == (int)sizeof(lit) - 1 && memcmp(state, lit, sizeof(lit) - 1) == 0)
@@ -200,7 +202,7 @@ static void claim_pg(struct claim_op *c)
     be64(tok, c->token); /* one token for every attempt of this claim */
     be64(lease, c->lease_ms);
     be64(ret, c->retention_ms);
-    struct store_pg_param p[8] = {
+    struct store_pg_param p[9] = {
         {c->route, strlen(c->route), true},
         {c->scope, 32, true},
         {c->key, c->key_len, true},
@@ -209,10 +211,11 @@ static void claim_pg(struct claim_op *c)
         {lease, 8, true},
         {ret, 8, true},
         {&takeover, 1, true},
+        {c->request_id, strlen(c->request_id), true},
     };
     c->sent_pg_ms = store_clock_ms();
     c->sent_ms = cm_now_ms();
-    store_pg_query(s->pg, S_CLAIM, p, 8, 1, claim_pg_cb, c);
+    store_pg_query(s->pg, S_CLAIM, p, 9, 1, claim_pg_cb, c);
 }
 
 /* A completed answer cached in Redis ("G", format above) decides the claim when the purge epoch trusts it: true,
@@ -299,6 +302,7 @@ void store_claim(struct store *s, const struct store_claim_req *req, store_claim
     c->lease_ms = req->lease_ms ? req->lease_ms : 1;
     c->retention_ms = req->retention_ms;
     c->takeover = req->takeover_unknown;
+    snprintf(c->request_id, sizeof c->request_id, "%s", req->request_id ? req->request_id : "");
     c->token = cm_random_token();
     c->epoch = epoch_known(s);
     c->cb = cb;

@@ -165,6 +165,7 @@ struct claim_op {
     uint64_t lease_ms;
     uint64_t retention_ms;
     bool takeover;
+    char request_id[CM_REQUEST_ID_MAX + 1]; /* the claiming request's (SPEC 11), kept in the record */
     uint64_t token;
     int attempts;
     bool marker_ours;         /* our SET NX placed the in-flight marker */

@@ -13,7 +13,7 @@
 #include "store/pg.h"
 
 #define MIGRATE_LOCK_ID "7251983046512"
-#define SCHEMA_VERSION  4
+#define SCHEMA_VERSION  5
 
 static const char schema_v1[] =
     "CREATE TABLE IF NOT EXISTS idemgate_keys ("
@@ -59,6 +59,11 @@ static const char schema_v3[] =
 static const char schema_v4[] =
     "CREATE INDEX IF NOT EXISTS idemgate_keys_route_created_at ON idemgate_keys (route, created_at);"
     "INSERT INTO idemgate_schema_version (version) VALUES (4) ON CONFLICT DO NOTHING;";
+
+/* v5: the id of the request that claimed the record (SPEC 11: a replay names the request that executed). Adding a
+ * nullable column is a catalog change only; Citus propagates it to the shards of a distributed table. */
+static const char schema_v5[] = "ALTER TABLE idemgate_keys ADD COLUMN IF NOT EXISTS request_id text;"
+                                "INSERT INTO idemgate_schema_version (version) VALUES (5) ON CONFLICT DO NOTHING;";
 
 /* ---- migration (blocking, at start) */
 
@@ -374,7 +379,8 @@ bool store_migrate(const char *postgres_url, enum conf_distributed distributed, 
         bool citus = distributed == CONF_DIST_CITUS;
         if ((version < 1 && !exec_script(c, schema_v1, citus, err)) ||
             (version < 2 && !exec_script(c, schema_v2, citus, err)) ||
-            (version < 3 && !exec_script(c, schema_v3, citus, err)) || !exec_script(c, schema_v4, citus, err))
+            (version < 3 && !exec_script(c, schema_v3, citus, err)) ||
+            (version < 4 && !exec_script(c, schema_v4, citus, err)) || !exec_script(c, schema_v5, citus, err))
             goto fail;
         cm_log(CM_INFO, "schema_migrated", "from=%ld to=%d", version, SCHEMA_VERSION);
     } else {

@@ -18,9 +18,11 @@
     "(" p "state = 'completed' AND " p "expires_at < now() AND " p "lease_until < now()) OR ($8 AND " p                \
     "state IN ('in_flight', 'unknown') AND " p "lease_until < now() AND " p "fingerprint = $4)"
 
-static const Oid claim_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_BYTEA, OID_INT8, OID_INT8, OID_INT8, OID_BOOL};
-static const Oid claim_multi_types[] = {OID_TEXT_ARRAY, OID_BYTEA_ARRAY, OID_TEXT_ARRAY, OID_BYTEA_ARRAY,
-                                        OID_INT8_ARRAY, OID_INT8_ARRAY,  OID_INT8_ARRAY, OID_BOOL_ARRAY};
+static const Oid claim_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_BYTEA, OID_INT8,
+                                  OID_INT8, OID_INT8,  OID_BOOL, OID_TEXT};
+static const Oid claim_multi_types[] = {OID_TEXT_ARRAY,  OID_BYTEA_ARRAY, OID_TEXT_ARRAY,
+                                        OID_BYTEA_ARRAY, OID_INT8_ARRAY,  OID_INT8_ARRAY,
+                                        OID_INT8_ARRAY,  OID_BOOL_ARRAY,  OID_TEXT_ARRAY};
 static const Oid complete_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT4, OID_BYTEA, OID_INT8};
 static const Oid complete_multi_types[] = {OID_TEXT_ARRAY, OID_BYTEA_ARRAY, OID_TEXT_ARRAY, OID_INT8_ARRAY,
                                            OID_INT4_ARRAY, OID_BYTEA_ARRAY, OID_INT8_ARRAY};
@@ -38,21 +40,24 @@ static const Oid admin_types[] = {OID_TEXT, OID_TEXT};
 static const char sql_claim[] =
     "WITH ins AS ("
     " INSERT INTO idemgate_keys AS k (route, scope, key, fingerprint, state, token, lease_until, created_at,"
-    " expires_at)"
-    " VALUES ($1, $2, $3, $4, 'in_flight', $5, now() + $6 * interval '1 ms', now(), now() + $7 * interval '1 ms')"
+    " expires_at, request_id)"
+    " VALUES ($1, $2, $3, $4, 'in_flight', $5, now() + $6 * interval '1 ms', now(), now() + $7 * interval '1 ms',"
+    " $9)"
     " ON CONFLICT (route, scope, key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',"
     " token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,"
-    " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL"
+    " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL,"
+    " request_id = EXCLUDED.request_id"
     " WHERE " TAKEABLE("k.")
     " RETURNING k.token, k.created_at)"
-    " SELECT 'new'::text, token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true, created_at"
+    " SELECT 'new'::text, token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true, created_at,"
+    " NULL::text"
     " FROM ins"
     " UNION ALL"
     " SELECT state, token, fingerprint, status, response,"
     " greatest(0, ceil(extract(epoch FROM lease_until - now()) * 1000))::int8,"
     " greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::int8,"
     " " TAKEABLE("") ","
-    " lease_until >= now(), created_at"
+    " lease_until >= now(), created_at, request_id"
     " FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)";
 /* clang-format on */
 
@@ -63,28 +68,30 @@ static const char sql_claim[] =
 /* clang-format off */
 static const char sql_claim_multi[] =
     "WITH u AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::int8[], $6::int8[],"
-    " $7::int8[], $8::bool[]) WITH ORDINALITY AS u(route, scope, key, fp, token, lease_ms, ret_ms, takeover, n)),"
+    " $7::int8[], $8::bool[], $9::text[]) WITH ORDINALITY AS u(route, scope, key, fp, token, lease_ms, ret_ms,"
+    " takeover, rid, n)),"
     " ins AS ("
     " INSERT INTO idemgate_keys AS k (route, scope, key, fingerprint, state, token, lease_until, created_at,"
-    " expires_at)"
+    " expires_at, request_id)"
     " SELECT route, scope, key, fp, 'in_flight', token, now() + lease_ms * interval '1 ms', now(),"
-    " now() + ret_ms * interval '1 ms' FROM u"
+    " now() + ret_ms * interval '1 ms', rid FROM u"
     " ON CONFLICT (route, scope, key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',"
     " token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,"
-    " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL"
+    " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL,"
+    " request_id = EXCLUDED.request_id"
     " WHERE (k.state = 'completed' AND k.expires_at < now() AND k.lease_until < now()) OR ((SELECT u.takeover FROM u WHERE u.route = k.route"
     " AND u.scope = k.scope AND u.key = k.key) AND k.state IN ('in_flight', 'unknown') AND k.lease_until < now()"
     " AND k.fingerprint = EXCLUDED.fingerprint)"
     " RETURNING k.route, k.scope, k.key, k.token, k.created_at)"
     " SELECT u.n, 'new'::text, ins.token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true,"
-    " ins.created_at FROM u JOIN ins ON ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key"
+    " ins.created_at, NULL::text FROM u JOIN ins ON ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key"
     " UNION ALL"
     " SELECT u.n, t.state, t.token, t.fingerprint, t.status, t.response,"
     " greatest(0, ceil(extract(epoch FROM t.lease_until - now()) * 1000))::int8,"
     " greatest(0, floor(extract(epoch FROM t.expires_at - now()) * 1000))::int8,"
     " (t.state = 'completed' AND t.expires_at < now() AND t.lease_until < now()) OR (u.takeover AND t.state IN ('in_flight', 'unknown')"
     " AND t.lease_until < now() AND t.fingerprint = u.fp),"
-    " t.lease_until >= now(), t.created_at"
+    " t.lease_until >= now(), t.created_at, t.request_id"
     " FROM u JOIN idemgate_keys t ON t.route = u.route AND t.scope = u.scope AND t.key = u.key"
     " WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key)";
 /* clang-format on */
@@ -108,20 +115,22 @@ static const char sql_claim_multi[] =
 /* clang-format off */
 static const char sql_claim_citus[] =
     "INSERT INTO idemgate_keys AS k (route, scope, key, fingerprint, state, token, lease_until, created_at,"
-    " expires_at)"
-    " VALUES ($1, $2, $3, $4, 'in_flight', $5, now() + $6 * interval '1 ms', now(), now() + $7 * interval '1 ms')"
+    " expires_at, request_id)"
+    " VALUES ($1, $2, $3, $4, 'in_flight', $5, now() + $6 * interval '1 ms', now(), now() + $7 * interval '1 ms',"
+    " $9)"
     " ON CONFLICT (route, key, scope) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',"
     " token = EXCLUDED.token, lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,"
-    " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL"
+    " completed_at = NULL, expires_at = EXCLUDED.expires_at, status = NULL, response = NULL,"
+    " request_id = EXCLUDED.request_id"
     " WHERE " TAKEABLE_AT("k.", "EXCLUDED.created_at")
     " RETURNING 'new'::text, k.token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true,"
-    " k.created_at";
+    " k.created_at, NULL::text";
 static const char sql_claim_citus_read[] =
     "SELECT state, token, fingerprint, status, response,"
     " greatest(0, ceil(extract(epoch FROM lease_until - now()) * 1000))::int8,"
     " greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::int8,"
     " " TAKEABLE("") ","
-    " lease_until >= now(), created_at"
+    " lease_until >= now(), created_at, request_id"
     " FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3";
 /* clang-format on */
 
@@ -293,7 +302,7 @@ static const char sql_probe_list[] =
 static const Oid probe_list_types[] = {OID_TEXT, OID_INT8};
 
 static const struct store_pg_stmt stmts[S__COUNT] = {
-    [S_CLAIM] = {"idg_claim", sql_claim, 8, claim_types, 3, sql_claim_multi, claim_multi_types, NULL},
+    [S_CLAIM] = {"idg_claim", sql_claim, 9, claim_types, 3, sql_claim_multi, claim_multi_types, NULL},
     [S_COMPLETE] = {"idg_complete", sql_complete, 7, complete_types, 3, sql_complete_multi, complete_multi_types, NULL},
     [S_RENEW] = {"idg_renew", sql_renew, 5, fenced_types, 3, NULL, NULL, NULL},
     [S_RELEASE] = {"idg_release", sql_release, 4, release_types, 3, NULL, NULL, NULL},

@@ -93,7 +93,8 @@ struct store_claim_req {
     uint8_t fp[32];     /* request fingerprint */
     uint64_t lease_ms;
     uint64_t retention_ms;
-    bool takeover_unknown; /* on_unknown: retry (take over a lapsed lease, same fingerprint) */
+    bool takeover_unknown;  /* on_unknown: retry (take over a lapsed lease, same fingerprint) */
+    const char *request_id; /* the request's id (SPEC 11), kept in the record it claims; NULL: none */
 };
 
 enum store_verdict {
@@ -118,6 +119,8 @@ struct store_claim_res {
                                   * it read the record, or (Redis) from the expiry stored beside the answer less a
                                   * 1 s margin for clock differences; 0: not known (an older Redis value) */
     const char *err;             /* STORE_UNAVAILABLE: constant text for logs */
+    /* Postgres's answer: the id of the request that claimed the record ("" when not known: Redis, an older record) */
+    char request_id[CM_REQUEST_ID_MAX + 1];
 };
 /* res is valid only during the callback; the store frees what is left. */
 typedef void (*store_claim_cb)(void *arg, struct store_claim_res *res);

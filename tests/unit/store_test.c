@@ -477,7 +477,10 @@ Test(store, migrate_is_idempotent)
 {
     migrate();
     migrate();
-    cr_assert_eq(psql_long("SELECT max(version) FROM idemgate_schema_version"), 4);
+    cr_assert_eq(psql_long("SELECT max(version) FROM idemgate_schema_version"), 5);
+    cr_assert_eq(psql_long("SELECT count(*) FROM information_schema.columns WHERE table_name = 'idemgate_keys'"
+                           " AND table_schema = current_schema() AND column_name = 'request_id'"),
+                 1, "v5: the claiming request's id is a column of the records");
     cr_assert_eq(psql_long("SELECT count(*) FROM idemgate_epoch"), 1, "the purge epoch is one row");
     /* primary key (route, key, scope), expires_at (cleaner), in-flight created_at (stuck gauge), (route, created_at)
      * (the admin listing) */
@@ -525,7 +528,7 @@ Test(store, migrate_concurrently_from_three_processes)
                                       * epoch, the routes' identities */
     free(sql);
     sql = cm_asprintf("SELECT count(*) FROM %s.idemgate_schema_version", schema);
-    cr_assert_eq(psql_long(sql), 4); /* versions 1 to 4, once each */
+    cr_assert_eq(psql_long(sql), 5); /* versions 1 to 5, once each */
     free(sql);
     sql = cm_asprintf("DROP SCHEMA %s CASCADE", schema);
     free(psql(pg_url(), sql));
