@@ -261,8 +261,8 @@ struct conf {
     uint64_t limits_buffers;
     uint64_t replay_cache_max_bytes;
     uint32_t replay_cache_max_entries;
-    char *tracing_otlp;    /* tracing.otlp: the collector's URL; NULL: no tracing */
-    double tracing_sample; /* tracing.sample, 0..1, default 0.05 */
+    char *tracing_otlp;      /* tracing.otlp: the collector's URL; NULL: no tracing */
+    double tracing_sample;   /* tracing.sample, 0..1, default 0.05 */
     char *request_id_header; /* SPEC 11: default X-Request-Id */
 };
 
