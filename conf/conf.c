@@ -24,6 +24,10 @@ void conf_destroy(struct conf *c)
         free(c->upstreams[i].url);
         free(c->upstreams[i].base_path);
         free(c->upstreams[i].host);
+        free(c->upstreams[i].tls.ca);
+        free(c->upstreams[i].tls.cert);
+        free(c->upstreams[i].tls.key);
+        free(c->upstreams[i].tls.server_name);
     }
     free(c->upstreams);
     for (size_t i = 0; i < c->routes_n; i++) {

@@ -167,6 +167,7 @@ char *env_name(struct ctx *x, yaml_node_t *n);
 /* process.c */
 bool show_addr(const void *base, const struct field *f, char *buf, size_t n);
 bool fn_listen(struct ctx *x, yaml_node_t *n, void *target);
+bool fn_pem_path(struct ctx *x, yaml_node_t *n, void *target);
 extern const struct field admin_fields[1];
 bool fn_admin(struct ctx *x, yaml_node_t *n, void *target);
 extern const struct field store_fields[5];
@@ -182,7 +183,7 @@ bool fn_tracing(struct ctx *x, yaml_node_t *n, void *target);
 bool apply_env(struct ctx *x, yaml_node_t *root);
 
 /* upstreams.c */
-extern const struct field upstream_fields[6];
+extern const struct field upstream_fields[7];
 bool fn_upstreams(struct ctx *x, yaml_node_t *n, void *target);
 void add_ref(struct ctx *x, int node, size_t line, size_t *target, bool *has);
 bool fn_route_upstream(struct ctx *x, yaml_node_t *n, void *target);

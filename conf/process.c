@@ -185,7 +185,7 @@ void conf_addr_free(struct conf_addr *a)
     memset(a, 0, sizeof *a);
 }
 
-static bool fn_pem_path(struct ctx *x, yaml_node_t *n, void *target)
+bool fn_pem_path(struct ctx *x, yaml_node_t *n, void *target)
 {
     char **out = target;
     const char *s = scalar(x, n, "a PEM file path");

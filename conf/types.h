@@ -36,6 +36,15 @@ struct conf_addr {
     struct conf_listen_tls tls;
 };
 
+/* An https upstream's tls: (libcurl reads the files when it connects; the load checks they are readable). */
+struct conf_upstream_tls {
+    bool set;          /* a tls: block was given */
+    char *ca;          /* CA bundle to verify the upstream with; NULL: the system's */
+    char *cert, *key;  /* client certificate and its key (PEM); NULL: none */
+    bool verify;       /* verify the upstream's certificate and name, default true */
+    char *server_name; /* the name sent as SNI and verified; NULL: the URL's host */
+};
+
 /* An upstream, its URL parsed once here into the parts the runtime uses as they are (never parsed again). */
 struct conf_upstream {
     char *name;
@@ -49,6 +58,7 @@ struct conf_upstream {
     uint64_t timeout_ms;           /* default 30s */
     uint32_t max_connections;      /* upstream sockets, default 1024 */
     uint64_t keepalive_timeout_ms; /* an idle pooled connection is reused up to this long, default 60s (nginx's) */
+    struct conf_upstream_tls tls;  /* https only */
 };
 
 /* Redis, parsed once from store.redis: TCP (redis://[:password@]host:port[/db]) or a unix socket (an absolute

@@ -79,6 +79,54 @@ static bool fn_upstream_url(struct ctx *x, yaml_node_t *n, void *target)
     return true;
 }
 
+/* ---- an upstream's tls: {ca, cert, key, verify, server_name} */
+
+static bool fn_tls_server_name(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *s = scalar(x, n, "a host name");
+    if (s == NULL)
+        return false;
+    size_t len = strlen(s);
+    if (len == 0 || len > 253 || strspn(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-") != len)
+        return fail(x, n, "must be a DNS host name (letters, digits, '.', '-')");
+    free(*out);
+    *out = cm_strdup(s);
+    return true;
+}
+
+static const struct field upstream_tls_fields[] = {
+    FIELD_FN("ca", struct conf_upstream_tls, ca, fn_pem_path, false, .what = "path",
+             .doc = "The PEM CA bundle the upstream's certificate is verified with, instead of the system's.",
+             .example = "/etc/idemgate/upstream-ca.pem"),
+    FIELD_FN("cert", struct conf_upstream_tls, cert, fn_pem_path, false, .what = "path",
+             .doc = "A PEM client certificate sent to an upstream that asks for one (with `key`).",
+             .example = "/etc/idemgate/client.crt"),
+    FIELD_FN("key", struct conf_upstream_tls, key, fn_pem_path, false, .what = "path",
+             .doc = "The client certificate's PEM private key (unencrypted).", .example = "/etc/idemgate/client.key"),
+    FIELD("verify", F_BOOL, struct conf_upstream_tls, verify, 0, 1, .def = "true",
+          .doc = "Verify the upstream's certificate chain and name. `false` only for a test bench: anyone on the "
+                 "path can then read and answer the requests.",
+          .example = "false"),
+    FIELD_FN("server_name", struct conf_upstream_tls, server_name, fn_tls_server_name, false, .what = "host name",
+             .doc = "The name sent as SNI and verified in the upstream's certificate, while the connection still "
+                    "goes to the URL's address (`Host` stays the URL's). Unset: the URL's host.",
+             .example = "api.internal"),
+};
+
+static bool fn_upstream_tls(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf_upstream_tls *t = target;
+    if (n->type != YAML_MAPPING_NODE)
+        return fail(x, n, "must be a mapping {ca, cert, key, verify, server_name}");
+    t->set = true;
+    if (!parse_map(x, n, upstream_tls_fields, NFIELDS(upstream_tls_fields), t))
+        return false;
+    if ((t->cert == NULL) != (t->key == NULL))
+        return fail(x, n, "cert and key go together");
+    return true;
+}
+
 const struct field upstream_fields[] = {
     FIELD_FN("name", struct conf_upstream, name, fn_upstream_name, true, .what = "string",
              .allowed = "1 to 128 of `A-Z a-z 0-9 _ . -`, unique", .doc = "The name routes and `default_upstream` use.",
@@ -107,6 +155,10 @@ const struct field upstream_fields[] = {
                  "for less than the upstream announces in `Keep-Alive: timeout=N`). Keep it below the "
                  "upstream's own idle timeout when that one is short and not announced.",
           .example = "2s"),
+    FIELD_FN("tls", struct conf_upstream, tls, fn_upstream_tls, false, .what = "mapping",
+             SUB(upstream_tls_fields, offsetof(struct conf_upstream, tls)),
+             .doc = "TLS to an `https://` upstream (through libcurl): the CA to verify it with, a client "
+                    "certificate, verification, the server name. An `http://` upstream with `tls` is an error."),
 };
 
 bool fn_upstreams(struct ctx *x, yaml_node_t *n, void *target)
@@ -125,12 +177,19 @@ bool fn_upstreams(struct ctx *x, yaml_node_t *n, void *target)
         u->timeout_ms = 30 * SEC;
         u->max_connections = 1024;
         u->keepalive_timeout_ms = 60 * SEC;
+        u->tls.verify = true;
         size_t old = path_push(x, "[%zu]", i);
         x->key_line = 0;
         /* counted before parsing so that a half-built entry is freed */
         c->upstreams_n = i + 1;
         if (item == NULL || !parse_map(x, item, upstream_fields, NFIELDS(upstream_fields), u))
             return false;
+        if (u->tls.set && !u->https) {
+            yaml_node_t *tn = NULL;
+            size_t line = find_line(x, item, "tls", &tn);
+            path_push_key(x, "tls");
+            return fail_line(x, line, "only an https:// upstream takes tls (url is %s)", u->url);
+        }
         path_pop(x, old);
     }
     return true;

@@ -10,6 +10,9 @@
 
 #include "conf/conf.h"
 
+struct up_tls;
+struct up_origin;
+
 struct event_base;
 struct up_client;
 struct store;
@@ -41,6 +44,8 @@ struct gw_ctx {
 
 /* This thread's share of an upstream's max_connections (the bound holds over all loops together). */
 size_t gw_ctx_upstream_max(const struct gw_ctx *x, const struct conf_upstream *u);
+/* An upstream's origin as the upstream client takes it; tls is where its tls: goes (both borrow from u). */
+struct up_origin gw_upstream_origin(const struct conf_upstream *u, struct up_tls *tls);
 /* Loop thread: lists a running job / takes it off (removing a link that is not listed is a no-op). */
 void gw_ctx_job_add(struct gw_ctx *x, struct gw_job_link *link);
 void gw_ctx_job_remove(struct gw_ctx *x, struct gw_job_link *link);

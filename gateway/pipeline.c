@@ -510,8 +510,8 @@ static void forward(struct gw_job *job, bool idempotent)
         struct cm_buf target;
         cm_buf_init(&target, 64 * 1024);
         if (cm_buf_appendf(&target, "%s%s", u->base_path, job->uri)) {
-            struct up_origin origin = {
-                .https = u->https, .host = u->host, .port = u->port, .ip_literal = u->host_is_ip};
+            struct up_tls tls;
+            struct up_origin origin = gw_upstream_origin(u, &tls);
             struct up_request req = {
                 .method = job->method,
                 .origin = &origin,

@@ -275,7 +275,8 @@ static bool send_lookup(struct probe_run *r)
     bool ok = cm_buf_appendf(&target, "%s", u->base_path) && put_with_key(r, pc->path, true, &target) &&
               build_headers(r, &hdrs);
     if (ok) {
-        struct up_origin origin = {.https = u->https, .host = u->host, .port = u->port, .ip_literal = u->host_is_ip};
+        struct up_tls tls;
+        struct up_origin origin = gw_upstream_origin(u, &tls);
         bool safe = strcmp(pc->method, "GET") == 0 || strcmp(pc->method, "HEAD") == 0;
         struct up_request req = {
             .method = pc->method,

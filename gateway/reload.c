@@ -32,6 +32,8 @@ struct gw_conf *gw_conf_load(const char *file, char **err)
         if (conf->routes[i].verify.enabled && !(c->verify[i] = gw_verify_create(&conf->routes[i].verify, what, err)))
             goto fail;
     }
+    if (!gw_tls_upstream_files(conf, err))
+        goto fail;
     if (conf->listen.tls.cert && !(c->listen_tls = gw_tls_creds_load(conf->file, &conf->listen.tls, "listen", err)))
         goto fail;
     if (conf->admin_enabled && conf->admin_listen.tls.cert &&

@@ -230,3 +230,22 @@ struct MHD_OptionItem *gw_tls_mhd_options(bool on)
     memcpy(&tls[0].ptr_value, &cb, sizeof cb); /* a function pointer as MHD reads it back */
     return tls;
 }
+
+bool gw_tls_upstream_files(const struct conf *c, char **err)
+{
+    for (size_t i = 0; i < c->upstreams_n; i++) {
+        const struct conf_upstream_tls *t = &c->upstreams[i].tls;
+        const char *keys[] = {"ca", "cert", "key"}, *paths[] = {t->ca, t->cert, t->key};
+        for (size_t k = 0; k < 3; k++) {
+            size_t len;
+            char *why = NULL, *pem = paths[k] ? cm_read_file(paths[k], PEM_MAX, &len, &why) : NULL;
+            free(pem);
+            if (why) {
+                *err = cm_asprintf("%s: upstreams[%zu].tls.%s: %s", c->file ? c->file : "?", i, keys[k], why);
+                free(why);
+                return false;
+            }
+        }
+    }
+    return true;
+}

@@ -22,6 +22,10 @@ __attribute__((warn_unused_result)) struct gw_tls_creds *
 gw_tls_creds_load(const char *conf_file, const struct conf_listen_tls *t, const char *which, char **err);
 void gw_tls_creds_unref(struct gw_tls_creds *c); /* NULL is a no-op */
 
+/* Every upstream's tls files (ca, cert, key) can be read (libcurl reads them only when it connects). false with
+ * *err (heap, "CONF: upstreams[N].tls.KEY: PATH: cannot open: ...") otherwise. */
+__attribute__((warn_unused_result)) bool gw_tls_upstream_files(const struct conf *c, char **err);
+
 /* A listener's TLS: the credentials new handshakes get. */
 struct gw_tls;
 /* Takes a reference to c. Never NULL. */

@@ -28,8 +28,9 @@ struct up_curl;
 struct curl_xfer {
     struct up_transfer b;
     CURL *easy;
-    CURLU *cu;                   /* the URL, set part by part (up_set_url) */
-    struct curl_slist *hdr_list; /* nodes and text in hdr_mem (libcurl only reads the list) */
+    CURLU *cu;                     /* the URL, set part by part (up_set_url) */
+    struct curl_slist *hdr_list;   /* nodes and text in hdr_mem (libcurl only reads the list) */
+    struct curl_slist *connect_to; /* tls.server_name: "NAME:PORT:HOST:PORT", or NULL */
     char *hdr_mem;
     size_t hdr_cap;
     void *body;          /* our copy of the request body (CURLOPT_POSTFIELDS does not copy) */
@@ -57,6 +58,9 @@ struct up_curl {
     size_t socks_n;
     struct up_transfer *pool; /* idle transfers, linked by next */
     size_t pool_n;
+    bool tls_defaults; /* default_ca and default_capath were read (from the first easy handle) */
+    char *default_ca;  /* libcurl's built-in CA bundle and path, restored on a transfer without tls.ca */
+    char *default_capath;
 };
 
 /* One socket of curl's, watched by libevent. Sockets that curl opened through up_open_socket ("ours") are
@@ -387,6 +391,7 @@ static void up_curl_release(void *state, struct up_transfer *bt, bool pool)
         curl_easy_cleanup(t->easy);
     if (t->cu != NULL)
         curl_url_cleanup(t->cu);
+    curl_slist_free_all(t->connect_to);
     free(t->hdr_mem);
     free(t);
 }
@@ -522,6 +527,14 @@ static struct curl_xfer *up_transfer_get(struct up_curl *c)
     CURL *e = t->easy = curl_easy_init();
     if (e == NULL || t->cu == NULL)
         goto fail;
+    if (!c->tls_defaults) { /* what a transfer without tls.ca goes back to */
+        char *ca = NULL, *capath = NULL;
+        (void)curl_easy_getinfo(e, CURLINFO_CAINFO, &ca);
+        (void)curl_easy_getinfo(e, CURLINFO_CAPATH, &capath);
+        c->default_ca = ca ? cm_strdup(ca) : NULL;
+        c->default_capath = capath ? cm_strdup(capath) : NULL;
+        c->tls_defaults = true;
+    }
     UP_SET(e, CURLOPT_PRIVATE, (void *)t);
     UP_SET(e, CURLOPT_ERRORBUFFER, t->errbuf);
     UP_SET(e, CURLOPT_NOSIGNAL, 1L);
@@ -561,11 +574,13 @@ fail:
 static bool up_set_url(struct curl_xfer *t, const struct up_origin *o, const char *target)
 {
     char host[UP_MAX_HOST + 3], port[8];
-    size_t hl = strlen(o->host);
+    /* with tls.server_name the URL names it (SNI, verification), CURLOPT_CONNECT_TO keeps the address */
+    const char *h = o->https && o->tls && o->tls->server_name ? o->tls->server_name : o->host;
+    size_t hl = strlen(h);
     if (hl == 0 || hl > UP_MAX_HOST)
         return false;
-    bool v6 = o->ip_literal && memchr(o->host, ':', hl) != NULL;
-    snprintf(host, sizeof host, v6 ? "[%s]" : "%s", o->host);
+    bool v6 = h == o->host && o->ip_literal && memchr(o->host, ':', hl) != NULL;
+    snprintf(host, sizeof host, v6 ? "[%s]" : "%s", h);
     snprintf(port, sizeof port, "%u", (unsigned)o->port);
     const char *q = strchr(target, '?');
     char *path = q != NULL ? cm_strndup(target, (size_t)(q - target)) : NULL; /* the path without its query */
@@ -576,6 +591,32 @@ static bool up_set_url(struct curl_xfer *t, const struct up_origin *o, const cha
               curl_url_set(t->cu, CURLUPART_QUERY, q != NULL && q[1] != '\0' ? q + 1 : NULL, 0) == CURLUE_OK;
     free(path);
     return ok;
+}
+
+/* Every TLS option of the transfer, set on each send (a pooled handle may have served another upstream). */
+static bool up_set_tls(struct up_curl *c, struct curl_xfer *t, const struct up_origin *o)
+{
+    CURL *e = t->easy;
+    const struct up_tls *tls = o->https ? o->tls : NULL;
+    curl_slist_free_all(t->connect_to);
+    t->connect_to = NULL;
+    if (tls && tls->server_name) {
+        char entry[2 * UP_MAX_HOST + 32];
+        bool v6 = o->ip_literal && strchr(o->host, ':') != NULL;
+        snprintf(entry, sizeof entry, v6 ? "%s:%u:[%s]:%u" : "%s:%u:%s:%u", tls->server_name, (unsigned)o->port,
+                 o->host, (unsigned)o->port);
+        if (!(t->connect_to = curl_slist_append(NULL, entry)))
+            return false;
+    }
+    bool verify = !tls || tls->verify;
+    return curl_easy_setopt(e, CURLOPT_CONNECT_TO, t->connect_to) == CURLE_OK &&
+           curl_easy_setopt(e, CURLOPT_CAINFO, tls && tls->ca ? tls->ca : c->default_ca) == CURLE_OK &&
+           curl_easy_setopt(e, CURLOPT_CAPATH, tls && tls->ca ? NULL : c->default_capath) == CURLE_OK &&
+           curl_easy_setopt(e, CURLOPT_SSLCERT, tls ? tls->cert : NULL) == CURLE_OK &&
+           curl_easy_setopt(e, CURLOPT_SSLKEY, tls ? tls->key : NULL) == CURLE_OK &&
+           curl_easy_setopt(e, CURLOPT_SSL_VERIFYPEER, verify ? 1L : 0L) == CURLE_OK &&
+           curl_easy_setopt(e, CURLOPT_SSL_VERIFYHOST, verify ? 2L : 0L) == CURLE_OK &&
+           curl_easy_setopt(e, CURLOPT_SSLVERSION, (long)CURL_SSLVERSION_TLSv1_2) == CURLE_OK;
 }
 
 /* Drains finished transfers and runs their callbacks. Returns true when the client was destroyed meanwhile. */
@@ -682,6 +723,10 @@ static struct up_transfer *up_curl_send(void *state, const struct up_request *re
     }
     UP_SET(e, CURLOPT_URL, NULL); /* no URL string of an earlier request is used again: the handle below is */
     UP_SET(e, CURLOPT_CURLU, t->cu);
+    if (!up_set_tls(c, t, req->origin)) {
+        what = "tls";
+        goto fail;
+    }
     UP_SET(e, CURLOPT_CONNECTTIMEOUT_MS, (long)req->connect_timeout_ms);
     UP_SET(e, CURLOPT_TIMEOUT_MS, (long)req->timeout_ms);
     /* whole seconds for libcurl, at least one; it has no use for a server's Keep-Alive: timeout= */
@@ -749,6 +794,8 @@ static void up_curl_destroy(void *state)
             up_sock_free(c, c->socks[fd]);
     free(c->socks);
     event_free(c->timer);
+    free(c->default_ca);
+    free(c->default_capath);
     free(c);
 }
 

@@ -28,11 +28,20 @@ enum up_result {
 
 /* Where a request goes: taken from the configuration (parsed once there), never from a request. The strings are
  * borrowed for the duration of up_send only. */
+/* An https origin's TLS settings (strings borrowed for the send call: libcurl copies them). */
+struct up_tls {
+    const char *ca;          /* CA bundle; NULL: libcurl's default */
+    const char *cert, *key;  /* client certificate and key (PEM); NULL: none */
+    bool verify;             /* verify the peer's chain and name */
+    const char *server_name; /* the name for SNI, verification (and the URL); the connection still goes to host */
+};
+
 struct up_origin {
-    bool https;       /* false: http */
-    const char *host; /* a host name, or an IP literal without brackets ("127.0.0.1", "::1") */
-    uint16_t port;    /* 1..65535 */
-    bool ip_literal;  /* host is an IPv4 or IPv6 literal */
+    const struct up_tls *tls; /* https only; NULL: libcurl's defaults (system CAs, verification on) */
+    bool https;               /* false: http */
+    const char *host;         /* a host name, or an IP literal without brackets ("127.0.0.1", "::1") */
+    uint16_t port;            /* 1..65535 */
+    bool ip_literal;          /* host is an IPv4 or IPv6 literal */
 };
 
 struct up_request {

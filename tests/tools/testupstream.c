@@ -25,7 +25,10 @@
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
+#include <event2/bufferevent_ssl.h>
 #include <event2/util.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
 
 #include "tests/tools/body_pattern.h"
 
@@ -907,7 +910,48 @@ static void tu_on_signal(evutil_socket_t sig, short what, void *arg)
 
 static void tu_usage(FILE *f)
 {
-    fprintf(f, "usage: testupstream [--host 127.0.0.1] [--port N] [--port-file F] [--delay-ms N] [--quiet]\n");
+    fprintf(f, "usage: testupstream [--host 127.0.0.1] [--port N] [--port-file F] [--delay-ms N] [--quiet]\n"
+               "       [--tls-cert F --tls-key F --tls-port-file F [--tls-client-ca F]]\n");
+}
+
+/* ---- TLS mode: a second listener (its port in --tls-port-file) serving the same handler over TLS (OpenSSL);
+ * with --tls-client-ca it requires a client certificate from that CA. Each handshake's SNI is logged
+ * (event=tls_sni name=...). The plain listener stays for the tests' /_test/ calls. */
+
+static int tu_sni_cb(SSL *ssl, int *al, void *arg)
+{
+    (void)al;
+    (void)arg;
+    const char *name = SSL_get_servername(ssl, TLSEXT_NAMETYPE_host_name);
+    tu_log("tls_sni", "name=%s", name ? name : "-");
+    return SSL_TLSEXT_ERR_OK;
+}
+
+static struct bufferevent *tu_tls_bev(struct event_base *base, void *arg)
+{
+    SSL *ssl = SSL_new(arg);
+    return ssl ? bufferevent_openssl_socket_new(base, -1, ssl, BUFFEREVENT_SSL_ACCEPTING, BEV_OPT_CLOSE_ON_FREE) : NULL;
+}
+
+static SSL_CTX *tu_tls_ctx(const char *cert, const char *key, const char *client_ca)
+{
+    SSL_CTX *ctx = SSL_CTX_new(TLS_server_method());
+    if (!ctx || SSL_CTX_use_certificate_chain_file(ctx, cert) != 1 ||
+        SSL_CTX_use_PrivateKey_file(ctx, key, SSL_FILETYPE_PEM) != 1) {
+        ERR_print_errors_fp(stderr);
+        SSL_CTX_free(ctx);
+        return NULL;
+    }
+    SSL_CTX_set_tlsext_servername_callback(ctx, tu_sni_cb);
+    if (client_ca) {
+        if (SSL_CTX_load_verify_locations(ctx, client_ca, NULL) != 1) {
+            ERR_print_errors_fp(stderr);
+            SSL_CTX_free(ctx);
+            return NULL;
+        }
+        SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, NULL);
+    }
+    return ctx;
 }
 
 int main(int argc, char **argv)
@@ -915,6 +959,9 @@ int main(int argc, char **argv)
     const char *host = "127.0.0.1";
     const char *port_file = NULL;
     uint64_t port = 0;
+    const char *tls_cert = NULL, *tls_key = NULL, *tls_port_file = NULL, *tls_client_ca = NULL;
+    SSL_CTX *tls_ctx = NULL;
+    struct evhttp *tls_http = NULL;
     struct tu_server *s = tu_xcalloc(1, sizeof *s);
     int rc = 1;
     struct event *sigterm = NULL, *sigint = NULL;
@@ -936,6 +983,18 @@ int main(int argc, char **argv)
             i++;
         } else if (v != NULL && strcmp(a, "--port-file") == 0) {
             port_file = v;
+            i++;
+        } else if (v != NULL && strcmp(a, "--tls-cert") == 0) {
+            tls_cert = v;
+            i++;
+        } else if (v != NULL && strcmp(a, "--tls-key") == 0) {
+            tls_key = v;
+            i++;
+        } else if (v != NULL && strcmp(a, "--tls-port-file") == 0) {
+            tls_port_file = v;
+            i++;
+        } else if (v != NULL && strcmp(a, "--tls-client-ca") == 0) {
+            tls_client_ca = v;
             i++;
         } else if (v != NULL && strcmp(a, "--delay-ms") == 0 &&
                    tu_parse_u64(v, TU_MAX_DELAY_MS, &s->default_delay_ms)) {
@@ -972,6 +1031,21 @@ int main(int argc, char **argv)
         close(lfd);
         goto fail;
     }
+    if (tls_cert && tls_key && tls_port_file) {
+        uint16_t tls_bound = 0;
+        evutil_socket_t tfd = -1;
+        if (!(tls_ctx = tu_tls_ctx(tls_cert, tls_key, tls_client_ca)) || !(tls_http = evhttp_new(s->base)) ||
+            (tfd = tu_listen(host, 0, &tls_bound)) < 0 || evhttp_accept_socket(tls_http, tfd) != 0)
+            goto fail;
+        evhttp_set_allowed_methods(tls_http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD | EVHTTP_REQ_PUT |
+                                                 EVHTTP_REQ_DELETE | EVHTTP_REQ_PATCH);
+        evhttp_set_max_body_size(tls_http, TU_MAX_REQ_BODY);
+        evhttp_set_timeout(tls_http, TU_IDLE_TIMEOUT_S);
+        evhttp_set_gencb(tls_http, tu_on_request, s);
+        evhttp_set_bevcb(tls_http, tu_tls_bev, tls_ctx);
+        if (!tu_write_port_file(tls_port_file, tls_bound))
+            goto fail;
+    }
     sigterm = evsignal_new(s->base, SIGTERM, tu_on_signal, s->base);
     sigint = evsignal_new(s->base, SIGINT, tu_on_signal, s->base);
     if (sigterm == NULL || sigint == NULL || evsignal_add(sigterm, NULL) != 0 || evsignal_add(sigint, NULL) != 0)
@@ -1003,6 +1077,9 @@ fail:
     }
     if (s->http != NULL)
         evhttp_free(s->http);
+    if (tls_http != NULL)
+        evhttp_free(tls_http);
+    SSL_CTX_free(tls_ctx);
     if (sigterm != NULL)
         event_free(sigterm);
     if (sigint != NULL)

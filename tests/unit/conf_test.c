@@ -1574,6 +1574,9 @@ static const struct ex_ctx {
                "upstreams:\n  - name: api\n    url: http://127.0.0.1:9000\n"},
     {"upstreams[].", "store:\n  postgres: postgres://u@127.0.0.1/db\nupstreams:\n"
                      "  - %s\n    @name name: api\n    @url url: http://127.0.0.1:9000\n"},
+    {"upstreams[].tls.", "store:\n  postgres: postgres://u@127.0.0.1/db\nupstreams:\n  - name: api\n"
+                         "    url: https://127.0.0.1:9000\n    tls:\n      @cert cert: /c.pem\n      @key key: /k.pem\n"
+                         "      %s\n"},
     {"routes[].", BASE "routes:\n  - %s\n    @name name: r\n    match: {path: /x}\n    @upstream upstream: api\n"},
     {"routes[].match.", BASE "routes:\n  - name: r\n    upstream: api\n    match:\n      @path path: /x\n      %s\n"},
     {"routes[].idempotency.", BASE "routes:\n  - name: r\n    match: {path: /x}\n    upstream: api\n"
