@@ -531,21 +531,45 @@ static const char *level_name(enum cm_level l)
     }
 }
 
+static _Atomic int log_format = CM_LOG_LOGFMT;
+
+void cm_log_set_format(enum cm_log_format f)
+{
+    atomic_store(&log_format, (int)f);
+}
+
+enum cm_log_format cm_log_get_format(void)
+{
+    return (enum cm_log_format)atomic_load_explicit(&log_format, memory_order_relaxed);
+}
+
+size_t cm_log_head(char *out, size_t n, enum cm_level lvl, const char *event)
+{
+    /* the date and time to the second change once a second: kept per thread (the access log writes a line per
+     * request) */
+    static _Thread_local time_t last_sec = -1;
+    static _Thread_local char last[64];
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    if (ts.tv_sec != last_sec) {
+        struct tm tm;
+        gmtime_r(&ts.tv_sec, &tm);
+        snprintf(last, sizeof last, "%04d-%02d-%02dT%02d:%02d:%02d", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                 tm.tm_hour, tm.tm_min, tm.tm_sec);
+        last_sec = ts.tv_sec;
+    }
+    int w = snprintf(out, n, "ts=%s.%03ldZ level=%s event=%s", last, ts.tv_nsec / 1000000, level_name(lvl), event);
+    if (w < 0)
+        return 0;
+    return (size_t)w < n ? (size_t)w : n - 1;
+}
+
 void cm_logv(enum cm_level lvl, const char *event, const char *fmt, va_list ap)
 {
     if ((int)lvl < atomic_load(&log_min))
         return;
     char line[2048];
-    struct timespec ts;
-    struct tm tm;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    gmtime_r(&ts.tv_sec, &tm);
-    int n = snprintf(line, sizeof line, "ts=%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ level=%s event=%s", tm.tm_year + 1900,
-                     tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000, level_name(lvl),
-                     event);
-    if (n < 0)
-        return;
-    size_t len = (size_t)n < sizeof line ? (size_t)n : sizeof line - 1;
+    size_t len = cm_log_head(line, sizeof line, lvl, event);
     if (fmt && *fmt && len < sizeof line - 2) {
         line[len++] = ' ';
         int m = vsnprintf(line + len, sizeof line - len, fmt, ap);
@@ -558,9 +582,17 @@ void cm_logv(enum cm_level lvl, const char *event, const char *fmt, va_list ap)
             line[i] = ' ';
     if (len > sizeof line - 2)
         len = sizeof line - 2;
-    line[len++] = '\n';
+    char js[4096];
+    const char *out = line;
+    if (cm_log_get_format() == CM_LOG_JSON && (len = cm_logfmt_to_json(line, len, js, sizeof js)) > 0) {
+        out = js;
+    } else {
+        if (cm_log_get_format() == CM_LOG_JSON) /* cannot happen: twice the line's size is room enough */
+            len = strlen(line);
+        line[len++] = '\n';
+    }
     /* A single write keeps lines from different threads whole. */
-    ssize_t w = write(STDERR_FILENO, line, len);
+    ssize_t w = write(STDERR_FILENO, out, len);
     (void)w;
 }
 
@@ -570,6 +602,136 @@ void cm_log(enum cm_level lvl, const char *event, const char *fmt, ...)
     va_start(ap, fmt);
     cm_logv(lvl, event, fmt, ap);
     va_end(ap);
+}
+
+/* ---- logfmt to JSON (log_format: json) */
+
+struct jout {
+    char *p;
+    size_t n, cap;
+    bool ok;
+};
+
+static void put(struct jout *o, const char *p, size_t n)
+{
+    if (!o->ok || n > o->cap - o->n) {
+        o->ok = false;
+        return;
+    }
+    memcpy(o->p + o->n, p, n);
+    o->n += n;
+}
+
+static void put_json_char(struct jout *o, unsigned char c)
+{
+    static const char hex[] = "0123456789abcdef";
+    char e[6] = {'\\', 'u', '0', '0', hex[c >> 4], hex[c & 15]};
+    if (c == '"' || c == '\\') {
+        char b[2] = {'\\', (char)c};
+        put(o, b, 2);
+    } else if (c == '\n') {
+        put(o, "\\n", 2);
+    } else if (c < 0x20 || c == 0x7f) {
+        put(o, e, 6);
+    } else {
+        put(o, (const char *)&c, 1);
+    }
+}
+
+static int hexval(char c)
+{
+    return c >= '0' && c <= '9'   ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
+}
+
+static bool is_number(const char *v, size_t n)
+{
+    size_t i = 0, digits = 0, dots = 0;
+    if (n > 0 && v[0] == '-')
+        i++;
+    for (; i < n; i++) {
+        if (v[i] == '.')
+            dots++;
+        else if (v[i] >= '0' && v[i] <= '9')
+            digits++;
+        else
+            return false;
+    }
+    /* no leading zero (JSON refuses 007) unless it is the only digit before a dot, no dot at an end */
+    size_t s0 = (n > 0 && v[0] == '-') ? 1 : 0;
+    if (digits == 0 || dots > 1 || v[n - 1] == '.' || v[s0] == '.' || digits > 17)
+        return false;
+    return !(v[s0] == '0' && n > s0 + 1 && v[s0 + 1] != '.');
+}
+
+size_t cm_logfmt_to_json(const char *in, size_t n, char *out, size_t cap)
+{
+    struct jout o = {out, 0, cap > 2 ? cap - 2 : 0, cap > 2}; /* room for "\n" and the terminator */
+    put(&o, "{", 1);
+    size_t i = 0;
+    bool first = true;
+    while (i < n && o.ok) {
+        while (i < n && in[i] == ' ')
+            i++;
+        if (i >= n)
+            break;
+        size_t k = i;
+        while (i < n && in[i] != '=' && in[i] != ' ')
+            i++;
+        if (!first)
+            put(&o, ",", 1);
+        first = false;
+        put(&o, "\"", 1);
+        for (size_t j = k; j < i; j++)
+            put_json_char(&o, (unsigned char)in[j]);
+        put(&o, "\":", 2);
+        if (i >= n || in[i] != '=') { /* a key without a value */
+            put(&o, "true", 4);
+            continue;
+        }
+        i++;
+        if (i < n && in[i] == '"') { /* quoted, as cm_log_quote writes: \" \\ \n \xNN */
+            i++;
+            put(&o, "\"", 1);
+            while (i < n && in[i] != '"') {
+                unsigned char c = (unsigned char)in[i++];
+                if (c == '\\' && i < n) {
+                    char e = in[i++];
+                    if (e == 'n')
+                        c = '\n';
+                    else if (e == 'x' && i + 1 < n && hexval(in[i]) >= 0 && hexval(in[i + 1]) >= 0) {
+                        c = (unsigned char)(hexval(in[i]) * 16 + hexval(in[i + 1]));
+                        i += 2;
+                    } else
+                        c = (unsigned char)e;
+                }
+                put_json_char(&o, c);
+            }
+            i += i < n; /* the closing quote */
+            put(&o, "\"", 1);
+            continue;
+        }
+        size_t v = i;
+        while (i < n && in[i] != ' ')
+            i++;
+        if (is_number(in + v, i - v) || (i - v == 4 && memcmp(in + v, "true", 4) == 0) ||
+            (i - v == 5 && memcmp(in + v, "false", 5) == 0)) {
+            put(&o, in + v, i - v);
+        } else {
+            put(&o, "\"", 1);
+            for (size_t j = v; j < i; j++)
+                put_json_char(&o, (unsigned char)in[j]);
+            put(&o, "\"", 1);
+        }
+    }
+    put(&o, "}", 1);
+    if (!o.ok)
+        return 0;
+    out[o.n++] = '\n';
+    out[o.n] = '\0';
+    return o.n;
 }
 
 const char *cm_log_quote(char *out, size_t n, const char *s)

@@ -115,6 +115,17 @@ void cm_logv(enum cm_level lvl, const char *event, const char *fmt, va_list ap);
 /* Writes s as a quoted log value ("..." with \" \\ \n escaped, control bytes
  * as \xNN) into out (size n, always terminated, truncated to fit). */
 const char *cm_log_quote(char *out, size_t n, const char *s);
+/* The format of every log line (log_format): logfmt (the default) or one JSON object a line. */
+enum cm_log_format { CM_LOG_LOGFMT, CM_LOG_JSON };
+void cm_log_set_format(enum cm_log_format f);
+enum cm_log_format cm_log_get_format(void);
+/* Writes a line's head "ts=... level=LVL event=EVENT" into out (size n, terminated); returns its length. */
+size_t cm_log_head(char *out, size_t n, enum cm_level lvl, const char *event);
+/* Rewrites one logfmt line in[0..n) (key=value pairs, values bare or quoted as cm_log_quote writes them, without
+ * the '\n') as one JSON object into out (size cap, terminated, ending in '\n'); bare values of digits (an optional
+ * '-' and at most one '.') become numbers, true/false booleans, the rest strings. Returns the length written, 0
+ * when it does not fit. */
+size_t cm_logfmt_to_json(const char *in, size_t n, char *out, size_t cap);
 /* Copies a URL with any password replaced by "***" into out. */
 const char *cm_redact_url(char *out, size_t n, const char *url);
 

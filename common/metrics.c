@@ -1,6 +1,8 @@
 /* metrics.c - the process-wide Prometheus registry: relaxed C11 atomics, rendered as text format 0.0.4. Never a lock,
  * never another room. */
 #include "common/metrics.h"
+
+#include "common/alog.h"
 #include "common/version.h"
 
 #include <dirent.h>
@@ -851,6 +853,10 @@ bool cm_metrics_render(struct cm_buf *out)
         return false;
     if (!put_gauge(out, "idemgate_buffers_bytes", "Bytes of request bodies and answers held (limits.buffers).",
                    (long long)cm_buffers_used()))
+        return false;
+    if (!put_family(out, "idemgate_log_dropped_total", "counter",
+                    "Access log lines dropped: the writer could not keep up, or the file could not be written.") ||
+        !cm_buf_appendf(out, "idemgate_log_dropped_total %llu\n", (unsigned long long)cm_alog_dropped()))
         return false;
     return put_process_family(out) && put_family(out, "idemgate_build_info", "gauge", "Build information.") &&
            put_labelled(out, "idemgate_build_info", "version", IDEMGATE_VERSION, 1);

@@ -44,6 +44,7 @@ void conf_destroy(struct conf *c)
     free(c->routes);
     free(c->admin_token);
     free(c->request_id_header);
+    free(c->access_log);
     free(c->jwt.keys_file);
     free(c->jwt.secret_env);
     free(c->jwt.issuer);
@@ -51,6 +52,23 @@ void conf_destroy(struct conf *c)
     free(c->tracing_otlp);
     free(c);
 }
+
+/* access_log: stderr | off | a file path (SPEC 11) */
+static bool fn_access_log(struct ctx *x, yaml_node_t *n, void *target)
+{
+    char **out = target;
+    const char *v = scalar(x, n, "stderr, off or a file path");
+    if (v == NULL)
+        return false;
+    if (v[0] == '\0')
+        return fail(x, n, "must be stderr, off or a file path");
+    free(*out);
+    *out = cm_strdup(v);
+    return true;
+}
+
+static const char *const log_formats[] = {"logfmt", "json", NULL};
+_Static_assert(sizeof(enum conf_log_format) == sizeof(int), "enum stored through int");
 
 static const struct field top_fields[] = {
     FIELD_FN("listen", struct conf, listen, fn_listen, false, .what = "host:port or mapping", .def = "127.0.0.1:8080",
@@ -129,6 +147,18 @@ static const struct field top_fields[] = {
     FIELD_BASE("tracing", fn_tracing, false, .what = "mapping", SUB(tracing_fields, 0), .restart = true,
                .doc = "OpenTelemetry traces: spans `request`, `claim`, `upstream` and `complete` exported over "
                       "OTLP/HTTP (see operations.md). Absent: no tracing."),
+    FIELD_FN("access_log", struct conf, access_log, fn_access_log, false, .what = "stderr, off or a path",
+             .def = "stderr", .show = show_str, .restart = true, .allowed = "`stderr`, `off` or a file path",
+             .doc = "One line per request (`event=access`), written when its answer was sent or its client went "
+                    "away (operations.md lists its fields). A file is opened for appending and reopened on "
+                    "SIGUSR1 (after logrotate moved it). Lines are buffered and written by a thread of their own: "
+                    "a full disk or a slow file never holds a request up; lines that cannot be written are dropped "
+                    "and counted in `idemgate_log_dropped_total`.",
+             .example = "/var/log/idemgate/access.log"),
+    FIELD_ENUM("log_format", struct conf, log_format, log_formats, .def = "logfmt", .restart = true,
+               .doc = "The format of every log line, access or not: `logfmt` (`key=value` pairs) or `json` (one "
+                      "object a line, with the same names).",
+               .example = "json"),
     FIELD_FN("request_id_header", struct conf, request_id_header, fn_key_header, false, .what = "header name",
              .def = "X-Request-Id", .show = show_str, .allowed = "an HTTP token",
              .doc = "Where a request's id travels: kept from a peer in `trusted_proxies` when it is 1 to 128 visible "
@@ -287,6 +317,7 @@ static void conf_defaults(struct conf *c)
     c->limits_buffers = 512 * MIB;
     c->tracing_sample = 0.05;
     c->request_id_header = cm_strdup("X-Request-Id");
+    c->access_log = cm_strdup("stderr");
 }
 
 static char *syntax_error(const char *name, const yaml_parser_t *p, const char *yaml, size_t len)

@@ -40,6 +40,8 @@ size_t conf_restart_keys(const struct conf *old, const struct conf *neu, const c
         {"max_header_bytes", old->max_header_bytes == neu->max_header_bytes},
         {"max_response_header_bytes", old->max_response_header_bytes == neu->max_response_header_bytes},
         {"tracing", str_eq(old->tracing_otlp, neu->tracing_otlp) && old->tracing_sample == neu->tracing_sample},
+        {"access_log", str_eq(old->access_log, neu->access_log)},
+        {"log_format", old->log_format == neu->log_format},
     };
     size_t n = 0;
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {

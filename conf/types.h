@@ -230,6 +230,8 @@ struct conf_jwt {
     size_t secret_env_line;
 };
 
+enum conf_log_format { CONF_LOG_LOGFMT, CONF_LOG_JSON };
+
 struct conf {
     char *file;                    /* path the config was read from */
     struct conf_addr listen;       /* default 127.0.0.1:8080 */
@@ -271,9 +273,11 @@ struct conf {
     uint64_t limits_buffers;
     uint64_t replay_cache_max_bytes;
     uint32_t replay_cache_max_entries;
-    char *tracing_otlp;      /* tracing.otlp: the collector's URL; NULL: no tracing */
-    double tracing_sample;   /* tracing.sample, 0..1, default 0.05 */
-    char *request_id_header; /* SPEC 11: default X-Request-Id */
+    char *tracing_otlp;              /* tracing.otlp: the collector's URL; NULL: no tracing */
+    double tracing_sample;           /* tracing.sample, 0..1, default 0.05 */
+    char *request_id_header;         /* SPEC 11: default X-Request-Id */
+    char *access_log;                /* SPEC 11: "stderr" (default), "off" or a file path */
+    enum conf_log_format log_format; /* logfmt (default) or json: every log line */
 };
 
 #endif

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "common/uri.h"
+#include "gateway/access.h"
 #include "gateway/answer.h"
 #include "gateway/hints.h"
 #include "gateway/conntrack.h"
@@ -98,6 +99,7 @@ struct req {
 };
 
 static struct gw_conn *track_of(struct MHD_Connection *c);
+static const char *client_ip(struct MHD_Connection *c, char *buf, size_t n);
 
 void gw_mhd_log(void *cls, const char *fmt, va_list ap)
 {
@@ -119,6 +121,8 @@ static void *uri_log(void *cls, const char *uri, struct MHD_Connection *c)
     r->job.conf = r->cref->conf;
     r->job.route_index = CM_ROUTE_NONE;
     cm_request_id_new(r->job.request_id); /* SPEC 11; a trusted proxy's replaces it once the headers are in */
+    gw_access_start(&r->job);
+    client_ip(c, r->job.client, sizeof r->job.client);
     /* Validated and normalised once, here: what is routed, fingerprinted and forwarded is this form. */
     struct cm_target t;
     r->target = uri;
@@ -187,6 +191,8 @@ static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum 
     /* Resumed, but the client had gone: the answer was never queued. */
     if (r && r->stage == STAGE_SUBMITTED)
         atomic_fetch_sub(&r->shard->f->suspended, 1);
+    if (r && r->job.method) /* SPEC 11: one line per request, once its answer was sent or its client went away */
+        gw_access_log(&r->job, toe != MHD_REQUEST_TERMINATED_COMPLETED_OK);
     req_free(r);
 }
 
@@ -417,6 +423,7 @@ static enum MHD_Result queue_answer(struct req *r, struct MHD_Connection *c)
         return MHD_NO;
     }
     gw_answer_headers(resp, &job->resp_hdrs, job->replayed, job->conf->request_id_header, job->request_id);
+    job->bytes_out = body ? len : 0;
     if (atomic_load(&r->shard->f->shutting_down) || job->status == 431 || job->status == 413 || job->status == 400)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
     answer_deadline(c);
@@ -432,7 +439,7 @@ static enum MHD_Result reject(struct req *r, struct MHD_Connection *c, int statu
                               const char *detail, enum cm_outcome outcome)
 {
     gw_job_problem(&r->job, status, name, title, detail);
-    cm_metric_request(r->job.route_index, outcome);
+    gw_job_count(&r->job, outcome);
     gw_trace_outcome(&r->job, outcome);
     return queue_answer(r, c);
 }
@@ -462,7 +469,7 @@ static enum MHD_Result shed_buffers(struct req *r, struct MHD_Connection *c)
     gw_job_problem(&r->job, 503, "overloaded", "Overloaded",
                    "the gateway holds as many request bodies and answers as limits.buffers allows; retry later");
     gw_job_retry_after(&r->job, 1000);
-    cm_metric_request(r->job.route_index, CM_OUT_ERROR);
+    gw_job_count(&r->job, CM_OUT_ERROR);
     gw_trace_outcome(&r->job, CM_OUT_ERROR);
     return queue_answer(r, c);
 }
@@ -898,7 +905,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         } else if (why) {
             gw_job_problem(job, 401, "invalid-credentials", "Invalid credentials", why);
             cm_hdrs_add(&job->resp_hdrs, "WWW-Authenticate", "Bearer error=\"invalid_token\"");
-            cm_metric_request(job->route_index, CM_OUT_UNAUTHORIZED);
+            gw_job_count(job, CM_OUT_UNAUTHORIZED);
             gw_trace_outcome(job, CM_OUT_UNAUTHORIZED);
             return queue_answer(r, c);
         }
@@ -1183,9 +1190,10 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
                        "outside the tolerance");
         cm_hdrs_add(&job->resp_hdrs, "WWW-Authenticate",
                     gw_verify_challenge(r->cref->verify[job->route - job->conf->routes]));
-        cm_metric_request(job->route_index, CM_OUT_UNAUTHORIZED);
+        gw_job_count(job, CM_OUT_UNAUTHORIZED);
         return queue_answer(r, c);
     }
+    job->bytes_in = job->body.len;
     struct gw_reqparts *parts = parts_of(r); /* the body is in */
     if (job->route && job->route->reads_body && (r->key_in_body || job->idempotent || job->ordered)) {
         enum MHD_Result res;

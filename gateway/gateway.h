@@ -63,6 +63,15 @@ struct gw_job {
      * the id of the request that executed the record ("" when not known) */
     char request_id[CM_REQUEST_ID_MAX + 1];
     char orig_request_id[CM_REQUEST_ID_MAX + 1];
+    /* SPEC 11: what its access line says (gateway/access.h), filled in as the request goes */
+    uint64_t start_ns;       /* the request line came in (monotonic) */
+    enum cm_outcome outcome; /* as counted (gw_job_count) */
+    uint64_t token;          /* the fencing token it was forwarded under; 0: none */
+    int upstream_status;     /* the upstream's answer status; 0: none */
+    double upstream_ms;      /* how long the upstream took; < 0: nothing was sent */
+    uint64_t bytes_in;       /* request body bytes */
+    uint64_t bytes_out;      /* answer body bytes */
+    char client[48];         /* the client's address (after trusted_proxies) */
 
     /* front bookkeeping */
     void *conn; /* struct MHD_Connection * */

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/alog.h"
 #include "common/metrics.h"
 #include "common/version.h"
 #include "conf/conf.h"
@@ -279,10 +280,15 @@ static int run(const char *file, struct gw_conf *gc, const struct accept_list *a
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGHUP);
+    sigaddset(&set, SIGUSR1);
     int sig = 0;
     for (;;) {
         if (sigwait(&set, &sig) != 0)
             continue;
+        if (sig == SIGUSR1) { /* logrotate moved the access log: a new file at the path */
+            cm_alog_reopen();
+            continue;
+        }
         if (sig != SIGHUP)
             break;
         struct gw_conf *neu = gw_reload(file, cur, swap_loops, loops);
@@ -405,6 +411,7 @@ int main(int argc, char **argv)
         return 1;
     }
     const struct conf *conf = gc->conf;
+    cm_log_set_format(conf->log_format == CONF_LOG_JSON ? CM_LOG_JSON : CM_LOG_LOGFMT); /* every line from here */
     /* SPEC 9: an idempotent route without a scope shares one key space between all its clients. */
     gw_warn_unscoped(conf);
     if (check) {
@@ -421,9 +428,18 @@ int main(int argc, char **argv)
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGHUP);
+    sigaddset(&set, SIGUSR1);
     pthread_sigmask(SIG_BLOCK, &set, NULL); /* every thread inherits this; main takes them with sigwait */
+    /* SPEC 11: the access log's writer thread starts with the signals blocked too */
+    if (!cm_alog_open(conf->access_log, &err)) {
+        cm_log(CM_ERROR, "start_failed", "error=%s", err ? err : "?");
+        free(err);
+        gw_conf_unref(gc);
+        return 1;
+    }
     gw_conf_label(gc);
     int rc = run(file, gc, &accept);
+    cm_alog_close();
     gw_conf_unref(gc);
     return rc;
 }

@@ -3,6 +3,7 @@
  * A job's state lives in struct gw_pipe, private to this file; its life cycle is one explicit state
  * (set_state checks every transition), and what an upstream result means is one table (gw_outcome_for). It works with
  * the job's context (job->ctx) and never calls the front or the loop: the answer goes back through job->done_cb. */
+#include "gateway/access.h"
 #include "gateway/pipeline.h"
 
 #include <event2/event.h>
@@ -357,7 +358,7 @@ static void finish(struct gw_job *job, enum cm_outcome outcome)
         snprintf(v, sizeof v, "wait=%" PRIu64, job->prefer_wait_s);
         cm_hdrs_add(&job->resp_hdrs, "Preference-Applied", v);
     }
-    cm_metric_request(job->route_index, outcome);
+    gw_job_count(job, outcome);
     gw_trace_outcome(job, outcome);
     gw_ctx_job_remove(job->ctx, &p->link);
     set_state(job, GW_PIPE_DONE);
@@ -483,6 +484,10 @@ static void upstream_done(struct gw_job *job, bool idempotent, enum up_result r,
     cm_metric_upstream(job->route_index, job->upstream ? job->upstream->name : NULL, r == UP_OK ? resp->status : 0,
                        secs);
     gw_span_end(job, job->ctx->tracer, "upstream", r == UP_OK ? resp->status : 0, r != UP_OK);
+    if (r != UP_CONNECT_FAILED) /* SPEC 11's upstream_ms: it was sent */
+        job->upstream_ms = secs * 1000.0;
+    if (r == UP_OK && resp)
+        job->upstream_status = resp->status;
     settle_upstream(job, gw_outcome_for(idempotent, true, r, r == UP_OK && is_release_status(job, resp->status)), resp,
                     errmsg);
 }
@@ -628,6 +633,7 @@ static void forward_owned(struct gw_job *job, uint64_t token, uint64_t fence)
     send_bound_update(job);
     job->pipe->token = token;
     job->pipe->fence = fence;
+    job->token = token; /* its access line's */
     job->pipe->renew_timer = renew_every_third(job, renew_tick);
     if (job->ordered && job->shadow)
         shadow_guard(job); /* read, never taken: shadow forwards everything */
@@ -951,12 +957,12 @@ enum gw_cached gw_pipeline_answer_cached(struct gw_job *job, struct MHD_Connecti
         return GW_CACHED_NONE;
     case GW_CACHE_QUEUED:
         cm_metric_dedup_hit(job->route_index);
-        cm_metric_request(job->route_index, CM_OUT_REPLAYED);
+        gw_job_count(job, CM_OUT_REPLAYED);
         gw_trace_outcome(job, CM_OUT_REPLAYED);
         return GW_CACHED_QUEUED;
     default: {
         enum cm_outcome o = answer_record(job, &cached);
-        cm_metric_request(job->route_index, o);
+        gw_job_count(job, o);
         gw_trace_outcome(job, o);
         cm_resp_free(&cached.resp);
         return GW_CACHED_ANSWER;

@@ -43,7 +43,7 @@ ORDER = {
                  "upstream/types"],
     "gateway": [
         "gateway/main", "gateway/cli_keys", "gateway/reconcile", "gateway/admin", "gateway/adminkeys", "gateway/front", "gateway/loop", "gateway/pipeline", "gateway/probe",
-        "gateway/cache", "gateway/ctx", "gateway/reload", "gateway/ordering", "gateway/problem", "gateway/spans", "gateway/gateway",
+        "gateway/cache", "gateway/ctx", "gateway/reload", "gateway/ordering", "gateway/problem", "gateway/access", "gateway/spans", "gateway/gateway",
         "gateway/idem", "gateway/parts", "gateway/jwt", "gateway/json", "gateway/status", "gateway/conntrack",
         "gateway/answer", "gateway/owned", "gateway/hints", "gateway/verify", "gateway/tls",
     ],

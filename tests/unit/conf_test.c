@@ -1499,6 +1499,8 @@ static const char *const restart_keys[] = {
     "max_response_header_bytes",
     "limits.buffers",
     "tracing",
+    "access_log",
+    "log_format",
 };
 
 static void restart_flag_matches(const struct conf_key_doc *k, void *arg)
