@@ -649,8 +649,8 @@ static void forward_owned(struct gw_job *job, uint64_t token, uint64_t fence)
 static void shadow_decided(struct gw_job *job, enum cm_shadow d)
 {
     cm_metric_shadow_decision(job->route_index, d);
-    cm_log(CM_INFO, "shadow_decision", "request_id=%s decision=%s route=%s", job->request_id, cm_shadow_name(d),
-           job->route->name);
+    cm_log(CM_INFO, "shadow_decision", "decision=%s route=%s request_id=%s", cm_shadow_name(d), job->route->name,
+           job->request_id);
 }
 
 static void shadow_claimed(void *arg, struct store_claim_res *res)

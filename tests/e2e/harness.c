@@ -942,6 +942,21 @@ bool e2e_gw_log_contains(const struct e2e_gw *g, const char *needle)
     return found;
 }
 
+bool e2e_gw_log_contains_outside_access(const struct e2e_gw *g, const char *needle)
+{
+    char *log = e2e_gw_log(g);
+    bool found = false;
+    for (char *line = log; line && *line && !found;) {
+        char *nl = strchr(line, '\n');
+        if (nl)
+            *nl = '\0';
+        found = strstr(line, needle) != NULL && strstr(line, "event=access ") == NULL;
+        line = nl ? nl + 1 : NULL;
+    }
+    free(log);
+    return found;
+}
+
 size_t e2e_gw_log_count(const struct e2e_gw *g, const char *needle)
 {
     char *log = e2e_gw_log(g);

@@ -147,6 +147,8 @@ int e2e_gw_stop(struct e2e_gw *g, int grace_ms);
 char *e2e_gw_log(const struct e2e_gw *g);
 bool e2e_gw_log_contains(const struct e2e_gw *g, const char *needle);
 /* Occurrences of needle in the gateway's log. */
+/* The same, in a line that is not an access line (SPEC 11: an access line carries the key as sent). */
+bool e2e_gw_log_contains_outside_access(const struct e2e_gw *g, const char *needle);
 size_t e2e_gw_log_count(const struct e2e_gw *g, const char *needle);
 /* Polls the log until needle appears (true) or timeout_ms passes (false). */
 bool e2e_gw_log_wait(const struct e2e_gw *g, const char *needle, int timeout_ms);
