@@ -7,7 +7,9 @@
 #   bench/ab.sh A_BIN B_BIN                    8 s runs of the fast new-key load, 5 pairs
 #   bench/ab.sh --load slow_new A_BIN B_BIN    the load: new (64 conns, 0 ms upstream) | slow_new (1000 conns,
 #                                              100 ms) | pass (64 conns, GET, key off, 0 ms) | slow (1000 conns,
-#                                              GET, key off, 100 ms: the shared bench's gw_slow)
+#                                              GET, key off, 100 ms: the shared bench's gw_slow) | replay (64 conns,
+#                                              1000 keys executed once before the first run: the shared bench's
+#                                              gw_replay; each gateway's warm-up fills its replay cache)
 #   bench/ab.sh --pairs N --duration S ...     pairs of runs, seconds per run
 #   bench/ab.sh --pause S ...                  seconds between the warm-up and the measured run (default 0): with
 #                                              --load slow --pause 65, a first wave after keepalive_timeout (60 s)
@@ -34,7 +36,7 @@ WARMUP=
 while [ $# -gt 0 ]; do
     case "$1" in
     --load)
-        [ $# -ge 2 ] || usage_err "--load needs new, slow_new or pass"
+        [ $# -ge 2 ] || usage_err "--load needs new, slow_new, pass, slow or replay"
         LOAD=$2
         shift
         ;;
@@ -60,7 +62,7 @@ while [ $# -gt 0 ]; do
         ;;
     --keep) KEEP=1 ;;
     -h | --help)
-        sed -n '6,15p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '6,17p' "$0" | sed 's/^# \{0,1\}//'
         exit 0
         ;;
     -*) usage_err "unknown option $1" ;;
@@ -71,7 +73,7 @@ done
 [ $# = 2 ] || usage_err "two binaries, A and B"
 BINS=("$(realpath "$1")" "$(realpath "$2")")
 for b in "${BINS[@]}"; do [ -x "$b" ] || usage_err "$b is not an executable"; done
-case "$LOAD" in new | slow_new | pass | slow) ;; *) usage_err "--load: new, slow_new, pass or slow" ;; esac
+case "$LOAD" in new | slow_new | pass | slow | replay) ;; *) usage_err "--load: new, slow_new, pass, slow or replay" ;; esac
 case "$PAIRS$DUR$PAUSE$WARMUP" in *[!0-9]*) usage_err "--pairs, --duration, --pause and --warmup want whole numbers" ;; esac
 ((PAUSE <= 600)) || usage_err "--pause 0..600"
 ((${WARMUP:-0} <= 60)) || usage_err "--warmup 0..60"
@@ -92,7 +94,7 @@ trap 'exit 130' INT TERM HUP
 
 T=$(mktemp -d /tmp/idemgate-ab.XXXXXX)
 chmod 755 "$T"
-for s in get new_keys; do cat "$SHARED/lua/$s.lua" "$SHARED/lua/report.lua" >"$T/$s.lua"; done
+for s in get new_keys replay; do cat "$SHARED/lua/$s.lua" "$SHARED/lua/report.lua" >"$T/$s.lua"; done
 gcc -O2 -pthread -o "$T/slow_upstream" "$SHARED/slow_upstream.c" 2>"$T/slow_upstream.build.log" ||
     die "slow_upstream did not build: $(head -5 "$T/slow_upstream.build.log")"
 start_services
@@ -103,7 +105,11 @@ case "$LOAD" in
 slow_new) delay=100 conns=1000 threads=1 ;;
 pass) path=/pass/ping lua=get ;;
 slow) delay=100 conns=1000 path=/pass/ping lua=get warm=2 ;;
+replay) lua=replay ;;
 esac
+AUTH="Bearer bench-tenant-1"
+RUN_ID=ab$$-$SECONDS
+export BENCH_REPLAY_NONCE=$RUN_ID BENCH_REPLAY_KEYS=1000 BENCH_AUTH=$AUTH
 warm=${WARMUP:-$warm}
 "$T/slow_upstream" -p "$UP_PORT" -a 127.0.0.1 -d "$delay" -t 1 >"$T/upstream.log" 2>&1 </dev/null &
 PIDS+=($!)
@@ -167,6 +173,11 @@ run() {
     local name=$1 IDEMGATE=$2 out=$T/wrk.out g0 g1 p0 p1 r0 r1 c0 c1
     timeout 20 "$IDEMGATE" --check -c "$T/idemgate.yaml" >"$T/check.log" 2>&1 || die "$name rejected the config"
     start_gateway "$T/idemgate.yaml" "$T/idemgate-$name.log"
+    if [ "$LOAD" = replay ] && [ ! -e "$T/warm_keys.txt" ]; then # the keys' records, once: Postgres keeps them
+        timeout 180 python3 "$SHARED/warm_keys.py" --port "$GW_PORT" --nonce "$RUN_ID" --keys 1000 \
+            --path /v1/payments --auth "$AUTH" --deadline 150 >"$T/warm_keys.txt" 2>&1 ||
+            die "replay warm phase failed: $(tail -n 3 "$T/warm_keys.txt" | tr '\n' ' ')"
+    fi
     if ((warm > 0)); then
         BENCH_PATH=$path BENCH_NONCE=w$RANDOM$SECONDS timeout -k 5 30 wrk -t"$threads" -c"$conns" -d"${warm}s" \
             -s "$T/$lua.lua" "http://127.0.0.1:$GW_PORT$path" >/dev/null 2>&1 </dev/null || true

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -31,6 +32,7 @@ static struct {
     size_t len;  /* bytes waiting */
     int fd;
     bool is_stderr;
+    bool pieces; /* stderr is not a regular file (a pipe, a socket, a tty): writes of at most PIPE_BUF */
     char *path;
 } sink = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .fd = -1};
 
@@ -89,9 +91,10 @@ static int open_file(const char *path)
     return open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0640);
 }
 
-/* Writes p[0..n) (whole lines); what cannot be written is dropped and counted. On stderr, which may be a pipe
- * shared with the other log lines, each write is at most PIPE_BUF bytes ending at a line's end, so that no line is
- * interleaved with another writer'sink. */
+/* Writes p[0..n) (whole lines); what cannot be written is dropped and counted. On a stderr that is a pipe (or any
+ * other file than a regular one) shared with the other log lines, each write is at most PIPE_BUF bytes ending at a
+ * line's end, so that no line is interleaved with another writer's; a write to a regular file is never interleaved
+ * with another write to it, so there the batch goes whole. */
 static void write_out(int fd, bool piece_by_line, const char *p, size_t n)
 {
     while (n > 0) {
@@ -157,7 +160,7 @@ static void *writer_main(void *arg)
         sink.head = (sink.head + n) % RING_BYTES;
         sink.len -= n;
         int fd = sink.fd;
-        bool pieces = sink.is_stderr;
+        bool pieces = sink.pieces;
         if (n == 0)
             continue;
         pthread_mutex_unlock(&sink.mu);
@@ -184,6 +187,8 @@ bool cm_alog_open(const char *dest, char **err)
     sink.head = sink.len = 0;
     sink.fd = fd;
     sink.is_stderr = is_stderr;
+    struct stat st;
+    sink.pieces = is_stderr && !(fstat(fd, &st) == 0 && S_ISREG(st.st_mode));
     sink.path = is_stderr ? NULL : cm_strdup(dest);
     sink.stopping = false;
     pthread_mutex_unlock(&sink.mu);

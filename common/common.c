@@ -558,7 +558,27 @@ size_t cm_log_head(char *out, size_t n, enum cm_level lvl, const char *event)
                  tm.tm_hour, tm.tm_min, tm.tm_sec);
         last_sec = ts.tv_sec;
     }
-    int w = snprintf(out, n, "ts=%s.%03ldZ level=%s event=%s", last, ts.tv_nsec / 1000000, level_name(lvl), event);
+    /* "ts=%s.%03ldZ level=%s event=%s" without printf when it fits (it always does in the buffers callers give) */
+    const char *lv = level_name(lvl);
+    size_t ll = strlen(last), lvl_len = strlen(lv), el = strlen(event);
+    size_t need = 3 + ll + 6 + 7 + lvl_len + 7 + el;
+    if (need < n) {
+        char *o = out;
+        long ms = ts.tv_nsec / 1000000;
+        memcpy(o, "ts=", 3), o += 3;
+        memcpy(o, last, ll), o += ll;
+        *o++ = '.';
+        *o++ = (char)('0' + ms / 100);
+        *o++ = (char)('0' + ms / 10 % 10);
+        *o++ = (char)('0' + ms % 10);
+        memcpy(o, "Z level=", 8), o += 8;
+        memcpy(o, lv, lvl_len), o += lvl_len;
+        memcpy(o, " event=", 7), o += 7;
+        memcpy(o, event, el), o += el;
+        *o = '\0';
+        return (size_t)(o - out);
+    }
+    int w = snprintf(out, n, "ts=%s.%03ldZ level=%s event=%s", last, ts.tv_nsec / 1000000, lv, event);
     if (w < 0)
         return 0;
     return (size_t)w < n ? (size_t)w : n - 1;
