@@ -6,6 +6,7 @@
 #include <microhttpd.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,10 +22,16 @@
 #define BLOB_MAX ((size_t)64 * 1024 * 1024)
 /* The share (percent) of max_entries and max_bytes that replayed entries may keep against new fills. */
 #define HOT_SHARE 80
-/* What a prepared answer (below) adds to an entry, counted from the first fill: libmicrohttpd's response and its
- * copy of each header (three allocations apiece). */
+/* What a prepared answer (below) adds to an entry, counted from the first fill: its record and its copy of each
+ * header. */
 #define PREP_BYTES     256
 #define PREP_HDR_BYTES 64
+
+struct prep {
+    int status;
+    struct cm_hdrs hdrs;
+    size_t body_len; /* the blob's last body_len bytes */
+};
 
 struct entry {
     struct entry *next; /* bucket chain */
@@ -41,13 +48,14 @@ struct entry {
     size_t key_len;
     char *blob; /* cm_resp_encode of the answer, points into data */
     size_t blob_len;
-    /* The answer as a libmicrohttpd response, built at the entry's first replay and queued as it is on every
-     * connection that replays it (libmicrohttpd counts its references under a mutex): its body is the blob's
-     * tail, so once built the response owns the entry, and the last reference, the cache's or a connection's,
-     * frees it. NULL until built, or for an answer that must not be shared (prep_refused). */
-    _Atomic(struct MHD_Response *) prep;
+    /* The answer decoded once, at the entry's first replay: every connection that replays it gets a response of
+     * its own (an MHD response's headers are shared by every connection it is queued on, and each answer carries
+     * its request's id) over the blob's tail as its body, nothing copied; each such response holds a reference
+     * (refs) until libmicrohttpd is done with it, the cache holds one while the entry is in it, and the last one
+     * frees the entry. NULL until built, or for an answer that must not be shared (prep_refused). */
+    _Atomic(struct prep *) prep;
     atomic_bool prep_refused;
-    unsigned prep_status;
+    atomic_uint refs;
     char data[]; /* route NUL key NUL blob */
 };
 
@@ -108,7 +116,21 @@ struct gw_cache *gw_cache_create(uint64_t max_bytes, uint32_t max_entries)
     return c;
 }
 
-/* Write lock held: unlinks e from its bucket and slot and frees it. */
+/* Gives one reference to e back: the last one frees it (any thread; MHD calls it when done with a response). */
+static void entry_unref(void *cls)
+{
+    struct entry *e = cls;
+    if (atomic_fetch_sub(&e->refs, 1) != 1)
+        return;
+    struct prep *p = atomic_load(&e->prep);
+    if (p) {
+        cm_hdrs_free(&p->hdrs);
+        free(p);
+    }
+    free(e);
+}
+
+/* Write lock held: unlinks e from its bucket and slot and drops the cache's reference to it. */
 static void entry_remove(struct gw_cache *c, struct entry *e)
 {
     struct entry **pp = &c->buckets[e->hash & (c->nbuckets - 1)];
@@ -124,36 +146,26 @@ static void entry_remove(struct gw_cache *c, struct entry *e)
     }
     c->entries--;
     c->bytes -= e->bytes;
-    struct MHD_Response *prep = atomic_load(&e->prep);
-    if (prep)
-        MHD_destroy_response(prep); /* the cache's reference: e goes with the last one (prep_free) */
-    else
-        free(e);
-}
-
-static void prep_free(void *cls)
-{
-    free(cls);
+    entry_unref(e); /* the cache's reference */
 }
 
 /* Read lock held: the entry's prepared answer, built now if it is the first replay; NULL when the answer must
  * not be shared: it carries Connection: close (gateway/front.c adds it to 400, 413 and 431) or cannot be built. */
-static struct MHD_Response *prepared(struct gw_cache *c, struct entry *e)
+static struct prep *prepared(struct gw_cache *c, struct entry *e)
 {
-    struct MHD_Response *p = atomic_load(&e->prep);
+    struct prep *p = atomic_load(&e->prep);
     if (p || atomic_load(&e->prep_refused))
         return p;
     pthread_mutex_lock(&c->prep_mu);
     p = atomic_load(&e->prep);
     if (!p && !atomic_load(&e->prep_refused)) {
         struct cm_resp r;
-        bool ok = cm_resp_decode(e->blob, e->blob_len, &r) && r.status != 400 && r.status != 413 && r.status != 431;
-        if (ok)
-            p = MHD_create_response_from_buffer_with_free_callback_cls(
-                r.body.len, r.body.len ? e->blob + e->blob_len - r.body.len : "", prep_free, e);
-        if (p) {
-            gw_answer_headers(p, &r.hdrs, true, NULL, NULL); /* as gateway/front.c answers the same record */
-            e->prep_status = (unsigned)r.status;
+        if (cm_resp_decode(e->blob, e->blob_len, &r) && r.status != 400 && r.status != 413 && r.status != 431) {
+            p = cm_malloc(sizeof *p);
+            p->status = r.status;
+            p->hdrs = r.hdrs;
+            p->body_len = r.body.len;
+            cm_hdrs_init(&r.hdrs);
             atomic_store(&e->prep, p);
         } else {
             atomic_store(&e->prep_refused, true);
@@ -162,6 +174,33 @@ static struct MHD_Response *prepared(struct gw_cache *c, struct entry *e)
     }
     pthread_mutex_unlock(&c->prep_mu);
     return p;
+}
+
+/* Read lock held, e's prepared answer p: queues a response of its own on conn, with the job's request id (*queued_ok:
+ * MHD_queue_response's success); the answer's status, size and original request id are noted on the job (its
+ * access line). False when no response could be made (nothing queued). */
+static bool queue_prepared(struct entry *e, const struct prep *p, struct MHD_Connection *conn, struct gw_job *job,
+                           bool *queued_ok)
+{
+    atomic_fetch_add(&e->refs, 1); /* the response's, given back by entry_unref when MHD is done with it */
+    struct MHD_Response *resp = MHD_create_response_from_buffer_with_free_callback_cls(
+        p->body_len, p->body_len ? e->blob + e->blob_len - p->body_len : "", entry_unref, e);
+    if (!resp) {
+        entry_unref(e);
+        return false;
+    }
+    const char *rid_name = job->conf->request_id_header;
+    /* as gateway/front.c answers the same record */
+    gw_answer_headers(resp, &p->hdrs, true, rid_name, job->request_id);
+    *queued_ok = MHD_queue_response(conn, (unsigned)p->status, resp) == MHD_YES;
+    MHD_destroy_response(resp);
+    job->status = p->status;
+    job->replayed = true;
+    job->bytes_out = p->body_len;
+    const char *orig = cm_hdrs_get(&p->hdrs, rid_name);
+    if (orig)
+        snprintf(job->orig_request_id, sizeof job->orig_request_id, "%s", orig);
+    return true;
 }
 
 /* Write lock held. */
@@ -219,12 +258,12 @@ static struct entry *find(struct gw_cache *c, uint64_t h, const char *route, con
 enum gw_cache_verdict gw_cache_get(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key,
                                    size_t key_len, const uint8_t fp[32], uint64_t now_ms, struct cm_resp *out)
 {
-    return gw_cache_queue(c, route, scope, key, key_len, fp, now_ms, NULL, NULL, out);
+    return gw_cache_queue(c, route, scope, key, key_len, fp, now_ms, NULL, NULL, NULL, out);
 }
 
 enum gw_cache_verdict gw_cache_queue(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key,
                                      size_t key_len, const uint8_t fp[32], uint64_t now_ms, struct MHD_Connection *conn,
-                                     bool *queued_ok, struct cm_resp *out)
+                                     struct gw_job *job, bool *queued_ok, struct cm_resp *out)
 {
     if (!c)
         return GW_CACHE_MISS;
@@ -233,13 +272,11 @@ enum gw_cache_verdict gw_cache_queue(struct gw_cache *c, const char *route, cons
     pthread_rwlock_rdlock(&c->lock);
     struct entry *e = c->online ? find(c, h, route, scope, key, key_len) : NULL;
     if (e && now_ms < e->expires_ms) {
-        struct MHD_Response *p = NULL;
+        struct prep *p = NULL;
         if (memcmp(e->fp, fp, 32) != 0) {
             v = GW_CACHE_MISMATCH;
-        } else if (conn && (p = prepared(c, e)) != NULL) {
-            /* queued under the read lock: the connection holds its own reference before an eviction can drop
-             * the cache's */
-            *queued_ok = MHD_queue_response(conn, e->prep_status, p) == MHD_YES;
+        } else if (conn && job && (p = prepared(c, e)) != NULL && queue_prepared(e, p, conn, job, queued_ok)) {
+            /* under the read lock: the response holds its own reference before an eviction can drop the cache's */
             v = GW_CACHE_QUEUED;
         } else if (cm_resp_decode(e->blob, e->blob_len, out)) {
             v = GW_CACHE_REPLAY;
@@ -318,6 +355,7 @@ static bool put(struct gw_cache *c, const char *route, const uint8_t scope[32], 
     }
     struct entry *e = cm_malloc(size);
     memset(e, 0, sizeof *e);
+    atomic_init(&e->refs, 1); /* the cache's */
     e->hash = hash_of(route, key, key_len);
     e->expires_ms = expires_ms;
     e->bytes = bytes;
@@ -450,7 +488,7 @@ enum gw_cache_verdict gw_cache_claim(struct gw_job *job, struct MHD_Connection *
         return GW_CACHE_MISS;
     struct cm_resp resp;
     enum gw_cache_verdict v = gw_cache_queue(c, job->route->name, job->scope, job->key, job->key_len, job->fp,
-                                             cm_now_ms(), conn, queued_ok, &resp);
+                                             cm_now_ms(), conn, job, queued_ok, &resp);
     if (v == GW_CACHE_MISS || v == GW_CACHE_QUEUED)
         return v;
     memset(res, 0, sizeof *res);

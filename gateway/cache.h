@@ -39,15 +39,17 @@ enum gw_cache_verdict {
  * owned by the caller; otherwise *out is untouched. Counts a hit or a miss. Any thread. */
 enum gw_cache_verdict gw_cache_get(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key,
                                    size_t key_len, const uint8_t fp[32], uint64_t now_ms, struct cm_resp *out);
-/* The same look-up for a request the front can answer at once (not HEAD, not shutting down): a replay is queued
- * on conn as the entry's prepared answer (built once, shared by every connection that replays the record, with
- * Idempotent-Replayed: true; nothing copied), and *queued_ok is MHD_queue_response's success. An answer that
- * carries Connection: close (status 400, 413, 431) is not shared: GW_CACHE_REPLAY with a copy in *out, as
- * gw_cache_get (which is this look-up with conn NULL). */
+/* The same look-up for job, a request the front can answer at once (not HEAD, not shutting down): a replay is
+ * queued on conn from the entry's prepared answer (decoded once; each connection gets a response of its own over
+ * the entry's body, nothing copied, with Idempotent-Replayed: true and the job's request id), *queued_ok is
+ * MHD_queue_response's success, and the job's status, replayed, bytes_out and orig_request_id are set as a replay
+ * sets them. An answer that carries Connection: close (status 400, 413, 431) is not shared: GW_CACHE_REPLAY with a
+ * copy in *out, as gw_cache_get (which is this look-up with conn and job NULL). */
 struct MHD_Connection;
+struct gw_job;
 enum gw_cache_verdict gw_cache_queue(struct gw_cache *c, const char *route, const uint8_t scope[32], const char *key,
                                      size_t key_len, const uint8_t fp[32], uint64_t now_ms, struct MHD_Connection *conn,
-                                     bool *queued_ok, struct cm_resp *out);
+                                     struct gw_job *job, bool *queued_ok, struct cm_resp *out);
 /* Stores a copy of a committed completed record's answer, replayable until expires_ms (cm_now_ms clock; never
  * later than the record's own expiry). Refused (false, nothing stored) when the cache is off or offline, when the
  * epoch moved since epoch was taken (a purge notification, a local purge or a listener change came in between),

@@ -1220,10 +1220,9 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     gw_reqparts_free(parts); /* nothing reads the request's parts past here: the body's index goes now */
     job->loop = r->shard->loop;
     job->ctx = gw_loop_ctx(job->loop);
-    /* A replay the cache holds is answered now: no suspend, no hand-over, and no forwarding headers built. The
-     * cache's prepared answer is never shared any more: every answer carries its own request id (SPEC 11), which an
-     * MHD response shared between connections cannot. */
-    bool share = false;
+    /* A replay the cache holds is answered now: no suspend, no hand-over, and no forwarding headers built; when
+     * the answer can be shared, from the cache's prepared one (its body and headers, with this request's id). */
+    bool share = strcmp(job->method, "HEAD") != 0 && !atomic_load(&r->shard->f->shutting_down);
     bool queued = false;
     switch (gw_pipeline_answer_cached(job, share ? c : NULL, &queued)) {
     case GW_CACHED_QUEUED: {

@@ -68,6 +68,14 @@ static void wait_online(const struct e2e_gw *g)
     cr_assert(metric_wait(g, "idemgate_replay_cache_online", 1, 10000), "the cache's listener never came up");
 }
 
+/* A gateway whose pay route is keyed and scoped by Authorization, the default cache, its listener up. */
+static struct e2e_gw *scoped_online(const struct e2e_upstream *up)
+{
+    struct e2e_gw *g = gw_start(up, "key: required\nscope: [header:Authorization]\n", NULL, NULL);
+    wait_online(g);
+    return g;
+}
+
 static void post(const struct e2e_gw *g, const char *key, const char *auth, struct e2e_resp *r)
 {
     char h[256];
@@ -137,11 +145,70 @@ Test(cache, replay_from_the_cache_is_the_answer_the_store_replays)
     e2e_resp_free(&mm);
 }
 
+/* The access line of the request whose id is rid (heap), waited for (bounded), or NULL. */
+static char *access_line_of(const struct e2e_gw *g, const char *rid)
+{
+    char needle[80];
+    snprintf(needle, sizeof needle, "request_id=%s ", rid ? rid : "?");
+    for (int i = 0; i < 100; i++) {
+        char *log = e2e_gw_log(g);
+        for (char *l = log ? strtok(log, "\n") : NULL; l; l = strtok(NULL, "\n"))
+            if (strstr(l, "event=access") && strstr(l, needle)) {
+                char *out = strdup(l);
+                free(log);
+                return out;
+            }
+        free(log);
+        e2e_sleep_ms(50);
+    }
+    return NULL;
+}
+
+Test(cache, every_cached_replay_carries_its_own_request_id_and_access_line)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = scoped_online(up);
+    char key[96];
+    e2e_mkkey(key, sizeof key, "rids");
+    struct e2e_resp first, r[3];
+    post(gw, key, NULL, &first);
+    cr_assert_eq(first.status, 200, "first: %ld %s", first.status, first.error);
+    const char *rid0 = e2e_resp_header(&first, "X-Request-Id");
+    cr_assert(rid0, "the first answer has a request id");
+    double hits = metric(gw, "idemgate_replay_cache_hits_total");
+    for (int i = 0; i < 3; i++) { /* the first replay prepares the entry's answer, the next ones reuse it */
+        post(gw, key, NULL, &r[i]);
+        cr_assert(e2e_resp_is_replay(&r[i]), "replay %d: %ld", i, r[i].status);
+        cr_expect_eq(e2e_resp_header_count(&r[i], "X-Request-Id"), 1, "replay %d: one request id", i);
+        cr_expect_eq(e2e_resp_header_count(&r[i], "Idempotent-Replayed"), 1, "replay %d", i);
+        e2e_expect_same_answer(&first, &r[i], "a cached replay vs the first answer");
+    }
+    cr_expect_eq(metric(gw, "idemgate_replay_cache_hits_total"), hits + 3, "all three answered by the cache");
+    char orig[80];
+    snprintf(orig, sizeof orig, " original_request_id=%s ", rid0);
+    for (int i = 0; i < 3; i++) {
+        const char *rid = e2e_resp_header(&r[i], "X-Request-Id");
+        cr_expect(rid && strcmp(rid, rid0) != 0, "replay %d names its own request: %s", i, rid ? rid : "(none)");
+        for (int j = 0; j < i; j++)
+            cr_expect(rid && strcmp(rid, e2e_resp_header(&r[j], "X-Request-Id")) != 0, "replays %d and %d: one id", j,
+                      i);
+        char *l = access_line_of(gw, rid);
+        cr_assert(l, "replay %d has an access line", i);
+        char bytes[64];
+        snprintf(bytes, sizeof bytes, " bytes_out=%zu ", first.body_len);
+        cr_expect(strstr(l, " status=200 ") && strstr(l, " replayed=true") && strstr(l, orig) && strstr(l, bytes),
+                  "replay %d's access line: %s (want%s,%s)", i, l, orig, bytes);
+        free(l);
+    }
+    for (int i = 0; i < 3; i++)
+        e2e_resp_free(&r[i]);
+    e2e_resp_free(&first);
+}
+
 Test(cache, a_tenant_never_gets_another_tenants_entry)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
-    struct e2e_gw *gw = gw_start(up, "key: required\nscope: [header:Authorization]\n", NULL, NULL);
-    wait_online(gw);
+    struct e2e_gw *gw = scoped_online(up);
     char key[96];
     e2e_mkkey(key, sizeof key, "tenant");
     struct e2e_resp a1, b1, a2, b2;
@@ -668,8 +735,7 @@ Test(cache, a_purge_while_a_slow_client_receives_the_shared_answer_leaves_it_who
 Test(cache, a_replayed_400_still_closes_the_connection)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
-    struct e2e_gw *gw = gw_start(up, "key: required\nscope: [header:Authorization]\n", NULL, NULL);
-    wait_online(gw);
+    struct e2e_gw *gw = scoped_online(up);
     char key[96];
     e2e_mkkey(key, sizeof key, "four-hundred");
     const char *const extra[] = {"Authorization: Bearer tenant-a", "X-Test-Status: 400", NULL};
