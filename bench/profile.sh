@@ -8,6 +8,7 @@
 #   bench/profile.sh --duration S    seconds of perf per scenario (default 10)
 #   bench/profile.sh --keep          keep the temp dir (perf.data files, wrk and strace output, logs)
 #   bench/profile.sh --no-deps       do not run scripts/deps.sh --bench when perf, strace, wrk or nginx is missing
+#   bench/profile.sh --bin PATH      profile that gateway binary (e.g. an older release build) instead of building
 #
 # Scenarios: pass (GET /pass/ping, key off), replay (POST /v1/payments, 1000 keys executed once first),
 # new (POST /v1/payments, a new key per request) at wrk -t2 -c64 against nginx `return 200`; slow (GET
@@ -30,6 +31,7 @@ ALL_SCENARIOS=(pass replay new slow slow_new)
 DUR=10
 ONLY=
 deps=1
+BIN=
 while [ $# -gt 0 ]; do
     case "$1" in
     --only)
@@ -44,8 +46,14 @@ while [ $# -gt 0 ]; do
         ;;
     --keep) KEEP=1 ;;
     --no-deps) deps=0 ;;
+    --bin)
+        [ $# -ge 2 ] || usage_err "--bin needs a path"
+        BIN=$(realpath "$2")
+        [ -x "$BIN" ] || usage_err "--bin: $2 is not an executable"
+        shift
+        ;;
     -h | --help)
-        sed -n '6,10p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '6,11p' "$0" | sed 's/^# \{0,1\}//'
         exit 0
         ;;
     *) usage_err "unknown option $1" ;;
@@ -102,8 +110,12 @@ for c in "${need[@]}"; do command -v "$c" >/dev/null 2>&1 || die "$c missing"; d
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 
 # ---- release build (the one the shared bench is run with)
-IDEMGATE=$ROOT/build-release/idemgate
-build_release "$ROOT/build-release" idemgate
+if [ -n "$BIN" ]; then
+    IDEMGATE=$BIN
+else
+    IDEMGATE=$ROOT/build-release/idemgate
+    build_release "$ROOT/build-release" idemgate
+fi
 
 T=$(mktemp -d /tmp/idemgate-profile.XXXXXX)
 chmod 755 "$T"
