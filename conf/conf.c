@@ -44,6 +44,7 @@ void conf_destroy(struct conf *c)
     free(c->routes);
     free(c->admin_token);
     free(c->request_id_header);
+    free(c->trusted_proxies);
     free(c->access_log);
     free(c->jwt.keys_file);
     free(c->jwt.secret_env);
@@ -64,6 +65,37 @@ static bool fn_access_log(struct ctx *x, yaml_node_t *n, void *target)
         return fail(x, n, "must be stderr, off or a file path");
     free(*out);
     *out = cm_strdup(v);
+    return true;
+}
+
+/* trusted_proxies: a list of CIDR blocks or bare addresses (SPEC 11) */
+#define TRUSTED_PROXIES_MAX 256
+static bool fn_trusted_proxies(struct ctx *x, yaml_node_t *n, void *target)
+{
+    struct conf *c = target;
+    if (!expect_type(x, n, YAML_SEQUENCE_NODE))
+        return false;
+    size_t cnt = (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
+    if (cnt > TRUSTED_PROXIES_MAX)
+        return fail(x, n, "at most %d blocks (a larger network is one shorter prefix)", TRUSTED_PROXIES_MAX);
+    struct cm_cidr *v = cnt ? cm_calloc(cnt, sizeof *v) : NULL;
+    for (size_t i = 0; i < cnt; i++) {
+        yaml_node_t *m = yaml_document_get_node(x->doc, n->data.sequence.items.start[i]);
+        size_t old = path_push(x, "[%zu]", i);
+        const char *s = scalar(x, m, "a CIDR block (10.0.0.0/8, fd00::/8) or an address");
+        const char *why = s ? cm_cidr_parse(s, &v[i]) : NULL;
+        if (s == NULL || why != NULL) {
+            char b[80];
+            if (why)
+                fail(x, m, "'%s': %s", shown(b, s), why);
+            free(v);
+            return false;
+        }
+        path_pop(x, old);
+    }
+    free(c->trusted_proxies);
+    c->trusted_proxies = v;
+    c->trusted_proxies_n = cnt;
     return true;
 }
 
@@ -166,6 +198,16 @@ static const struct field top_fields[] = {
                     "replay's stored value is replaced), written in every problem body as `request_id` and in "
                     "every log line about the request.",
              .example = "X-Correlation-Id"),
+    FIELD_BASE("trusted_proxies", fn_trusted_proxies, false, .what = "list of CIDR blocks",
+               .allowed = "IPv4 or IPv6 blocks (`10.0.0.0/8`, `fd00::/8`) or bare addresses (one host), at most 256",
+               .doc = "The load balancers and proxies in front of the gateway. From a peer inside one of these "
+                      "blocks `X-Forwarded-Proto` (`http` or `https`), `X-Forwarded-Host` (one host[:port]) and "
+                      "the `request_id_header` value are passed on when valid, the other forwarding headers "
+                      "(`X-Forwarded-Port`, `X-Real-IP`, ...) too, and the client address logged is the rightmost "
+                      "`X-Forwarded-For` address outside these blocks. From any other peer those headers are the "
+                      "gateway's own (operations.md, Behind a load balancer). An IPv4-mapped peer "
+                      "(`::ffff:10.1.2.3`) matches the IPv4 blocks. Unset: no peer is trusted.",
+               .example = "[10.0.0.0/8, 192.168.0.0/16]"),
 };
 
 /* ---------------------------------------------------------------- the reference (idemgate --print-reference) */

@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/addr.h"
 #include "common/common.h"
 
 /* HTTP method bits for conf_route.methods. */
@@ -278,6 +279,9 @@ struct conf {
     char *request_id_header;         /* SPEC 11: default X-Request-Id */
     char *access_log;                /* SPEC 11: "stderr" (default), "off" or a file path */
     enum conf_log_format log_format; /* logfmt (default) or json: every log line */
+    /* SPEC 11 trusted_proxies: peers whose forwarding headers and request id are believed; none by default */
+    struct cm_cidr *trusted_proxies;
+    size_t trusted_proxies_n;
 };
 
 #endif

@@ -21,6 +21,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "common/addr.h"
 #include "common/uri.h"
 #include "gateway/access.h"
 #include "gateway/answer.h"
@@ -95,11 +96,13 @@ struct req {
     struct gw_jwt_claims *jwt; /* the verified bearer token of a jwt:CLAIM scope, NULL otherwise */
     struct gw_reqparts parts;  /* what the key, scope, fingerprint and ordering guard read (parts_of) */
     bool key_in_body;          /* key_from json: or form: (SPEC 12): the key is read in submit */
+    bool trusted_peer;         /* the peer is inside trusted_proxies (SPEC 11): its forwarding headers are believed */
     struct gw_conf *cref;      /* the configuration this request is served under (one reference) */
 };
 
 static struct gw_conn *track_of(struct MHD_Connection *c);
 static const char *client_ip(struct MHD_Connection *c, char *buf, size_t n);
+static size_t header_count(const struct cm_hdrs *h, const char *name);
 
 void gw_mhd_log(void *cls, const char *fmt, va_list ap)
 {
@@ -514,7 +517,7 @@ static void upstream_host(const char *url, char *out, size_t n)
 /* Client headers that say where or how the request came in, or what it asks for, which frameworks behind the
  * gateway read (Rack, Django, Symfony, Spring, IIS rewrite, method-override middleware): the gateway either sets
  * them itself (OWNED: the client's are replaced, their '_' spellings dropped) or passes them only from a peer in
- * trusted_proxies (PEER: from any other peer every spelling is dropped; there are no trusted peers yet). */
+ * trusted_proxies (PEER: from any other peer every spelling is dropped). */
 enum fwd_kind { FWD_OWNED, FWD_PEER };
 static const struct {
     const char *name;
@@ -589,6 +592,24 @@ static void append_to_list_header(struct cm_hdrs *fh, const struct cm_hdrs *in, 
     cm_buf_free(&b);
 }
 
+/* A trusted proxy's X-Forwarded-Proto (one field, http or https in any case): the scheme to pass on, or NULL. */
+static const char *believed_proto(const struct cm_hdrs *in)
+{
+    if (header_count(in, "X-Forwarded-Proto") != 1)
+        return NULL;
+    const char *v = cm_hdrs_get(in, "X-Forwarded-Proto");
+    return strcasecmp(v, "https") == 0 ? "https" : strcasecmp(v, "http") == 0 ? "http" : NULL;
+}
+
+/* A trusted proxy's X-Forwarded-Host (one field, one host[:port] as the Host rule of SPEC 7), or NULL. */
+static const char *believed_host(const struct cm_hdrs *in)
+{
+    if (header_count(in, "X-Forwarded-Host") != 1)
+        return NULL;
+    const char *v = cm_hdrs_get(in, "X-Forwarded-Host");
+    return cm_host_ok(v, strlen(v)) ? v : NULL;
+}
+
 /* The headers sent upstream: hop-by-hop removed, Host set to the upstream's,
  * X-Forwarded-For/-Proto/-Host and Via added, the key header per forward_key. */
 static void build_forward_headers(struct req *r, struct MHD_Connection *c)
@@ -607,12 +628,15 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     if (job->route && job->route->idem.forward_token) /* only the gateway sets the fence (pipeline.c) */
         cm_hdrs_remove(fh, job->route->idem.forward_token);
 
-    /* the client's X-Forwarded-Proto/-Host and Forwarded are never passed on: the upstream trusts these */
-    drop_forwarding_headers(fh, false); /* no peer is a trusted proxy (SPEC 11 trusted_proxies: not yet) */
+    /* the client's X-Forwarded-Proto/-Host are passed on only from a trusted proxy, and only when valid (SPEC 11);
+     * Forwarded never is (the gateway writes no element of its own into it): the upstream trusts these */
+    const char *xfp = r->trusted_peer ? believed_proto(&r->in_hdrs) : NULL;
+    const char *xfh = r->trusted_peer ? believed_host(&r->in_hdrs) : NULL;
+    drop_forwarding_headers(fh, r->trusted_peer);
     cm_hdrs_remove(fh, "X-Forwarded-Host");
     cm_hdrs_remove(fh, "X-Forwarded-Proto");
     cm_hdrs_remove(fh, "Forwarded");
-    const char *host = cm_hdrs_get(&r->in_hdrs, "Host");
+    const char *host = xfh ? xfh : cm_hdrs_get(&r->in_hdrs, "Host");
     if (host)
         cm_hdrs_add(fh, "X-Forwarded-Host", host);
     cm_hdrs_remove(fh, "Host");
@@ -621,8 +645,8 @@ static void build_forward_headers(struct req *r, struct MHD_Connection *c)
     cm_hdrs_add(fh, "Host", uh);
 
     append_to_list_header(fh, &r->in_hdrs, "X-Forwarded-For", ip);
-    cm_hdrs_add(fh, "X-Forwarded-Proto", r->shard->f->tls ? "https" : "http"); /* the whole listener is one */
-    append_to_list_header(fh, &r->in_hdrs, "Via", "1.1 idemgate");             /* RFC 9110 7.6.3 */
+    cm_hdrs_add(fh, "X-Forwarded-Proto", xfp ? xfp : r->shard->f->tls ? "https" : "http"); /* one per listener */
+    append_to_list_header(fh, &r->in_hdrs, "Via", "1.1 idemgate");                         /* RFC 9110 7.6.3 */
     char tp[UP_TRACEPARENT_LEN + 1];
     if (gw_trace_forward_value(job, tp)) { /* W3C: the upstream's parent is our upstream span */
         cm_hdrs_remove(fh, "traceparent");
@@ -843,6 +867,34 @@ static bool order_headers(struct req *r, const struct conf_route *route)
     return gw_seq_from_parts(parts_of(r), CONF_SEQ_HEADER, route->ordering.seq_name, &job->seq);
 }
 
+/* SPEC 11: from a peer inside trusted_proxies, the request id it sent (one value of 1 to 128 visible ASCII bytes)
+ * is the request's, and the client is the rightmost X-Forwarded-For address outside the list (cm_xff_walk, over
+ * every X-Forwarded-For field, last first). Any other peer changes nothing: its id was made at the request line
+ * and its client is its own address. */
+static void believe_trusted_peer(struct req *r, struct MHD_Connection *c)
+{
+    const struct conf *conf = r->job.conf;
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    struct cm_ip peer;
+    if (!ci || !cm_ip_from_sockaddr(ci->client_addr, &peer) ||
+        !cm_cidr_match(conf->trusted_proxies, conf->trusted_proxies_n, &peer))
+        return;
+    r->trusted_peer = true;
+    if (header_count(&r->in_hdrs, conf->request_id_header) == 1) {
+        const char *id = cm_hdrs_get(&r->in_hdrs, conf->request_id_header);
+        size_t n = strlen(id);
+        if (cm_request_id_ok(id, n))
+            memcpy(r->job.request_id, id, n + 1);
+    }
+    struct cm_ip client = peer;
+    for (size_t i = r->in_hdrs.n; i-- > 0;)
+        if (strcasecmp(r->in_hdrs.v[i].name, "X-Forwarded-For") == 0 &&
+            !cm_xff_walk(r->in_hdrs.v[i].value, strlen(r->in_hdrs.v[i].value), conf->trusted_proxies,
+                         conf->trusted_proxies_n, &client))
+            break;
+    cm_ip_format(&client, r->job.client, sizeof r->job.client);
+}
+
 /* First call: headers are in. Returns MHD_YES to go on reading the body, or
  * the result of queueing an early answer (r->stage == STAGE_ANSWERED). */
 static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const char *method, const char *version)
@@ -851,7 +903,9 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     struct gw_job *job = &r->job;
     job->method = cm_strdup(method);
     job->done_cb = job_finish;
-    const char *block_bad = raw_block_check(r, c, method, version);
+    const char *block_bad = raw_block_check(r, c, method, version); /* collects r->in_hdrs */
+    if (conf->trusted_proxies_n) /* SPEC 11: nothing to do (and no cost) without a trusted proxy */
+        believe_trusted_peer(r, c);
 
     /* The route first (when the target is sound), so that even the refusals below answer in its errors: format
      * (SPEC 9: every gateway problem). */

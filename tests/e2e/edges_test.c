@@ -586,7 +586,7 @@ Test(edges, forwarded_headers_are_the_gateways_own)
     free(text);
 }
 
-/* SPEC 7: from a peer not in trusted_proxies (every peer: there are none yet) the other forwarding headers, which
+/* SPEC 7: from a peer not in trusted_proxies (none are configured here) the other forwarding headers, which
  * frameworks read as the scheme, port, prefix, client address, the path or the method, are dropped, in every
  * spelling (case, '_' for '-'); they used to be forwarded as sent. */
 Test(edges, untrusted_forwarding_headers_are_dropped)

@@ -703,6 +703,17 @@ struct bad_case {
 #define ROUTE(extra) "routes:\n  - name: p\n    match: {path: /a}\n    upstream: api\n" extra
 
 static const struct bad_case bad_cases[] = {
+    /* SPEC 11 trusted_proxies: each entry a CIDR block or an address, named by its index */
+    {"trusted proxy prefix too long", BASE "trusted_proxies: [10.0.0.0/8, 10.0.0.0/33]\n",
+     "t.yaml:6: trusted_proxies[1]: '10.0.0.0/33': the prefix length of an IPv4 block is at most 32"},
+    {"trusted proxy with host bits", BASE "trusted_proxies:\n  - fd00::/8\n  - 10.0.0.1/8\n",
+     "t.yaml:8: trusted_proxies[1]: '10.0.0.1/8': the address has bits set beyond the prefix length"},
+    {"trusted proxy IPv6 prefix too long", BASE "trusted_proxies: ['fd00::/129']\n",
+     "t.yaml:6: trusted_proxies[0]: 'fd00::/129': the prefix length of an IPv6 block is at most 128"},
+    {"trusted proxy by name", BASE "trusted_proxies: [lb.internal]\n",
+     "t.yaml:6: trusted_proxies[0]: 'lb.internal': not an IPv4 or IPv6 address"},
+    {"trusted proxies not a list", BASE "trusted_proxies: 10.0.0.0/8\n",
+     "t.yaml:6: trusted_proxies: expected a list ([a, b] or '- ' items), got the scalar '10.0.0.0/8'"},
     {"unknown top-level key", BASE "listn: 1.2.3.4:80\n", "t.yaml:6: listn: unknown key (expected one of: listen,"},
     {"unknown nested key", PG "  poool: 3\n" UPS,
      "t.yaml:3: store.poool: unknown key (expected one of: postgres, pool"},
@@ -928,6 +939,29 @@ Test(conf, bad_configs)
         cr_expect(strncmp(err, "t.yaml:", 7) == 0, "[%s] message must start with file:line: %s", bc->what, err);
         free(err);
     }
+}
+
+Test(conf, trusted_proxies_parsed)
+{
+    struct conf *c = load_ok(BASE);
+    cr_expect_eq(c->trusted_proxies_n, 0, "none by default");
+    conf_destroy(c);
+    c = load_ok(BASE "trusted_proxies: [10.0.0.0/8, 192.0.2.7, '::ffff:172.16.0.0/108', 'fd00::/8', '::1']\n");
+    cr_assert_eq(c->trusted_proxies_n, 5);
+    static const struct {
+        const char *addr;
+        bool in;
+    } probes[] = {{"10.9.8.7", true},    {"192.0.2.7", true}, {"192.0.2.8", false}, {"172.31.0.1", true},
+                  {"172.32.0.1", false}, {"fd12::1", true},   {"::1", true},        {"::2", false}};
+    for (size_t i = 0; i < sizeof probes / sizeof probes[0]; i++) {
+        struct cm_ip ip;
+        cr_assert(cm_ip_parse(probes[i].addr, strlen(probes[i].addr), &ip));
+        cr_expect_eq(cm_cidr_match(c->trusted_proxies, c->trusted_proxies_n, &ip), probes[i].in, "%s", probes[i].addr);
+    }
+    conf_destroy(c);
+    c = load_ok(BASE "trusted_proxies: []\n");
+    cr_expect_eq(c->trusted_proxies_n, 0);
+    conf_destroy(c);
 }
 
 Test(conf, destroy_null)
