@@ -120,18 +120,12 @@ static const char *const outcome_names[CM_OUT__COUNT] = {
     [CM_OUT_REPLAYED] = "replayed",
     [CM_OUT_MISMATCH] = "mismatch",
     [CM_OUT_IN_FLIGHT] = "in_flight",
+    [CM_OUT_REJECTED] = "rejected",
     [CM_OUT_UNKNOWN] = "unknown",
-    [CM_OUT_KEY_MISSING] = "key_missing",
-    [CM_OUT_KEY_INVALID] = "key_invalid",
-    [CM_OUT_TOO_LARGE] = "too_large",
     [CM_OUT_STORE_UNAVAILABLE] = "store_unavailable",
-    [CM_OUT_UPSTREAM_UNAVAILABLE] = "upstream_unavailable",
-    [CM_OUT_UPSTREAM_TIMEOUT] = "upstream_timeout",
-    [CM_OUT_UPSTREAM_NO_RESPONSE] = "upstream_no_response",
-    [CM_OUT_RELEASED] = "released",
-    [CM_OUT_NOT_FOUND] = "not_found",
-    [CM_OUT_UNAUTHORIZED] = "unauthorized",
-    [CM_OUT_ERROR] = "error",
+    [CM_OUT_UPSTREAM_ERROR] = "upstream_error",
+    [CM_OUT_OVERLOADED] = "overloaded",
+    [CM_OUT_PASSTHROUGH] = "passthrough",
 };
 
 static const char *const store_names[CM_STORE__COUNT] = {
@@ -142,8 +136,14 @@ static const char *const store_names[CM_STORE__COUNT] = {
 const char *cm_outcome_name(enum cm_outcome o)
 {
     if ((unsigned)o >= CM_OUT__COUNT)
-        return "error";
+        o = CM_OUT_UPSTREAM_ERROR;
     return outcome_names[o];
+}
+
+bool cm_outcome_is_error(enum cm_outcome o)
+{
+    return o == CM_OUT_UNKNOWN || o == CM_OUT_STORE_UNAVAILABLE || o == CM_OUT_UPSTREAM_ERROR ||
+           o == CM_OUT_OVERLOADED || (unsigned)o >= CM_OUT__COUNT;
 }
 
 static void ctr_add(_Atomic uint64_t *c, uint64_t n)
@@ -310,7 +310,7 @@ static const char *route_name(size_t n, size_t i)
 void cm_metric_request(size_t route, enum cm_outcome o)
 {
     if ((unsigned)o >= CM_OUT__COUNT)
-        o = CM_OUT_ERROR;
+        o = CM_OUT_UPSTREAM_ERROR;
     ctr_add(&route_of(route)->requests[o], 1);
 }
 
@@ -902,18 +902,23 @@ bool cm_metrics_status_json(struct cm_buf *out, const char *postgres_state, cons
             !cm_buf_append(out, "{\"name\":\"", 9) || !put_label_value(out, route_name(nr, i)) ||
             !cm_buf_appendf(out, "\",\"requests\":%llu,\"outcomes\":{", (unsigned long long)total))
             return false;
-        for (size_t o = 0; o < CM_OUT__COUNT; o++)
-            if (!cm_buf_appendf(out, "%s\"%s\":%llu", o ? "," : "", outcome_names[o],
-                                (unsigned long long)ctr_get(&rc->requests[o])))
+        uint64_t errors = 0; /* SPEC 11: the server-side outcomes only */
+        for (size_t o = 0; o < CM_OUT__COUNT; o++) {
+            uint64_t v = ctr_get(&rc->requests[o]);
+            if (cm_outcome_is_error((enum cm_outcome)o))
+                errors += v;
+            if (!cm_buf_appendf(out, "%s\"%s\":%llu", o ? "," : "", outcome_names[o], (unsigned long long)v))
                 return false;
-        if (!cm_buf_appendf(out,
-                            "},\"replays\":%llu,\"in_flight_conflicts\":%llu,\"parameter_conflicts\":%llu,"
-                            "\"completion_failures\":%llu,\"stuck\":%llu}",
-                            (unsigned long long)ctr_get(&rc->dedup_hits),
-                            (unsigned long long)ctr_get(&rc->in_flight_conflicts),
-                            (unsigned long long)ctr_get(&rc->parameter_conflicts),
-                            (unsigned long long)ctr_get(&rc->completion_failures),
-                            (unsigned long long)ctr_get(&rc->stuck_processing)))
+        }
+        if (!cm_buf_appendf(
+                out,
+                "},\"errors\":%llu,\"replays\":%llu,\"in_flight_conflicts\":%llu,\"parameter_conflicts\":%llu,"
+                "\"completion_failures\":%llu,\"stuck\":%llu}",
+                (unsigned long long)errors, (unsigned long long)ctr_get(&rc->dedup_hits),
+                (unsigned long long)ctr_get(&rc->in_flight_conflicts),
+                (unsigned long long)ctr_get(&rc->parameter_conflicts),
+                (unsigned long long)ctr_get(&rc->completion_failures),
+                (unsigned long long)ctr_get(&rc->stuck_processing)))
             return false;
     }
     struct hist upstream_hist; /* the last five minutes */

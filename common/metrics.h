@@ -16,27 +16,31 @@
 #define CM_ROUTE_DEFAULT ((size_t)-1)
 #define CM_ROUTE_NONE    ((size_t)-2)
 
-/* outcome label of idemgate_requests_total. */
+/* outcome label of idemgate_requests_total (SPEC 11, exactly these; the access line's outcome and the span's
+ * idemgate.outcome print the same names). The last four before passthrough are the server-side ones: the only
+ * errors (cm_outcome_is_error). */
 enum cm_outcome {
-    CM_OUT_FORWARDED,            /* answered by the upstream (first execution or passthrough) */
-    CM_OUT_REPLAYED,             /* stored answer replayed */
-    CM_OUT_MISMATCH,             /* 422 */
-    CM_OUT_IN_FLIGHT,            /* 409 idempotency-key-in-use */
-    CM_OUT_UNKNOWN,              /* 409 idempotency-outcome-unknown */
-    CM_OUT_KEY_MISSING,          /* 400 */
-    CM_OUT_KEY_INVALID,          /* 400 */
-    CM_OUT_TOO_LARGE,            /* 413 / 431 */
-    CM_OUT_STORE_UNAVAILABLE,    /* 503 */
-    CM_OUT_UPSTREAM_UNAVAILABLE, /* 502 nothing sent */
-    CM_OUT_UPSTREAM_TIMEOUT,     /* 504 */
-    CM_OUT_UPSTREAM_NO_RESPONSE, /* 502 after sending */
-    CM_OUT_RELEASED,             /* upstream answered a release status */
-    CM_OUT_NOT_FOUND,            /* 404 no route */
-    CM_OUT_UNAUTHORIZED,         /* 401 invalid-credentials (jwt:CLAIM scopes) */
-    CM_OUT_ERROR,                /* anything else (500, 503 overload) */
+    CM_OUT_FORWARDED,         /* a keyed request executed: the upstream's answer (a release status's too) */
+    CM_OUT_REPLAYED,          /* a stored answer replayed */
+    CM_OUT_MISMATCH,          /* 422 idempotency-key-mismatch */
+    CM_OUT_IN_FLIGHT,         /* 409 idempotency-key-in-use, sequence-in-use */
+    CM_OUT_REJECTED,          /* the client's mistake, nothing forwarded: 400 (key, sequence, request), 401 (token,
+                               * signature), 404 no route, 409 stale-sequence / sequence-gap, 413, 414, 431, 501 */
+    CM_OUT_UNKNOWN,           /* sent without a valid answer, the record kept as an unknown outcome (502/504); or a
+                               * retry that met one (409 idempotency-outcome-unknown) */
+    CM_OUT_STORE_UNAVAILABLE, /* 503 store-unavailable: nothing forwarded */
+    CM_OUT_UPSTREAM_ERROR,    /* 502/504 that leaves no unknown record: nothing was sent (key released), or a
+                               * passthrough request got no valid answer */
+    CM_OUT_OVERLOADED,        /* 503 overloaded, too-many-connections, shutting-down (nothing forwarded) */
+    CM_OUT_PASSTHROUGH,       /* answered by the upstream without a key: key: off, no key on key: optional, a method
+                               * outside the route's, default_upstream */
     CM_OUT__COUNT
 };
+/* Its label; a value outside the enum (a bug) is "upstream_error", and cm_metric_request counts it as such. */
 const char *cm_outcome_name(enum cm_outcome o);
+/* SPEC 11: the status page and the dashboard call only the server-side outcomes errors (unknown, store_unavailable,
+ * upstream_error, overloaded); a client's mistake is rejected, never an error. */
+bool cm_outcome_is_error(enum cm_outcome o);
 
 enum cm_store_label { CM_STORE_POSTGRES, CM_STORE_REDIS, CM_STORE__COUNT };
 

@@ -457,11 +457,11 @@ static enum MHD_Result refuse_key(struct req *r, struct MHD_Connection *c, enum 
 {
     if (kr == GW_KEY_ABSENT)
         return reject(r, c, 400, "idempotency-key-missing", "Idempotency key missing",
-                      "this route requires an idempotency key where key_from names it", CM_OUT_KEY_MISSING);
+                      "this route requires an idempotency key where key_from names it", CM_OUT_REJECTED);
     return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
                   "the key must be given once, as 1 to 255 bytes of UTF-8 without control characters (a JSON string) "
                   "or a JSON integer",
-                  CM_OUT_KEY_INVALID);
+                  CM_OUT_REJECTED);
 }
 
 /* SPEC 7: limits.buffers would be passed: 503 overloaded with Retry-After, before anything is claimed or forwarded. */
@@ -472,8 +472,8 @@ static enum MHD_Result shed_buffers(struct req *r, struct MHD_Connection *c)
     gw_job_problem(&r->job, 503, "overloaded", "Overloaded",
                    "the gateway holds as many request bodies and answers as limits.buffers allows; retry later");
     gw_job_retry_after(&r->job, 1000);
-    gw_job_count(&r->job, CM_OUT_ERROR);
-    gw_trace_outcome(&r->job, CM_OUT_ERROR);
+    gw_job_count(&r->job, CM_OUT_OVERLOADED);
+    gw_trace_outcome(&r->job, CM_OUT_OVERLOADED);
     return queue_answer(r, c);
 }
 
@@ -926,24 +926,24 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     struct gw_conn *t = track_of(c);
     if (t && t->over_limit)
         return reject(r, c, 503, "too-many-connections", "Too many connections",
-                      "the gateway is at its connection limit; retry later", CM_OUT_ERROR);
+                      "the gateway is at its connection limit; retry later", CM_OUT_OVERLOADED);
     if (r->target_res == CM_TARGET_TOO_LONG)
-        return reject(r, c, 414, "uri-too-long", "URI too long", r->target_why, CM_OUT_TOO_LARGE);
+        return reject(r, c, 414, "uri-too-long", "URI too long", r->target_why, CM_OUT_REJECTED);
     /* the second bound keeps room in the pool for any answer head within max_response_header_bytes */
     if (header_block_size(c) > conf->max_header_bytes ||
         request_pool_bytes(r, c) > conf->max_header_bytes + GW_POOL_SLACK - GW_POOL_ANSWER_KEEP)
         return reject(r, c, 431, "request-header-fields-too-large", "Request header fields too large",
                       "the request header block (or its number of header fields) exceeds max_header_bytes",
-                      CM_OUT_TOO_LARGE);
+                      CM_OUT_REJECTED);
     if (block_bad)
-        return reject(r, c, 400, "bad-request", "Bad request", block_bad, CM_OUT_ERROR);
+        return reject(r, c, 400, "bad-request", "Bad request", block_bad, CM_OUT_REJECTED);
     if (r->target_res != CM_TARGET_OK)
-        return reject(r, c, 400, "bad-request", "Bad request", r->target_why, CM_OUT_ERROR);
+        return reject(r, c, 400, "bad-request", "Bad request", r->target_why, CM_OUT_REJECTED);
     if (method_case_variant(method))
         return reject(r, c, 501, "not-implemented", "Not implemented",
-                      "methods are case-sensitive; this one is a case variant of a standard method", CM_OUT_ERROR);
+                      "methods are case-sensitive; this one is a case variant of a standard method", CM_OUT_REJECTED);
     if (strcmp(method, "CONNECT") == 0) /* a tunnel, which a reverse proxy does not give (nor does nginx) */
-        return reject(r, c, 501, "not-implemented", "Not implemented", "CONNECT is not supported", CM_OUT_ERROR);
+        return reject(r, c, 501, "not-implemented", "Not implemented", "CONNECT is not supported", CM_OUT_REJECTED);
 
     /* SPEC 7, 9: a request whose scope needs a JWT has its token checked first (401 before any 400) whenever the
      * route's idempotency or ordering rules apply to it, whatever key: says */
@@ -959,8 +959,8 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         } else if (why) {
             gw_job_problem(job, 401, "invalid-credentials", "Invalid credentials", why);
             cm_hdrs_add(&job->resp_hdrs, "WWW-Authenticate", "Bearer error=\"invalid_token\"");
-            gw_job_count(job, CM_OUT_UNAUTHORIZED);
-            gw_trace_outcome(job, CM_OUT_UNAUTHORIZED);
+            gw_job_count(job, CM_OUT_REJECTED);
+            gw_trace_outcome(job, CM_OUT_REJECTED);
             return queue_answer(r, c);
         }
     }
@@ -968,26 +968,26 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
     size_t hosts = header_count(&r->in_hdrs, "Host"); /* RFC 9112 3.2 */
     if (hosts > 1 || (hosts == 0 && version && strcmp(version, "HTTP/1.1") == 0))
         return reject(r, c, 400, "bad-request", "Bad request", "an HTTP/1.1 request needs exactly one Host header",
-                      CM_OUT_ERROR);
+                      CM_OUT_REJECTED);
     /* SPEC 7: it is forwarded as X-Forwarded-Host, which the upstream trusts: one host, nothing else */
     const char *host = cm_hdrs_get(&r->in_hdrs, "Host");
     if (host && !cm_host_ok(host, strlen(host)))
         return reject(r, c, 400, "bad-request", "Bad request",
                       "Host must be one host name, IPv4 address or bracketed IPv6 address, with an optional :port",
-                      CM_OUT_ERROR);
+                      CM_OUT_REJECTED);
     if (!headers_well_formed(&r->in_hdrs, keyed ? route->idem.header : NULL) || framing_ambiguous(&r->in_hdrs))
         return reject(r, c, 400, "bad-request", "Bad request", "malformed header field or ambiguous message framing",
-                      CM_OUT_ERROR);
+                      CM_OUT_REJECTED);
     /* RFC 9112 6.1: Transfer-Encoding in an HTTP/1.0 message is faulty framing (a 1.0 hop would read the chunks
      * as the next request); the 400 closes the connection. */
     if (version && strcmp(version, "HTTP/1.0") == 0 && cm_hdrs_get(&r->in_hdrs, "Transfer-Encoding") != NULL)
         return reject(r, c, 400, "bad-request", "Bad request", "Transfer-Encoding in an HTTP/1.0 request",
-                      CM_OUT_ERROR);
+                      CM_OUT_REJECTED);
     if (transfer_coding_unsupported(&r->in_hdrs))
         return reject(r, c, 501, "not-implemented", "Not implemented",
-                      "the only transfer coding accepted on a request body is chunked", CM_OUT_ERROR);
+                      "the only transfer coding accepted on a request body is chunked", CM_OUT_REJECTED);
     if (!job->upstream)
-        return reject(r, c, 404, "route-not-found", "No route", "no route matches this path", CM_OUT_NOT_FOUND);
+        return reject(r, c, 404, "route-not-found", "No route", "no route matches this path", CM_OUT_REJECTED);
 
     uint64_t max_body = route ? route->idem.max_body : conf->max_body, body_need = 0;
     const char *cl = cm_hdrs_get(&r->in_hdrs, "Content-Length");
@@ -998,7 +998,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         uint64_t v;
         if (!cm_parse_digits(cl, n, 19, &v) || v > max_body)
             return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
-                          CM_OUT_TOO_LARGE);
+                          CM_OUT_REJECTED);
         body_need = v;
     }
     if (!cm_buffers_admit(body_need))
@@ -1014,7 +1014,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         const char *kname = route && route->idem.header ? route->idem.header : "Idempotency-Key";
         if (gw_parts_count(parts, GW_PART_HEADER, kname) > 1)
             return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
-                          "the request carries more than one idempotency key header", CM_OUT_KEY_INVALID);
+                          "the request carries more than one idempotency key header", CM_OUT_REJECTED);
     }
     const struct conf_part *key_from = keyed && route->idem.key_from.header ? &route->idem.key_from : NULL;
     if (key_from && conf_part_reads_body(key_from->kind)) {
@@ -1033,11 +1033,11 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         if (!gw_parts_value(parts, GW_PART_HEADER, route->idem.header, 0, &kv)) {
             if (route->idem.key == CONF_KEY_REQUIRED)
                 return reject(r, c, 400, "idempotency-key-missing", "Idempotency key missing",
-                              "this route requires an idempotency key header", CM_OUT_KEY_MISSING);
+                              "this route requires an idempotency key header", CM_OUT_REJECTED);
         } else if (!gw_key_parse(kv.p, kv.n, job->key, &job->key_len)) {
             return reject(r, c, 400, "idempotency-key-invalid", "Idempotency key invalid",
                           "the key must be 1 to 255 visible ASCII characters, bare or as a quoted sf-string",
-                          CM_OUT_KEY_INVALID);
+                          CM_OUT_REJECTED);
         } else {
             job->idempotent = true;
         }
@@ -1055,7 +1055,7 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
             return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
                           "the ordering sequence must be one decimal integer from 1 to 9223372036854775807 without "
                           "sign or leading zero",
-                          CM_OUT_ERROR);
+                          CM_OUT_REJECTED);
         job->ordered = false; /* mode: shadow refuses nothing (SPEC 10): forwarded, the guard not consulted */
     }
     if (cm_hdrs_get(&r->in_hdrs, "Transfer-Encoding")) { /* exactly "chunked" by now */
@@ -1191,7 +1191,7 @@ static bool body_parts(struct req *r, struct MHD_Connection *c, struct gw_reqpar
         gw_reqparts_free(parts);
         *res = reject(r, c, 400, "bad-request", "Bad request",
                       "the body is not valid JSON (RFC 8259, no duplicate member names) as its Content-Type says",
-                      CM_OUT_ERROR);
+                      CM_OUT_REJECTED);
         return false;
     }
     if (r->key_in_body) {
@@ -1216,7 +1216,7 @@ static bool body_parts(struct req *r, struct MHD_Connection *c, struct gw_reqpar
             *res = reject(r, c, 400, "sequence-invalid", "Sequence invalid",
                           "the body must be JSON with a string (1 to 255 bytes) or an integer at the ordering "
                           "resource's JSON Pointer",
-                          CM_OUT_ERROR);
+                          CM_OUT_REJECTED);
             return false;
         }
     }
@@ -1229,13 +1229,13 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
     struct gw_job *job = &r->job;
     if (r->body_too_large)
         return reject(r, c, 413, "payload-too-large", "Payload too large", "the request body exceeds max_body",
-                      CM_OUT_TOO_LARGE);
+                      CM_OUT_REJECTED);
     if (r->chunked && !r->chunk_why)
         MHD_get_connection_values_n(c, MHD_FOOTER_KIND, trailer_check, &r->chunk_why);
     if (r->chunked && !r->chunk_why && !chunk_trailers_ok(r, c))
         r->chunk_why = "a chunked body's trailer section ends a line with a bare LF";
     if (r->chunk_why) /* 400 closes the connection */
-        return reject(r, c, 400, "bad-request", "Bad request", r->chunk_why, CM_OUT_ERROR);
+        return reject(r, c, 400, "bad-request", "Bad request", r->chunk_why, CM_OUT_REJECTED);
     if (r->body_over_budget)
         return shed_buffers(r, c);
     if (!signature_ok(r)) {
@@ -1244,7 +1244,8 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
                        "outside the tolerance");
         cm_hdrs_add(&job->resp_hdrs, "WWW-Authenticate",
                     gw_verify_challenge(r->cref->verify[job->route - job->conf->routes]));
-        gw_job_count(job, CM_OUT_UNAUTHORIZED);
+        gw_job_count(job, CM_OUT_REJECTED);
+        gw_trace_outcome(job, CM_OUT_REJECTED);
         return queue_answer(r, c);
     }
     job->bytes_in = job->body.len;
@@ -1261,7 +1262,7 @@ static enum MHD_Result submit(struct req *r, struct MHD_Connection *c)
             return reject(r, c, 400, "sequence-invalid", "Sequence invalid",
                           "the body must be JSON with an integer from 1 to 9223372036854775807 at the ordering "
                           "sequence's JSON Pointer",
-                          CM_OUT_ERROR);
+                          CM_OUT_REJECTED);
         job->ordered = false; /* mode: shadow refuses nothing (SPEC 10): forwarded, the guard not consulted */
     }
     if (job->idempotent || job->ordered) {

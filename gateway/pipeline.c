@@ -140,7 +140,7 @@ static void set_state(struct gw_job *job, enum gw_pipe_state s)
                      "unknown"                                                                                         \
                    : "the upstream closed the connection without an answer",                                           \
             "upstream_error", (mode) ? GW_RECORD_MARK_UNKNOWN : GW_RECORD_NONE, GW_EFFECT_UNKNOWN,                     \
-            CM_OUT_UPSTREAM_NO_RESPONSE                                                                                \
+            (mode) ? CM_OUT_UNKNOWN : CM_OUT_UPSTREAM_ERROR                                                            \
     }
 
 /* SPEC 8: the lease (the key's claim or the resource's marker) ended before the request could leave: nothing was
@@ -155,47 +155,49 @@ static void set_state(struct gw_job *job, enum gw_pipe_state s)
     }
 
 static const struct gw_outcome outcomes[] = {
-    /* passthrough: no record; the guard (a keyless request on a guarded route) settles by the effect */
-    {PASS, SENT, UP_OK, false, 0, NULL, NULL, NULL, NULL, GW_RECORD_NONE, GW_EFFECT_APPLIED, CM_OUT_FORWARDED},
-    {PASS, SENT, UP_OK, true, 0, NULL, NULL, NULL, NULL, GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_FORWARDED},
+    /* passthrough: no record; the guard (a keyless request on a guarded route) settles by the effect. SPEC 11: a
+     * failure is upstream_error, as no record is left as an unknown outcome to settle */
+    {PASS, SENT, UP_OK, false, 0, NULL, NULL, NULL, NULL, GW_RECORD_NONE, GW_EFFECT_APPLIED, CM_OUT_PASSTHROUGH},
+    {PASS, SENT, UP_OK, true, 0, NULL, NULL, NULL, NULL, GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_PASSTHROUGH},
     {PASS, SENT, UP_CONNECT_FAILED, false, 502, "upstream-unavailable", "Upstream unavailable",
-     "the upstream could not be reached", NULL, GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_UPSTREAM_UNAVAILABLE},
+     "the upstream could not be reached", NULL, GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_UPSTREAM_ERROR},
     {PASS, SENT, UP_TIMEOUT, false, 504, "upstream-timeout", "Upstream timeout", "the upstream did not answer in time",
-     NULL, GW_RECORD_NONE, GW_EFFECT_UNKNOWN, CM_OUT_UPSTREAM_TIMEOUT},
+     NULL, GW_RECORD_NONE, GW_EFFECT_UNKNOWN, CM_OUT_UPSTREAM_ERROR},
     NO_ANSWER(PASS, UP_NO_RESPONSE),
     {PASS, SENT, UP_TOO_LARGE, false, 502, "upstream-response-too-large", "Upstream response too large",
-     "the upstream's answer exceeds max_response", NULL, GW_RECORD_NONE, GW_EFFECT_UNKNOWN, CM_OUT_ERROR},
+     "the upstream's answer exceeds max_response", NULL, GW_RECORD_NONE, GW_EFFECT_UNKNOWN, CM_OUT_UPSTREAM_ERROR},
     NO_ANSWER(PASS, UP_CANCELLED),
     NO_ANSWER(PASS, UP_ERROR),
     {PASS, SENT, UP_INVALID_RESPONSE, false, 502, "upstream-invalid-response", "Invalid response from upstream",
      "the upstream's answer is not a valid HTTP response the gateway can pass on", "upstream_invalid_response",
-     GW_RECORD_NONE, GW_EFFECT_UNKNOWN, CM_OUT_ERROR},
+     GW_RECORD_NONE, GW_EFFECT_UNKNOWN, CM_OUT_UPSTREAM_ERROR},
     {PASS, UNSENT, UP_CONNECT_FAILED, false, 502, "upstream-unavailable", "Upstream unavailable",
-     "the transfer could not start", NULL, GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_UPSTREAM_UNAVAILABLE},
+     "the transfer could not start", NULL, GW_RECORD_NONE, GW_EFFECT_NONE, CM_OUT_UPSTREAM_ERROR},
     LEASE_LOST(PASS),
 
-    /* idempotent: the claimed key's record is completed, released or kept as an unknown outcome */
+    /* idempotent: the claimed key's record is completed, released or kept as an unknown outcome (SPEC 11: the
+     * outcome unknown exactly when it is kept so; a release status the upstream answered is forwarded) */
     {IDEM, SENT, UP_OK, false, 0, NULL, NULL, NULL, NULL, GW_RECORD_COMPLETE, GW_EFFECT_APPLIED, CM_OUT_FORWARDED},
-    {IDEM, SENT, UP_OK, true, 0, NULL, NULL, NULL, NULL, GW_RECORD_RELEASE, GW_EFFECT_NONE, CM_OUT_RELEASED},
+    {IDEM, SENT, UP_OK, true, 0, NULL, NULL, NULL, NULL, GW_RECORD_RELEASE, GW_EFFECT_NONE, CM_OUT_FORWARDED},
     {IDEM, SENT, UP_CONNECT_FAILED, false, 502, "upstream-unavailable", "Upstream unavailable",
      "the upstream could not be reached; nothing was sent and the key was released", NULL, GW_RECORD_RELEASE,
-     GW_EFFECT_NONE, CM_OUT_UPSTREAM_UNAVAILABLE},
+     GW_EFFECT_NONE, CM_OUT_UPSTREAM_ERROR},
     {IDEM, SENT, UP_TIMEOUT, false, 504, "upstream-timeout", "Upstream timeout",
      "the request was sent but no answer came in time; its outcome is unknown", NULL, GW_RECORD_MARK_UNKNOWN,
-     GW_EFFECT_UNKNOWN, CM_OUT_UPSTREAM_TIMEOUT},
+     GW_EFFECT_UNKNOWN, CM_OUT_UNKNOWN},
     NO_ANSWER(IDEM, UP_NO_RESPONSE),
     {IDEM, SENT, UP_TOO_LARGE, false, 502, "upstream-response-too-large", "Upstream response too large",
      "the upstream executed the request but its answer exceeds max_response and cannot be stored; the outcome is "
      "recorded as unknown",
-     NULL, GW_RECORD_MARK_UNKNOWN, GW_EFFECT_UNKNOWN, CM_OUT_ERROR},
+     NULL, GW_RECORD_MARK_UNKNOWN, GW_EFFECT_UNKNOWN, CM_OUT_UNKNOWN},
     NO_ANSWER(IDEM, UP_CANCELLED),
     NO_ANSWER(IDEM, UP_ERROR),
     {IDEM, SENT, UP_INVALID_RESPONSE, false, 502, "upstream-invalid-response", "Invalid response from upstream",
      "the request was sent but the upstream's answer is not a valid HTTP response; nothing was stored and the "
      "outcome is recorded as unknown",
-     "upstream_invalid_response", GW_RECORD_MARK_UNKNOWN, GW_EFFECT_UNKNOWN, CM_OUT_ERROR},
+     "upstream_invalid_response", GW_RECORD_MARK_UNKNOWN, GW_EFFECT_UNKNOWN, CM_OUT_UNKNOWN},
     {IDEM, UNSENT, UP_CONNECT_FAILED, false, 502, "upstream-unavailable", "Upstream unavailable",
-     "the transfer could not start", NULL, GW_RECORD_RELEASE, GW_EFFECT_NONE, CM_OUT_UPSTREAM_UNAVAILABLE},
+     "the transfer could not start", NULL, GW_RECORD_RELEASE, GW_EFFECT_NONE, CM_OUT_UPSTREAM_ERROR},
     LEASE_LOST(IDEM),
 };
 #define OUTCOMES_N (sizeof outcomes / sizeof outcomes[0])
@@ -983,13 +985,13 @@ void gw_pipeline_run(void *arg)
     gw_ctx_job_add(job->ctx, &p->link);
     if (atomic_load(&job->ctx->closing)) {
         gw_job_problem(job, 503, "shutting-down", "Shutting down", "the gateway is stopping");
-        finish(job, CM_OUT_ERROR);
+        finish(job, CM_OUT_OVERLOADED);
         return;
     }
     if (!up_target_ok(job->uri)) {
         /* never "repaired" into something to send: a target the upstream clients refuse goes nowhere */
         gw_job_problem(job, 400, "bad-request", "Bad request", "the request target is not an origin-form path");
-        finish(job, CM_OUT_ERROR);
+        finish(job, CM_OUT_REJECTED);
         return;
     }
     if (!job->idempotent && !job->ordered) {
@@ -1060,13 +1062,15 @@ void gw_pipeline_abort_all(void *arg)
         struct gw_job *job = job_of_link(link);
         struct gw_pipe *p = job->pipe;
         if (!(store_states & ST(p->state))) {
+            /* SPEC 11: a claimed key whose transfer was under way is left to become an unknown outcome */
+            enum cm_outcome o = p->transfer && job->idempotent ? CM_OUT_UNKNOWN : CM_OUT_OVERLOADED;
             if (p->transfer) {
                 up_cancel(x->up, p->transfer);
                 p->transfer = NULL;
             }
             gw_job_problem(job, 503, "shutting-down", "Shutting down",
                            "the gateway stopped before this request finished; its outcome is unknown");
-            finish(job, CM_OUT_ERROR);
+            finish(job, o);
         }
         link = next;
     }
@@ -1202,7 +1206,7 @@ static void guard_done(void *arg, const struct store_order_res *res)
                      "a request with this sequence or a higher one was already applied to this resource; nothing "
                      "was forwarded",
                      res->applied);
-        finish(job, CM_OUT_ERROR);
+        finish(job, CM_OUT_REJECTED); /* SPEC 11: a stale or gapped sequence is the client's mistake */
         return;
     case STORE_ORDER_IN_USE:
     case STORE_ORDER_GAP:
@@ -1227,7 +1231,7 @@ static void guard_done(void *arg, const struct store_order_res *res)
         guard_refuse(job, "sequence-gap", "Sequence gap",
                      "an earlier sequence of this resource has not been applied yet; nothing was forwarded",
                      res->applied);
-        finish(job, CM_OUT_ERROR);
+        finish(job, CM_OUT_REJECTED); /* SPEC 11: a stale or gapped sequence is the client's mistake */
         return;
     case STORE_ORDER_UNAVAILABLE:
     default:

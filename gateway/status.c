@@ -1,5 +1,6 @@
 /* status.c - the admin listener's status page for a person (SPEC 10): one HTML page, no framework, that refreshes
- * itself from /status.json (counts only: never keys, scopes or bodies). It never changes anything. */
+ * itself from /status.json (counts only: never keys, scopes or bodies; a route's errors are the server-side outcomes
+ * only, SPEC 11). It never changes anything. */
 #include "gateway/status.h"
 
 #include <string.h>
@@ -36,7 +37,6 @@ static const char page[] =
 "<script>\n"
 "'use strict';\n"
 "const prev = {};\n"
-"const ERR = ['store_unavailable','upstream_unavailable','upstream_timeout','upstream_no_response','error'];\n"
 "function cell(tr, cls, v){const td=document.createElement('td');td.className=cls;td.textContent=v;tr.appendChild(td);return td;}\n"
 "function ms(s){return s>0?(s*1000).toFixed(s<0.01?2:1)+' ms':'\\u2013';}\n"
 "function state(id, v){const e=document.getElementById(id);e.textContent=v;e.className=v;}\n"
@@ -55,7 +55,7 @@ static const char page[] =
 "    prev[r.name]={n:r.requests,t:now};\n"
 "    cell(tr,'rate',rate.toFixed(1)); cell(tr,'forwarded',r.outcomes.forwarded); cell(tr,'replays',r.replays);\n"
 "    cell(tr,'in_flight',r.in_flight_conflicts); cell(tr,'mismatches',r.parameter_conflicts);\n"
-"    let e=0; for (const k of ERR) e+=r.outcomes[k]||0; const ec=cell(tr,'errors',e); if (e) ec.classList.add('bad');\n"
+"    const ec=cell(tr,'errors',r.errors); if (r.errors) ec.classList.add('bad');\n"
 "    const sc=cell(tr,'stuck',r.stuck); if (r.stuck) sc.classList.add('bad');\n"
 "    tb.appendChild(tr);\n"
 "  }\n"

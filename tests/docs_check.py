@@ -10,7 +10,7 @@ Checks README.md, CHANGELOG.md and docs/*.md of the source tree given as the fir
   - CHANGELOG.md (Keep a Changelog) has an Unreleased section and a section for meson.build's project version;
   - every problem type the sources answer (a status then a name, "409, \"name\"", or a name given to a *refuse* or
     *problem* function) is in docs/http.md, and every name in its table of problems is one the sources answer;
-  - every metric common/metrics.c exposes, and every value of its outcome label, is in docs/operations.md;
+  - every metric common/metrics.c exposes, and every value of its outcome label, is in docs/operations.md (the outcome table);
   - every IDEMGATE_* environment variable the gateway reads is in docs/configuration.md;
   - every module (a .c file of common, conf, store, upstream, gateway) has its row in docs/ARCHITECTURE.md.
 Prints each problem as FILE:LINE: what, and exits 1 if there is one.
@@ -104,8 +104,9 @@ def metric_problems(root):
         ops = f.read()
     out = [f"docs/operations.md: the metric {n} is not in the metrics table" for n in sorted(names)
            if f"`{n}" not in ops]
-    listed = re.search(r"`outcome` values: `([a-z_ \n]+)`", ops)
-    listed = set(listed.group(1).split()) if listed else set()
+    # the outcome table: its rows' first cells, after "`outcome` takes exactly these values"
+    table = re.search(r"`outcome` takes exactly these values.*?\n\n(\|.*?)\n\n", ops, re.S)
+    listed = set(re.findall(r"^\| `([a-z_]+)` \|", table.group(1), re.M)) if table else set()
     out += [f"docs/operations.md: the outcome label '{o}' is not in the list of outcome values" for o in outcomes
             if o not in listed]
     out += [f"docs/operations.md: lists the outcome '{o}', which common/metrics.c does not have" for o in

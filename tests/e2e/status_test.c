@@ -88,21 +88,9 @@ static char *metrics(const struct e2e_gw *gw)
 
 static long route_requests(const char *m, const char *route)
 {
-    static const char *const outcomes[] = {"forwarded",
-                                           "replayed",
-                                           "mismatch",
-                                           "in_flight",
-                                           "unknown",
-                                           "key_missing",
-                                           "key_invalid",
-                                           "too_large",
-                                           "store_unavailable",
-                                           "upstream_unavailable",
-                                           "upstream_timeout",
-                                           "upstream_no_response",
-                                           "released",
-                                           "not_found",
-                                           "error"};
+    static const char *const outcomes[] = {"forwarded",  "replayed",   "mismatch",          "in_flight",
+                                           "rejected",   "unknown",    "store_unavailable", "upstream_error",
+                                           "overloaded", "passthrough"};
     char rl[64], ol[64];
     long sum = 0;
     snprintf(rl, sizeof rl, "route=\"%s\"", route);
@@ -153,7 +141,8 @@ Test(status, page_in_chromium_matches_metrics)
     e2e_start(conf_tmpl, &up, &gw);
     e2e_gw_wait_ready(gw);
 
-    /* traffic on the idempotent route: 6 executions, 6 replays, 2 mismatches */
+    /* traffic on the idempotent route: 6 executions, 6 replays, 2 mismatches, and a client's mistake (a bad Host:
+     * rejected, which SPEC 11 says is not an error) */
     const char *secret_key = "status-page-secret-key";
     const char *tenant = "Authorization: Bearer tenant-secret-scope";
     for (int i = 0; i < 6; i++) {
@@ -172,6 +161,13 @@ Test(status, page_in_chromium_matches_metrics)
             cr_assert_eq(r.status, 422);
             e2e_resp_free(&r);
         }
+    }
+    {
+        const char *h[] = {tenant, "Host: bad,host", NULL};
+        struct e2e_resp r;
+        e2e_http_key(gw->port, "POST", "/v1/pay/c", "status-page-bad-host", h, "{}", 0, &r);
+        cr_assert_eq(r.status, 400);
+        e2e_resp_free(&r);
     }
 
     char url[128], jurl[128];
@@ -203,7 +199,8 @@ Test(status, page_in_chromium_matches_metrics)
     dom = chromium(url, NULL);
     cr_assert_not_null(strstr(dom, "<tr data-route=\"pay\">"), "no row for route pay: %.3000s", dom);
     cr_expect_eq(dom_cell(dom, "pay", "requests"), route_requests(m, "pay"));
-    cr_expect_eq(dom_cell(dom, "pay", "requests"), 14);
+    cr_expect_eq(dom_cell(dom, "pay", "requests"), 15);
+    cr_expect_eq(dom_cell(dom, "pay", "errors"), 0, "a client's mistake is rejected, not an error");
     cr_expect_eq(dom_cell(dom, "pay", "replays"), route_metric(m, "idemgate_dedup_hits_total", "pay"));
     cr_expect_eq(dom_cell(dom, "pay", "replays"), 6);
     cr_expect_eq(dom_cell(dom, "pay", "mismatches"), route_metric(m, "idemgate_parameter_conflicts_total", "pay"));
@@ -363,4 +360,67 @@ Test(status, grafana_dashboard_names_only_real_metrics)
     cr_expect_geq(names, 10);
     for (size_t k = 0; k < sizeof need / sizeof need[0]; k++)
         cr_expect(seen[k], "the dashboard has no panel over %s", need[k]);
+}
+
+/* SPEC 11: every outcome a dashboard query names is one of idemgate_requests_total's, and the Errors panel counts
+ * exactly the server-side ones (a client's mistake is rejected, never an error). */
+Test(status, grafana_errors_panel_counts_only_server_side_outcomes)
+{
+    static const char *const spec[] = {"forwarded", "replayed",          "mismatch",       "in_flight",  "rejected",
+                                       "unknown",   "store_unavailable", "upstream_error", "overloaded", "passthrough"};
+    static const char *const errors[] = {"unknown", "store_unavailable", "upstream_error", "overloaded"};
+    char path[1024];
+    snprintf(path, sizeof path, "%s/docker/grafana-dashboard.json", e2e_env("IDEMGATE_SRC_DIR"));
+    json_error_t je;
+    json_t *d = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+    cr_assert_not_null(d, "%s:%d: %s", path, je.line, je.text);
+    size_t pi, error_panels = 0, error_queries = 0;
+    json_t *panel;
+    json_array_foreach(json_object_get(d, "panels"), pi, panel)
+    {
+        const char *title = json_string_value(json_object_get(panel, "title"));
+        bool is_errors = title && strcmp(title, "Errors") == 0;
+        error_panels += is_errors;
+        char **exprs = NULL;
+        size_t n = 0;
+        collect_exprs(panel, &exprs, &n);
+        for (size_t i = 0; i < n; i++) {
+            const char *m = strstr(exprs[i], "outcome=");
+            bool requests = strstr(exprs[i], "idemgate_requests_total") != NULL;
+            if (is_errors && requests) {
+                cr_expect(m && strncmp(m, "outcome=~\"", 10) == 0, "the Errors panel selects outcomes: %s", exprs[i]);
+                error_queries++;
+            }
+            if (m) {
+                const char *v = strchr(m, '"') + 1, *end = strchr(v, '"');
+                cr_assert(end, "%s", exprs[i]);
+                bool seen[sizeof errors / sizeof errors[0]] = {false};
+                size_t named = 0;
+                while (v < end) {
+                    size_t len = strcspn(v, "|\"");
+                    bool known = false;
+                    for (size_t k = 0; k < sizeof spec / sizeof spec[0]; k++)
+                        known = known || (strlen(spec[k]) == len && strncmp(spec[k], v, len) == 0);
+                    cr_expect(known, "panel %s names outcome %.*s, not one of SPEC 11's: %s", title ? title : "?",
+                              (int)len, v, exprs[i]);
+                    for (size_t k = 0; k < sizeof errors / sizeof errors[0]; k++)
+                        if (strlen(errors[k]) == len && strncmp(errors[k], v, len) == 0)
+                            seen[k] = true;
+                    named++;
+                    v += len + (v[len] == '|');
+                }
+                if (is_errors && requests) {
+                    cr_expect_eq(named, sizeof errors / sizeof errors[0], "the Errors panel names %zu outcomes: %s",
+                                 named, exprs[i]);
+                    for (size_t k = 0; k < sizeof errors / sizeof errors[0]; k++)
+                        cr_expect(seen[k], "the Errors panel does not count %s: %s", errors[k], exprs[i]);
+                }
+            }
+            free(exprs[i]);
+        }
+        free(exprs);
+    }
+    cr_expect_eq(error_panels, 1, "one Errors panel");
+    cr_expect_geq(error_queries, 1, "the Errors panel counts requests by outcome");
+    json_decref(d);
 }

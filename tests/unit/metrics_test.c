@@ -215,8 +215,8 @@ static void *bump(void *arg)
     for (int i = 0; i < PER_THREAD; i++) {
         cm_metric_request(0, CM_OUT_FORWARDED);
         cm_metric_request(1, CM_OUT_REPLAYED);
-        cm_metric_request(CM_ROUTE_DEFAULT, CM_OUT_NOT_FOUND);
-        cm_metric_request(12345, CM_OUT_ERROR); /* out of range -> _none */
+        cm_metric_request(CM_ROUTE_DEFAULT, CM_OUT_MISMATCH);
+        cm_metric_request(12345, CM_OUT_IN_FLIGHT); /* out of range -> _none */
         cm_metric_dedup_hit(1);
         cm_metric_parameter_conflict(0);
         cm_metric_in_flight_conflict(CM_ROUTE_NONE);
@@ -246,11 +246,11 @@ Test(metrics, concurrent_exact, .init = setup, .fini = teardown)
 
     cr_assert_eq(get(&p, "idemgate_requests_total", "route", "payments", "outcome", "forwarded", NULL), N);
     cr_assert_eq(get(&p, "idemgate_requests_total", "route", ROUTES[1], "outcome", "replayed", NULL), N);
-    cr_assert_eq(get(&p, "idemgate_requests_total", "route", "_default", "outcome", "not_found", NULL), N);
-    cr_assert_eq(get(&p, "idemgate_requests_total", "route", "_none", "outcome", "error", NULL), N);
+    cr_assert_eq(get(&p, "idemgate_requests_total", "route", "_default", "outcome", "mismatch", NULL), N);
+    cr_assert_eq(get(&p, "idemgate_requests_total", "route", "_none", "outcome", "in_flight", NULL), N);
     /* every route x outcome is rendered, zeros included */
     cr_assert_eq(get(&p, "idemgate_requests_total", "route", "payments", "outcome", "replayed", NULL), 0);
-    cr_assert_eq(get(&p, "idemgate_requests_total", "route", "_none", "outcome", "upstream_no_response", NULL), 0);
+    cr_assert_eq(get(&p, "idemgate_requests_total", "route", "_none", "outcome", "upstream_error", NULL), 0);
     size_t nreq = 0;
     for (size_t i = 0; i < p.n; i++)
         if (strcmp(p.s[i].name, "idemgate_requests_total") == 0)
@@ -409,7 +409,8 @@ Test(metrics, reset_and_reinit, .fini = teardown)
     struct parsed p;
     parse_text(text, &p);
     cr_assert_eq(get(&p, "idemgate_requests_total", "route", "_none", "outcome", "forwarded", NULL), 1);
-    cr_assert_eq(get(&p, "idemgate_requests_total", "route", "_none", "outcome", "error", NULL), 1);
+    /* a value outside the enum (a bug) is counted as a server-side error, never dropped */
+    cr_assert_eq(get(&p, "idemgate_requests_total", "route", "_none", "outcome", "upstream_error", NULL), 1);
     cr_assert_eq(get(&p, "idemgate_requests_total", "route", "_default", "outcome", "forwarded", NULL), 1);
     free(p.s);
     free(text);
@@ -425,7 +426,7 @@ Test(metrics, reset_and_reinit, .fini = teardown)
     free(p.s);
     free(text);
     cr_assert_str_eq(cm_outcome_name(CM_OUT_IN_FLIGHT), "in_flight");
-    cr_assert_str_eq(cm_outcome_name((enum cm_outcome) - 1), "error");
+    cr_assert_str_eq(cm_outcome_name((enum cm_outcome) - 1), "upstream_error");
 }
 
 Test(metrics, render_respects_cap, .init = setup, .fini = teardown)
@@ -469,6 +470,48 @@ Test(metrics, status_json, .init = setup, .fini = teardown)
     cm_buf_reset(&b);
     cr_assert(cm_metrics_status_json(&b, "down", "down"));
     cr_expect_not_null(strstr(b.data, "{\"name\":\"_default\",\"requests\":1,"), "%s", b.data);
+    cm_buf_free(&b);
+}
+
+/* The outcome whose label is name, or CM_OUT__COUNT. */
+static enum cm_outcome outcome_named(const char *name)
+{
+    for (int o = 0; o < CM_OUT__COUNT; o++)
+        if (strcmp(cm_outcome_name((enum cm_outcome)o), name) == 0)
+            return (enum cm_outcome)o;
+    return CM_OUT__COUNT;
+}
+
+/* SPEC 11: the status page counts only the server-side outcomes as errors; a client's mistake is rejected. */
+Test(metrics, status_json_errors_are_the_server_side_outcomes, .init = setup, .fini = teardown)
+{
+    static const char *const client[] = {"forwarded", "replayed", "mismatch", "in_flight", "rejected", "passthrough"};
+    static const char *const server[] = {"unknown", "store_unavailable", "upstream_error", "overloaded"};
+    for (size_t i = 0; i < sizeof client / sizeof client[0]; i++) {
+        enum cm_outcome o = outcome_named(client[i]);
+        cr_assert_neq(o, CM_OUT__COUNT, "no outcome %s", client[i]);
+        cm_metric_request(0, o);
+        cm_metric_request(0, o);
+    }
+    for (size_t i = 0; i < sizeof server / sizeof server[0]; i++) {
+        enum cm_outcome o = outcome_named(server[i]);
+        cr_assert_neq(o, CM_OUT__COUNT, "no outcome %s", server[i]);
+        cm_metric_request(1, o);
+        for (size_t k = 0; k <= i; k++)
+            cm_metric_request(0, o); /* 1 + 2 + 3 + 4 */
+    }
+    struct cm_buf b;
+    cm_buf_init(&b, 64 * 1024);
+    cr_assert(cm_metrics_status_json(&b, "up", "up"));
+    /* per route, after its outcomes: payments 12 client-side and 10 server-side, the other 4 server-side */
+    cr_expect_not_null(strstr(b.data, "{\"name\":\"payments\",\"requests\":22,"), "%s", b.data);
+    cr_expect_not_null(strstr(b.data, "\"rejected\":2,"), "%s", b.data);
+    const char *e1 = strstr(b.data, "},\"errors\":");
+    cr_assert_not_null(e1, "no errors count: %s", b.data);
+    cr_expect_eq(strtol(e1 + 11, NULL, 10), 10, "payments: %s", b.data);
+    const char *e2 = strstr(e1 + 1, "},\"errors\":");
+    cr_assert_not_null(e2, "no errors count for the second route: %s", b.data);
+    cr_expect_eq(strtol(e2 + 11, NULL, 10), 4, "the second route: %s", b.data);
     cm_buf_free(&b);
 }
 
