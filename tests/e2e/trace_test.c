@@ -350,3 +350,30 @@ Test(trace, a_collector_that_never_answers_never_slows_or_fails_a_request)
 {
     collector_never_slows(true);
 }
+
+/* SPEC 11: the span's outcome has the metric's names: a client's mistake (no key on a key: required route) is
+ * rejected. */
+Test(trace, a_clients_mistake_is_rejected_in_its_span)
+{
+    struct otlp_sink sink;
+    struct e2e_upstream *up;
+    struct e2e_gw *gw = start_traced(&sink, false, TRACE_CONF("{{OTLP}}", "1.0"), &up);
+    static const char *const trace = "5cf92f3577b34da6a3ce929d0e0e4737";
+    char tp[64];
+    snprintf(tp, sizeof tp, "00-%s-%s-01", trace, in_parent);
+    cr_assert_eq(post_secret(gw, NULL, tp), 400);
+    json_t *all = NULL, *req = NULL;
+    for (int i = 0; i < 100 && !req; i++) { /* bounded: 5 s */
+        json_decref(all);
+        all = spans_of(&sink);
+        req = span_named(all, trace, "request");
+        if (!req)
+            e2e_sleep_ms(50);
+    }
+    cr_assert_not_null(req, "the refused request's span reached the collector");
+    cr_expect_str_eq(attr(req, "idemgate.outcome", "stringValue"), "rejected");
+    cr_expect_str_eq(attr(req, "http.response.status_code", "intValue"), "400");
+    json_decref(all);
+    e2e_gw_stop(gw, 5000);
+    otlp_sink_stop(&sink);
+}
