@@ -176,7 +176,8 @@ static void admin_run(void *arg)
         }
         struct store_id id = {.route = j->route, .key = j->key, .key_len = j->key_len};
         memcpy(id.scope, j->scope, 32);
-        gw_settle_run(st, &id, &resp, route->idem.retention_ms, route->idem.lease_ms, admin_done, j);
+        gw_settle_run(st, &id, &resp, route->idem.retention_ms, route->idem.lease_ms, cur->request_id_header,
+                      admin_done, j);
         cm_resp_free(&resp);
         break;
     }

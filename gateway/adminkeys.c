@@ -125,6 +125,8 @@ struct settle {
     uint64_t retry_ms;
     gw_settle_cb cb;
     void *arg;
+    char *rid_header;                       /* the configuration's request_id_header */
+    char request_id[CM_REQUEST_ID_MAX + 1]; /* the record's: the request that claimed it (store_settle_take) */
 };
 
 static void settle_end(struct settle *s, int status, char *json)
@@ -133,6 +135,7 @@ static void settle_end(struct settle *s, int status, char *json)
     cm_resp_free(&s->resp);
     free(s->route);
     free(s->key);
+    free(s->rid_header);
     free(s);
 }
 
@@ -173,11 +176,17 @@ static void taken(void *arg, bool ok, long rows)
                            "the record is not an unknown outcome (completed, or in flight within its lease)"));
         return;
     }
+    /* SPEC 11: as an answer the gateway stores, the settled one carries the id of the request that executed, so
+     * that every replay of it (from Postgres, Redis or the replay cache) names that request */
+    if (s->request_id[0] && cm_request_id_ok(s->request_id, strlen(s->request_id))) {
+        cm_hdrs_remove(&s->resp.hdrs, s->rid_header);
+        cm_hdrs_add(&s->resp.hdrs, s->rid_header, s->request_id);
+    }
     store_complete(s->st, &s->id, s->token, &s->resp, s->retention_ms, s->retry_ms, completed, s);
 }
 
 void gw_settle_run(struct store *st, const struct store_id *id, struct cm_resp *resp, uint64_t retention_ms,
-                   uint64_t retry_ms, gw_settle_cb cb, void *arg)
+                   uint64_t retry_ms, const char *rid_header, gw_settle_cb cb, void *arg)
 {
     struct settle *s = cm_calloc(1, sizeof *s);
     s->st = st;
@@ -193,5 +202,6 @@ void gw_settle_run(struct store *st, const struct store_id *id, struct cm_resp *
     s->cb = cb;
     s->arg = arg;
     s->token = cm_random_token();
-    store_settle_take(st, &s->id, s->token, SETTLE_HOLD_MS, taken, s);
+    s->rid_header = cm_strdup(rid_header);
+    store_settle_take(st, &s->id, s->token, SETTLE_HOLD_MS, s->request_id, sizeof s->request_id, taken, s);
 }

@@ -20,8 +20,9 @@ const char *gw_settle_parse(const char *body, size_t len, uint64_t max_response,
 typedef void (*gw_settle_cb)(void *arg, int status, char *json);
 /* Loop thread. Takes the record id names when it is an unknown outcome (store_settle_take: under a token of its
  * own, fencing out any prober or owner) and completes it with resp (moved out: resp is left empty), kept for
- * retention_ms; the completion is retried for retry_ms. Calls cb exactly once. */
+ * retention_ms; the completion is retried for retry_ms. The answer's header rid_header is set to the id of the
+ * request that claimed the record (as the answer the gateway stores carries it). Calls cb exactly once. */
 void gw_settle_run(struct store *st, const struct store_id *id, struct cm_resp *resp, uint64_t retention_ms,
-                   uint64_t retry_ms, gw_settle_cb cb, void *arg);
+                   uint64_t retry_ms, const char *rid_header, gw_settle_cb cb, void *arg);
 
 #endif

@@ -215,6 +215,9 @@ struct owner_op {
     bool encode_failed;
     struct event *timer;
     long rows; /* release: rows Postgres reported, while the marker's removal runs */
+    /* settle_take: where the record's request id goes (the caller's buffer) */
+    char *rid_out;
+    size_t rid_out_n;
 };
 
 struct admin_op {

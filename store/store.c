@@ -194,11 +194,13 @@ static const Oid admin_page_types[] = {OID_TEXT, OID_TEXT, OID_INT8, OID_TIMESTA
 /* An operator's settle (POST /admin/keys/settle) takes an unknown outcome (or a claim in flight whose lease lapsed)
  * under a token of its own, as the probe's take does, but whatever its lease: the operator confirmed the business
  * fact. The completion that follows (S_COMPLETE) is fenced by that token, and a prober or owner holding the old
- * one is fenced out. The companion reads the record's state (no row: absent; 404 or 409). */
+ * one is fenced out. The companion reads the record's state (no row: absent; 404 or 409) and the id of the request
+ * that claimed it (the settled answer carries it, as an answer the gateway stored does). */
 static const char sql_settle_take[] = "UPDATE idemgate_keys SET token = $4, lease_until = now() + $5 * interval '1 ms'"
                                       " WHERE route = $1 AND scope = $2 AND key = $3"
                                       " AND (state = 'unknown' OR (state = 'in_flight' AND lease_until < now()))";
-static const char sql_settle_state[] = "SELECT state FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3";
+static const char sql_settle_state[] =
+    "SELECT state, request_id FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3";
 
 /* The replay caches of every gateway (gateway/cache.c) hear of a purge or a release through a notification sent
  * in the statement's own transaction (store/notify.h): delivered when, and only when, it commits. The payload is

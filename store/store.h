@@ -180,9 +180,11 @@ void store_probe_take(struct store *s, const struct store_id *id, uint64_t token
 
 /* An operator's settle (POST /admin/keys/settle): takes an unknown outcome (or a claim in flight whose lease
  * lapsed), whatever its lease, under token for hold_ms; store_complete with that token then writes the answer.
- * rows=1: taken; 0: the record is not an unknown outcome; -1: no such record. ok=false: Postgres failed. */
-void store_settle_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, store_done_cb cb,
-                       void *arg);
+ * rows=1: taken, and the id of the request that claimed the record copied into request_id[0..request_id_n) ("" when
+ * it has none; request_id is the caller's and must live until cb); 0: the record is not an unknown outcome; -1: no
+ * such record. ok=false: Postgres failed. */
+void store_settle_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, char *request_id,
+                       size_t request_id_n, store_done_cb cb, void *arg);
 
 /* One record the sweeper may probe: valid during the callback only (the store frees it). */
 struct store_unknown_rec {

@@ -3,6 +3,7 @@
  * (gateway/probe.c). */
 #include "store/internal.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -39,14 +40,21 @@ static void settle_take_cb(void *arg, enum store_pg_status st, const PGresult *p
     }
     const PGresult *state = store_pg_cb_then(w->h.s->pg);
     long rows = cmd_rows(pr);
-    owner_finish(w, true, rows > 0 ? 1 : state && PQntuples(state) > 0 ? 0 : -1);
+    bool has = state && PQntuples(state) > 0;
+    if (rows > 0 && has && PQnfields(state) >= 2 && !PQgetisnull(state, 0, 1) && w->rid_out_n > 0)
+        snprintf(w->rid_out, w->rid_out_n, "%.*s", PQgetlength(state, 0, 1), PQgetvalue(state, 0, 1));
+    owner_finish(w, true, rows > 0 ? 1 : has ? 0 : -1);
 }
 
-void store_settle_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, store_done_cb cb,
-                       void *arg)
+void store_settle_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, char *request_id,
+                       size_t request_id_n, store_done_cb cb, void *arg)
 {
     struct owner_op *w = owner_new(s, OP_PROBE_TAKE, id, token, cb, arg);
     w->arg_ms = hold_ms ? hold_ms : 1;
+    if (request_id_n > 0)
+        request_id[0] = '\0';
+    w->rid_out = request_id;
+    w->rid_out_n = request_id_n;
     owner_send(w, S_SETTLE_TAKE, settle_take_cb);
 }
 

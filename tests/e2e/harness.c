@@ -979,6 +979,28 @@ bool e2e_gw_log_wait(const struct e2e_gw *g, const char *needle, int timeout_ms)
     }
 }
 
+char *e2e_gw_access_line(const struct e2e_gw *g, const char *request_id, int timeout_ms)
+{
+    char needle[300];
+    snprintf(needle, sizeof needle, "event=access request_id=%s ", request_id);
+    uint64_t deadline = e2e_now_ms() + (uint64_t)timeout_ms;
+    for (;;) {
+        char *log = e2e_gw_log(g);
+        const char *at = log ? strstr(log, needle) : NULL;
+        if (at) {
+            while (at > log && at[-1] != '\n')
+                at--;
+            char *line = strndup(at, strcspn(at, "\n"));
+            free(log);
+            return line;
+        }
+        free(log);
+        if (e2e_now_ms() >= deadline)
+            return NULL;
+        e2e_sleep_ms(20);
+    }
+}
+
 /* ---- HTTP client */
 
 struct xfer {

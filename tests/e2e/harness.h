@@ -152,6 +152,9 @@ bool e2e_gw_log_contains_outside_access(const struct e2e_gw *g, const char *need
 size_t e2e_gw_log_count(const struct e2e_gw *g, const char *needle);
 /* Polls the log until needle appears (true) or timeout_ms passes (false). */
 bool e2e_gw_log_wait(const struct e2e_gw *g, const char *needle, int timeout_ms);
+/* Polls the log (logfmt) for the access line of the request request_id: the line (heap, caller frees), or NULL
+ * after timeout_ms. */
+char *e2e_gw_access_line(const struct e2e_gw *g, const char *request_id, int timeout_ms);
 /* Renders a template with the same placeholders (for --check tests); heap. */
 char *e2e_render(const char *tmpl, const char *const *vars);
 /* Status of GET /readyz on the admin port (0 when the request failed). */

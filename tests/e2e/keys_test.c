@@ -353,6 +353,13 @@ Test(keys, the_cli_lists_shows_settles_and_purges_with_exit_codes)
     struct e2e_resp r;
     e2e_http_key(gw->port, "POST", "/v1/pay", key, slow, "{\"amount\":7}", 0, &r);
     e2e_expect_problem(&r, 504, "upstream-timeout", "first attempt");
+    char rid504[160]; /* the request that executed: every replay's line names it */
+    snprintf(rid504, sizeof rid504, "%s", e2e_resp_header(&r, "X-Request-Id") ?: "(none)");
+    char *l = e2e_gw_access_line(gw, rid504, 5000);
+    cr_expect(l && strstr(l, " status=504 ") && strstr(l, " outcome="), "the 504 unknown outcome is logged: %s",
+              l ? l : "(no line)");
+    cr_log_info("504: %s", l ? l : "");
+    free(l);
     e2e_resp_free(&r);
 
     char *out = NULL, *err = NULL;
@@ -408,11 +415,25 @@ Test(keys, the_cli_lists_shows_settles_and_purges_with_exit_codes)
     cr_expect(strstr(out, "settled") != NULL, "%s", out);
     free(out);
     free(err);
-    e2e_http_key(gw->port, "POST", "/v1/pay", key, NULL, "{\"amount\":7}", 0, &r);
-    cr_expect_eq(r.status, 201, "the retry replays the settled answer: %ld", r.status);
-    cr_expect(e2e_resp_is_replay(&r));
-    cr_expect(r.body && strcmp((const char *)r.body, "{\"id\":7}") == 0, "%s", r.body);
-    e2e_resp_free(&r);
+    /* the retries replay the settled answer (from the store, then from the replay cache); each access line says
+     * so and names the request that executed (the 504), not the admin's */
+    char want[200];
+    snprintf(want, sizeof want, " original_request_id=%s ", rid504);
+    for (int i = 0; i < 2; i++) {
+        e2e_http_key(gw->port, "POST", "/v1/pay", key, NULL, "{\"amount\":7}", 0, &r);
+        cr_expect_eq(r.status, 201, "the retry replays the settled answer: %ld", r.status);
+        cr_expect(e2e_resp_is_replay(&r));
+        cr_expect(r.body && strcmp((const char *)r.body, "{\"id\":7}") == 0, "%s", r.body);
+        const char *rid = e2e_resp_header(&r, "X-Request-Id");
+        cr_assert(rid && strcmp(rid, rid504) != 0, "the replay has its own id");
+        l = e2e_gw_access_line(gw, rid, 5000);
+        cr_expect(l && strstr(l, " status=201 ") && strstr(l, " outcome=replayed ") && strstr(l, " replayed=true") &&
+                      strstr(l, want),
+                  "replay %d after the settle: %s", i, l ? l : "(no line)");
+        cr_log_info("replay %d: %s", i, l ? l : "");
+        free(l);
+        e2e_resp_free(&r);
+    }
 
     /* error answers: exit 1 with the problem on stderr */
     cr_expect_eq(cli(gw, false, &out, &err,
