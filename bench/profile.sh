@@ -340,7 +340,7 @@ perf_top() { # DATA: top 25 symbols by self time, in every object the gateway's 
 }
 perf_own() { # DATA: the gateway's own functions by children (self + what they call)
     timeout 600 perf report -i "$1" --stdio --children --sort dso,sym -g none 2>/dev/null |
-        awk '$3 == "idemgate" && n++ < 40' || true
+        awk -v dso="$(basename "$IDEMGATE")" '$3 == dso && n++ < 40' || true
 }
 
 REPLAY_WARM=0

@@ -976,10 +976,11 @@ bool cm_consttime_eq(const void *a, size_t alen, const void *b, size_t blen)
     return diff == 0;
 }
 
-/* Tokens are drawn from a per-thread block of CSPRNG output, refilled every RANDOM_BLOCK tokens: one RAND_bytes
- * call (and its locks) per block rather than per claim. The process never forks after drawing one, so no two
+/* Tokens and request ids are drawn from a per-thread block of CSPRNG output, refilled every RANDOM_BLOCK draws:
+ * one RAND_bytes call (and its locks) per block rather than per claim or request (each request draws two; at 64 a
+ * block the calls still showed in a request's profile). The process never forks after drawing one, so no two
  * processes share a block. */
-#define RANDOM_BLOCK 64
+#define RANDOM_BLOCK 512
 /* 64 random bits from this thread's block of CSPRNG output (refilled with one RAND_bytes call). */
 static uint64_t random_u64(void)
 {

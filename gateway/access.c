@@ -33,10 +33,11 @@ void gw_job_count(struct gw_job *job, enum cm_outcome o)
  * (cm_log_quote). */
 static const char *val(char *buf, size_t n, const char *s)
 {
+    /* one bit per byte value: a-z A-Z 0-9 - _ . : / ~ + @ % */
+    static const uint32_t bare[8] = {0, 0x07ffe820u, 0x87ffffffu, 0x47fffffeu, 0, 0, 0, 0};
     size_t len = 0;
-    for (const char *p = s; *p; p++, len++)
-        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || *p == '-' ||
-              *p == '_' || *p == '.' || *p == ':' || *p == '/' || *p == '~' || *p == '+' || *p == '@' || *p == '%'))
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++, len++)
+        if (!(bare[*p >> 5] >> (*p & 31) & 1))
             return cm_log_quote(buf, n, s);
     return len > 0 && len < n ? s : cm_log_quote(buf, n, s);
 }
