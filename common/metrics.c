@@ -3,6 +3,7 @@
 #include "common/metrics.h"
 
 #include "common/alog.h"
+#include "common/recent.h"
 #include "common/version.h"
 
 #include <dirent.h>
@@ -231,6 +232,7 @@ void cm_metrics_reset(void)
     }
     atomic_store(&n_up, 0);
     zero_globals();
+    cm_recent_reset(); /* its route slots are these: new names may take them now */
 }
 
 /* Appends a slot for name; the caller holds reg.mu. Returns its index, or CM_ROUTE_NONE when the registry is full. */

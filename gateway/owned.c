@@ -27,6 +27,7 @@ struct owned {
     uint8_t scope[32];
     uint8_t fp[32]; /* the holder's request fingerprint */
     bool has_fp;
+    uint64_t taken_ms; /* when it was recorded (cm_now_ms): the holder's attempt's age for Retry-After */
     size_t route_len, key_len;
     char bytes[]; /* route, then key */
 };
@@ -64,6 +65,7 @@ static enum gw_owned take(const struct store_id *id, const uint8_t *fp, bool mar
     size_t rl = strlen(id->route);
     uint64_t h = id_hash(id, rl, marker);
     enum gw_owned r = GW_OWNED_TAKEN;
+    uint64_t now = cm_now_ms();
     pthread_mutex_lock(&owned_mu);
     struct owned **pp = find(id, rl, h, marker);
     if (*pp) {
@@ -77,6 +79,7 @@ static enum gw_owned take(const struct store_id *id, const uint8_t *fp, bool mar
         o->marker = marker;
         memcpy(o->scope, id->scope, sizeof o->scope);
         o->has_fp = fp != NULL;
+        o->taken_ms = now;
         if (fp != NULL)
             memcpy(o->fp, fp, sizeof o->fp);
         o->route_len = rl;
@@ -115,27 +118,39 @@ void gw_owned_drop(const struct store_id *id)
     drop(id, false);
 }
 
-static enum gw_held held(const struct store_id *id, const uint8_t *fp, bool marker)
+static enum gw_held held(const struct store_id *id, const uint8_t *fp, bool marker, uint64_t *age_ms)
 {
     size_t rl = strlen(id->route);
     uint64_t h = id_hash(id, rl, marker);
+    uint64_t taken = 0;
     pthread_mutex_lock(&owned_mu);
     const struct owned *o = *find(id, rl, h, marker);
     enum gw_held r = o == NULL                                                         ? GW_HELD_NO
                      : fp != NULL && o->has_fp && memcmp(o->fp, fp, sizeof o->fp) != 0 ? GW_HELD_OTHER
                                                                                        : GW_HELD_SAME;
+    if (o)
+        taken = o->taken_ms;
     pthread_mutex_unlock(&owned_mu);
+    if (age_ms && r != GW_HELD_NO) {
+        uint64_t now = cm_now_ms();
+        *age_ms = now > taken ? now - taken : 0;
+    }
     return r;
 }
 
 enum gw_held gw_owned_held_fp(const struct store_id *id, const uint8_t *fp)
 {
-    return held(id, fp, false);
+    return held(id, fp, false, NULL);
+}
+
+enum gw_held gw_owned_held_age(const struct store_id *id, const uint8_t *fp, uint64_t *age_ms)
+{
+    return held(id, fp, false, age_ms);
 }
 
 bool gw_owned_held(const struct store_id *id)
 {
-    return held(id, NULL, false) != GW_HELD_NO;
+    return held(id, NULL, false, NULL) != GW_HELD_NO;
 }
 
 /* A marker is recorded as a store_id whose key is the resource: the marker flag keeps it apart from a key. */
@@ -159,7 +174,7 @@ void gw_owned_marker_drop(const struct store_order_id *id)
 bool gw_owned_marker_held(const struct store_order_id *id)
 {
     struct store_id k = marker_id(id);
-    return held(&k, NULL, true) != GW_HELD_NO;
+    return held(&k, NULL, true, NULL) != GW_HELD_NO;
 }
 
 size_t gw_owned_count(void)

@@ -27,6 +27,9 @@ enum gw_held {
 bool gw_owned_held(const struct store_id *id);
 /* The same, comparing the holder's fingerprint with fp (32 bytes). */
 enum gw_held gw_owned_held_fp(const struct store_id *id, const uint8_t *fp);
+/* The same, and when it is held, the time since the holder recorded it (this process's monotonic clock: when
+ * Postgres gave it the claim, as its answer arrived) into *age_ms. */
+enum gw_held gw_owned_held_age(const struct store_id *id, const uint8_t *fp, uint64_t *age_ms);
 /* Records id (copied) and its request's fingerprint fp (32 bytes, copied; NULL: none) as held by the caller, once
  * Postgres gave it the claim. */
 enum gw_owned gw_owned_take(const struct store_id *id, const uint8_t *fp);

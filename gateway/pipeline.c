@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/recent.h"
 #include "gateway/cache.h"
 #include "gateway/gateway.h"
 #include "gateway/ctx.h"
@@ -485,6 +486,8 @@ static void upstream_done(struct gw_job *job, bool idempotent, enum up_result r,
     job->pipe->transfer = NULL;
     cm_metric_upstream(job->route_index, job->upstream ? job->upstream->name : NULL, r == UP_OK ? resp->status : 0,
                        secs);
+    if (idempotent) /* how long a keyed attempt takes: Retry-After on a key in use (SPEC 11) */
+        cm_recent_observe(job->route_index, secs > 0 && secs < 1e9 ? (uint64_t)(secs * 1000.0 + 0.5) : 0, cm_now_ms());
     gw_span_end(job, job->ctx->tracer, "upstream", r == UP_OK ? resp->status : 0, r != UP_OK);
     if (r != UP_CONNECT_FAILED) /* SPEC 11's upstream_ms: it was sent */
         job->upstream_ms = secs * 1000.0;
@@ -798,8 +801,9 @@ static void probe_unknown(struct gw_job *job)
     gw_probe_run(job->ctx->probe, job->route_index, &id, &job->probe_hdrs, probe_answered, job);
 }
 
-/* The key is in flight (in Postgres, or held by another request of this process): wait (on_in_flight: wait) or 409. */
-static void in_flight(struct gw_job *job, uint64_t lease_remaining_ms)
+/* The key is in flight (in Postgres, or held by another request of this process): wait (on_in_flight: wait) or 409
+ * whose Retry-After estimates when the first attempt (age_ms old) will be done (SPEC 11). */
+static void in_flight(struct gw_job *job, uint64_t lease_remaining_ms, uint64_t age_ms)
 {
     struct gw_pipe *p = job->pipe;
     const struct conf_idem *im = &job->route->idem;
@@ -823,7 +827,8 @@ static void in_flight(struct gw_job *job, uint64_t lease_remaining_ms)
     cm_metric_in_flight_conflict(job->route_index);
     gw_job_problem(job, 409, "idempotency-key-in-use", "Idempotency key in use",
                    "a request with this key is still being processed; retry later");
-    gw_job_retry_after(job, lease_remaining_ms < im->lease_ms ? lease_remaining_ms : im->lease_ms);
+    uint64_t lease_left = lease_remaining_ms < im->lease_ms ? lease_remaining_ms : im->lease_ms;
+    gw_job_retry_after(job, cm_recent_wait_ms(job->route_index, age_ms, lease_left, cm_now_ms()));
     finish(job, CM_OUT_IN_FLIGHT);
 }
 
@@ -876,7 +881,7 @@ static void claimed(void *arg, struct store_claim_res *res)
         finish(job, answer_record(job, res));
         return;
     case STORE_IN_FLIGHT:
-        in_flight(job, res->lease_remaining_ms);
+        in_flight(job, res->lease_remaining_ms, res->age_ms);
         return;
     case STORE_UNKNOWN:
         if (im->on_unknown == CONF_UNKNOWN_PROBE && !p->probed) {
@@ -886,7 +891,7 @@ static void claimed(void *arg, struct store_claim_res *res)
         if (im->on_unknown == CONF_UNKNOWN_PROBE) {
             /* the look-up could not take it (GW_PROBE_BUSY): the original attempt may still be running (SPEC 8, the
              * probe waits for it to be over), or another prober holds it: in use */
-            in_flight(job, res->lease_remaining_ms);
+            in_flight(job, res->lease_remaining_ms, res->age_ms);
             return;
         }
         answer_unknown(job);
@@ -917,14 +922,15 @@ static void claim(struct gw_job *job)
     gw_span_begin(job);
     /* A key this process holds in flight is in flight, whatever its lease in Postgres says: its owner is alive
      * (SPEC 8), and asking Postgres could take it over from the owner after an outage longer than the lease. */
-    enum gw_held held = job->shadow ? GW_HELD_NO : gw_owned_held_fp(&req.id, job->fp);
+    uint64_t held_ms = 0;
+    enum gw_held held = job->shadow ? GW_HELD_NO : gw_owned_held_age(&req.id, job->fp, &held_ms);
     if (held == GW_HELD_OTHER) { /* another request's key: 422 whatever its state, as Postgres answers (SPEC 4) */
         answer_mismatch(job);
         finish(job, CM_OUT_MISMATCH);
         return;
     }
-    if (held == GW_HELD_SAME) {
-        in_flight(job, im->lease_ms);
+    if (held == GW_HELD_SAME) { /* its owner renews the lease: the whole lease is the bound */
+        in_flight(job, im->lease_ms, held_ms);
         return;
     }
     /* a completed record held in memory: no store round trip (unless the front just found none) */

@@ -190,6 +190,10 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
     } else {
         res.verdict = STORE_UNKNOWN;
     }
+    if (PQnfields(pr) >= 12 && !PQgetisnull(pr, 0, 11)) { /* the attempt's age, on Postgres's clock */
+        int64_t age = store_pg_get_i64(pr, 0, 11);
+        res.age_ms = age > 0 ? (uint64_t)age : 0;
+    }
 #undef STATE_IS
     claim_pg_settled(c, &res, NULL, 0);
 }

@@ -30,6 +30,9 @@ static const Oid fenced_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_
 static const Oid release_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8};
 static const Oid admin_types[] = {OID_TEXT, OID_TEXT};
 
+/* The last column of every claim's result: the record's age in ms on Postgres's clock (SPEC 8: one clock), for
+ * Retry-After on a key in use (SPEC 11); 0 on a row the claim inserted. p: the table's alias and a dot, or "". */
+#define AGE_MS(p) "greatest(0, floor(extract(epoch FROM now() - " p "created_at) * 1000))::int8"
 /* The claim: one statement. The upsert takes the key when it is new, past
  * retention, or (takeover) a lapsed claim with the same fingerprint; else the
  * second branch reads the existing record. Under READ COMMITTED that read
@@ -50,14 +53,14 @@ static const char sql_claim[] =
     " WHERE " TAKEABLE("k.")
     " RETURNING k.token, k.created_at)"
     " SELECT 'new'::text, token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true, created_at,"
-    " NULL::text"
+    " NULL::text, 0::int8"
     " FROM ins"
     " UNION ALL"
     " SELECT state, token, fingerprint, status, response,"
     " greatest(0, ceil(extract(epoch FROM lease_until - now()) * 1000))::int8,"
     " greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::int8,"
     " " TAKEABLE("") ","
-    " lease_until >= now(), created_at, request_id"
+    " lease_until >= now(), created_at, request_id, " AGE_MS("")
     " FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)";
 /* clang-format on */
 
@@ -84,14 +87,14 @@ static const char sql_claim_multi[] =
     " AND k.fingerprint = EXCLUDED.fingerprint)"
     " RETURNING k.route, k.scope, k.key, k.token, k.created_at)"
     " SELECT u.n, 'new'::text, ins.token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true,"
-    " ins.created_at, NULL::text FROM u JOIN ins ON ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key"
+    " ins.created_at, NULL::text, 0::int8 FROM u JOIN ins ON ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key"
     " UNION ALL"
     " SELECT u.n, t.state, t.token, t.fingerprint, t.status, t.response,"
     " greatest(0, ceil(extract(epoch FROM t.lease_until - now()) * 1000))::int8,"
     " greatest(0, floor(extract(epoch FROM t.expires_at - now()) * 1000))::int8,"
     " (t.state = 'completed' AND t.expires_at < now() AND t.lease_until < now()) OR (u.takeover AND t.state IN ('in_flight', 'unknown')"
     " AND t.lease_until < now() AND t.fingerprint = u.fp),"
-    " t.lease_until >= now(), t.created_at, t.request_id"
+    " t.lease_until >= now(), t.created_at, t.request_id, " AGE_MS("t.")
     " FROM u JOIN idemgate_keys t ON t.route = u.route AND t.scope = u.scope AND t.key = u.key"
     " WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.route = u.route AND ins.scope = u.scope AND ins.key = u.key)";
 /* clang-format on */
@@ -124,13 +127,13 @@ static const char sql_claim_citus[] =
     " request_id = EXCLUDED.request_id"
     " WHERE " TAKEABLE_AT("k.", "EXCLUDED.created_at")
     " RETURNING 'new'::text, k.token, NULL::bytea, NULL::int4, NULL::bytea, 0::int8, 0::int8, false, true,"
-    " k.created_at, NULL::text";
+    " k.created_at, NULL::text, 0::int8";
 static const char sql_claim_citus_read[] =
     "SELECT state, token, fingerprint, status, response,"
     " greatest(0, ceil(extract(epoch FROM lease_until - now()) * 1000))::int8,"
     " greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::int8,"
     " " TAKEABLE("") ","
-    " lease_until >= now(), created_at, request_id"
+    " lease_until >= now(), created_at, request_id, " AGE_MS("")
     " FROM idemgate_keys WHERE route = $1 AND scope = $2 AND key = $3";
 /* clang-format on */
 

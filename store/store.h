@@ -113,6 +113,8 @@ struct store_claim_res {
     uint64_t fence;              /* STORE_NEW: the claim's time in Postgres (us since 2000): higher for every later
                                   * claim of the key, as a lease lapses only after its claim (forward_token) */
     uint64_t lease_remaining_ms; /* STORE_IN_FLIGHT: time left on the lease */
+    uint64_t age_ms;             /* STORE_IN_FLIGHT, STORE_UNKNOWN: the time since the record was claimed, on
+                                  * Postgres's clock (now() - created_at), for Retry-After (SPEC 11) */
     struct cm_resp resp;         /* STORE_REPLAY: the stored answer (callee may move it out) */
     bool from_redis;             /* answered by the Redis filter without Postgres */
     uint64_t expires_in_ms;      /* STORE_REPLAY: ms left before the record expires, as Postgres computed it when

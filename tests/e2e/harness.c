@@ -1791,3 +1791,25 @@ char *e2e_bearer_hs256(const char *hdr, const char *payload, const char *secret)
     snprintf(out, 3000, "Authorization: Bearer %s.%s", msg, sig);
     return out;
 }
+
+/* ---- a gateway with a shifted wall clock */
+
+const char *const *e2e_clock_env(long shift_ms)
+{
+    static char preload[1024], shift[64], asan[1024];
+    static const char *env[4];
+    if (shift_ms == 0)
+        return NULL;
+    snprintf(preload, sizeof preload, "LD_PRELOAD=%s", e2e_env("IDEMGATE_TEST_CLOCKSHIFT"));
+    snprintf(shift, sizeof shift, "IDEMGATE_CLOCK_SHIFT_MS=%ld", shift_ms);
+    size_t n = 0;
+    env[n++] = preload;
+    env[n++] = shift;
+    const char *ao = getenv("ASAN_OPTIONS");
+    if (ao != NULL) { /* the shim comes before the ASan runtime in the library list */
+        snprintf(asan, sizeof asan, "ASAN_OPTIONS=%s:verify_asan_link_order=0", ao);
+        env[n++] = asan;
+    }
+    env[n] = NULL;
+    return env;
+}

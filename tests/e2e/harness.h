@@ -310,6 +310,11 @@ double e2e_metric_value(const char *text, const char *name, const char *const *l
  * signed HS256 with secret. */
 char *e2e_bearer_hs256(const char *hdr, const char *payload, const char *secret);
 
+/* The environment (e2e_gw_opts.env) of a gateway whose wall clock is shift_ms off through the clockshift shim
+ * (tests/tools/clockshift.c, LD_PRELOAD): NULL-terminated, static storage (the next call overwrites it); NULL when
+ * shift_ms is 0. */
+const char *const *e2e_clock_env(long shift_ms);
+
 /* Monotonic milliseconds. */
 uint64_t e2e_now_ms(void);
 void e2e_sleep_ms(int ms);

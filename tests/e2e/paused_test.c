@@ -46,27 +46,6 @@ static void resume_proc(pid_t pid)
     stopped_pid = 0;
 }
 
-/* The environment of a gateway whose wall clock is shift_ms off (0: none; NULL-terminated; static storage). */
-static const char *const *clock_env(long shift_ms)
-{
-    static char preload[1024], shift[64], asan[1024];
-    static const char *env[4];
-    if (shift_ms == 0)
-        return NULL;
-    snprintf(preload, sizeof preload, "LD_PRELOAD=%s", e2e_env("IDEMGATE_TEST_CLOCKSHIFT"));
-    snprintf(shift, sizeof shift, "IDEMGATE_CLOCK_SHIFT_MS=%ld", shift_ms);
-    size_t n = 0;
-    env[n++] = preload;
-    env[n++] = shift;
-    const char *ao = getenv("ASAN_OPTIONS");
-    if (ao != NULL) { /* the shim comes before the ASan runtime in the library list */
-        snprintf(asan, sizeof asan, "ASAN_OPTIONS=%s:verify_asan_link_order=0", ao);
-        env[n++] = asan;
-    }
-    env[n] = NULL;
-    return env;
-}
-
 /* A gateway (one loop, pool 2) in front of up, whose upstream "api" has one connection at most (timeout), with the
  * route "pay" (/v1/pay; idem: its idempotency lines, each indented by six) and the guarded route "acct"
  * (/v1/acct/{id}, X-Sequence, lease 1s, hold 500ms). Waits until /readyz answers 200. */
@@ -99,7 +78,7 @@ static struct e2e_gw *gw_start(const struct e2e_upstream *up, const char *timeou
                                                                            "      sequence: header:X-Sequence\n"
                                                                            "      hold: 500ms\n",
                        timeout, idem) > 0);
-    struct e2e_gw_opts o = {.up = up, .wait_ready = true, .env = clock_env(shift_ms)};
+    struct e2e_gw_opts o = {.up = up, .wait_ready = true, .env = e2e_clock_env(shift_ms)};
     struct e2e_gw *gw = e2e_gw_start(conf, &o);
     free(conf);
     return gw;
@@ -420,7 +399,7 @@ static void claim_in_doubt_with_clock(long shift_ms)
                        "upstreams:\n" E2E_CONF_UPSTREAM("api", "{{UPSTREAM_URL}}", "20s") "routes:\n" E2E_CONF_ROUTE(
                            "pay", "/v1/pay", "api") "      key: required\n"
                                                     "      lease: 30s\n") > 0);
-    struct e2e_gw_opts o = {.up = up, .wait_ready = true, .env = clock_env(shift_ms)};
+    struct e2e_gw_opts o = {.up = up, .wait_ready = true, .env = e2e_clock_env(shift_ms)};
     struct e2e_gw *gw = e2e_gw_start(conf, &o);
     free(conf);
     char key0[96], key[96];

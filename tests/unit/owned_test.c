@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "gateway/owned.h"
 
@@ -60,6 +61,21 @@ Test(owned, the_holders_fingerprint_is_compared)
     gw_owned_drop(&a);
     gw_owned_drop(&b);
     cr_expect_eq(gw_owned_held_fp(&a, fp), GW_HELD_NO);
+}
+
+/* The holder's age (for Retry-After on a key in use): the time since it was recorded, on the monotonic clock. */
+Test(owned, a_held_keys_age)
+{
+    struct store_id a = id_of("pay", 3, "k-age");
+    uint64_t age = 12345;
+    cr_expect_eq(gw_owned_held_age(&a, NULL, &age), GW_HELD_NO);
+    cr_expect_eq(age, 12345, "untouched when not held");
+    cr_expect_eq(gw_owned_take(&a, NULL), GW_OWNED_TAKEN);
+    struct timespec ts = {0, 120 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    cr_expect_eq(gw_owned_held_age(&a, NULL, &age), GW_HELD_SAME);
+    cr_expect(age >= 120 && age < 5000, "held for about 120 ms: %llu", (unsigned long long)age);
+    gw_owned_drop(&a);
 }
 
 static void *churn(void *arg)
