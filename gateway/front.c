@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "common/addr.h"
+#include "common/alog.h"
 #include "common/uri.h"
 #include "gateway/access.h"
 #include "gateway/answer.h"
@@ -970,9 +971,13 @@ static enum MHD_Result on_headers(struct req *r, struct MHD_Connection *c, const
         job->route_index = CM_ROUTE_DEFAULT;
         job->upstream = &conf->upstreams[conf->default_upstream];
     } /* else CM_ROUTE_NONE, as set at the request line */
-    /* a traceparent sent twice is not one to continue */
-    gw_trace_begin(job, gw_loop_ctx(r->shard->loop)->tracer,
-                   header_count(&r->in_hdrs, "traceparent") == 1 ? cm_hdrs_get(&r->in_hdrs, "traceparent") : NULL);
+    /* a traceparent sent twice is not one to continue; read only when tracing or the access line (its trace_id)
+     * wants it: with both off a request costs nothing here */
+    struct up_tracer *tracer = gw_loop_ctx(r->shard->loop)->tracer;
+    gw_trace_begin(job, tracer,
+                   (tracer || cm_alog_enabled()) && header_count(&r->in_hdrs, "traceparent") == 1
+                       ? cm_hdrs_get(&r->in_hdrs, "traceparent")
+                       : NULL);
 
     struct gw_conn *t = track_of(c);
     if (t && t->over_limit)
