@@ -254,10 +254,11 @@ Test(faults, a_claim_made_after_redis_answered_is_released)
         e2e_sleep_ms(20);
     cr_assert_geq(gw_metric(gw, "idemgate_store_seconds_count", rd), before + 2, "Redis was not refilled");
 
-    /* a session locks the record, then deletes it after 1 s */
+    /* a session locks the record, then deletes it after 3 s (long enough that a poll slowed by a busy machine, each
+     * one a psql process, still sees it sleeping) */
     char sql[512];
     snprintf(sql, sizeof sql,
-             "BEGIN; SELECT 1 FROM idemgate_keys WHERE key = '%s' FOR UPDATE; SELECT pg_sleep(1);"
+             "BEGIN; SELECT 1 FROM idemgate_keys WHERE key = '%s' FOR UPDATE; SELECT pg_sleep(3);"
              " DELETE FROM idemgate_keys WHERE key = '%s'; COMMIT;",
              key, key);
     const char *const argv[] = {"/usr/bin/psql",
@@ -276,10 +277,16 @@ Test(faults, a_claim_made_after_redis_answered_is_released)
              "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND query LIKE '%%%s%%'"
              " AND pid <> pg_backend_pid()",
              key);
-    uint64_t end = e2e_now_ms() + 5000;
-    while (e2e_psql_long(q) == 0 && e2e_now_ms() < end)
+    uint64_t end = e2e_now_ms() + 10000;
+    long sleeping = 0;
+    while ((sleeping = e2e_psql_long(q)) == 0 && e2e_now_ms() < end && !e2e_proc_wait(locker, 0))
         e2e_sleep_ms(20);
-    cr_assert(e2e_now_ms() < end, "the locking session never slept");
+    if (sleeping <= 0) {
+        char *log = e2e_proc_log(locker);
+        cr_log_error("psql locker (exit %d): %.2000s", e2e_proc_exit_code(locker), log ? log : "");
+        free(log);
+    }
+    cr_assert(sleeping > 0, "the locking session never slept");
 
     uint64_t t0 = e2e_now_ms();
     post(gw->port, "/v1/pay", key, "{\"u\":1}", NULL, &r);
