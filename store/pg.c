@@ -6,6 +6,7 @@
 #include "store/pg.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -109,12 +110,16 @@ struct store_pg {
     struct setup_step *steps; /* what a new connection prepares, then plan-checks */
     size_t nsteps;
     struct pg_conn *conns;
-    unsigned n_up;         /* READY or BUSY */
-    unsigned n_connecting; /* CONNECTING or PREPARING */
-    bool attempted;        /* at least one connection attempt finished */
-    bool last_failed;      /* the last connection attempt failed */
-    bool reported;         /* a state was logged */
-    bool reported_up;      /* the state logged last */
+    unsigned n_up;              /* READY or BUSY */
+    unsigned n_connecting;      /* CONNECTING or PREPARING */
+    bool attempted;             /* at least one connection attempt finished */
+    bool last_failed;           /* the last connection attempt failed */
+    uint64_t last_fail_ms;      /* when (cm_now_ms) */
+    uint64_t tried_ms;          /* the last connection attempt started then (cm_now_ms) */
+    struct event *wake;         /* another pool of the process connected: try every connection now (pg_wake_cb) */
+    struct store_pg *next_pool; /* in the process's list of pools (pools_lock) */
+    bool reported;              /* a state was logged */
+    bool reported_up;           /* the state logged last */
     atomic_bool up;
     atomic_uint_least64_t ok_ms; /* the server last answered then (a result, a new connection) */
     atomic_bool failing;         /* a connection broke, failed to connect or timed out after that */
@@ -248,6 +253,20 @@ static void q_defer_fail(struct store_pg *p, struct pg_query *q, enum store_pg_s
 
 /* ---- up/down bookkeeping */
 
+/* When a pool of this process last connected (cm_now_ms, 0: never). Each I/O loop has its own pool, and each pool
+ * retries a lost server after its own backoff (up to BACKOFF_MAX_MS): without this, a loop whose pool was still
+ * waiting answered "postgres unavailable" for up to 2 s after another loop's had reconnected. A pool that is down
+ * and gets a query looks here (pg_kick). */
+static atomic_uint_least64_t pg_connected_ms;
+/* Every pool of the process, so that the first to connect after an outage wakes the others (their settle operations,
+ * waiting for Postgres, then go before their leases can lapse). A pool's wake event is activated under this lock,
+ * from any thread (the gateway's event bases are thread-aware). */
+static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct store_pg *pools;
+
+/* Without traffic a lost server is tried after the backoff; with traffic no later than this after the last try. */
+#define PG_DEMAND_TRY_MS 250
+
 static void mark_ok(struct store_pg *p)
 {
     atomic_store(&p->ok_ms, cm_now_ms());
@@ -306,6 +325,7 @@ static void fail_queue(struct store_pg *p, const char *msg)
 static void conn_io_cb(evutil_socket_t fd, short what, void *arg);
 static void conn_timer_cb(evutil_socket_t fd, short what, void *arg);
 static void conn_start(struct pg_conn *c);
+static void pg_wake_others(const struct store_pg *p);
 static void dispatch(struct store_pg *p);
 
 static void conn_watch(struct pg_conn *c, short what)
@@ -354,9 +374,12 @@ static void conn_close(struct pg_conn *c)
     set_state(c, C_DOWN);
 }
 
+/* The wait is between half the backoff and all of it (jitter): the pools of a process, and the processes behind one
+ * server, do not all come back at the same instant after an outage. */
 static void conn_backoff(struct pg_conn *c)
 {
-    struct timeval tv = {(time_t)(c->backoff_ms / 1000), (suseconds_t)((c->backoff_ms % 1000) * 1000)};
+    uint64_t half = c->backoff_ms / 2, ms = half + cm_random_token() % (half + 1);
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
     set_state(c, C_BACKOFF);
     evtimer_add(c->timer, &tv);
     c->backoff_ms = c->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : c->backoff_ms * 2;
@@ -374,6 +397,7 @@ static void conn_connect_failed(struct pg_conn *c, const char *why_in)
     conn_backoff(c);
     p->attempted = true;
     p->last_failed = true;
+    p->last_fail_ms = cm_now_ms();
     if (p->n_up == 0)
         fail_queue(p, "postgres unavailable");
     update_up(p, why);
@@ -583,6 +607,9 @@ static void conn_ready(struct pg_conn *c)
     evtimer_del(c->timer);
     bool was_down = p->n_up == 0;
     mark_ok(p);
+    atomic_store(&pg_connected_ms, cm_now_ms());
+    if (was_down)
+        pg_wake_others(p);
     set_state(c, C_READY);
     c->backoff_ms = BACKOFF_MIN_MS;
     p->attempted = true;
@@ -638,6 +665,7 @@ static void conn_poll(struct pg_conn *c)
 static void conn_start(struct pg_conn *c)
 {
     struct store_pg *p = c->pool;
+    p->tried_ms = cm_now_ms();
     /* dbname last: what the URL says (application_name too) wins. */
     static const char *const kw[] = {"application_name", "dbname", NULL};
     const char *vals[] = {"idemgate", p->conninfo, NULL};
@@ -976,6 +1004,61 @@ static void conn_io_cb(evutil_socket_t fd, short what, void *arg)
         conn_watch(c, 0);
         return;
     }
+}
+
+/* Every connection of p waiting out its backoff tries now. */
+static void pg_try_all(struct store_pg *p)
+{
+    for (unsigned i = 0; i < p->opts.size; i++) {
+        struct pg_conn *c = &p->conns[i];
+        if (c->state != C_BACKOFF)
+            continue;
+        evtimer_del(c->timer);
+        c->backoff_ms = BACKOFF_MIN_MS;
+        conn_start(c);
+    }
+}
+
+static void pg_wake_cb(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    struct store_pg *p = arg;
+    if (p->n_up == 0)
+        pg_try_all(p);
+}
+
+static void pg_wake_others(const struct store_pg *p)
+{
+    pthread_mutex_lock(&pools_lock);
+    for (struct store_pg *o = pools; o; o = o->next_pool)
+        if (o != p)
+            event_active(o->wake, EV_TIMEOUT, 1);
+    pthread_mutex_unlock(&pools_lock);
+}
+
+/* A query came to pool p while none of its connections is up and its last attempt failed. When another pool of the
+ * process has connected since (the server is back), every connection of p tries now and the query waits in the
+ * queue for them: true. Else false: the query fails at once, as long as the server is down; and when p last tried
+ * PG_DEMAND_TRY_MS ago or more, one connection tries now (traffic shortens the backoff, never waits for it). */
+static bool pg_kick(struct store_pg *p)
+{
+    if (atomic_load(&pg_connected_ms) > p->last_fail_ms) {
+        pg_try_all(p);
+        if (p->n_connecting > 0 || p->n_up > 0)
+            return true;
+    }
+    if (p->n_connecting == 0 && cm_now_ms() - p->tried_ms >= PG_DEMAND_TRY_MS) {
+        for (unsigned i = 0; i < p->opts.size; i++) {
+            struct pg_conn *c = &p->conns[i];
+            if (c->state == C_BACKOFF) {
+                evtimer_del(c->timer);
+                conn_start(c);
+                break;
+            }
+        }
+    }
+    return false;
 }
 
 static void conn_timer_cb(evutil_socket_t fd, short what, void *arg)
@@ -1350,6 +1433,13 @@ struct store_pg *store_pg_create(struct event_base *base, const struct store_pg_
             abort();
         c->backoff_ms = BACKOFF_MIN_MS;
     }
+    p->wake = event_new(base, -1, 0, pg_wake_cb, p);
+    if (!p->wake)
+        abort();
+    pthread_mutex_lock(&pools_lock);
+    p->next_pool = pools;
+    pools = p;
+    pthread_mutex_unlock(&pools_lock);
     cm_metric_postgres_up(false);
     conn_start(&p->conns[0]);
     return p;
@@ -1359,6 +1449,14 @@ void store_pg_destroy(struct store_pg *p)
 {
     if (!p)
         return;
+    pthread_mutex_lock(&pools_lock);
+    for (struct store_pg **pp = &pools; *pp; pp = &(*pp)->next_pool)
+        if (*pp == p) {
+            *pp = p->next_pool;
+            break;
+        }
+    pthread_mutex_unlock(&pools_lock);
+    event_free(p->wake);
     for (unsigned i = 0; i < p->opts.size; i++) {
         struct pg_conn *c = &p->conns[i];
         for (unsigned j = 0; j < c->nbatch; j++) {
@@ -1449,7 +1547,7 @@ void store_pg_query(struct store_pg *p, size_t stmt, const struct store_pg_param
         q_defer_fail(p, q, STORE_PG_SQL_ERROR, "no such statement");
         return;
     }
-    if (p->n_up == 0 && p->last_failed) {
+    if (p->n_up == 0 && p->last_failed && !pg_kick(p)) {
         q_defer_fail(p, q, STORE_PG_UNAVAILABLE, "postgres unavailable");
         return;
     }

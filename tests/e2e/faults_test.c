@@ -415,6 +415,58 @@ Test(faults, postgres_down_is_503_and_forwards_nothing, .fini = restore_postgres
     cr_expect_eq(e2e_upstream_count(up, key0), 1);
 }
 
+/* Each I/O loop has a pool of its own, and each pool retries a lost Postgres after its own backoff (up to 2 s). Once
+ * Postgres answers one loop again, a request that another loop takes must not be answered 503 while that loop's
+ * pool still waits out its backoff: it connects at once. Four loops; Postgres down long enough that every pool
+ * backs off to its longest wait; then, as soon as one request succeeds, 24 new keys on new connections (spread over
+ * the loops by the kernel) all execute. */
+Test(faults, postgres_back_serves_every_loop_at_once, .fini = restore_postgres)
+{
+    struct e2e_upstream *up = e2e_upstream_start(NULL);
+    struct e2e_gw *gw = gw_start_at_once(up, e2e_env("IDEMGATE_TEST_REDIS_URL"), "threads: 4\n");
+    char key[96];
+    struct e2e_resp r;
+    e2e_mkkey(key, sizeof key, "pg-loops-before");
+    post(gw->port, "/v1/pay", key, "{}", NULL, &r);
+    cr_assert_eq(r.status, 200, "before: %ld %.200s", r.status, (const char *)r.body);
+    e2e_resp_free(&r);
+
+    cr_assert_eq(e2e_services("pg-stop"), 0, "pg-stop failed");
+    /* 100 + 200 + 400 + 800 + 1600 ms: after 3.5 s every pool waits 2 s between attempts; requests meanwhile
+     * (new connections, so every loop gets some) are 503 */
+    for (uint64_t end = e2e_now_ms() + 3500; e2e_now_ms() < end;) {
+        e2e_mkkey(key, sizeof key, "pg-loops-down");
+        post(gw->port, "/v1/pay", key, "{}", NULL, &r);
+        cr_expect_eq(r.status, 503, "with Postgres down: %ld", r.status);
+        e2e_resp_free(&r);
+        e2e_sleep_ms(100);
+    }
+    cr_assert_eq(e2e_services("pg-start"), 0, "pg-start failed");
+    long status = 0;
+    for (uint64_t end = e2e_now_ms() + 20000; status != 200 && e2e_now_ms() < end;) {
+        e2e_mkkey(key, sizeof key, "pg-loops-first");
+        post(gw->port, "/v1/pay", key, "{}", NULL, &r);
+        status = r.status;
+        e2e_resp_free(&r);
+        if (status != 200)
+            e2e_sleep_ms(20);
+    }
+    cr_assert_eq(status, 200, "no request succeeded within 20 s of Postgres' restart (last %ld)", status);
+    int ok = 0, n503 = 0;
+    for (int i = 0; i < 24; i++) {
+        e2e_mkkey(key, sizeof key, "pg-loops-after");
+        post(gw->port, "/v1/pay", key, "{}", NULL, &r);
+        if (r.status == 200)
+            ok++;
+        else if (r.status == 503)
+            n503++;
+        else
+            cr_expect_fail("after Postgres came back: %ld %.200s", r.status, (const char *)r.body);
+        e2e_resp_free(&r);
+    }
+    cr_expect_eq(ok, 24, "once one loop reached Postgres again, every request must: %d of 24 were 503", n503);
+}
+
 Test(faults, postgres_down_is_visible_in_metrics, .fini = restore_postgres)
 {
     struct e2e_upstream *up = e2e_upstream_start(NULL);
