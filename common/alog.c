@@ -15,8 +15,8 @@
 #include <unistd.h>
 
 #define RING_BYTES     (1024 * 1024) /* what may wait for the writer: about 4,000 lines */
-#define BATCH_BYTES    (64 * 1024)   /* one write at most */
-#define FLUSH_AT       (32 * 1024)   /* the writer is woken at once past this */
+#define BATCH_BYTES    (256 * 1024)  /* one write at most */
+#define FLUSH_AT       (256 * 1024)  /* the writer is woken at once past this (a wake-up costs the request thread) */
 #define FLUSH_EVERY_MS 100           /* else it writes what waits this often */
 #define CLOSE_WAIT_MS  2000
 
@@ -150,17 +150,23 @@ static void *writer_main(void *arg)
         }
         if (sink.len == 0 && sink.stopping)
             break;
-        /* whole lines only: the ring never holds a part of one, but a batch may end inside one */
-        size_t n = sink.len < BATCH_BYTES ? sink.len : BATCH_BYTES;
-        size_t first = n < RING_BYTES - sink.head ? n : RING_BYTES - sink.head;
-        memcpy(batch, sink.ring + sink.head, first);
-        memcpy(batch + first, sink.ring, n - first);
-        while (n > 0 && batch[n - 1] != '\n')
-            n--;
-        sink.head = (sink.head + n) % RING_BYTES;
-        sink.len -= n;
+        size_t n = sink.len < BATCH_BYTES ? sink.len : BATCH_BYTES, head = sink.head;
         int fd = sink.fd;
         bool pieces = sink.pieces;
+        if (n == 0)
+            continue;
+        /* Copied without the lock (the threads writing lines wait for it): [head, head + n) stays the writer's until
+         * head moves, for lines are only ever added after head + len. */
+        pthread_mutex_unlock(&sink.mu);
+        size_t first = n < RING_BYTES - head ? n : RING_BYTES - head;
+        memcpy(batch, sink.ring + head, first);
+        memcpy(batch + first, sink.ring, n - first);
+        /* whole lines only: the ring never holds a part of one, but a batch may end inside one */
+        while (n > 0 && batch[n - 1] != '\n')
+            n--;
+        pthread_mutex_lock(&sink.mu);
+        sink.head = (head + n) % RING_BYTES;
+        sink.len -= n;
         if (n == 0)
             continue;
         pthread_mutex_unlock(&sink.mu);
