@@ -9,24 +9,24 @@
 
 #include "common/uri.h"
 
-bool check_addresses(struct ctx *x, yaml_node_t *root)
+bool conf_i_check_addresses(struct conf_i_ctx *x, yaml_node_t *root)
 {
     struct conf *c = x->c;
     if (c->admin_enabled && c->listen.port != 0 && c->listen.port == c->admin_listen.port &&
         strcmp(c->listen.host, c->admin_listen.host) == 0) {
         yaml_node_t *admin = NULL;
-        size_t line = find_line(x, root, "admin", &admin);
-        size_t l2 = find_line(x, admin, "listen", NULL);
-        path_pop(x, 0);
-        path_push(x, "admin.listen");
-        return fail_line(x, l2 ? l2 : (line ? line : node_line(root)), "same address as listen (%s:%u)", c->listen.host,
-                         c->listen.port);
+        size_t line = conf_i_find_line(x, root, "admin", &admin);
+        size_t l2 = conf_i_find_line(x, admin, "listen", NULL);
+        conf_i_path_pop(x, 0);
+        conf_i_path_push(x, "admin.listen");
+        return conf_i_fail_line(x, l2 ? l2 : (line ? line : conf_i_node_line(root)), "same address as listen (%s:%u)",
+                                c->listen.host, c->listen.port);
     }
     return true;
 }
 
 /* SPEC 7: limits.buffers holds at least one request of the largest kind, its body and the answer it may store. */
-bool check_buffers(struct ctx *x, yaml_node_t *root)
+bool conf_i_check_buffers(struct conf_i_ctx *x, yaml_node_t *root)
 {
     const struct conf *c = x->c;
     uint64_t need = c->max_body + c->max_response;
@@ -41,26 +41,26 @@ bool check_buffers(struct ctx *x, yaml_node_t *root)
     if (c->limits_buffers >= need)
         return true;
     yaml_node_t *limits = NULL, *buffers = NULL, *routes = NULL;
-    size_t line = find_line(x, root, "limits", &limits);
-    size_t bline = find_line(x, limits, "buffers", &buffers);
+    size_t line = conf_i_find_line(x, root, "limits", &limits);
+    size_t bline = conf_i_find_line(x, limits, "buffers", &buffers);
     if (!line) { /* the default is too small: point at what made it so */
-        size_t rl = find_line(x, root, "routes", &routes), mr = find_line(x, root, "max_response", NULL);
-        line = mr ? mr : find_line(x, root, "max_body", NULL);
+        size_t rl = conf_i_find_line(x, root, "routes", &routes), mr = conf_i_find_line(x, root, "max_response", NULL);
+        line = mr ? mr : conf_i_find_line(x, root, "max_body", NULL);
         for (size_t i = 0; i < c->routes_n && routes && routes->type == YAML_SEQUENCE_NODE; i++)
             if (c->routes[i].name && strcmp(c->routes[i].name, what) == 0 &&
                 routes->data.sequence.items.start + i < routes->data.sequence.items.top)
-                line = node_line(yaml_document_get_node(x->doc, routes->data.sequence.items.start[i]));
+                line = conf_i_node_line(yaml_document_get_node(x->doc, routes->data.sequence.items.start[i]));
         line = line ? line : rl;
     }
     snprintf(x->path, sizeof x->path, "limits.buffers");
     x->plen = strlen(x->path);
-    return fail_line(x,
-                     bline  ? bline
-                     : line ? line
-                            : node_line(root),
-                     "%" PRIu64 " bytes is less than max_body plus max_response of %s (%" PRIu64
-                     " bytes): one such request could never be served",
-                     c->limits_buffers, what, need);
+    return conf_i_fail_line(x,
+                            bline  ? bline
+                            : line ? line
+                                   : conf_i_node_line(root),
+                            "%" PRIu64 " bytes is less than max_body plus max_response of %s (%" PRIu64
+                            " bytes): one such request could never be served",
+                            c->limits_buffers, what, need);
 }
 
 /* ---- routes that meet only under SPEC 7's spelling rule */
@@ -118,11 +118,11 @@ static bool route_meets_literally(const struct conf_route *a, const struct conf_
 /* SPEC 7: two routes that meet only because case, segment parameters or a format suffix do not count (a request
  * path would match both) must have the same policy, else the first one in the list would decide by spelling
  * alone. Routes that nest as written ("/v1" before "/v1/payments") are the usual most-specific-first list. */
-bool check_route_spellings(struct ctx *x, yaml_node_t *root)
+bool conf_i_check_route_spellings(struct conf_i_ctx *x, yaml_node_t *root)
 {
     const struct conf *c = x->c;
     yaml_node_t *routes = NULL;
-    find_line(x, root, "routes", &routes);
+    conf_i_find_line(x, root, "routes", &routes);
     for (size_t j = 0; j < c->routes_n; j++) {
         const struct conf_route *b = &c->routes[j];
         for (size_t i = 0; i < j; i++) {
@@ -137,14 +137,15 @@ bool check_route_spellings(struct ctx *x, yaml_node_t *root)
             size_t line = 0;
             if (routes && routes->type == YAML_SEQUENCE_NODE &&
                 routes->data.sequence.items.start + j < routes->data.sequence.items.top)
-                line = node_line(yaml_document_get_node(x->doc, routes->data.sequence.items.start[j]));
+                line = conf_i_node_line(yaml_document_get_node(x->doc, routes->data.sequence.items.start[j]));
             snprintf(x->path, sizeof x->path, "routes[%zu].match", j);
             x->plen = strlen(x->path);
-            return fail_line(x, line ? line : node_line(root),
-                             "route '%s' and route '%s' meet when case, ';' parameters and a format suffix (.json) "
-                             "are ignored, as requests are routed, but their policies differ: give them the same "
-                             "policy or paths that do not meet",
-                             b->name ? b->name : "?", a->name ? a->name : "?");
+            return conf_i_fail_line(
+                x, line ? line : conf_i_node_line(root),
+                "route '%s' and route '%s' meet when case, ';' parameters and a format suffix (.json) "
+                "are ignored, as requests are routed, but their policies differ: give them the same "
+                "policy or paths that do not meet",
+                b->name ? b->name : "?", a->name ? a->name : "?");
         }
     }
     return true;

@@ -41,7 +41,7 @@ static enum num_err duration_parse(const char *s, uint64_t *ms)
     static const struct {
         const char *unit;
         uint64_t mult;
-    } units[] = {{"ms", 1}, {"s", SEC}, {"m", MIN}, {"h", HOUR}, {"d", DAY}};
+    } units[] = {{"ms", 1}, {"s", CONF_SEC}, {"m", CONF_MIN}, {"h", CONF_HOUR}, {"d", CONF_DAY}};
     uint64_t v;
     bool overflow;
     size_t n = parse_digits(s, &v, &overflow);
@@ -53,7 +53,7 @@ static enum num_err duration_parse(const char *s, uint64_t *ms)
         return NUM_NO_UNIT;
     for (size_t i = 0; i < sizeof(units) / sizeof(units[0]); i++) {
         if (strcmp(s + n, units[i].unit) == 0) {
-            if (v > DURATION_MAX / units[i].mult)
+            if (v > CONF_DURATION_MAX / units[i].mult)
                 return NUM_RANGE;
             *ms = v * units[i].mult;
             return NUM_OK;
@@ -67,7 +67,7 @@ static enum num_err size_parse(const char *s, uint64_t *bytes)
     static const struct {
         const char *unit;
         uint64_t mult;
-    } units[] = {{"", 1}, {"B", 1}, {"KiB", KIB}, {"MiB", MIB}, {"GiB", GIB}};
+    } units[] = {{"", 1}, {"B", 1}, {"KiB", CONF_KIB}, {"MiB", CONF_MIB}, {"GiB", CONF_GIB}};
     static const char *const decimal[] = {"KB", "MB", "GB", "kB", "K", "M", "G", "k", "Kb", "Mb", "Gb"};
     uint64_t v;
     bool overflow;
@@ -115,12 +115,12 @@ bool conf_parse_size(const char *s, uint64_t *bytes)
     return true;
 }
 
-size_t node_line(const yaml_node_t *n)
+size_t conf_i_node_line(const yaml_node_t *n)
 {
     return n->start_mark.line + 1;
 }
 
-size_t path_push(struct ctx *x, const char *fmt, ...)
+size_t conf_i_path_push(struct conf_i_ctx *x, const char *fmt, ...)
 {
     size_t old = x->plen;
     va_list ap;
@@ -134,19 +134,19 @@ size_t path_push(struct ctx *x, const char *fmt, ...)
     return old;
 }
 
-size_t path_push_key(struct ctx *x, const char *key)
+size_t conf_i_path_push_key(struct conf_i_ctx *x, const char *key)
 {
-    return x->plen == 0 ? path_push(x, "%s", key) : path_push(x, ".%s", key);
+    return x->plen == 0 ? conf_i_path_push(x, "%s", key) : conf_i_path_push(x, ".%s", key);
 }
 
-void path_pop(struct ctx *x, size_t old)
+void conf_i_path_pop(struct conf_i_ctx *x, size_t old)
 {
     x->plen = old;
     x->path[old] = '\0';
 }
 
 /* Records the first error: "FILE:LINE: PATH: message". Returns false. */
-bool fail_line(struct ctx *x, size_t line, const char *fmt, ...)
+bool conf_i_fail_line(struct conf_i_ctx *x, size_t line, const char *fmt, ...)
 {
     if (x->err != NULL)
         return false;
@@ -162,7 +162,7 @@ bool fail_line(struct ctx *x, size_t line, const char *fmt, ...)
 /* Copies a user value for an error message: passwords of URLs redacted, at
  * most 64 bytes, control bytes and quotes replaced, so a message stays one
  * readable line that is safe to log. */
-const char *shown(char out[80], const char *value)
+const char *conf_i_shown(char out[80], const char *value)
 {
     char red[256];
     const char *s = cm_redact_url(red, sizeof(red), value);
@@ -193,7 +193,7 @@ static const char *node_kind(const yaml_node_t *n)
     }
 }
 
-bool is_null(const yaml_node_t *n)
+bool conf_i_is_null(const yaml_node_t *n)
 {
     if (n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE)
         return false;
@@ -204,41 +204,42 @@ bool is_null(const yaml_node_t *n)
 
 /* The text of a scalar node, or NULL (error recorded) for a mapping, a list,
  * a null or a string holding a NUL byte. what: "a duration", ... */
-const char *scalar(struct ctx *x, const yaml_node_t *n, const char *what)
+const char *conf_i_scalar(struct conf_i_ctx *x, const yaml_node_t *n, const char *what)
 {
     if (n->type != YAML_SCALAR_NODE) {
-        fail(x, n, "expected %s, got %s", what, node_kind(n));
+        conf_i_fail(x, n, "expected %s, got %s", what, node_kind(n));
         return NULL;
     }
-    if (is_null(n)) {
-        fail(x, n, "missing value (expected %s)", what);
+    if (conf_i_is_null(n)) {
+        conf_i_fail(x, n, "missing value (expected %s)", what);
         return NULL;
     }
     const char *v = (const char *)n->data.scalar.value;
     if (strlen(v) != n->data.scalar.length) {
-        fail(x, n, "contains a NUL byte");
+        conf_i_fail(x, n, "contains a NUL byte");
         return NULL;
     }
     return v;
 }
 
-bool expect_type(struct ctx *x, const yaml_node_t *n, yaml_node_type_t t)
+bool conf_i_expect_type(struct conf_i_ctx *x, const yaml_node_t *n, yaml_node_type_t t)
 {
     if (n->type == t)
         return true;
-    if (n->type == YAML_SCALAR_NODE && n->data.scalar.length > 0 && !is_null(n)) {
+    if (n->type == YAML_SCALAR_NODE && n->data.scalar.length > 0 && !conf_i_is_null(n)) {
         char b[80];
-        return fail(x, n, "expected %s, got the scalar '%s'",
-                    t == YAML_MAPPING_NODE ? "a mapping" : "a list ([a, b] or '- ' items)",
-                    shown(b, (const char *)n->data.scalar.value));
+        return conf_i_fail(x, n, "expected %s, got the scalar '%s'",
+                           t == YAML_MAPPING_NODE ? "a mapping" : "a list ([a, b] or '- ' items)",
+                           conf_i_shown(b, (const char *)n->data.scalar.value));
     }
-    return fail(x, n, "expected %s, got %s", t == YAML_MAPPING_NODE ? "a mapping" : "a list ([a, b] or '- ' items)",
-                is_null(n) ? "nothing" : node_kind(n));
+    return conf_i_fail(x, n, "expected %s, got %s",
+                       t == YAML_MAPPING_NODE ? "a mapping" : "a list ([a, b] or '- ' items)",
+                       conf_i_is_null(n) ? "nothing" : node_kind(n));
 }
 
 /* ---------------------------------------------------------------- value checks */
 
-bool json_pointer_ok(const char *p, size_t len)
+bool conf_i_json_pointer_ok(const char *p, size_t len)
 {
     if (len > 0 && p[0] != '/')
         return false;
@@ -248,7 +249,7 @@ bool json_pointer_ok(const char *p, size_t len)
     return len <= 1024;
 }
 
-bool is_token(const char *s)
+bool conf_i_is_token(const char *s)
 {
     return cm_token_ok(s, strlen(s));
 }
@@ -256,7 +257,7 @@ bool is_token(const char *s)
 static bool is_name(const char *s)
 {
     size_t n = strlen(s);
-    if (n == 0 || n > NAME_MAX_LEN)
+    if (n == 0 || n > CONF_NAME_MAX_LEN)
         return false;
     for (; *s; s++)
         if (!isalnum((unsigned char)*s) && *s != '_' && *s != '.' && *s != '-')
@@ -285,7 +286,7 @@ static bool is_ipv6ish(const char *s, size_t n)
 }
 
 /* A port: 1..65535 (0 too when allow_zero). */
-bool parse_port(const char *s, size_t n, bool allow_zero, uint16_t *port)
+bool conf_i_parse_port(const char *s, size_t n, bool allow_zero, uint16_t *port)
 {
     uint64_t v;
     if (!cm_parse_digits(s, n, 5, &v) || v > 65535 || (v == 0 && !allow_zero))
@@ -297,8 +298,8 @@ bool parse_port(const char *s, size_t n, bool allow_zero, uint16_t *port)
 /* host[:port] or [v6][:port] at s (length n). On success sets host and hostn
  * (brackets stripped), port_s and port_n (port_s NULL when no port). Returns a
  * problem text, or NULL when well formed. */
-const char *split_hostport(const char *s, size_t n, const char **host, size_t *hostn, const char **port_s,
-                           size_t *port_n)
+const char *conf_i_split_hostport(const char *s, size_t n, const char **host, size_t *hostn, const char **port_s,
+                                  size_t *port_n)
 {
     const char *rest;
     *port_s = NULL;
@@ -334,57 +335,57 @@ const char *split_hostport(const char *s, size_t n, const char **host, size_t *h
     return NULL;
 }
 
-const char *fmt_size(char out[32], uint64_t v)
+const char *conf_i_fmt_size(char out[32], uint64_t v)
 {
-    if (v >= GIB && v % GIB == 0)
-        snprintf(out, 32, "%" PRIu64 "GiB", v / GIB);
-    else if (v >= MIB && v % MIB == 0)
-        snprintf(out, 32, "%" PRIu64 "MiB", v / MIB);
-    else if (v >= KIB && v % KIB == 0)
-        snprintf(out, 32, "%" PRIu64 "KiB", v / KIB);
+    if (v >= CONF_GIB && v % CONF_GIB == 0)
+        snprintf(out, 32, "%" PRIu64 "GiB", v / CONF_GIB);
+    else if (v >= CONF_MIB && v % CONF_MIB == 0)
+        snprintf(out, 32, "%" PRIu64 "MiB", v / CONF_MIB);
+    else if (v >= CONF_KIB && v % CONF_KIB == 0)
+        snprintf(out, 32, "%" PRIu64 "KiB", v / CONF_KIB);
     else
         snprintf(out, 32, "%" PRIu64 "B", v);
     return out;
 }
 
-const char *fmt_dur(char out[32], uint64_t v)
+const char *conf_i_fmt_dur(char out[32], uint64_t v)
 {
-    if (v >= DAY && v % DAY == 0)
-        snprintf(out, 32, "%" PRIu64 "d", v / DAY);
-    else if (v >= HOUR && v % HOUR == 0)
-        snprintf(out, 32, "%" PRIu64 "h", v / HOUR);
-    else if (v >= MIN && v % MIN == 0)
-        snprintf(out, 32, "%" PRIu64 "m", v / MIN);
-    else if (v >= SEC && v % SEC == 0)
-        snprintf(out, 32, "%" PRIu64 "s", v / SEC);
+    if (v >= CONF_DAY && v % CONF_DAY == 0)
+        snprintf(out, 32, "%" PRIu64 "d", v / CONF_DAY);
+    else if (v >= CONF_HOUR && v % CONF_HOUR == 0)
+        snprintf(out, 32, "%" PRIu64 "h", v / CONF_HOUR);
+    else if (v >= CONF_MIN && v % CONF_MIN == 0)
+        snprintf(out, 32, "%" PRIu64 "m", v / CONF_MIN);
+    else if (v >= CONF_SEC && v % CONF_SEC == 0)
+        snprintf(out, 32, "%" PRIu64 "s", v / CONF_SEC);
     else
         snprintf(out, 32, "%" PRIu64 "ms", v);
     return out;
 }
 
-static bool check_range(struct ctx *x, const yaml_node_t *n, uint64_t v, const struct field *f,
+static bool check_range(struct conf_i_ctx *x, const yaml_node_t *n, uint64_t v, const struct conf_i_field *f,
                         const char *(*fmt)(char[32], uint64_t))
 {
     char a[32], b[32];
     if (v < f->min) {
         if (f->min == 1)
-            return fail(x, n, "must be greater than 0");
-        return fail(x, n, "must be at least %s (got %s)", fmt(a, f->min), fmt(b, v));
+            return conf_i_fail(x, n, "must be greater than 0");
+        return conf_i_fail(x, n, "must be at least %s (got %s)", fmt(a, f->min), fmt(b, v));
     }
     if (v > f->max)
-        return fail(x, n, "must be at most %s (got %s)", fmt(a, f->max), fmt(b, v));
+        return conf_i_fail(x, n, "must be at most %s (got %s)", fmt(a, f->max), fmt(b, v));
     return true;
 }
 
-const char *fmt_int(char out[32], uint64_t v)
+const char *conf_i_fmt_int(char out[32], uint64_t v)
 {
     snprintf(out, 32, "%" PRIu64, v);
     return out;
 }
 
-bool set_u32(struct ctx *x, yaml_node_t *n, const struct field *f, uint32_t *out)
+bool conf_i_set_u32(struct conf_i_ctx *x, yaml_node_t *n, const struct conf_i_field *f, uint32_t *out)
 {
-    const char *s = scalar(x, n, "an integer");
+    const char *s = conf_i_scalar(x, n, "an integer");
     if (s == NULL)
         return false;
     char b[80], lo[32], hi[32];
@@ -393,16 +394,17 @@ bool set_u32(struct ctx *x, yaml_node_t *n, const struct field *f, uint32_t *out
     const char *digits = s[0] == '-' ? s + 1 : s;
     size_t nd = parse_digits(digits, &v, &overflow);
     if (!overflow && (nd == 0 || digits[nd] != '\0'))
-        return fail(x, n, "invalid integer '%s'", shown(b, s));
+        return conf_i_fail(x, n, "invalid integer '%s'", conf_i_shown(b, s));
     if (overflow || s[0] == '-' || v < f->min || v > f->max)
-        return fail(x, n, "must be between %s and %s (got %s)", fmt_int(lo, f->min), fmt_int(hi, f->max), shown(b, s));
+        return conf_i_fail(x, n, "must be between %s and %s (got %s)", conf_i_fmt_int(lo, f->min),
+                           conf_i_fmt_int(hi, f->max), conf_i_shown(b, s));
     *out = (uint32_t)v;
     return true;
 }
 
-static bool set_duration(struct ctx *x, yaml_node_t *n, const struct field *f, uint64_t *out)
+static bool set_duration(struct conf_i_ctx *x, yaml_node_t *n, const struct conf_i_field *f, uint64_t *out)
 {
-    const char *s = scalar(x, n, "a duration");
+    const char *s = conf_i_scalar(x, n, "a duration");
     if (s == NULL)
         return false;
     char b[80], m[32];
@@ -411,21 +413,22 @@ static bool set_duration(struct ctx *x, yaml_node_t *n, const struct field *f, u
     case NUM_OK:
         break;
     case NUM_NO_UNIT:
-        return fail(x, n, "invalid duration '%s' (a unit is required: ms, s, m, h, d)", shown(b, s));
+        return conf_i_fail(x, n, "invalid duration '%s' (a unit is required: ms, s, m, h, d)", conf_i_shown(b, s));
     case NUM_RANGE:
-        return fail(x, n, "invalid duration '%s' (too large, at most %s)", shown(b, s), fmt_dur(m, DURATION_MAX));
+        return conf_i_fail(x, n, "invalid duration '%s' (too large, at most %s)", conf_i_shown(b, s),
+                           conf_i_fmt_dur(m, CONF_DURATION_MAX));
     default:
-        return fail(x, n, "invalid duration '%s' (use ms, s, m, h, d)", shown(b, s));
+        return conf_i_fail(x, n, "invalid duration '%s' (use ms, s, m, h, d)", conf_i_shown(b, s));
     }
-    if (!check_range(x, n, v, f, fmt_dur))
+    if (!check_range(x, n, v, f, conf_i_fmt_dur))
         return false;
     *out = v;
     return true;
 }
 
-static bool set_size(struct ctx *x, yaml_node_t *n, const struct field *f, uint64_t *out)
+static bool set_size(struct conf_i_ctx *x, yaml_node_t *n, const struct conf_i_field *f, uint64_t *out)
 {
-    const char *s = scalar(x, n, "a size");
+    const char *s = conf_i_scalar(x, n, "a size");
     if (s == NULL)
         return false;
     char b[80];
@@ -434,21 +437,21 @@ static bool set_size(struct ctx *x, yaml_node_t *n, const struct field *f, uint6
     case NUM_OK:
         break;
     case NUM_DECIMAL_UNIT:
-        return fail(x, n, "invalid size '%s' (sizes are 1024-based: use B, KiB, MiB, GiB)", shown(b, s));
+        return conf_i_fail(x, n, "invalid size '%s' (sizes are 1024-based: use B, KiB, MiB, GiB)", conf_i_shown(b, s));
     case NUM_RANGE:
-        return fail(x, n, "invalid size '%s' (too large)", shown(b, s));
+        return conf_i_fail(x, n, "invalid size '%s' (too large)", conf_i_shown(b, s));
     default:
-        return fail(x, n, "invalid size '%s' (use B, KiB, MiB, GiB)", shown(b, s));
+        return conf_i_fail(x, n, "invalid size '%s' (use B, KiB, MiB, GiB)", conf_i_shown(b, s));
     }
-    if (!check_range(x, n, v, f, fmt_size))
+    if (!check_range(x, n, v, f, conf_i_fmt_size))
         return false;
     *out = v;
     return true;
 }
 
-static bool set_bool(struct ctx *x, yaml_node_t *n, bool *out)
+static bool set_bool(struct conf_i_ctx *x, yaml_node_t *n, bool *out)
 {
-    const char *s = scalar(x, n, "true or false");
+    const char *s = conf_i_scalar(x, n, "true or false");
     if (s == NULL)
         return false;
     if (strcmp(s, "true") == 0 || strcmp(s, "True") == 0 || strcmp(s, "TRUE") == 0) {
@@ -460,10 +463,10 @@ static bool set_bool(struct ctx *x, yaml_node_t *n, bool *out)
         return true;
     }
     char b[80];
-    return fail(x, n, "invalid boolean '%s' (use true or false)", shown(b, s));
+    return conf_i_fail(x, n, "invalid boolean '%s' (use true or false)", conf_i_shown(b, s));
 }
 
-static bool set_enum(struct ctx *x, yaml_node_t *n, const struct field *f, int *out)
+static bool set_enum(struct conf_i_ctx *x, yaml_node_t *n, const struct conf_i_field *f, int *out)
 {
     char want[128] = "";
     size_t wl = 0;
@@ -474,7 +477,7 @@ static bool set_enum(struct ctx *x, yaml_node_t *n, const struct field *f, int *
     }
     char what[160];
     snprintf(what, sizeof(what), "one of %s", want);
-    const char *s = scalar(x, n, what);
+    const char *s = conf_i_scalar(x, n, what);
     if (s == NULL)
         return false;
     for (int i = 0; f->names[i] != NULL; i++) {
@@ -484,31 +487,32 @@ static bool set_enum(struct ctx *x, yaml_node_t *n, const struct field *f, int *
         }
     }
     char b[80];
-    return fail(x, n, "invalid value '%s' (use %s)", shown(b, s), want);
+    return conf_i_fail(x, n, "invalid value '%s' (use %s)", conf_i_shown(b, s), want);
 }
 
 /* Parses a mapping node against a table of fields; base is the struct the
  * offsets refer to. A missing required key is reported at the line of the key
  * that holds this mapping (x->key_line), or of the mapping itself. */
-bool parse_map(struct ctx *x, yaml_node_t *n, const struct field *fields, size_t nfields, void *base)
+bool conf_i_parse_map(struct conf_i_ctx *x, yaml_node_t *n, const struct conf_i_field *fields, size_t nfields,
+                      void *base)
 {
-    size_t parent_line = x->key_line ? x->key_line : node_line(n);
+    size_t parent_line = x->key_line ? x->key_line : conf_i_node_line(n);
     uint64_t seen = 0;
-    if (!expect_type(x, n, YAML_MAPPING_NODE))
+    if (!conf_i_expect_type(x, n, YAML_MAPPING_NODE))
         return false;
     for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
         yaml_node_t *k = yaml_document_get_node(x->doc, p->key);
         yaml_node_t *v = yaml_document_get_node(x->doc, p->value);
         if (k == NULL || v == NULL)
-            return fail(x, n, "malformed mapping");
+            return conf_i_fail(x, n, "malformed mapping");
         if (k->type != YAML_SCALAR_NODE)
-            return fail(x, k, "a key must be a plain name, got %s", node_kind(k));
+            return conf_i_fail(x, k, "a key must be a plain name, got %s", node_kind(k));
         const char *key = (const char *)k->data.scalar.value;
         size_t i = 0;
         while (i < nfields && strcmp(fields[i].key, key) != 0)
             i++;
         char b[80];
-        size_t old = path_push_key(x, shown(b, key));
+        size_t old = conf_i_path_push_key(x, conf_i_shown(b, key));
         if (i == nfields) {
             char known[256] = "";
             size_t kl = 0;
@@ -517,44 +521,44 @@ bool parse_map(struct ctx *x, yaml_node_t *n, const struct field *fields, size_t
                 if (w > 0 && (size_t)w < sizeof(known) - kl)
                     kl += (size_t)w;
             }
-            return fail(x, k, "unknown key (expected one of: %s)", known);
+            return conf_i_fail(x, k, "unknown key (expected one of: %s)", known);
         }
         if (seen & ((uint64_t)1 << i))
-            return fail(x, k, "duplicate key");
+            return conf_i_fail(x, k, "duplicate key");
         seen |= (uint64_t)1 << i;
-        const struct field *f = &fields[i];
+        const struct conf_i_field *f = &fields[i];
         void *target = (char *)base + f->off;
-        x->key_line = node_line(k);
+        x->key_line = conf_i_node_line(k);
         bool ok = false;
         switch (f->type) {
-        case F_BOOL:
+        case CONF_F_BOOL:
             ok = set_bool(x, v, target);
             break;
-        case F_U32:
-            ok = set_u32(x, v, f, target);
+        case CONF_F_U32:
+            ok = conf_i_set_u32(x, v, f, target);
             break;
-        case F_DUR:
+        case CONF_F_DUR:
             ok = set_duration(x, v, f, target);
             break;
-        case F_SIZE:
+        case CONF_F_SIZE:
             ok = set_size(x, v, f, target);
             break;
-        case F_ENUM:
+        case CONF_F_ENUM:
             ok = set_enum(x, v, f, target);
             break;
-        case F_FUNC:
+        case CONF_F_FUNC:
             ok = f->fn(x, v, target);
             break;
         }
         x->key_line = 0;
         if (!ok)
             return false;
-        path_pop(x, old);
+        conf_i_path_pop(x, old);
     }
     for (size_t i = 0; i < nfields; i++) {
         if (fields[i].required && !(seen & ((uint64_t)1 << i))) {
-            path_push_key(x, fields[i].key);
-            return fail_line(x, parent_line, "missing required key");
+            conf_i_path_push_key(x, fields[i].key);
+            return conf_i_fail_line(x, parent_line, "missing required key");
         }
     }
     return true;
@@ -562,13 +566,13 @@ bool parse_map(struct ctx *x, yaml_node_t *n, const struct field *fields, size_t
 
 /* ---------------------------------------------------------------- values as the reference writes them */
 
-const void *at(const void *base, const struct field *f)
+const void *conf_i_at(const void *base, const struct conf_i_field *f)
 {
     return (const char *)base + f->off;
 }
 
-/* The string at the field's offset, or at STR_AT's (a key parsed through its whole struct, FIELD_BASE). */
-bool show_str(const void *base, const struct field *f, char *buf, size_t n)
+/* The string at the field's offset, or at CONF_STR_AT's (a key parsed through its whole struct, CONF_FIELD_BASE). */
+bool conf_i_show_str(const void *base, const struct conf_i_field *f, char *buf, size_t n)
 {
     const char *s = *(char *const *)((const char *)base + (f->arr_off ? f->arr_off : f->off));
     if (s == NULL)
@@ -578,8 +582,8 @@ bool show_str(const void *base, const struct field *f, char *buf, size_t n)
 }
 
 /* "[a, b]" from n items written by item(i) into a bounded buffer. */
-void show_list(char *buf, size_t n, size_t items, const void *arr,
-               void (*item)(const void *arr, size_t i, char *out, size_t on))
+void conf_i_show_list(char *buf, size_t n, size_t items, const void *arr,
+                      void (*item)(const void *arr, size_t i, char *out, size_t on))
 {
     size_t l = 0;
     buf[0] = '\0';
@@ -595,7 +599,7 @@ void show_list(char *buf, size_t n, size_t items, const void *arr,
 }
 
 /* A (pointer, count) list at base + f->arr_off and base + f->n_off. */
-const void *list_at(const void *base, const struct field *f, size_t *n)
+const void *conf_i_list_at(const void *base, const struct conf_i_field *f, size_t *n)
 {
     *n = *(const size_t *)((const char *)base + f->n_off);
     return *(const void *const *)((const char *)base + f->arr_off);
@@ -606,34 +610,35 @@ static void status_item(const void *arr, size_t i, char *out, size_t on)
     snprintf(out, on, "%d", ((const int *)arr)[i]);
 }
 
-bool show_statuses(const void *base, const struct field *f, char *buf, size_t n)
+bool conf_i_show_statuses(const void *base, const struct conf_i_field *f, char *buf, size_t n)
 {
     size_t items;
-    const void *arr = list_at(base, f, &items);
-    show_list(buf, n, items, arr, status_item);
+    const void *arr = conf_i_list_at(base, f, &items);
+    conf_i_show_list(buf, n, items, arr, status_item);
     return true;
 }
 
-/* A name of its list (upstreams, routes): 1 to NAME_MAX_LEN characters of
+/* A name of its list (upstreams, routes): 1 to CONF_NAME_MAX_LEN characters of
  * A-Z a-z 0-9 _ . -, not taken by an earlier entry. */
-bool set_unique_name(struct ctx *x, yaml_node_t *n, char **out, const char *what,
-                     bool (*taken)(const struct conf *, const char *))
+bool conf_i_set_unique_name(struct conf_i_ctx *x, yaml_node_t *n, char **out, const char *what,
+                            bool (*taken)(const struct conf *, const char *))
 {
-    const char *s = scalar(x, n, "a name");
+    const char *s = conf_i_scalar(x, n, "a name");
     if (s == NULL)
         return false;
     char b[80];
     if (!is_name(s))
-        return fail(x, n, "invalid name '%s' (1 to %d characters of A-Z a-z 0-9 _ . -)", shown(b, s), NAME_MAX_LEN);
+        return conf_i_fail(x, n, "invalid name '%s' (1 to %d characters of A-Z a-z 0-9 _ . -)", conf_i_shown(b, s),
+                           CONF_NAME_MAX_LEN);
     if (taken(x->c, s))
-        return fail(x, n, "duplicate %s name '%s'", what, s);
+        return conf_i_fail(x, n, "duplicate %s name '%s'", what, s);
     free(*out);
     *out = cm_strdup(s);
     return true;
 }
 
 /* Line of the first key named key in the mapping map (the top level, "store", "jwt"), or 0. */
-size_t find_line(struct ctx *x, yaml_node_t *map, const char *key, yaml_node_t **value)
+size_t conf_i_find_line(struct conf_i_ctx *x, yaml_node_t *map, const char *key, yaml_node_t **value)
 {
     if (map == NULL || map->type != YAML_MAPPING_NODE)
         return 0;
@@ -642,15 +647,15 @@ size_t find_line(struct ctx *x, yaml_node_t *map, const char *key, yaml_node_t *
         if (k && k->type == YAML_SCALAR_NODE && strcmp((const char *)k->data.scalar.value, key) == 0) {
             if (value)
                 *value = yaml_document_get_node(x->doc, p->value);
-            return node_line(k);
+            return conf_i_node_line(k);
         }
     }
     return 0;
 }
 
-char *env_name(struct ctx *x, yaml_node_t *n)
+char *conf_i_env_name(struct conf_i_ctx *x, yaml_node_t *n)
 {
-    const char *s = scalar(x, n, "an environment variable name");
+    const char *s = conf_i_scalar(x, n, "an environment variable name");
     if (s == NULL)
         return NULL;
     bool ok = (*s >= 'A' && *s <= 'Z') || (*s >= 'a' && *s <= 'z') || *s == '_';
@@ -658,7 +663,8 @@ char *env_name(struct ctx *x, yaml_node_t *n)
         ok = (*p >= 'A' && *p <= 'Z') || (*p >= 'a' && *p <= 'z') || (*p >= '0' && *p <= '9') || *p == '_';
     char b[80];
     if (!ok || strlen(s) > 128) {
-        fail(x, n, "invalid environment variable name '%s' (A-Z a-z 0-9 _, not starting with a digit)", shown(b, s));
+        conf_i_fail(x, n, "invalid environment variable name '%s' (A-Z a-z 0-9 _, not starting with a digit)",
+                    conf_i_shown(b, s));
         return NULL;
     }
     return cm_strdup(s);

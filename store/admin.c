@@ -30,7 +30,7 @@ static char *problem_json(int status, const char *name, const char *title, const
 {
     struct cm_buf b;
     cm_buf_init(&b, 4096);
-    bool ok = cm_buf_appendf(&b, "{\"type\":\"" PROBLEM_PREFIX "%s\",\"title\":", name);
+    bool ok = cm_buf_appendf(&b, "{\"type\":\"" STORE_PROBLEM_PREFIX "%s\",\"title\":", name);
     json_str(&b, title, strlen(title));
     ok = ok && cm_buf_appendf(&b, ",\"status\":%d,\"detail\":", status);
     json_str(&b, detail, strlen(detail));
@@ -42,20 +42,20 @@ static char *problem_json(int status, const char *name, const char *title, const
     return s ? s : cm_strdup("{}");
 }
 
-static void admin_answer(struct admin_op *a, int status, char *json)
+static void admin_answer(struct store_i_admin_op *a, int status, char *json)
 {
-    op_unlink(&a->h);
+    store_i_op_unlink(&a->h);
     a->cb(a->arg, status, json);
-    op_free(&a->h);
+    store_i_op_free(&a->h);
 }
 
 static void admin_bumped_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
-    struct admin_op *a = arg;
+    struct store_i_admin_op *a = arg;
     char *json = a->json;
     a->json = NULL;
     if (st != STORE_PG_OK || PQntuples(pr) != 1) {
-        log_pg_failure("purge_epoch", st, st == STORE_PG_OK ? "no epoch row" : msg);
+        store_i_log_pg_failure("purge_epoch", st, st == STORE_PG_OK ? "no epoch row" : msg);
         free(json);
         admin_answer(a, 503,
                      problem_json(503, "store-unavailable", "Store unavailable",
@@ -70,14 +70,14 @@ static void admin_bumped_cb(void *arg, enum store_pg_status st, const PGresult *
 /* The answer; a purge or release that succeeded first moves the purge epoch on (store.h), in a transaction of its
  * own after the deletion committed (a claim that read the record before then knew an older epoch), and this
  * process hears of it before answering. */
-static void admin_finish(struct admin_op *a, int status, char *json)
+static void admin_finish(struct store_i_admin_op *a, int status, char *json)
 {
     if (a->bump && status == 200) {
         a->bump = false;
         a->status = status;
         a->json = json;
         struct store_pg_param p[2] = {{a->route, strlen(a->route), true}, {a->key, a->key_len, true}};
-        store_pg_query(a->h.s->pg, S_EPOCH_BUMP, p, 2, 0, admin_bumped_cb, a);
+        store_pg_query(a->h.s->pg, STORE_S_EPOCH_BUMP, p, 2, 0, admin_bumped_cb, a);
         return;
     }
     admin_answer(a, status, json);
@@ -85,7 +85,7 @@ static void admin_finish(struct admin_op *a, int status, char *json)
 
 static void admin_deleted_cb(void *arg, const struct redisReply *reply)
 {
-    struct admin_op *a = arg;
+    struct store_i_admin_op *a = arg;
     char *json = a->json;
     a->json = NULL;
     admin_finish(a, a->status, json);
@@ -94,13 +94,14 @@ static void admin_deleted_cb(void *arg, const struct redisReply *reply)
 /* Removes the Redis markers of the scopes in column col (only rows marked 'd' when only_d), then answers
  * status/json: the answer waits for the DEL (bounded by redis_timeout), so that a retry sent right after it
  * does not find an in-flight marker of a key that is gone. */
-static void admin_del_then_finish(struct admin_op *a, const PGresult *pr, int col, bool only_d, int status, char *json)
+static void admin_del_then_finish(struct store_i_admin_op *a, const PGresult *pr, int col, bool only_d, int status,
+                                  char *json)
 {
     struct store *s = a->h.s;
     int n = PQntuples(pr), k = 0;
     const char **argv = cm_malloc(((size_t)n + 1) * sizeof *argv);
     size_t *lens = cm_malloc(((size_t)n + 1) * sizeof *lens);
-    char(*rks)[RKEY_LEN + 1] = cm_malloc(((size_t)n + 1) * sizeof *rks);
+    char(*rks)[STORE_RKEY_LEN + 1] = cm_malloc(((size_t)n + 1) * sizeof *rks);
     argv[0] = "DEL";
     lens[0] = 3;
     for (int i = 0; i < n; i++) {
@@ -108,7 +109,7 @@ static void admin_del_then_finish(struct admin_op *a, const PGresult *pr, int co
             continue;
         if (PQgetisnull(pr, i, col) || PQgetlength(pr, i, col) != 32)
             continue;
-        redis_key(a->route, (const uint8_t *)PQgetvalue(pr, i, col), a->key, a->key_len, rks[k]);
+        store_i_redis_key(a->route, (const uint8_t *)PQgetvalue(pr, i, col), a->key, a->key_len, rks[k]);
         argv[k + 1] = rks[k];
         lens[k + 1] = strlen(rks[k]);
         k++;
@@ -154,7 +155,7 @@ static bool admin_rows_json(struct cm_buf *b, const PGresult *pr, int n)
 static char *admin_list_json(const PGresult *pr)
 {
     struct cm_buf b;
-    cm_buf_init(&b, ADMIN_JSON_MAX);
+    cm_buf_init(&b, STORE_ADMIN_JSON_MAX);
     bool ok = cm_buf_append(&b, "[", 1) && admin_rows_json(&b, pr, PQntuples(pr)) && cm_buf_append(&b, "]", 1);
     if (!ok) {
         cm_buf_free(&b);
@@ -260,7 +261,7 @@ static char *admin_page_json(const PGresult *pr, int limit)
     if (more)
         n = limit;
     struct cm_buf b;
-    cm_buf_init(&b, ADMIN_JSON_MAX);
+    cm_buf_init(&b, STORE_ADMIN_JSON_MAX);
     bool ok = cm_buf_append(&b, "{\"records\":[", 12) && admin_rows_json(&b, pr, n) &&
               cm_buf_append(&b, "],\"next_cursor\":", 16);
     if (ok && more) {
@@ -283,15 +284,15 @@ static char *admin_page_json(const PGresult *pr, int limit)
 
 static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
-    struct admin_op *a = arg;
+    struct store_i_admin_op *a = arg;
     struct store *s = a->h.s;
     if (st != STORE_PG_OK) {
-        log_pg_failure("admin", st, msg);
-        admin_finish(a, 503, problem_json(503, "store-unavailable", "Store unavailable", pg_err_text(st)));
+        store_i_log_pg_failure("admin", st, msg);
+        admin_finish(a, 503, problem_json(503, "store-unavailable", "Store unavailable", store_i_pg_err_text(st)));
         return;
     }
     switch (a->stmt) {
-    case S_ADMIN_LIST: {
+    case STORE_S_ADMIN_LIST: {
         char *json = admin_list_json(pr);
         if (!json) {
             admin_finish(a, 500, problem_json(500, "internal-error", "Internal error", "listing too large"));
@@ -300,7 +301,7 @@ static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         admin_finish(a, 200, json);
         return;
     }
-    case S_ADMIN_PAGE: {
+    case STORE_S_ADMIN_PAGE: {
         char *json = admin_page_json(pr, a->limit);
         if (!json) {
             admin_finish(a, 500, problem_json(500, "internal-error", "Internal error", "listing too large"));
@@ -309,11 +310,11 @@ static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         admin_finish(a, 200, json);
         return;
     }
-    case S_ADMIN_PURGE: {
+    case STORE_S_ADMIN_PURGE: {
         admin_del_then_finish(a, pr, 0, false, 200, cm_asprintf("{\"deleted\":%d}", PQntuples(pr)));
         return;
     }
-    case S_ADMIN_RELEASE: {
+    case STORE_S_ADMIN_RELEASE: {
         int released = 0, total = 0;
         for (int i = 0; i < PQntuples(pr); i++) {
             if (PQgetvalue(pr, i, 0)[0] == 'd')
@@ -340,13 +341,13 @@ static void admin_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
     }
 }
 
-static void admin_run(struct store *s, enum stmt_id stmt, int result_format, const char *route, const char *key,
+static void admin_run(struct store *s, enum store_i_stmt_id stmt, int result_format, const char *route, const char *key,
                       size_t key_len, store_admin_cb cb, void *arg)
 {
-    struct admin_op *a = cm_calloc(1, sizeof *a);
-    op_link(s, &a->h, OP_ADMIN);
+    struct store_i_admin_op *a = cm_calloc(1, sizeof *a);
+    store_i_op_link(s, &a->h, STORE_OP_ADMIN);
     a->stmt = stmt;
-    a->bump = stmt != S_ADMIN_LIST;
+    a->bump = stmt != STORE_S_ADMIN_LIST;
     a->route = cm_strdup(route);
     a->key = cm_strndup(key, key_len);
     a->key_len = key_len;
@@ -358,19 +359,19 @@ static void admin_run(struct store *s, enum stmt_id stmt, int result_format, con
 
 void store_admin_list(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb, void *arg)
 {
-    admin_run(s, S_ADMIN_LIST, 0, route, key, key_len, cb, arg);
+    admin_run(s, STORE_S_ADMIN_LIST, 0, route, key, key_len, cb, arg);
 }
 
 void store_admin_purge(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb,
                        void *arg)
 {
-    admin_run(s, S_ADMIN_PURGE, 1, route, key, key_len, cb, arg);
+    admin_run(s, STORE_S_ADMIN_PURGE, 1, route, key, key_len, cb, arg);
 }
 
 void store_admin_release(struct store *s, const char *route, const char *key, size_t key_len, store_admin_cb cb,
                          void *arg)
 {
-    admin_run(s, S_ADMIN_RELEASE, 1, route, key, key_len, cb, arg);
+    admin_run(s, STORE_S_ADMIN_RELEASE, 1, route, key, key_len, cb, arg);
 }
 
 void store_admin_page(struct store *s, const struct store_page_req *q, store_admin_cb cb, void *arg)
@@ -380,9 +381,9 @@ void store_admin_page(struct store *s, const struct store_page_req *q, store_adm
         cb(arg, 400, problem_json(400, "bad-request", "Bad request", "cursor is not one a listing gave"));
         return;
     }
-    struct admin_op *a = cm_calloc(1, sizeof *a);
-    op_link(s, &a->h, OP_ADMIN);
-    a->stmt = S_ADMIN_PAGE;
+    struct store_i_admin_op *a = cm_calloc(1, sizeof *a);
+    store_i_op_link(s, &a->h, STORE_OP_ADMIN);
+    a->stmt = STORE_S_ADMIN_PAGE;
     a->route = cm_strdup(q->route);
     a->limit = (int)q->limit;
     a->cb = cb;
@@ -396,5 +397,5 @@ void store_admin_page(struct store *s, const struct store_page_req *q, store_adm
         {pc.time, strlen(pc.time), false},   {pc.key, strlen(pc.key), false}, {pc.scope, strlen(pc.scope), false},
         {rows, strlen(rows), false},
     };
-    store_pg_query(s->pg, S_ADMIN_PAGE, p, 7, 0, admin_pg_cb, a);
+    store_pg_query(s->pg, STORE_S_ADMIN_PAGE, p, 7, 0, admin_pg_cb, a);
 }

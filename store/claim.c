@@ -19,25 +19,25 @@
  *    and the removal of our own marker need.
  * The op lives until both came back; store_destroy frees one still waiting (neither side calls back then). */
 
-static void claim_pg(struct claim_op *c);
+static void claim_pg(struct store_i_claim_op *c);
 
 /* Frees c once neither Redis nor Postgres will call back with it. */
-static void claim_done(struct claim_op *c)
+static void claim_done(struct store_i_claim_op *c)
 {
     if (c->rd_pending || c->pg_pending)
         return;
-    op_unlink(&c->h);
-    op_free(&c->h);
+    store_i_op_unlink(&c->h);
+    store_i_op_free(&c->h);
 }
 
 /* The one answer of the claim. */
-static void claim_answer(struct claim_op *c, struct store_claim_res *res)
+static void claim_answer(struct store_i_claim_op *c, struct store_claim_res *res)
 {
     struct store *s = c->h.s;
     /* Our marker must not outlive a claim that did not take the key: it
      * would answer "in flight" for a record that is not ours. */
     if (c->marker_ours && res->verdict != STORE_NEW && res->verdict != STORE_REPLAY)
-        redis_del(s, c->rkey);
+        store_i_redis_del(s, c->rkey);
     c->answered = true;
     c->cb(c->arg, res);
     cm_resp_free(&res->resp);
@@ -45,29 +45,30 @@ static void claim_answer(struct claim_op *c, struct store_claim_res *res)
 
 /* Postgres' verdict when Redis has answered (or was never asked): a replay refills Redis, only over the marker this
  * claim placed or saw (a purge meanwhile removed it). */
-static void claim_answer_pg(struct claim_op *c, struct store_claim_res *res, const char *blob, size_t blob_len)
+static void claim_answer_pg(struct store_i_claim_op *c, struct store_claim_res *res, const char *blob, size_t blob_len)
 {
     if (res->verdict == STORE_REPLAY && blob != NULL && (c->marker_ours || c->seen_marker || c->seen_stale)) {
-        uint8_t mine[MARKER_LEN];
-        make_marker(mine, c->fp, c->token);
+        uint8_t mine[STORE_MARKER_LEN];
+        store_i_make_marker(mine, c->fp, c->token);
         /* Redis keeps it a margin less than Postgres does: a key Postgres may give again must not find it there. */
-        uint64_t ttl = res->expires_in_ms > REDIS_EXPIRY_MARGIN_MS ? res->expires_in_ms - REDIS_EXPIRY_MARGIN_MS : 0;
-        redis_cache(c->h.s, c->rkey, c->marker_ours ? mine : c->seen, c->seen_stale ? 0 : MARKER_LEN, c->fp, blob,
-                    blob_len, ttl, c->sent_pg_ms + res->expires_in_ms, c->epoch);
+        uint64_t ttl =
+            res->expires_in_ms > STORE_REDIS_EXPIRY_MARGIN_MS ? res->expires_in_ms - STORE_REDIS_EXPIRY_MARGIN_MS : 0;
+        store_i_redis_cache(c->h.s, c->rkey, c->marker_ours ? mine : c->seen, c->seen_stale ? 0 : STORE_MARKER_LEN,
+                            c->fp, blob, blob_len, ttl, c->sent_pg_ms + res->expires_in_ms, c->epoch);
     }
     claim_answer(c, res);
 }
 
 /* Postgres settled the claim with res (blob: a replay's stored answer, or NULL). */
-static void claim_pg_settled(struct claim_op *c, struct store_claim_res *res, const char *blob, size_t blob_len)
+static void claim_pg_settled(struct store_i_claim_op *c, struct store_claim_res *res, const char *blob, size_t blob_len)
 {
     c->pg_pending = false;
     /* Released once settled: an attempt that may still commit and none that made the key ours (in doubt), or a
      * key Postgres gave after Redis answered (unused: nothing is forwarded under its token). */
     bool in_doubt = c->ndoubt > 0 && res->verdict != STORE_NEW, unused = c->answered && res->verdict == STORE_NEW;
     if (in_doubt || unused)
-        doubt_remember(c->h.s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt,
-                       c->doubt_sent_ms, unused);
+        store_i_doubt_remember(c->h.s, c->route, c->scope, c->key, c->key_len, c->token, c->doubt_pids, c->ndoubt,
+                               c->doubt_sent_ms, unused);
     if (c->answered) {
         cm_resp_free(&res->resp);
         claim_done(c);
@@ -88,7 +89,7 @@ static void claim_pg_settled(struct claim_op *c, struct store_claim_res *res, co
     }
 }
 
-static void claim_fail(struct claim_op *c, const char *err)
+static void claim_fail(struct store_i_claim_op *c, const char *err)
 {
     struct store_claim_res res;
     memset(&res, 0, sizeof res);
@@ -100,13 +101,13 @@ static void claim_fail(struct claim_op *c, const char *err)
 
 static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
-    struct claim_op *c = arg;
+    struct store_i_claim_op *c = arg;
     struct store *s = c->h.s;
     if (st != STORE_PG_OK) {
         if (st != STORE_PG_UNAVAILABLE && st != STORE_PG_OVERLOAD)
-            log_pg_failure("claim", st, msg);
+            store_i_log_pg_failure("claim", st, msg);
         int pid = store_pg_cb_backend_pid(s->pg);
-        if ((st == STORE_PG_TIMEOUT || st == STORE_PG_TRANSPORT) && pid > 0 && c->ndoubt < CLAIM_ATTEMPTS) {
+        if ((st == STORE_PG_TIMEOUT || st == STORE_PG_TRANSPORT) && pid > 0 && c->ndoubt < STORE_CLAIM_ATTEMPTS) {
             if (c->ndoubt == 0)
                 c->doubt_sent_ms = c->sent_ms;
             c->doubt_pids[c->ndoubt++] = pid;
@@ -114,11 +115,11 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
         /* A broken link or a rolled-back statement: run it again. Should the
          * lost attempt have committed, the next one finds the record under
          * our own token and reports it as ours. */
-        if ((st == STORE_PG_TRANSPORT || st == STORE_PG_TRANSIENT) && ++c->attempts < CLAIM_ATTEMPTS) {
+        if ((st == STORE_PG_TRANSPORT || st == STORE_PG_TRANSIENT) && ++c->attempts < STORE_CLAIM_ATTEMPTS) {
             claim_pg(c);
             return;
         }
-        claim_fail(c, pg_err_text(st));
+        claim_fail(c, store_i_pg_err_text(st));
         return;
     }
     const PGresult *read = store_pg_cb_then(s->pg); /* Citus: the read after the upsert */
@@ -131,7 +132,7 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
     }
     if (again) {
         /* The row changed after the statement's snapshot: run it again. */
-        if (++c->attempts < CLAIM_ATTEMPTS) {
+        if (++c->attempts < STORE_CLAIM_ATTEMPTS) {
             claim_pg(c);
             return;
         }
@@ -198,14 +199,14 @@ static void claim_pg_cb(void *arg, enum store_pg_status st, const PGresult *pr, 
     claim_pg_settled(c, &res, NULL, 0);
 }
 
-static void claim_pg(struct claim_op *c)
+static void claim_pg(struct store_i_claim_op *c)
 {
     struct store *s = c->h.s;
     uint8_t tok[8], lease[8], ret[8];
     uint8_t takeover = c->takeover ? 1 : 0;
-    be64(tok, c->token); /* one token for every attempt of this claim */
-    be64(lease, c->lease_ms);
-    be64(ret, c->retention_ms);
+    store_i_be64(tok, c->token); /* one token for every attempt of this claim */
+    store_i_be64(lease, c->lease_ms);
+    store_i_be64(ret, c->retention_ms);
     struct store_pg_param p[9] = {
         {c->route, strlen(c->route), true},
         {c->scope, 32, true},
@@ -219,32 +220,32 @@ static void claim_pg(struct claim_op *c)
     };
     c->sent_pg_ms = store_clock_ms();
     c->sent_ms = cm_now_ms();
-    store_pg_query(s->pg, S_CLAIM, p, 9, 1, claim_pg_cb, c);
+    store_pg_query(s->pg, STORE_S_CLAIM, p, 9, 1, claim_pg_cb, c);
 }
 
 /* A completed answer cached in Redis ("G", format above) decides the claim when the purge epoch trusts it: true,
  * with res filled (a replay, or a mismatch for another fingerprint). One it may not trust (read before a purge
  * this process heard of, or while it cannot know: its listener is not current), or of the older forms "C"/"E"
  * (no epoch), is marked seen_stale: Postgres decides, and a replay's refill replaces it. */
-static bool claim_from_redis(struct claim_op *c, const redisReply *r, struct store_claim_res *res)
+static bool claim_from_redis(struct store_i_claim_op *c, const redisReply *r, struct store_claim_res *res)
 {
     const uint8_t *v = (const uint8_t *)r->str;
     if (v[0] == 'C' || v[0] == 'E' || v[0] == 'G')
         c->seen_stale = true;
-    if (v[0] != 'G' || r->len < RVAL_HEAD || !epoch_trusts(c->h.s, rd_be64(v + 41)))
+    if (v[0] != 'G' || r->len < STORE_RVAL_HEAD || !store_i_epoch_trusts(c->h.s, store_i_rd_be64(v + 41)))
         return false;
     c->seen_stale = false;
     memset(res, 0, sizeof *res);
     res->from_redis = true;
     /* what is left of the record, less a margin for the clocks of the hosts that wrote and read it */
-    uint64_t exp = rd_be64(v + 33), now = store_clock_ms(); /* both on Postgres's clock (SPEC 8, one clock) */
-    res->expires_in_ms = exp > now + REDIS_EXPIRY_MARGIN_MS ? exp - now - REDIS_EXPIRY_MARGIN_MS : 0;
+    uint64_t exp = store_i_rd_be64(v + 33), now = store_clock_ms(); /* both on Postgres's clock (SPEC 8, one clock) */
+    res->expires_in_ms = exp > now + STORE_REDIS_EXPIRY_MARGIN_MS ? exp - now - STORE_REDIS_EXPIRY_MARGIN_MS : 0;
     if (memcmp(v + 1, c->fp, 32) != 0) {
         cm_resp_init(&res->resp, 0);
         res->verdict = STORE_MISMATCH;
         return true;
     }
-    if (cm_resp_decode(v + RVAL_HEAD, r->len - RVAL_HEAD, &res->resp)) {
+    if (cm_resp_decode(v + STORE_RVAL_HEAD, r->len - STORE_RVAL_HEAD, &res->resp)) {
         res->verdict = STORE_REPLAY;
         return true;
     }
@@ -254,7 +255,7 @@ static bool claim_from_redis(struct claim_op *c, const redisReply *r, struct sto
 
 static void claim_redis_cb(void *arg, const struct redisReply *reply)
 {
-    struct claim_op *c = arg;
+    struct store_i_claim_op *c = arg;
     const redisReply *r = reply;
     c->rd_pending = false;
     struct store_claim_res res;
@@ -276,12 +277,12 @@ static void claim_redis_cb(void *arg, const struct redisReply *reply)
             claim_done(c);
             return;
         }
-        if (r->str[0] == 'F' && r->len == MARKER_LEN) {
+        if (r->str[0] == 'F' && r->len == STORE_MARKER_LEN) {
             /* Somebody's in-flight marker. It never answers 409 by itself:
              * one left by a SET NX that timed out, a claim that failed or a
              * completion that could not be written would refuse a free key
              * for up to a lease. Postgres decides; a refill compares to it. */
-            memcpy(c->seen, r->str, MARKER_LEN);
+            memcpy(c->seen, r->str, STORE_MARKER_LEN);
             c->seen_marker = true;
         }
     }
@@ -295,8 +296,8 @@ static void claim_redis_cb(void *arg, const struct redisReply *reply)
 
 void store_claim(struct store *s, const struct store_claim_req *req, store_claim_cb cb, void *arg)
 {
-    struct claim_op *c = cm_calloc(1, sizeof *c);
-    op_link(s, &c->h, OP_CLAIM);
+    struct store_i_claim_op *c = cm_calloc(1, sizeof *c);
+    store_i_op_link(s, &c->h, STORE_OP_CLAIM);
     c->route = cm_strdup(req->id.route);
     c->key = cm_strndup(req->id.key, req->id.key_len);
     c->key_len = req->id.key_len;
@@ -308,18 +309,18 @@ void store_claim(struct store *s, const struct store_claim_req *req, store_claim
     c->takeover = req->takeover_unknown;
     snprintf(c->request_id, sizeof c->request_id, "%s", req->request_id ? req->request_id : "");
     c->token = cm_random_token();
-    c->epoch = epoch_known(s);
+    c->epoch = store_i_epoch_known(s);
     c->cb = cb;
     c->arg = arg;
-    redis_key(c->route, c->scope, c->key, c->key_len, c->rkey);
+    store_i_redis_key(c->route, c->scope, c->key, c->key_len, c->rkey);
     if (s->rd) {
         /* SET NX GET: places our marker, or returns what is there (Redis >= 7). */
-        uint8_t marker[MARKER_LEN];
-        make_marker(marker, c->fp, c->token);
+        uint8_t marker[STORE_MARKER_LEN];
+        store_i_make_marker(marker, c->fp, c->token);
         char px[24];
         snprintf(px, sizeof px, "%llu", (unsigned long long)c->lease_ms);
         const char *argv[7] = {"SET", c->rkey, (const char *)marker, "NX", "PX", px, "GET"};
-        size_t lens[7] = {3, RKEY_LEN, sizeof marker, 2, 2, strlen(px), 3};
+        size_t lens[7] = {3, STORE_RKEY_LEN, sizeof marker, 2, 2, strlen(px), 3};
         c->rd_pending = store_rd_command(s->rd, claim_redis_cb, c, 7, argv, lens);
     }
     c->pg_pending = true;
@@ -328,14 +329,14 @@ void store_claim(struct store *s, const struct store_claim_req *req, store_claim
 
 /* ---- claims in doubt */
 
-void doubt_free(struct doubt *d)
+void store_i_doubt_free(struct store_i_doubt *d)
 {
     free(d->route);
     free(d->key);
     free(d);
 }
 
-void doubt_schedule(struct store *s, uint64_t ms)
+void store_i_doubt_schedule(struct store *s, uint64_t ms)
 {
     if (!s->doubt_head || s->doubt_busy)
         return;
@@ -343,7 +344,7 @@ void doubt_schedule(struct store *s, uint64_t ms)
     evtimer_add(s->doubt_timer, &tv);
 }
 
-static void doubt_push(struct store *s, struct doubt *d)
+static void doubt_push(struct store *s, struct store_i_doubt *d)
 {
     d->next = NULL;
     if (s->doubt_tail)
@@ -353,9 +354,9 @@ static void doubt_push(struct store *s, struct doubt *d)
     s->doubt_tail = d;
 }
 
-struct doubt *doubt_pop(struct store *s)
+struct store_i_doubt *store_i_doubt_pop(struct store *s)
 {
-    struct doubt *d = s->doubt_head;
+    struct store_i_doubt *d = s->doubt_head;
     if (d) {
         s->doubt_head = d->next;
         if (!s->doubt_head)
@@ -367,37 +368,37 @@ struct doubt *doubt_pop(struct store *s)
 
 /* Remembers (id, token) for release; pids: server processes that may still
  * commit the claim (none: nothing can commit it any more, e.g. a release
- * that could not be written). At DOUBT_MAX the oldest entry not being worked
+ * that could not be written). At STORE_DOUBT_MAX the oldest entry not being worked
  * on is dropped: that claim stays in flight until its lease lapses, then
  * reads as an unknown outcome (idemgate_stuck_processing counts it after 5
  * minutes); the log line says so. unused: a claim Postgres made after Redis
  * had answered its request (claim_pg_settled), logged as claim_unused. */
-void doubt_remember(struct store *s, const char *route, const uint8_t scope[32], const char *key, size_t key_len,
-                    uint64_t token, const int *pids, int npids, uint64_t sent_ms, bool unused)
+void store_i_doubt_remember(struct store *s, const char *route, const uint8_t scope[32], const char *key,
+                            size_t key_len, uint64_t token, const int *pids, int npids, uint64_t sent_ms, bool unused)
 {
-    if (s->ndoubt >= DOUBT_MAX) {
-        struct doubt *old = s->doubt_head;
+    if (s->ndoubt >= STORE_DOUBT_MAX) {
+        struct store_i_doubt *old = s->doubt_head;
         if (s->doubt_busy) { /* the head's query is running: drop the one after it */
             old = s->doubt_head->next;
             s->doubt_head->next = old->next;
             if (s->doubt_tail == old)
                 s->doubt_tail = s->doubt_head;
         } else {
-            (void)doubt_pop(s);
+            (void)store_i_doubt_pop(s);
         }
         cm_log(CM_ERROR, "claim_in_doubt_dropped", "route=%s limit=%d effect=stays_in_flight_then_unknown", old->route,
-               DOUBT_MAX);
-        doubt_free(old);
+               STORE_DOUBT_MAX);
+        store_i_doubt_free(old);
         s->ndoubt--;
         cm_metric_claims_in_doubt(-1);
     }
-    struct doubt *d = cm_calloc(1, sizeof *d);
+    struct store_i_doubt *d = cm_calloc(1, sizeof *d);
     d->route = cm_strdup(route);
     d->key = cm_strndup(key, key_len);
     d->key_len = key_len;
     memcpy(d->scope, scope, 32);
     d->token = token;
-    for (int i = 0; i < npids && i < CLAIM_ATTEMPTS; i++)
+    for (int i = 0; i < npids && i < STORE_CLAIM_ATTEMPTS; i++)
         d->pids[d->npids++] = pids[i];
     d->sent_ms = sent_ms;
     doubt_push(s, d);
@@ -407,7 +408,7 @@ void doubt_remember(struct store *s, const char *route, const uint8_t scope[32],
         cm_log(CM_INFO, "claim_unused", "route=%s processes=%d in_doubt=%zu", route, d->npids, s->ndoubt);
     else
         cm_log(CM_WARN, "claim_in_doubt", "route=%s processes=%d in_doubt=%zu", route, d->npids, s->ndoubt);
-    doubt_schedule(s, s->doubt_backoff_ms);
+    store_i_doubt_schedule(s, s->doubt_backoff_ms);
 }
 
 /* Postgres failed: try again later, with backoff. */
@@ -415,8 +416,8 @@ static void doubt_retry(struct store *s)
 {
     s->doubt_busy = false;
     uint64_t ms = s->doubt_backoff_ms;
-    s->doubt_backoff_ms = ms * 2 > DOUBT_BACKOFF_MAX_MS ? DOUBT_BACKOFF_MAX_MS : ms * 2;
-    doubt_schedule(s, ms);
+    s->doubt_backoff_ms = ms * 2 > STORE_DOUBT_BACKOFF_MAX_MS ? STORE_DOUBT_BACKOFF_MAX_MS : ms * 2;
+    store_i_doubt_schedule(s, ms);
 }
 
 static void doubt_released_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
@@ -424,41 +425,41 @@ static void doubt_released_cb(void *arg, enum store_pg_status st, const PGresult
     struct store *s = arg;
     if (st != STORE_PG_OK) {
         if (st == STORE_PG_SQL_ERROR)
-            log_pg_failure("release_in_doubt", st, msg);
+            store_i_log_pg_failure("release_in_doubt", st, msg);
         doubt_retry(s);
         return;
     }
-    struct doubt *d = doubt_pop(s);
+    struct store_i_doubt *d = store_i_doubt_pop(s);
     s->ndoubt--;
     cm_metric_claims_in_doubt(-1);
-    cm_log(CM_INFO, "claim_in_doubt_released", "route=%s rows=%ld tries=%d in_doubt=%zu", d->route, cmd_rows(pr),
-           d->tries, s->ndoubt);
-    doubt_free(d);
+    cm_log(CM_INFO, "claim_in_doubt_released", "route=%s rows=%ld tries=%d in_doubt=%zu", d->route,
+           store_i_cmd_rows(pr), d->tries, s->ndoubt);
+    store_i_doubt_free(d);
     s->doubt_busy = false;
-    s->doubt_backoff_ms = DOUBT_BACKOFF_MIN_MS;
-    doubt_schedule(s, 0);
+    s->doubt_backoff_ms = STORE_DOUBT_BACKOFF_MIN_MS;
+    store_i_doubt_schedule(s, 0);
 }
 
-static void doubt_release(struct store *s, struct doubt *d)
+static void doubt_release(struct store *s, struct store_i_doubt *d)
 {
     uint8_t tok[8];
-    be64(tok, d->token);
+    store_i_be64(tok, d->token);
     struct store_pg_param p[4] = {
         {d->route, strlen(d->route), true},
         {d->scope, 32, true},
         {d->key, d->key_len, true},
         {tok, 8, true},
     };
-    store_pg_query(s->pg, S_DOUBT_RELEASE, p, 4, 1, doubt_released_cb, s);
+    store_pg_query(s->pg, STORE_S_DOUBT_RELEASE, p, 4, 1, doubt_released_cb, s);
 }
 
 static void doubt_alive_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
     struct store *s = arg;
-    struct doubt *d = s->doubt_head;
+    struct store_i_doubt *d = s->doubt_head;
     if (st != STORE_PG_OK) {
         if (st == STORE_PG_SQL_ERROR)
-            log_pg_failure("doubt_alive", st, msg);
+            store_i_log_pg_failure("doubt_alive", st, msg);
         doubt_retry(s);
         return;
     }
@@ -468,19 +469,19 @@ static void doubt_alive_cb(void *arg, enum store_pg_status st, const PGresult *p
         if (d->tries == 1)
             cm_log(CM_WARN, "claim_in_doubt_waiting", "route=%s processes=%d", d->route, PQntuples(pr));
         if (s->doubt_head != s->doubt_tail)
-            doubt_push(s, doubt_pop(s));
+            doubt_push(s, store_i_doubt_pop(s));
         doubt_retry(s);
         return;
     }
     doubt_release(s, d);
 }
 
-void doubt_timer_cb(evutil_socket_t fd, short what, void *arg)
+void store_i_doubt_timer_cb(evutil_socket_t fd, short what, void *arg)
 {
     struct store *s = arg;
     (void)fd;
     (void)what;
-    struct doubt *d = s->doubt_head;
+    struct store_i_doubt *d = s->doubt_head;
     if (!d || s->doubt_busy)
         return;
     s->doubt_busy = true;
@@ -489,7 +490,7 @@ void doubt_timer_cb(evutil_socket_t fd, short what, void *arg)
         doubt_release(s, d);
         return;
     }
-    char arr[CLAIM_ATTEMPTS * 12 + 4];
+    char arr[STORE_CLAIM_ATTEMPTS * 12 + 4];
     size_t off = 0;
     arr[off++] = '{';
     for (int i = 0; i < d->npids; i++)
@@ -497,7 +498,7 @@ void doubt_timer_cb(evutil_socket_t fd, short what, void *arg)
     snprintf(arr + off, sizeof arr - off, "}");
     uint8_t since[8];
     uint64_t now = cm_now_ms();
-    be64(since, now > d->sent_ms ? now - d->sent_ms : 0);
+    store_i_be64(since, now > d->sent_ms ? now - d->sent_ms : 0);
     struct store_pg_param p[2] = {{arr, strlen(arr), false}, {since, 8, true}};
-    store_pg_query(s->pg, S_DOUBT_ALIVE, p, 2, 1, doubt_alive_cb, s);
+    store_pg_query(s->pg, STORE_S_DOUBT_ALIVE, p, 2, 1, doubt_alive_cb, s);
 }

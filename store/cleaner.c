@@ -6,7 +6,7 @@
 
 /* ---- background: expired records and stuck gauge */
 
-void clean_schedule(struct store *s, uint64_t ms)
+void store_i_clean_schedule(struct store *s, uint64_t ms)
 {
     struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
     evtimer_add(s->clean_timer, &tv);
@@ -32,37 +32,37 @@ static void stuck_cb(void *arg, enum store_pg_status st, const PGresult *pr, con
             cm_metric_stuck_processing_set(i, n);
         }
     } else if (st == STORE_PG_SQL_ERROR) {
-        log_pg_failure("stuck", st, msg);
+        store_i_log_pg_failure("stuck", st, msg);
     }
     s->cleaning = false;
-    clean_schedule(s, CLEAN_EVERY_MS);
+    store_i_clean_schedule(s, STORE_CLEAN_EVERY_MS);
 }
 
 static void clean_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
     struct store *s = arg;
     if (st == STORE_PG_OK) {
-        long n = cmd_rows(pr);
+        long n = store_i_cmd_rows(pr);
         s->cleaned += (uint64_t)n;
         if (n > 0)
             cm_log(CM_DEBUG, "store_cleaned", "rows=%ld", n);
-        if (n >= CLEAN_BATCH && ++s->clean_batches < CLEAN_MAX_BATCHES) {
-            store_pg_query(s->pg, S_CLEAN, NULL, 0, 1, clean_cb, s);
+        if (n >= STORE_CLEAN_BATCH && ++s->clean_batches < STORE_CLEAN_MAX_BATCHES) {
+            store_pg_query(s->pg, STORE_S_CLEAN, NULL, 0, 1, clean_cb, s);
             return;
         }
     } else if (st == STORE_PG_SQL_ERROR) {
-        log_pg_failure("clean", st, msg);
+        store_i_log_pg_failure("clean", st, msg);
     }
-    /* Citus runs the count on every shard: there it is refreshed every STUCK_EVERY_CITUS passes. */
-    if (s->conf->distributed == CONF_DIST_CITUS && s->clean_passes++ % STUCK_EVERY_CITUS != 0) {
+    /* Citus runs the count on every shard: there it is refreshed every STORE_STUCK_EVERY_CITUS passes. */
+    if (s->conf->distributed == CONF_DIST_CITUS && s->clean_passes++ % STORE_STUCK_EVERY_CITUS != 0) {
         s->cleaning = false;
-        clean_schedule(s, CLEAN_EVERY_MS);
+        store_i_clean_schedule(s, STORE_CLEAN_EVERY_MS);
         return;
     }
-    store_pg_query(s->pg, S_STUCK, NULL, 0, 1, stuck_cb, s);
+    store_pg_query(s->pg, STORE_S_STUCK, NULL, 0, 1, stuck_cb, s);
 }
 
-void clean_timer_cb(evutil_socket_t fd, short what, void *arg)
+void store_i_clean_timer_cb(evutil_socket_t fd, short what, void *arg)
 {
     struct store *s = arg;
     (void)fd;
@@ -71,5 +71,5 @@ void clean_timer_cb(evutil_socket_t fd, short what, void *arg)
         return;
     s->cleaning = true;
     s->clean_batches = 0;
-    store_pg_query(s->pg, S_CLEAN, NULL, 0, 1, clean_cb, s);
+    store_pg_query(s->pg, STORE_S_CLEAN, NULL, 0, 1, clean_cb, s);
 }

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void op_link(struct store *s, struct op *o, enum op_kind kind)
+void store_i_op_link(struct store *s, struct store_i_op *o, enum store_i_op_kind kind)
 {
     o->s = s;
     o->kind = kind;
@@ -18,7 +18,7 @@ void op_link(struct store *s, struct op *o, enum op_kind kind)
     s->ops = o;
 }
 
-void op_unlink(struct op *o)
+void store_i_op_unlink(struct store_i_op *o)
 {
     struct store *s = o->s;
     if (o->prev)
@@ -30,11 +30,11 @@ void op_unlink(struct op *o)
     o->prev = o->next = NULL;
 }
 
-void op_free(struct op *o)
+void store_i_op_free(struct store_i_op *o)
 {
     switch (o->kind) {
-    case OP_CLAIM: {
-        struct claim_op *c = (struct claim_op *)o;
+    case STORE_OP_CLAIM: {
+        struct store_i_claim_op *c = (struct store_i_claim_op *)o;
         free(c->route);
         free(c->key);
         if (c->held)
@@ -42,12 +42,12 @@ void op_free(struct op *o)
         free(c->held_blob);
         break;
     }
-    case OP_COMPLETE:
-    case OP_RENEW:
-    case OP_RELEASE:
-    case OP_MARK_UNKNOWN:
-    case OP_PROBE_TAKE: {
-        struct owner_op *w = (struct owner_op *)o;
+    case STORE_OP_COMPLETE:
+    case STORE_OP_RENEW:
+    case STORE_OP_RELEASE:
+    case STORE_OP_MARK_UNKNOWN:
+    case STORE_OP_PROBE_TAKE: {
+        struct store_i_owner_op *w = (struct store_i_owner_op *)o;
         if (w->timer)
             event_free(w->timer);
         free(w->route);
@@ -55,14 +55,14 @@ void op_free(struct op *o)
         free(w->blob);
         break;
     }
-    case OP_ADMIN: {
-        struct admin_op *a = (struct admin_op *)o;
+    case STORE_OP_ADMIN: {
+        struct store_i_admin_op *a = (struct store_i_admin_op *)o;
         free(a->route);
         free(a->key);
         free(a->json);
         break;
     }
-    case OP_PROBE_LIST:
+    case STORE_OP_PROBE_LIST:
         break;
     }
     free(o);
@@ -70,7 +70,7 @@ void op_free(struct op *o)
 
 /* ---- helpers */
 
-void be64(uint8_t out[8], uint64_t v)
+void store_i_be64(uint8_t out[8], uint64_t v)
 {
     for (int i = 7; i >= 0; i--) {
         out[i] = (uint8_t)(v & 0xff);
@@ -78,7 +78,7 @@ void be64(uint8_t out[8], uint64_t v)
     }
 }
 
-uint64_t rd_be64(const uint8_t in[8])
+uint64_t store_i_rd_be64(const uint8_t in[8])
 {
     uint64_t v = 0;
     for (int i = 0; i < 8; i++)
@@ -86,7 +86,7 @@ uint64_t rd_be64(const uint8_t in[8])
     return v;
 }
 
-void be32(uint8_t out[4], uint32_t v)
+void store_i_be32(uint8_t out[4], uint32_t v)
 {
     out[0] = (uint8_t)(v >> 24);
     out[1] = (uint8_t)(v >> 16);
@@ -95,7 +95,8 @@ void be32(uint8_t out[4], uint32_t v)
 }
 
 /* "idg:" + hex(SHA-256(route NUL scope NUL key)): no raw key or scope in Redis. */
-void redis_key(const char *route, const uint8_t scope[32], const char *key, size_t key_len, char out[RKEY_LEN + 1])
+void store_i_redis_key(const char *route, const uint8_t scope[32], const char *key, size_t key_len,
+                       char out[STORE_RKEY_LEN + 1])
 {
     struct cm_sha256 h;
     uint8_t d[32];
@@ -108,10 +109,10 @@ void redis_key(const char *route, const uint8_t scope[32], const char *key, size
     cm_sha256_final(&h, d);
     memcpy(out, "idg:", 4);
     cm_hex(d, 32, out + 4);
-    out[RKEY_LEN] = '\0';
+    out[STORE_RKEY_LEN] = '\0';
 }
 
-const char *pg_err_text(enum store_pg_status st)
+const char *store_i_pg_err_text(enum store_pg_status st)
 {
     switch (st) {
     case STORE_PG_OK:
@@ -132,14 +133,14 @@ const char *pg_err_text(enum store_pg_status st)
     return "postgres error";
 }
 
-void log_pg_failure(const char *what, enum store_pg_status st, const char *msg)
+void store_i_log_pg_failure(const char *what, enum store_pg_status st, const char *msg)
 {
     char q[512];
     cm_log(st == STORE_PG_SQL_ERROR ? CM_ERROR : CM_WARN, "store_error", "op=%s status=%s error=%s", what,
            store_pg_status_name(st), cm_log_quote(q, sizeof q, msg ? msg : ""));
 }
 
-long cmd_rows(const PGresult *res)
+long store_i_cmd_rows(const PGresult *res)
 {
     const char *t = PQcmdTuples((PGresult *)res);
     if (!t || !*t)
@@ -155,14 +156,14 @@ static void redis_fire(struct store *s, int argc, const char **argv, const size_
         (void)store_rd_command(s->rd, NULL, NULL, argc, argv, lens);
 }
 
-void redis_del(struct store *s, const char *rkey)
+void store_i_redis_del(struct store *s, const char *rkey)
 {
     const char *argv[2] = {"DEL", rkey};
     size_t lens[2] = {3, strlen(rkey)};
     redis_fire(s, 2, argv, lens);
 }
 
-void redis_pexpire(struct store *s, const char *rkey, uint64_t ms)
+void store_i_redis_pexpire(struct store *s, const char *rkey, uint64_t ms)
 {
     char px[24];
     snprintf(px, sizeof px, "%llu", (unsigned long long)(ms ? ms : 1));
@@ -174,11 +175,11 @@ void redis_pexpire(struct store *s, const char *rkey, uint64_t ms)
 /* The in-flight marker a claim places with SET NX: "F" + fingerprint +
  * token. It never answers anything by itself (Postgres decides every
  * verdict but a cached replay); it is what a cache write compares against. */
-void make_marker(uint8_t out[MARKER_LEN], const uint8_t fp[32], uint64_t token)
+void store_i_make_marker(uint8_t out[STORE_MARKER_LEN], const uint8_t fp[32], uint64_t token)
 {
     out[0] = 'F';
     memcpy(out + 1, fp, 32);
-    be64(out + 33, token);
+    store_i_be64(out + 33, token);
 }
 
 /* Writes the value only while the key still holds what the writer saw:
@@ -198,18 +199,18 @@ static const char redis_cas_lua[] =
 /* Caches a completed answer, fire-and-forget (format above; the expiry is never later than Postgres' expires_at:
  * taken from before the statement that read it), for ttl_ms, if the key still holds expect (expect_len bytes; 0: no
  * marker) or an answer of an epoch older than epoch. */
-void redis_cache(struct store *s, const char *rkey, const void *expect, size_t expect_len, const uint8_t fp[32],
-                 const void *blob, size_t blob_len, uint64_t ttl_ms, uint64_t expiry_wall_ms, uint64_t epoch)
+void store_i_redis_cache(struct store *s, const char *rkey, const void *expect, size_t expect_len, const uint8_t fp[32],
+                         const void *blob, size_t blob_len, uint64_t ttl_ms, uint64_t expiry_wall_ms, uint64_t epoch)
 {
     if (!s->rd || ttl_ms == 0 || !store_rd_up(s->rd))
         return;
-    size_t vlen = RVAL_HEAD + blob_len;
+    size_t vlen = STORE_RVAL_HEAD + blob_len;
     char *val = cm_malloc(vlen);
     val[0] = 'G';
     memcpy(val + 1, fp, 32);
-    be64((uint8_t *)val + 33, expiry_wall_ms);
-    be64((uint8_t *)val + 41, epoch);
-    memcpy(val + RVAL_HEAD, blob, blob_len);
+    store_i_be64((uint8_t *)val + 33, expiry_wall_ms);
+    store_i_be64((uint8_t *)val + 41, epoch);
+    memcpy(val + STORE_RVAL_HEAD, blob, blob_len);
     char px[24], ep[24];
     snprintf(px, sizeof px, "%llu", (unsigned long long)ttl_ms);
     snprintf(ep, sizeof ep, "%llu", (unsigned long long)epoch);
@@ -254,14 +255,14 @@ void store_set_epoch(struct store *s, struct store_epoch *e)
     s->epoch = e;
 }
 
-uint64_t epoch_known(const struct store *s)
+uint64_t store_i_epoch_known(const struct store *s)
 {
     return s->epoch ? atomic_load(&s->epoch->known) : 0;
 }
 
 /* An answer of this epoch may answer for Postgres: this process has heard of every purge until now, and none came
  * after the answer was read. */
-bool epoch_trusts(const struct store *s, uint64_t epoch)
+bool store_i_epoch_trusts(const struct store *s, uint64_t epoch)
 {
     return s->epoch && atomic_load(&s->epoch->current) && epoch >= atomic_load(&s->epoch->known);
 }
@@ -279,13 +280,13 @@ uint64_t store_clock_ms(void)
     return (uint64_t)((int64_t)cm_now_ms() + atomic_load_explicit(&pg_clock_offset, memory_order_relaxed));
 }
 
-void clock_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
+void store_i_clock_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
     struct store *s = arg;
     (void)msg;
     s->clocking = false;
     uint64_t now = cm_now_ms();
-    if (st != STORE_PG_OK || PQntuples(pr) != 1 || now - s->clock_sent_ms > CLOCK_MAX_RTT_MS)
+    if (st != STORE_PG_OK || PQntuples(pr) != 1 || now - s->clock_sent_ms > STORE_CLOCK_MAX_RTT_MS)
         return; /* read again at the next probe tick */
     int64_t pg_ms = strtoll(PQgetvalue(pr, 0, 0), NULL, 10);
     if (pg_ms <= 0)

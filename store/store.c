@@ -18,17 +18,19 @@
     "(" p "state = 'completed' AND " p "expires_at < now() AND " p "lease_until < now()) OR ($8 AND " p                \
     "state IN ('in_flight', 'unknown') AND " p "lease_until < now() AND " p "fingerprint = $4)"
 
-static const Oid claim_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_BYTEA, OID_INT8,
-                                  OID_INT8, OID_INT8,  OID_BOOL, OID_TEXT};
-static const Oid claim_multi_types[] = {OID_TEXT_ARRAY,  OID_BYTEA_ARRAY, OID_TEXT_ARRAY,
-                                        OID_BYTEA_ARRAY, OID_INT8_ARRAY,  OID_INT8_ARRAY,
-                                        OID_INT8_ARRAY,  OID_BOOL_ARRAY,  OID_TEXT_ARRAY};
-static const Oid complete_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT4, OID_BYTEA, OID_INT8};
-static const Oid complete_multi_types[] = {OID_TEXT_ARRAY, OID_BYTEA_ARRAY, OID_TEXT_ARRAY, OID_INT8_ARRAY,
-                                           OID_INT4_ARRAY, OID_BYTEA_ARRAY, OID_INT8_ARRAY};
-static const Oid fenced_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8};
-static const Oid release_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8};
-static const Oid admin_types[] = {OID_TEXT, OID_TEXT};
+static const Oid claim_types[] = {STORE_OID_TEXT, STORE_OID_BYTEA, STORE_OID_TEXT, STORE_OID_BYTEA, STORE_OID_INT8,
+                                  STORE_OID_INT8, STORE_OID_INT8,  STORE_OID_BOOL, STORE_OID_TEXT};
+static const Oid claim_multi_types[] = {STORE_OID_TEXT_ARRAY,  STORE_OID_BYTEA_ARRAY, STORE_OID_TEXT_ARRAY,
+                                        STORE_OID_BYTEA_ARRAY, STORE_OID_INT8_ARRAY,  STORE_OID_INT8_ARRAY,
+                                        STORE_OID_INT8_ARRAY,  STORE_OID_BOOL_ARRAY,  STORE_OID_TEXT_ARRAY};
+static const Oid complete_types[] = {STORE_OID_TEXT, STORE_OID_BYTEA, STORE_OID_TEXT, STORE_OID_INT8,
+                                     STORE_OID_INT4, STORE_OID_BYTEA, STORE_OID_INT8};
+static const Oid complete_multi_types[] = {STORE_OID_TEXT_ARRAY, STORE_OID_BYTEA_ARRAY, STORE_OID_TEXT_ARRAY,
+                                           STORE_OID_INT8_ARRAY, STORE_OID_INT4_ARRAY,  STORE_OID_BYTEA_ARRAY,
+                                           STORE_OID_INT8_ARRAY};
+static const Oid fenced_types[] = {STORE_OID_TEXT, STORE_OID_BYTEA, STORE_OID_TEXT, STORE_OID_INT8, STORE_OID_INT8};
+static const Oid release_types[] = {STORE_OID_TEXT, STORE_OID_BYTEA, STORE_OID_TEXT, STORE_OID_INT8};
+static const Oid admin_types[] = {STORE_OID_TEXT, STORE_OID_TEXT};
 
 /* The last column of every claim's result: the record's age in ms on Postgres's clock (SPEC 8: one clock), for
  * Retry-After on a key in use (SPEC 11); 0 on a row the claim inserted. p: the table's alias and a dot, or "". */
@@ -192,11 +194,12 @@ static const char sql_admin_page[] =
     " AND created_at <= now() - $3 * interval '1 ms' AND ($2 = '' OR " SHOWN_STATE " = $2)"
     " ORDER BY created_at DESC, key DESC, scope DESC LIMIT $7";
 /* clang-format on */
-static const Oid admin_page_types[] = {OID_TEXT, OID_TEXT, OID_INT8, OID_TIMESTAMPTZ, OID_TEXT, OID_TEXT, OID_INT8};
+static const Oid admin_page_types[] = {STORE_OID_TEXT, STORE_OID_TEXT, STORE_OID_INT8, STORE_OID_TIMESTAMPTZ,
+                                       STORE_OID_TEXT, STORE_OID_TEXT, STORE_OID_INT8};
 
 /* An operator's settle (POST /admin/keys/settle) takes an unknown outcome (or a claim in flight whose lease lapsed)
  * under a token of its own, as the probe's take does, but whatever its lease: the operator confirmed the business
- * fact. The completion that follows (S_COMPLETE) is fenced by that token, and a prober or owner holding the old
+ * fact. The completion that follows (STORE_S_COMPLETE) is fenced by that token, and a prober or owner holding the old
  * one is fenced out. The companion reads the record's state (no row: absent; 404 or 409) and the id of the request
  * that claimed it (the settled answer carries it, as an answer the gateway stored does). */
 static const char sql_settle_take[] = "UPDATE idemgate_keys SET token = $4, lease_until = now() + $5 * interval '1 ms'"
@@ -278,7 +281,7 @@ static const char sql_doubt_alive[] =
     "SELECT pid, CASE WHEN usename = current_user THEN pg_terminate_backend(pid) END FROM pg_stat_activity"
     " WHERE pid = ANY ($1::int4[]) AND pid <> pg_backend_pid()"
     " AND backend_start < now() - $2 * interval '1 ms' + interval '1 s'";
-static const Oid doubt_alive_types[] = {OID_INT4_ARRAY, OID_INT8};
+static const Oid doubt_alive_types[] = {STORE_OID_INT4_ARRAY, STORE_OID_INT8};
 
 /* The release of a claim in doubt: only while it is in flight under its
  * token (nothing was ever forwarded under it). */
@@ -296,7 +299,8 @@ static const char sql_probe_take[] =
     "UPDATE idemgate_keys SET token = $4, lease_until = now() + $5 * interval '1 ms'"
     " WHERE route = $1 AND scope = $2 AND key = $3 AND state IN ('in_flight', 'unknown')"
     " AND lease_until < now() - $6 * interval '1 ms'";
-static const Oid probe_take_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, OID_INT8, OID_INT8};
+static const Oid probe_take_types[] = {STORE_OID_TEXT, STORE_OID_BYTEA, STORE_OID_TEXT,
+                                       STORE_OID_INT8, STORE_OID_INT8,  STORE_OID_INT8};
 
 /* The sweeper's batch: unknown outcomes (and claims in flight) whose lease lapsed, of the probe routes ($1: their
  * names joined by '\n'; route names never hold one), those looked at least recently first (a failed look-up gives
@@ -304,29 +308,30 @@ static const Oid probe_take_types[] = {OID_TEXT, OID_BYTEA, OID_TEXT, OID_INT8, 
 static const char sql_probe_list[] =
     "SELECT route, scope, key FROM idemgate_keys WHERE state IN ('in_flight', 'unknown') AND lease_until < now()"
     " AND route = ANY (string_to_array($1, E'\\n')) ORDER BY lease_until LIMIT $2";
-static const Oid probe_list_types[] = {OID_TEXT, OID_INT8};
+static const Oid probe_list_types[] = {STORE_OID_TEXT, STORE_OID_INT8};
 
-static const struct store_pg_stmt stmts[S__COUNT] = {
-    [S_CLAIM] = {"idg_claim", sql_claim, 9, claim_types, 3, sql_claim_multi, claim_multi_types, NULL},
-    [S_COMPLETE] = {"idg_complete", sql_complete, 7, complete_types, 3, sql_complete_multi, complete_multi_types, NULL},
-    [S_RENEW] = {"idg_renew", sql_renew, 5, fenced_types, 3, NULL, NULL, NULL},
-    [S_RELEASE] = {"idg_release", sql_release, 4, release_types, 3, NULL, NULL, NULL},
-    [S_MARK_UNKNOWN] = {"idg_mark_unknown", sql_mark_unknown, 5, fenced_types, 3, NULL, NULL, NULL},
-    [S_ADMIN_LIST] = {"idg_admin_list", sql_admin_list, 2, admin_types, 0, NULL, NULL, NULL},
-    [S_ADMIN_PURGE] = {"idg_admin_purge", sql_admin_purge, 2, admin_types, 0, NULL, NULL, NULL},
-    [S_ADMIN_RELEASE] = {"idg_admin_release", sql_admin_release, 2, admin_types, 0, NULL, NULL, NULL},
-    [S_CLEAN] = {"idg_clean", sql_clean, 0, NULL, 0, NULL, NULL, NULL},
-    [S_STUCK] = {"idg_stuck", sql_stuck, 0, NULL, 0, NULL, NULL, NULL},
-    [S_DOUBT_ALIVE] = {"idg_doubt_alive", sql_doubt_alive, 2, doubt_alive_types, 0, NULL, NULL, NULL},
-    [S_DOUBT_RELEASE] = {"idg_doubt_release", sql_doubt_release, 4, release_types, 3, NULL, NULL, NULL},
-    [S_PING] = {"idg_ping", "SELECT 1", 0, NULL, 0, NULL, NULL, NULL},
-    [S_CLOCK] = {"idg_clock", "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8", 0, NULL, 0, NULL, NULL,
-                 NULL},
-    [S_PROBE_TAKE] = {"idg_probe_take", sql_probe_take, 6, probe_take_types, 3, NULL, NULL, NULL},
-    [S_PROBE_LIST] = {"idg_probe_list", sql_probe_list, 2, probe_list_types, 0, NULL, NULL, NULL},
-    [S_EPOCH_BUMP] = {"idg_epoch_bump", sql_epoch_bump, 2, admin_types, 0, NULL, NULL, NULL},
-    [S_ADMIN_PAGE] = {"idg_admin_page", sql_admin_page, 7, admin_page_types, 0, NULL, NULL, NULL},
-    [S_SETTLE_TAKE] = {"idg_settle_take", sql_settle_take, 5, fenced_types, 0, NULL, NULL, sql_settle_state},
+static const struct store_pg_stmt stmts[STORE_S__COUNT] = {
+    [STORE_S_CLAIM] = {"idg_claim", sql_claim, 9, claim_types, 3, sql_claim_multi, claim_multi_types, NULL},
+    [STORE_S_COMPLETE] = {"idg_complete", sql_complete, 7, complete_types, 3, sql_complete_multi, complete_multi_types,
+                          NULL},
+    [STORE_S_RENEW] = {"idg_renew", sql_renew, 5, fenced_types, 3, NULL, NULL, NULL},
+    [STORE_S_RELEASE] = {"idg_release", sql_release, 4, release_types, 3, NULL, NULL, NULL},
+    [STORE_S_MARK_UNKNOWN] = {"idg_mark_unknown", sql_mark_unknown, 5, fenced_types, 3, NULL, NULL, NULL},
+    [STORE_S_ADMIN_LIST] = {"idg_admin_list", sql_admin_list, 2, admin_types, 0, NULL, NULL, NULL},
+    [STORE_S_ADMIN_PURGE] = {"idg_admin_purge", sql_admin_purge, 2, admin_types, 0, NULL, NULL, NULL},
+    [STORE_S_ADMIN_RELEASE] = {"idg_admin_release", sql_admin_release, 2, admin_types, 0, NULL, NULL, NULL},
+    [STORE_S_CLEAN] = {"idg_clean", sql_clean, 0, NULL, 0, NULL, NULL, NULL},
+    [STORE_S_STUCK] = {"idg_stuck", sql_stuck, 0, NULL, 0, NULL, NULL, NULL},
+    [STORE_S_DOUBT_ALIVE] = {"idg_doubt_alive", sql_doubt_alive, 2, doubt_alive_types, 0, NULL, NULL, NULL},
+    [STORE_S_DOUBT_RELEASE] = {"idg_doubt_release", sql_doubt_release, 4, release_types, 3, NULL, NULL, NULL},
+    [STORE_S_PING] = {"idg_ping", "SELECT 1", 0, NULL, 0, NULL, NULL, NULL},
+    [STORE_S_CLOCK] = {"idg_clock", "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8", 0, NULL, 0, NULL,
+                       NULL, NULL},
+    [STORE_S_PROBE_TAKE] = {"idg_probe_take", sql_probe_take, 6, probe_take_types, 3, NULL, NULL, NULL},
+    [STORE_S_PROBE_LIST] = {"idg_probe_list", sql_probe_list, 2, probe_list_types, 0, NULL, NULL, NULL},
+    [STORE_S_EPOCH_BUMP] = {"idg_epoch_bump", sql_epoch_bump, 2, admin_types, 0, NULL, NULL, NULL},
+    [STORE_S_ADMIN_PAGE] = {"idg_admin_page", sql_admin_page, 7, admin_page_types, 0, NULL, NULL, NULL},
+    [STORE_S_SETTLE_TAKE] = {"idg_settle_take", sql_settle_take, 5, fenced_types, 0, NULL, NULL, sql_settle_state},
 };
 
 const char *store_verdict_name(enum store_verdict v)
@@ -348,7 +353,7 @@ const char *store_verdict_name(enum store_verdict v)
     return "?";
 }
 
-/* ---- health probe: Postgres answered within HEALTHY_WITHIN_MS */
+/* ---- health probe: Postgres answered within STORE_HEALTHY_WITHIN_MS */
 
 static void probe_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
@@ -359,28 +364,28 @@ static void probe_cb(void *arg, enum store_pg_status st, const PGresult *pr, con
     s->probing = false;
 }
 
-/* Every PROBE_EVERY_MS: a cheap SELECT 1 when nothing else showed that the
+/* Every STORE_PROBE_EVERY_MS: a cheap SELECT 1 when nothing else showed that the
  * server answers (a busy pool proves it with every result); and Postgres's
- * clock every CLOCK_EVERY_MS. */
+ * clock every STORE_CLOCK_EVERY_MS. */
 static void probe_timer_cb(evutil_socket_t fd, short what, void *arg)
 {
     struct store *s = arg;
     (void)fd;
     (void)what;
-    if (!s->clocking && (s->clock_read_ms == 0 || cm_now_ms() - s->clock_read_ms >= CLOCK_EVERY_MS)) {
+    if (!s->clocking && (s->clock_read_ms == 0 || cm_now_ms() - s->clock_read_ms >= STORE_CLOCK_EVERY_MS)) {
         s->clocking = true;
         s->clock_sent_ms = cm_now_ms();
-        store_pg_query(s->pg, S_CLOCK, NULL, 0, 0, clock_cb, s);
+        store_pg_query(s->pg, STORE_S_CLOCK, NULL, 0, 0, store_i_clock_cb, s);
     }
-    if (s->probing || cm_now_ms() - store_pg_last_ok_ms(s->pg) < PROBE_IDLE_MS)
+    if (s->probing || cm_now_ms() - store_pg_last_ok_ms(s->pg) < STORE_PROBE_IDLE_MS)
         return;
     s->probing = true;
-    store_pg_query(s->pg, S_PING, NULL, 0, 1, probe_cb, s);
+    store_pg_query(s->pg, STORE_S_PING, NULL, 0, 1, probe_cb, s);
 }
 
 bool store_postgres_healthy(const struct store *s)
 {
-    return s && store_pg_healthy(s->pg, HEALTHY_WITHIN_MS);
+    return s && store_pg_healthy(s->pg, STORE_HEALTHY_WITHIN_MS);
 }
 
 /* ---- life cycle */
@@ -389,10 +394,10 @@ bool store_postgres_healthy(const struct store *s)
 static void store_pg_back(void *arg)
 {
     struct store *s = arg;
-    settle_kick(s);
-    s->doubt_backoff_ms = DOUBT_BACKOFF_MIN_MS;
+    store_i_settle_kick(s);
+    s->doubt_backoff_ms = STORE_DOUBT_BACKOFF_MIN_MS;
     if (s->doubt_head && !s->doubt_busy)
-        doubt_schedule(s, 0);
+        store_i_doubt_schedule(s, 0);
 }
 
 struct store *store_create(struct event_base *base, const struct conf *conf, char **err)
@@ -413,46 +418,46 @@ struct store *store_create(struct event_base *base, const struct conf *conf, cha
     }
     s->pg_opts.conninfo = conf->postgres_url;
     s->pg_opts.size = conf->pool ? conf->pool : 1;
-    s->pg_opts.queue_timeout_ms = QUEUE_TIMEOUT_MS;
-    s->pg_opts.run_timeout_ms = RUN_TIMEOUT_MS;
+    s->pg_opts.queue_timeout_ms = STORE_QUEUE_TIMEOUT_MS;
+    s->pg_opts.run_timeout_ms = STORE_RUN_TIMEOUT_MS;
     bool citus = conf->distributed == CONF_DIST_CITUS;
     /* Every statement finds its rows through an index (primary key, expires_at, the in-flight index). On Citus
      * the coordinator plans each execution with its parameters (custom plans): it routes a statement to the
      * shard its key names only with the key's value in hand (a generic plan of these statements cannot be
      * distributed); the worker plans the shard's statement itself. */
-    s->pg_opts.init_sql = citus ? "SET statement_timeout = " STATEMENT_TIMEOUT_MS
+    s->pg_opts.init_sql = citus ? "SET statement_timeout = " STORE_STATEMENT_TIMEOUT_MS
                                   "; SET plan_cache_mode = force_custom_plan"
-                                : "SET statement_timeout = " STATEMENT_TIMEOUT_MS "; " STORE_PG_INDEX_PLANS_SQL;
-    s->pg_opts.connect_timeout_ms = CONNECT_TIMEOUT_MS;
-    s->pg_opts.max_queue = MAX_QUEUE;
-    s->pg_opts.max_batch = MAX_BATCH;
+                                : "SET statement_timeout = " STORE_STATEMENT_TIMEOUT_MS "; " STORE_PG_INDEX_PLANS_SQL;
+    s->pg_opts.connect_timeout_ms = STORE_CONNECT_TIMEOUT_MS;
+    s->pg_opts.max_queue = STORE_MAX_QUEUE;
+    s->pg_opts.max_batch = STORE_MAX_BATCH;
     memcpy(s->all_stmts, stmts, sizeof stmts);
     if (citus) {
         struct store_pg_stmt *a = s->all_stmts;
-        a[S_CLAIM].sql = sql_claim_citus;
-        a[S_CLAIM].then_sql = sql_claim_citus_read;
-        a[S_CLAIM].multi_sql = NULL;
-        a[S_COMPLETE].multi_sql = NULL;
-        a[S_ADMIN_RELEASE].sql = sql_admin_release_citus;
-        a[S_ADMIN_RELEASE].then_sql = sql_admin_release_citus_left;
-        a[S_CLEAN].sql = sql_clean_citus;
-        a[S_EPOCH_BUMP].sql = sql_epoch_bump_citus;
+        a[STORE_S_CLAIM].sql = sql_claim_citus;
+        a[STORE_S_CLAIM].then_sql = sql_claim_citus_read;
+        a[STORE_S_CLAIM].multi_sql = NULL;
+        a[STORE_S_COMPLETE].multi_sql = NULL;
+        a[STORE_S_ADMIN_RELEASE].sql = sql_admin_release_citus;
+        a[STORE_S_ADMIN_RELEASE].then_sql = sql_admin_release_citus_left;
+        a[STORE_S_CLEAN].sql = sql_clean_citus;
+        a[STORE_S_EPOCH_BUMP].sql = sql_epoch_bump_citus;
     }
-    memcpy(s->all_stmts + S__COUNT, store_order_stmts(citus), STORE_ORDER_NSTMTS * sizeof(struct store_pg_stmt));
+    memcpy(s->all_stmts + STORE_S__COUNT, store_order_stmts(citus), STORE_ORDER_NSTMTS * sizeof(struct store_pg_stmt));
     s->pg_opts.stmts = s->all_stmts;
-    s->pg_opts.nstmts = S__COUNT + STORE_ORDER_NSTMTS;
+    s->pg_opts.nstmts = STORE_S__COUNT + STORE_ORDER_NSTMTS;
     s->pg = store_pg_create(base, &s->pg_opts);
-    s->order = store_order_create(base, s->pg, S__COUNT, store_clock_ms);
+    s->order = store_order_create(base, s->pg, STORE_S__COUNT, store_clock_ms);
     store_pg_on_up(s->pg, store_pg_back, s);
-    s->clean_timer = evtimer_new(base, clean_timer_cb, s);
-    s->doubt_timer = evtimer_new(base, doubt_timer_cb, s);
+    s->clean_timer = evtimer_new(base, store_i_clean_timer_cb, s);
+    s->doubt_timer = evtimer_new(base, store_i_doubt_timer_cb, s);
     s->probe_timer = event_new(base, -1, EV_PERSIST, probe_timer_cb, s);
     if (!s->clean_timer || !s->doubt_timer || !s->probe_timer)
         abort();
-    static const struct timeval probe_tv = {0, PROBE_EVERY_MS * 1000};
+    static const struct timeval probe_tv = {0, STORE_PROBE_EVERY_MS * 1000};
     event_add(s->probe_timer, &probe_tv);
-    s->doubt_backoff_ms = DOUBT_BACKOFF_MIN_MS;
-    clean_schedule(s, CLEAN_FIRST_MS);
+    s->doubt_backoff_ms = STORE_DOUBT_BACKOFF_MIN_MS;
+    store_i_clean_schedule(s, STORE_CLEAN_FIRST_MS);
     return s;
 }
 
@@ -469,15 +474,15 @@ void store_destroy(struct store *s)
     store_order_destroy(s->order);
     if (s->ndoubt > 0)
         cm_log(CM_WARN, "claims_in_doubt_left", "n=%zu effect=stay_in_flight_then_unknown", s->ndoubt);
-    struct doubt *d;
-    while ((d = doubt_pop(s)) != NULL) {
-        doubt_free(d);
+    struct store_i_doubt *d;
+    while ((d = store_i_doubt_pop(s)) != NULL) {
+        store_i_doubt_free(d);
         cm_metric_claims_in_doubt(-1);
     }
-    struct op *o;
+    struct store_i_op *o;
     while ((o = s->ops) != NULL) {
-        op_unlink(o);
-        op_free(o);
+        store_i_op_unlink(o);
+        store_i_op_free(o);
     }
     free(s);
 }

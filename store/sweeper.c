@@ -11,55 +11,55 @@
 
 static void probe_take_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
-    struct owner_op *w = arg;
+    struct store_i_owner_op *w = arg;
     if (st != STORE_PG_OK) {
         if (st != STORE_PG_UNAVAILABLE && st != STORE_PG_OVERLOAD)
-            log_pg_failure(owner_op_name(w), st, msg);
-        owner_finish(w, false, 0);
+            store_i_log_pg_failure(store_i_owner_op_name(w), st, msg);
+        store_i_owner_finish(w, false, 0);
         return;
     }
-    owner_finish(w, true, cmd_rows(pr));
+    store_i_owner_finish(w, true, store_i_cmd_rows(pr));
 }
 
 void store_probe_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, uint64_t wait_ms,
                       store_done_cb cb, void *arg)
 {
-    struct owner_op *w = owner_new(s, OP_PROBE_TAKE, id, token, cb, arg);
+    struct store_i_owner_op *w = store_i_owner_new(s, STORE_OP_PROBE_TAKE, id, token, cb, arg);
     w->arg_ms = hold_ms ? hold_ms : 1;
     w->arg2_ms = wait_ms;
-    owner_send(w, S_PROBE_TAKE, probe_take_cb);
+    store_i_owner_send(w, STORE_S_PROBE_TAKE, probe_take_cb);
 }
 
 static void settle_take_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
-    struct owner_op *w = arg;
+    struct store_i_owner_op *w = arg;
     if (st != STORE_PG_OK) {
-        log_pg_failure("settle_take", st, msg);
-        owner_finish(w, false, 0);
+        store_i_log_pg_failure("settle_take", st, msg);
+        store_i_owner_finish(w, false, 0);
         return;
     }
     const PGresult *state = store_pg_cb_then(w->h.s->pg);
-    long rows = cmd_rows(pr);
+    long rows = store_i_cmd_rows(pr);
     bool has = state && PQntuples(state) > 0;
     if (rows > 0 && has && PQnfields(state) >= 2 && !PQgetisnull(state, 0, 1) && w->rid_out_n > 0)
         snprintf(w->rid_out, w->rid_out_n, "%.*s", PQgetlength(state, 0, 1), PQgetvalue(state, 0, 1));
-    owner_finish(w, true, rows > 0 ? 1 : has ? 0 : -1);
+    store_i_owner_finish(w, true, rows > 0 ? 1 : has ? 0 : -1);
 }
 
 void store_settle_take(struct store *s, const struct store_id *id, uint64_t token, uint64_t hold_ms, char *request_id,
                        size_t request_id_n, store_done_cb cb, void *arg)
 {
-    struct owner_op *w = owner_new(s, OP_PROBE_TAKE, id, token, cb, arg);
+    struct store_i_owner_op *w = store_i_owner_new(s, STORE_OP_PROBE_TAKE, id, token, cb, arg);
     w->arg_ms = hold_ms ? hold_ms : 1;
     if (request_id_n > 0)
         request_id[0] = '\0';
     w->rid_out = request_id;
     w->rid_out_n = request_id_n;
-    owner_send(w, S_SETTLE_TAKE, settle_take_cb);
+    store_i_owner_send(w, STORE_S_SETTLE_TAKE, settle_take_cb);
 }
 
 struct probe_list_op {
-    struct op h;
+    struct store_i_op h;
     store_unknown_cb cb;
     void *arg;
 };
@@ -67,12 +67,12 @@ struct probe_list_op {
 static void probe_list_cb(void *arg, enum store_pg_status st, const PGresult *pr, const char *msg)
 {
     struct probe_list_op *o = arg;
-    op_unlink(&o->h);
+    store_i_op_unlink(&o->h);
     if (st != STORE_PG_OK) {
         if (st != STORE_PG_UNAVAILABLE && st != STORE_PG_OVERLOAD)
-            log_pg_failure("probe_list", st, msg);
+            store_i_log_pg_failure("probe_list", st, msg);
         o->cb(o->arg, false, NULL, 0);
-        op_free(&o->h);
+        store_i_op_free(&o->h);
         return;
     }
     int n = PQntuples(pr);
@@ -94,22 +94,22 @@ static void probe_list_cb(void *arg, enum store_pg_status st, const PGresult *pr
         free((char *)v[i].id.key);
     }
     free(v);
-    op_free(&o->h);
+    store_i_op_free(&o->h);
 }
 
 void store_probe_list(struct store *s, const char *routes_nl, size_t max, store_unknown_cb cb, void *arg)
 {
     struct probe_list_op *o = cm_calloc(1, sizeof *o);
-    op_link(s, &o->h, OP_PROBE_LIST);
+    store_i_op_link(s, &o->h, STORE_OP_PROBE_LIST);
     o->cb = cb;
     o->arg = arg;
     uint8_t lim[8];
-    be64(lim, (uint64_t)max);
+    store_i_be64(lim, (uint64_t)max);
     struct store_pg_param p[2] = {
         {routes_nl, strlen(routes_nl), true},
         {lim, 8, true},
     };
-    store_pg_query(s->pg, S_PROBE_LIST, p, 2, 1, probe_list_cb, o);
+    store_pg_query(s->pg, STORE_S_PROBE_LIST, p, 2, 1, probe_list_cb, o);
 }
 
 /* ---- end of probe */
