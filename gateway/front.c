@@ -195,14 +195,16 @@ static void req_free(struct req *r)
     gw_jwt_claims_free(r->jwt);
     gw_reqparts_free(&r->parts);
     gw_conf_unref(r->cref);
+#if REQ_SPARE_MAX > 0
     struct shard *sh = r->shard;
     if (sh->nspare < REQ_SPARE_MAX) {
         memcpy(r, &sh->spare, sizeof sh->spare);
         sh->spare = r;
         sh->nspare++;
-    } else {
-        free(r);
+        return;
     }
+#endif
+    free(r);
 }
 
 static void completed(void *cls, struct MHD_Connection *c, void **req_cls, enum MHD_RequestTerminationCode toe)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang (ASan + UBSan), replays tests/fuzz/regress/<target>/, then fuzzes each
 # target for SECONDS (default 20) from tests/fuzz/corpus/<target>/. Exits non-zero when any target crashes.
-# FUZZ_KEEP=1 keeps the built targets (their directory is printed) to fuzz one longer by hand.
+# FUZZ_TARGETS="conf jcs" fuzzes only those targets. FUZZ_KEEP=1 keeps the built targets (their directory is printed) to fuzz one longer by hand.
 # Usage: tests/fuzz/run.sh [SECONDS]   (crash inputs are kept in $FUZZ_ARTIFACTS, default /tmp/idemgate-fuzz-artifacts)
 set -u
 
@@ -40,7 +40,7 @@ sources() {
     case "$1" in
     key | fp | jcs) echo "common/common.c gateway/idem.c gateway/parts.c gateway/json.c gateway/jwt.c" ;;
     resp | hdrs) echo "common/common.c" ;;
-    conf) echo "common/common.c common/uri.c conf/conf.c conf/fields.c conf/process.c conf/upstreams.c conf/routes.c conf/idempotency.c conf/check.c conf/restart.c" ;;
+    conf) echo "common/common.c common/uri.c common/addr.c conf/conf.c conf/fields.c conf/process.c conf/upstreams.c conf/routes.c conf/idempotency.c conf/check.c conf/restart.c" ;;
     path) echo "common/common.c common/uri.c" ;;
     verify) echo "common/common.c gateway/verify.c" ;;
     prefer) echo "common/common.c gateway/hints.c" ;;
@@ -57,7 +57,8 @@ extra_libs() {
     esac
 }
 
-TARGETS=(key resp hdrs fp conf path h1 parts prefer verify jcs)
+# shellcheck disable=SC2206 # a list of words
+TARGETS=(${FUZZ_TARGETS:-key resp hdrs fp conf path h1 parts prefer verify jcs})
 passed=0
 failed=0
 for t in "${TARGETS[@]}"; do
